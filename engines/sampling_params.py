@@ -1,0 +1,65 @@
+"""Per-request sampling settings, shaped like vLLM's `SamplingParams` (the OpenAI surface plus vLLM extras)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    max_tokens: int | None = 16  # None: up to the model's context
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus k top logprobs (k <= 20)
+    skip_special_tokens: bool = True
+    speculative: bool | None = None  # None: the engine decides; False: never draft for this request
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Raise ValueError naming the parameter, the bad value and what is allowed."""
+        def bad(name: str, value: object, allowed: str) -> ValueError:
+            return ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+        if self.n < 1 or self.n > 16:
+            raise bad("n", self.n, "between 1 and 16")
+        if self.temperature < 0 or self.temperature > 2:
+            raise bad("temperature", self.temperature, "between 0 and 2")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", self.top_k, "-1, 0 (off) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, getattr(self, name), "between -2 and 2")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "greater than 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "at least 1")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", self.min_tokens, "between 0 and max_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", self.logprobs, "between 0 and 20")
+        if len(self.stop) > 4:
+            raise bad("stop", self.stop, "at most 4 sequences")

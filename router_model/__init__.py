@@ -1,0 +1,1 @@
+"""tandem router_model package."""
