@@ -1,0 +1,467 @@
+"""tandem's configuration in one typed place: msgspec Structs loaded from TOML plus `TANDEM_*` environment
+overrides, validated at start-up with errors that name the field, the bad value and what is allowed, and
+mapped onto the engine contract (`engines.EngineSpec` / `engines.PoolSpec`) in one function.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "default.toml"
+ENV_PREFIX = "TANDEM_"
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeFloat = Annotated[float, Meta(ge=0)]
+Fraction = Annotated[float, Meta(gt=0, le=1)]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded for the operator: where, what was found, what is allowed."""
+
+
+class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    checkpoint: str  # Hugging Face folder; relative paths are relative to the config file's folder
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (every engine shares one device)
+    quantization: Literal["none", "int8", "int4"] = "none"
+    max_num_seqs: PositiveInt = 64
+    max_num_batched_tokens: PositiveInt = 512
+    max_model_len: PositiveInt | None = None
+    draft: str | None = None  # name of another engine used as this engine's speculative drafter
+    num_speculative_tokens: Annotated[int, Meta(ge=0, le=16)] = 0
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+
+
+class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    memory_bytes: int | str | None = None  # an integer or a size such as "512MiB"; wins over memory_fraction
+    memory_fraction: Fraction = 0.9
+    block_size: Annotated[int, Meta(ge=1, le=1024)] = 16
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8", "fp8"] = "auto"
+
+
+class SLOConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    ttft_ms: Annotated[float, Meta(gt=0)] | None = None
+    tpot_ms: Annotated[float, Meta(gt=0)] | None = None
+    percentile: Annotated[float, Meta(gt=0, le=100)] = 99.0
+
+
+class RouterConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    threshold: Annotated[float, Meta(ge=0, le=1)] | None = None  # P(large needed) above this -> large
+    target_large_fraction: Fraction | None = None  # or calibrate the threshold to send this share to large
+    artifact: str | None = None  # router artifact folder (JSON + npz)
+
+
+class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    confidence_threshold: Annotated[float, Meta(le=0)] = -1.0  # token logprob; below it -> escalate
+    mode: Literal["mean", "min"] = "mean"
+
+
+class RouteConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    engines: list[str]  # fixed: [engine]; router and cascade: [small, large]
+    strategy: Literal["fixed", "router", "cascade"] = "fixed"
+    slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
+    priority: int = 0  # lower runs first, as in vLLM
+    max_tokens: PositiveInt | None = None  # cap on a request's max_tokens for this route
+    allow_downgrade: bool = False  # under SLO pressure a large choice may be served by the small engine
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    cascade: CascadeConfig = msgspec.field(default_factory=CascadeConfig)
+    description: str = ""
+
+
+class APIKeyConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    key: Annotated[str, Meta(min_length=1)]
+    name: str | None = None
+    requests_per_minute: PositiveInt | None = None  # None: the auth section's default
+    tokens_per_minute: PositiveInt | None = None
+
+
+class AuthConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    api_keys: list[Annotated[str, Meta(min_length=1)] | APIKeyConfig] = msgspec.field(default_factory=list)
+    requests_per_minute: PositiveInt | None = None  # per key; None: unlimited
+    tokens_per_minute: PositiveInt | None = None  # per key, prompt + completion tokens; None: unlimited
+
+    def keys(self) -> list[APIKeyConfig]:
+        """Every key with its own limits resolved against the section defaults."""
+        out = []
+        for entry in self.api_keys:
+            key = APIKeyConfig(key=entry) if isinstance(entry, str) else entry
+            out.append(APIKeyConfig(
+                key=key.key, name=key.name,
+                requests_per_minute=key.requests_per_minute or self.requests_per_minute,
+                tokens_per_minute=key.tokens_per_minute or self.tokens_per_minute))
+        return out
+
+
+class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+    max_body_bytes: PositiveInt = 1 << 20
+    grace_period_s: NonNegativeFloat = 30.0  # SIGTERM: in-flight requests get this long to finish
+    max_inflight_requests: PositiveInt = 1024  # beyond it new requests get 503 with Retry-After
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+
+class TelemetryConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    service_name: str = "tandem"
+    record_content: bool = False  # prompts and completions enter spans/logs only when True
+    otlp: bool = True  # export spans over OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    slo_window_s: Annotated[float, Meta(gt=0)] = 300.0  # sliding window for live SLO attainment
+
+
+class TandemConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    engines: dict[str, EngineConfig]
+    routes: dict[str, RouteConfig] = msgspec.field(default_factory=dict)
+    kv_pool: KVPoolConfig = msgspec.field(default_factory=KVPoolConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+    source: str = "<memory>"  # where it was loaded from, for messages; not a TOML key users set
+
+    @property
+    def device(self) -> str:
+        """The one device every engine runs on (cross-checked at load)."""
+        devices = {e.device for e in self.engines.values()}
+        return devices.pop() if len(devices) == 1 else "auto"
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> TandemConfig:
+    """Load `path` (default: the embedded default config), apply `TANDEM_*` env overrides, validate."""
+    env = os.environ if env is None else env
+    if path is None and env.get("TANDEM_CONFIG"):
+        path = env["TANDEM_CONFIG"]
+    file = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    try:
+        raw = tomllib.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {file} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+    # The embedded default names checkpoints relative to the project root; a user's file relative to itself.
+    base = PROJECT_ROOT if path is None else file.resolve().parent
+    applied = apply_env_overrides(raw, env)
+    for dotted, value in (overrides or {}).items():
+        _set_path(raw, dotted.split("."), value, f"override {dotted}")
+    source = str(file) + (f" (with {', '.join(applied)} from the environment)" if applied else "")
+    return config_from_dict(raw, base_dir=base, source=source)
+
+
+def config_from_dict(raw: dict[str, Any], *, base_dir: str | Path = ".", source: str = "<memory>") -> TandemConfig:
+    """Validate a plain dict (as TOML gives it) into a TandemConfig; relative paths resolve against base_dir."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the configuration must be a table, found {type(raw).__name__}")
+    raw = dict(raw)
+    raw.pop("source", None)
+    for section in ("engines", "routes"):  # convert per entry so errors can name the entry
+        value = raw.get(section)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{source}: {section} = {value!r} is invalid: expected a table of named "
+                              f"{section} ([{section}.NAME])")
+    if not raw.get("engines"):
+        raise ConfigError(f"{source}: engines is empty: configure at least one engine as [engines.NAME] "
+                          f"with a checkpoint")
+    engines = {name: _convert(entry, EngineConfig, f"engines.{name}", source)
+               for name, entry in raw["engines"].items()}
+    routes = {name: _convert(entry, RouteConfig, f"routes.{name}", source)
+              for name, entry in (raw.get("routes") or {}).items()}
+    rest = {k: v for k, v in raw.items() if k not in ("engines", "routes")}
+    shell = _convert(rest | {"engines": {}}, TandemConfig, "", source)
+    cfg = msgspec.structs.replace(shell, engines=engines, routes=routes, source=source)
+    base = Path(base_dir)
+    for engine in cfg.engines.values():
+        engine.checkpoint = _resolve(base, engine.checkpoint)
+    for route in cfg.routes.values():
+        if route.router.artifact:
+            route.router.artifact = _resolve(base, route.router.artifact)
+    if isinstance(cfg.kv_pool.memory_bytes, str):
+        cfg.kv_pool.memory_bytes = _parse_size(cfg.kv_pool.memory_bytes, source)
+    _cross_check(cfg)
+    return cfg
+
+
+def _resolve(base: Path, value: str) -> str:
+    p = Path(value).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _parse_size(text: str, source: str) -> int:
+    m = _SIZE.match(text)
+    if not m:
+        raise ConfigError(f"{source}: kv_pool.memory_bytes = {text!r} is invalid: expected an integer number "
+                          f"of bytes or a size such as \"512MiB\" or \"4GB\"")
+    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+    if value <= 0:
+        raise ConfigError(f"{source}: kv_pool.memory_bytes = {text!r} is invalid: must be positive")
+    return value
+
+
+def _cross_check(cfg: TandemConfig) -> None:
+    """Checks that span fields: names that must exist, shapes that depend on the strategy."""
+    src = cfg.source
+    names = sorted(cfg.engines)
+    devices = sorted({e.device for e in cfg.engines.values()})
+    if len(devices) > 1:
+        raise ConfigError(f"{src}: engines use different devices {devices}: all engines share one device "
+                          f"and one KV pool; set the same engines.*.device everywhere")
+    for name, engine in cfg.engines.items():
+        if not _valid_device(engine.device):
+            raise ConfigError(f"{src}: engines.{name}.device = {engine.device!r} is invalid: expected "
+                              f"'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if engine.draft is not None:
+            if engine.draft not in cfg.engines:
+                raise ConfigError(f"{src}: engines.{name}.draft = {engine.draft!r} names an unknown engine; "
+                                  f"configured engines: {names}")
+            if engine.draft == name:
+                raise ConfigError(f"{src}: engines.{name}.draft = {name!r} is invalid: an engine cannot "
+                                  f"draft for itself")
+            if cfg.engines[engine.draft].draft is not None:
+                raise ConfigError(f"{src}: engines.{name}.draft = {engine.draft!r} is invalid: the draft "
+                                  f"engine has a draft of its own; chains are not supported")
+        if engine.num_speculative_tokens > 0 and engine.draft is None:
+            raise ConfigError(f"{src}: engines.{name}.num_speculative_tokens = {engine.num_speculative_tokens} "
+                              f"needs engines.{name}.draft to name the drafting engine")
+    for name, route in cfg.routes.items():
+        where = f"routes.{name}"
+        if name in cfg.engines:
+            raise ConfigError(f"{src}: {where}: route name {name!r} is also an engine name; the model field "
+                              f"would be ambiguous, rename one of them")
+        for engine in route.engines:
+            if engine not in cfg.engines:
+                raise ConfigError(f"{src}: {where}.engines contains {engine!r}, an unknown engine; configured "
+                                  f"engines: {names}")
+        want = 1 if route.strategy == "fixed" else 2
+        if len(route.engines) != want:
+            shape = "[engine]" if want == 1 else "[small, large]"
+            raise ConfigError(f"{src}: {where}.engines = {route.engines!r} is invalid: strategy "
+                              f"{route.strategy!r} takes exactly {want} engine(s) as {shape}")
+        if want == 2 and route.engines[0] == route.engines[1]:
+            raise ConfigError(f"{src}: {where}.engines = {route.engines!r} is invalid: small and large must "
+                              f"be different engines")
+        if route.router.threshold is not None and route.router.target_large_fraction is not None:
+            raise ConfigError(f"{src}: {where}.router sets both threshold and target_large_fraction; set one")
+        if route.allow_downgrade and route.strategy == "fixed":
+            raise ConfigError(f"{src}: {where}.allow_downgrade = true is invalid for strategy 'fixed': a "
+                              f"fixed route has one engine to fall back to")
+
+
+def _valid_device(device: str) -> bool:
+    return device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device) is not None
+
+
+# ------------------------------------------------------------------------------- validation messages
+
+
+_AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$")
+
+
+def _convert(raw: Any, kind: type, prefix: str, source: str) -> Any:
+    try:
+        return msgspec.convert(raw, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(str(exc), raw, kind, prefix, source)) from None
+
+
+def _explain(message: str, raw: Any, kind: type, prefix: str, source: str) -> str:
+    """Re-word msgspec's error as `source: field = value is invalid: allowed`."""
+    m = _AT.match(message)
+    what, path = (m.group("what"), m.group("path")) if m else (message, "")
+    steps = [s for s in re.findall(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]", path)]
+    keys: list[str | int] = [name if name else int(index) for name, index in steps]
+    field = ".".join(filter(None, [prefix] + [str(k) if isinstance(k, str) else f"[{k}]" for k in keys]))
+    field = field.replace(".[", "[")
+    unknown = re.match(r"Object contains unknown field `(.+)`", what)
+    if unknown:
+        allowed = _allowed_fields(kind, keys)
+        where = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
+        return f"{source}: unknown setting {where}; allowed here: {', '.join(allowed)}"
+    missing = re.match(r"Object missing required field `(.+)`", what)
+    if missing:
+        where = f"{field}.{missing.group(1)}" if field else missing.group(1)
+        return f"{source}: {where} is required but missing"
+    value = _lookup(raw, keys)
+    allowed = _describe(_type_at(msgspec.inspect.type_info(kind), keys))
+    return f"{source}: {field} = {value!r} is invalid: expected {allowed} ({what})"
+
+
+def _lookup(raw: Any, keys: list[str | int]) -> Any:
+    for key in keys:
+        try:
+            raw = raw[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return raw
+
+
+def _type_at(t: Any, keys: list[str | int]) -> Any:
+    for key in keys:
+        t = _unwrap(t, key)
+        if isinstance(t, msgspec.inspect.StructType):
+            t = next((f.type for f in t.fields if f.encode_name == key), None)
+        elif isinstance(t, msgspec.inspect.ListType):
+            t = t.item_type
+        elif isinstance(t, msgspec.inspect.DictType):
+            t = t.value_type
+        if t is None:
+            return None
+    return t
+
+
+def _unwrap(t: Any, key: str | int) -> Any:
+    """In a union, pick the member a path step can walk into."""
+    if isinstance(t, msgspec.inspect.UnionType):
+        for member in t.types:
+            if isinstance(key, int) and isinstance(member, msgspec.inspect.ListType):
+                return member
+            if isinstance(key, str) and isinstance(member, msgspec.inspect.StructType | msgspec.inspect.DictType):
+                return member
+    return t
+
+
+def _allowed_fields(kind: type, keys: list[str | int]) -> list[str]:
+    t = _unwrap(_type_at(msgspec.inspect.type_info(kind), keys), "x")
+    if isinstance(t, msgspec.inspect.StructType):
+        return [f.encode_name for f in t.fields if f.encode_name != "source"]
+    return []
+
+
+def _describe(t: Any) -> str:
+    ins = msgspec.inspect
+    if t is None:
+        return "a valid value"
+    if isinstance(t, ins.LiteralType):
+        return "one of " + ", ".join(repr(v) for v in t.values)
+    if isinstance(t, ins.UnionType):
+        return " or ".join(_describe(m) for m in t.types)
+    if isinstance(t, ins.NoneType):
+        return "unset"
+    if isinstance(t, ins.IntType | ins.FloatType):
+        noun = "an integer" if isinstance(t, ins.IntType) else "a number"
+        bounds = [f"{op} {v}" for op, v in ((">", t.gt), (">=", t.ge), ("<", t.lt), ("<=", t.le)) if v is not None]
+        return noun + (" " + " and ".join(bounds) if bounds else "")
+    if isinstance(t, ins.StrType):
+        return "a non-empty string" if t.min_length else "a string"
+    if isinstance(t, ins.BoolType):
+        return "true or false"
+    if isinstance(t, ins.ListType):
+        return f"a list of {_describe(t.item_type).removeprefix('a ').removeprefix('an ')}s"
+    if isinstance(t, ins.StructType | ins.DictType):
+        return "a table"
+    return type(t).__name__
+
+
+# ------------------------------------------------------------------------------------ env overrides
+
+# Shortcuts for the settings operators change most; everything else uses the generic scheme
+# TANDEM_<SECTION>__<KEY>[__<KEY>...], e.g. TANDEM_ENGINES__TANDEM_SMALL__DTYPE=bfloat16.
+_SHORTCUTS = {
+    "TANDEM_API_KEYS": ["auth", "api_keys"],
+    "TANDEM_HOST": ["server", "host"],
+    "TANDEM_PORT": ["server", "port"],
+    "TANDEM_LOG_LEVEL": ["server", "log_level"],
+    "TANDEM_RECORD_CONTENT": ["telemetry", "record_content"],
+}
+_SECTIONS = {f.encode_name for f in msgspec.inspect.type_info(TandemConfig).fields} - {"source"}
+
+
+def apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> list[str]:
+    """Apply TANDEM_* variables onto the raw TOML dict in place (values parsed as TOML literals)."""
+    applied = []
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        text = env[var]
+        if var in _SHORTCUTS:
+            path: list[str] = list(_SHORTCUTS[var])
+            if var == "TANDEM_API_KEYS":
+                value: Any = [k.strip() for k in text.split(",") if k.strip()]
+            else:
+                value = _parse_env_value(text)
+        elif "__" in var:
+            path = var[len(ENV_PREFIX):].lower().split("__")
+            if path[0] not in _SECTIONS:
+                raise ConfigError(f"environment variable {var}: unknown section {path[0]!r}; sections: "
+                                  f"{', '.join(sorted(_SECTIONS))}")
+            value = _parse_env_value(text)
+        else:
+            continue  # TANDEM_CONFIG and variables of other tools are not config keys
+        _set_path(raw, path, value, f"environment variable {var}")
+        applied.append(var)
+    return applied
+
+
+def _parse_env_value(text: str) -> Any:
+    """`8001` -> int, `true` -> bool, `["a", "b"]` -> list, anything else stays a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(raw: dict[str, Any], path: list[str], value: Any, origin: str) -> None:
+    node = raw
+    for i, key in enumerate(path):
+        if not isinstance(node, dict):
+            raise ConfigError(f"{origin}: {'.'.join(path[:i])} is not a table")
+        # Engine and route names may contain '-', which environment variable names cannot.
+        match = next((k for k in node if _norm(k) == _norm(key)), key)
+        if i == len(path) - 1:
+            node[match] = value
+        else:
+            node = node.setdefault(match, {})
+
+
+def _norm(key: str) -> str:
+    return key.lower().replace("-", "_")
+
+
+# ------------------------------------------------------------------------------ mapping onto engines
+
+
+def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], Any, str]:
+    """The one place config becomes the engine contract: (EngineSpec list, PoolSpec, device)."""
+    from engines import EngineSpec, PoolSpec
+
+    # Drafts first so an engine's drafter is loaded before the engine that uses it.
+    order = sorted(cfg.engines, key=lambda n: cfg.engines[n].draft is not None)
+    specs = [EngineSpec(
+        name=name, model=e.checkpoint, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len, draft=e.draft,
+        num_speculative_tokens=e.num_speculative_tokens, quantization=e.quantization,
+        attention_backend=e.attention_backend) for name, e in ((n, cfg.engines[n]) for n in order)]
+    pool = PoolSpec(memory_bytes=cfg.kv_pool.memory_bytes, memory_fraction=cfg.kv_pool.memory_fraction,
+                    block_size=cfg.kv_pool.block_size, enable_prefix_caching=cfg.kv_pool.enable_prefix_caching,
+                    kv_cache_dtype=cfg.kv_pool.kv_cache_dtype)
+    device = cfg.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return specs, pool, device
+
+
+def check_checkpoints(cfg: TandemConfig) -> None:
+    """Fail before loading anything when an engine's checkpoint folder is missing."""
+    for name, engine in cfg.engines.items():
+        folder = Path(engine.checkpoint)
+        if not (folder / "config.json").is_file():
+            reason = "does not exist" if not folder.exists() else "has no config.json"
+            raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint = {engine.checkpoint!r} {reason}; "
+                              f"point it at a Hugging Face model folder")
