@@ -1,0 +1,62 @@
+"""The asyncio face of one engine: `generate` queues a request with the `EngineCore` thread and yields its
+outputs as they arrive (handed over with `loop.call_soon_threadsafe`); asyncio never runs torch."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from engines.outputs import RequestOutput
+from engines.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engines.core import EngineCore, ModelEngine
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, engine: ModelEngine):
+        self._core = core
+        self._engine = engine
+        self.name = engine.name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.eos_token_ids = engine.eos_token_ids
+        self.generation_defaults = engine.generation_defaults
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
+                       priority: int = 0, draft_token_ids: list[int] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs (with deltas) until one has finished=True. Raises RequestRejected before
+        the first output for a request that can never be served; an engine failure arrives as an output
+        with `error` set. Cancelling the iteration aborts the request and frees its KV."""
+        self._core.check_alive()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def emit(out: RequestOutput) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                pass
+
+        req = self._engine.add_request(prompt, params, request_id, priority=priority,
+                                       draft_token_ids=draft_token_ids, emit=emit, stream=True)
+        self._core.wake()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request's KV pages are freed at the engine's next step."""
+        self._engine.abort(request_id)
+        self._core.wake()
+
+    def stats(self) -> dict:
+        return self._engine.stats()

@@ -1,0 +1,500 @@
+"""The engine loop. `ModelEngine` serves one model (scheduler + runner + sampler + output processing, stepped
+synchronously); `EngineCore` loads every model, carves the one KV pool they share, and runs all engines in
+one background thread that owns the device. Outputs leave through per-request callbacks."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engines.errors import EngineDeadError, RequestRejected
+from engines.kv_pool import KVGeometry, KVPool
+from engines.model import Transformer
+from engines.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engines.runner import ModelRunner
+from engines.sampler import SamplerRow, sample
+from engines.sampling_params import SamplingParams
+from engines.scheduler import Scheduler
+from engines.sequence import Request, Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    from engines.async_engine import AsyncEngine
+
+log = logging.getLogger("tandem.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineSpec:
+    name: str
+    model: str | Path | Transformer  # a checkpoint folder, or a built Transformer (token-id prompts only)
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    draft: str | None = None
+    num_speculative_tokens: int = 0
+    quantization: str = "none"
+    attention_backend: str = "auto"
+
+
+@dataclass
+class PoolSpec:
+    memory_bytes: int | None = None  # None: memory_fraction of free device memory (CUDA) or a sized default (CPU)
+    memory_fraction: float = 0.9
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto: each model's own dtype
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object | None
+    eos_token_ids: set[int]
+    generation: object | None
+
+
+def load_model(spec: EngineSpec, device: torch.device) -> LoadedModel:
+    if isinstance(spec.model, Transformer):
+        model = spec.model.to(device).eval()
+        return LoadedModel(model, None, set(model.config.eos_token_ids), None)
+    from engines.loader import load_checkpoint
+    from engines.tokenizer import Tokenizer
+
+    ckpt = load_checkpoint(spec.model, dtype=spec.dtype, device=device)
+    tokenizer = Tokenizer.from_pretrained(spec.model)
+    eos = set(ckpt.eos_token_ids) | set(tokenizer.eos_token_ids)
+    return LoadedModel(ckpt.model, tokenizer, eos, ckpt.generation)
+
+
+class ModelEngine:
+    """One model's serving state. `add_request` and `abort` are thread-safe (they only queue); `step` runs
+    on the thread that owns the device: it schedules, runs the model, samples and emits outputs."""
+
+    def __init__(self, spec: EngineSpec, loaded: LoadedModel, pool: KVPool, model_id: int,
+                 device: torch.device):
+        self.spec = spec
+        self.name = spec.name
+        self.model = loaded.model
+        self.config = loaded.model.config
+        self.tokenizer = loaded.tokenizer
+        self.generation_defaults = loaded.generation
+        self.eos_token_ids = loaded.eos_token_ids
+        self.device = device
+        self.pool = pool
+        self.model_id = model_id
+        limit = self.config.max_position_embeddings
+        self.max_model_len = min(spec.max_model_len or limit, limit)
+        self.scheduler = Scheduler(pool, model_id, max_num_seqs=spec.max_num_seqs,
+                                   max_num_batched_tokens=spec.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device)
+        self.requests: dict[str, Request] = {}
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._live_ids: set[str] = set()  # ids accepted and not yet finished (guarded by the GIL's atomic ops)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # ---- caller side (any thread) --------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
+                    priority: int = 0, draft_token_ids: list[int] | None = None,
+                    emit: Callable[[RequestOutput], None] | None = None, stream: bool = True) -> Request:
+        """Validate and queue a request; raises RequestRejected if it can never be served."""
+        req = self.make_request(prompt, params, request_id, priority=priority, draft_token_ids=draft_token_ids)
+        self.submit(req, emit, stream)
+        return req
+
+    def submit(self, req: Request, emit: Callable[[RequestOutput], None] | None, stream: bool = True) -> None:
+        """Queue a request built by `make_request`; it joins the scheduler at the next step."""
+        req.emit = emit
+        req.stream = stream
+        self._live_ids.add(req.request_id)
+        self._inbox.append(("add", req))
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
+                     priority: int = 0, draft_token_ids: list[int] | None = None) -> Request:
+        if draft_token_ids is not None:
+            raise RequestRejected("speculative decoding not enabled: draft_token_ids are not accepted yet")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(f"engine {self.name!r} has no tokenizer: pass the prompt as token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise RequestRejected("the prompt is empty: at least one token is needed")
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab}) for model {self.name!r}")
+        if len(ids) >= self.max_model_len:
+            raise RequestRejected(f"the prompt has {len(ids)} tokens but {self.name!r} has a context of "
+                                  f"{self.max_model_len}: shorten the prompt to at most {self.max_model_len - 1}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise RequestRejected(f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
+                                  f"context of {self.max_model_len} tokens: lower max_tokens to at most "
+                                  f"{self.max_model_len - len(ids)}")
+        pages = -(-(len(ids) + max_tokens) // self.pool.block_size)
+        if pages > self.pool.num_pages:
+            raise RequestRejected(f"the request needs {pages} KV pages (prompt + max_tokens) but the whole pool "
+                                  f"has {self.pool.num_pages}: lower max_tokens or enlarge the KV pool")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._live_ids:
+            raise RequestRejected(f"request_id {rid!r} is already in use")
+        req = Request(rid, text, ids, params, priority=priority)
+        req.metrics = RequestMetrics(arrival_time=req.arrival_time)
+        for i in range(params.n):
+            seq = Sequence(req, i, list(ids), len(ids), len(ids) + max_tokens)
+            if params.seed is not None:  # choice i gets seed + i so the n choices differ but reproduce
+                seq.generator = torch.Generator(self.device).manual_seed(params.seed + i)
+            if self.tokenizer is not None:
+                seq.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, prompt_ids=ids)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            req.seqs.append(seq)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    # ---- engine side (the device thread) -------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                req = item
+                self.requests[req.request_id] = req
+                for seq in req.seqs:
+                    self.scheduler.add(seq)
+            else:
+                req = self.requests.get(item)
+                if req is not None and not req.finished:
+                    for seq in req.seqs:
+                        if not seq.finished:
+                            seq.finish_reason = "abort"
+                            self.scheduler.finish(seq)
+                    self._emit(req, final=True)
+
+    def step(self) -> int:
+        """One scheduling step; returns the number of tokens the model processed."""
+        self._drain_inbox()
+        sched = self.scheduler.schedule()
+        if not sched:
+            return 0
+        self.num_steps += 1
+        now = time.monotonic()
+        for seq in sched.seqs:
+            m = seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                m.num_cached_tokens = seq.num_cached_tokens
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += seq.num_cached_tokens
+        try:
+            logits, sample_seqs = self.runner.execute(sched.seqs, sched.num_tokens)
+            for seq, n in zip(sched.seqs, sched.num_tokens):
+                self.scheduler.commit_computed(seq, n)
+        except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
+            log.exception("engine %s: batch forward failed", self.name)
+            for req in {id(s.request): s.request for s in sched.seqs}.values():
+                self._fail(req, f"engine error during forward: {type(e).__name__}: {e}")
+            return 0
+        if sample_seqs:
+            self._sample_and_append(logits, sample_seqs)
+        return sched.total_tokens
+
+    def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = [SamplerRow(s.request.params, s.token_ids[:s.prompt_len], s.token_ids[s.prompt_len:], s.generator)
+                for s in seqs]
+        stop_ids = [self.eos_token_ids | set(s.request.params.stop_token_ids) if s.request.params.min_tokens
+                    else set() for s in seqs]
+        try:
+            result = sample(logits, rows, stop_ids)
+        except Exception as e:
+            log.exception("engine %s: sampling failed", self.name)
+            for req in {id(s.request): s.request for s in seqs}.values():
+                self._fail(req, f"engine error during sampling: {type(e).__name__}: {e}")
+            return
+        touched: dict[int, Request] = {}
+        now = time.monotonic()
+        for i, seq in enumerate(seqs):
+            req = seq.request
+            if req.error is not None or seq.finished:
+                continue
+            try:
+                self._append_token(seq, result.token_ids[i], result.sampled_logprobs[i], result.logprobs[i])
+            except Exception as e:  # one request's processing failed: fail it alone
+                log.exception("engine %s: request %s failed", self.name, req.request_id)
+                self._fail(req, f"engine error: {type(e).__name__}: {e}")
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            touched[id(req)] = req
+        self.num_generated_tokens += len(seqs)
+        for req in touched.values():
+            if req.error is None:
+                self._emit(req, final=req.finished)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None, pos_logprobs: dict | None) -> None:
+        params = seq.request.params
+        seq.token_ids.append(token)
+        if pos_logprobs is not None:
+            if self.tokenizer is not None:
+                for t, lp in pos_logprobs.items():
+                    lp.decoded_token = self.tokenizer.token_text(t)
+            seq.logprobs.append(pos_logprobs)
+            seq.cumulative_logprob += logprob
+        n_out = seq.num_output_tokens
+        can_stop = n_out >= params.min_tokens
+        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
+            return self._finish(seq, "stop", None)
+        if can_stop and token in params.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        if seq.detokenizer is not None:
+            before = len(seq.text)
+            seq.text += seq.detokenizer.step(token)
+            if params.stop and can_stop and self._check_stop_strings(seq, before):
+                return None
+        if seq.num_tokens >= seq.max_len:
+            return self._finish(seq, "length", None, flush=True)
+        return None
+
+    def _check_stop_strings(self, seq: Sequence, before: int) -> bool:
+        """Find a stop string completed by the new text (it may start in earlier text); cut the text there."""
+        stops = seq.request.params.stop
+        start = max(0, before - max(len(s) for s in stops) + 1)
+        best, which = -1, None
+        for s in stops:
+            i = seq.text.find(s, start)
+            if i != -1 and (best == -1 or i < best):
+                best, which = i, s
+        if which is None:
+            return False
+        seq.text = seq.text[:best]
+        self._finish(seq, "stop", which)
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, flush: bool = False) -> None:
+        if flush and seq.detokenizer is not None and hasattr(seq.detokenizer, "finish"):
+            seq.text += seq.detokenizer.finish()
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq)
+
+    def _fail(self, req: Request, message: str) -> None:
+        req.error = message
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+        self._emit(req, final=True)
+
+    def fail_all(self, message: str) -> None:
+        self._drain_inbox()
+        for req in list(self.requests.values()):
+            if not req.finished:
+                self._fail(req, message)
+
+    def _emit(self, req: Request, final: bool) -> None:
+        if final:
+            req.metrics.finished_time = time.monotonic()
+            self.requests.pop(req.request_id, None)
+            self._live_ids.discard(req.request_id)
+        if req.emit is None or not (final or req.stream):
+            return
+        outs = []
+        for seq in req.seqs:
+            params = seq.request.params
+            text_end = len(seq.text)
+            if params.stop and not seq.finished:  # hold back what could be the start of a stop string
+                text_end = max(seq.sent_text, text_end - max(len(s) for s in params.stop) + 1)
+            toks = seq.output_token_ids
+            lps = seq.logprobs
+            outs.append(CompletionOutput(
+                index=seq.index, text=seq.text[:text_end] if not seq.finished else seq.text,
+                token_ids=toks, logprobs=list(lps) if lps is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if lps is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                delta_text=(seq.text if seq.finished else seq.text[:text_end])[seq.sent_text:],
+                delta_token_ids=toks[seq.sent_tokens:],
+                delta_logprobs=lps[seq.sent_logprobs:] if lps is not None else None))
+            seq.sent_tokens = len(toks)
+            seq.sent_text = len(seq.text) if seq.finished else text_end
+            seq.sent_logprobs = len(lps) if lps is not None else 0
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished=final,
+                            error=req.error, metrics=req.metrics, model=self.name)
+        try:
+            req.emit(out)
+        except Exception:  # a consumer that went away must not take the engine down
+            log.exception("engine %s: delivering output of %s failed", self.name, req.request_id)
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        pages = {p for s in self.scheduler.running for p in s.pages}
+        return {"name": self.name, "kv_usage": pool["kv_usage"], "num_running": self.scheduler.num_running,
+                "num_waiting": self.scheduler.num_waiting, "prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
+                "used_blocks": pool["used_pages"], "engine_used_blocks": len(pages),
+                "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
+                "max_model_len": self.max_model_len}
+
+
+def _pool_bytes(pool: PoolSpec, engines_: list[tuple[EngineSpec, LoadedModel]], page_bytes: int,
+                device: torch.device) -> int:
+    if pool.memory_bytes is not None:
+        return int(pool.memory_bytes)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * pool.memory_fraction)
+    # CPU: room for every engine's full batch at full context, capped at 1 GiB (calloc'd, touched lazily)
+    tokens = 0
+    for spec, loaded in engines_:
+        ctx = min(spec.max_model_len or loaded.model.config.max_position_embeddings,
+                  loaded.model.config.max_position_embeddings)
+        tokens += spec.max_num_seqs * ctx
+    return min(1 << 30, -(-tokens // pool.block_size) * page_bytes)
+
+
+class EngineCore:
+    """Loads every model, carves ONE KV pool shared by all of them, and steps every engine with work in one
+    background thread (`start()` / `shutdown()`). Idle, the thread sleeps on a condition variable."""
+
+    def __init__(self, specs: list[EngineSpec], pool: PoolSpec | None = None, device: str | torch.device = "cpu"):
+        if not specs:
+            raise ValueError("EngineCore needs at least one EngineSpec")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        for s in specs:
+            if s.num_speculative_tokens or s.draft:
+                raise ValueError(f"engine {s.name!r}: speculative decoding is not available yet "
+                                 "(set draft=None, num_speculative_tokens=0)")
+            if s.quantization != "none":
+                raise ValueError(f"engine {s.name!r}: quantization={s.quantization!r} is not available yet; use 'none'")
+        pool = pool or PoolSpec()
+        if pool.kv_cache_dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"kv_cache_dtype={pool.kv_cache_dtype!r} is not supported: use auto, "
+                             "float32, bfloat16 or float16")
+        self.device = torch.device(device)
+        loaded = [(s, load_model(s, self.device)) for s in specs]
+        geoms = []
+        for _, lm in loaded:
+            cfg = lm.model.config
+            dtype = (next(lm.model.parameters()).dtype if pool.kv_cache_dtype == "auto"
+                     else _DTYPES[pool.kv_cache_dtype])
+            geoms.append(KVGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))
+        page_bytes = max(g.page_bytes(pool.block_size) for g in geoms)
+        self.pool_spec = pool
+        self.pool = KVPool(geoms, _pool_bytes(pool, loaded, page_bytes, self.device), pool.block_size,
+                           self.device, pool.enable_prefix_caching)
+        self.engines: dict[str, ModelEngine] = {
+            s.name: ModelEngine(s, lm, self.pool, i, self.device) for i, (s, lm) in enumerate(loaded)}
+        self._async: dict[str, AsyncEngine] = {}
+        self._cv = threading.Condition()
+        self._stop = False
+        self._dead: str | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> EngineCore:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tandem-engine-core", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        self._dead = self._dead or "engine shut down"
+        for e in self.engines.values():
+            e.fail_all("engine shut down")
+
+    def __enter__(self) -> EngineCore:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def engine(self, name: str) -> AsyncEngine:
+        from engines.async_engine import AsyncEngine
+
+        if name not in self.engines:
+            raise KeyError(f"no engine named {name!r}; have {sorted(self.engines)}")
+        if name not in self._async:
+            self._async[name] = AsyncEngine(self, self.engines[name])
+        return self._async[name]
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def has_work(self) -> bool:
+        return any(e.has_work() for e in self.engines.values())
+
+    def step(self) -> int:
+        """Step every engine that has work once (the loop body; `LLM` calls it directly, without a thread)."""
+        done = 0
+        for e in self.engines.values():
+            if e.has_work():
+                try:
+                    done += e.step()
+                except Exception as exc:  # a scheduler-level bug: this engine's requests fail, the loop lives
+                    log.exception("engine %s: step failed", e.name)
+                    e.fail_all(f"engine error: {type(exc).__name__}: {exc}")
+        return done
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                if not self.has_work():
+                    with self._cv:
+                        self._cv.wait_for(lambda: self._stop or self.has_work())
+                    continue
+                self.step()
+        except BaseException as exc:  # never expected: make the failure visible to every caller
+            self._dead = f"engine loop crashed: {type(exc).__name__}: {exc}"
+            log.exception("engine core loop crashed")
+            for e in self.engines.values():
+                e.fail_all(self._dead)
+
+    def stats(self) -> dict:
+        return {"pool": self.pool.stats(), "engines": {n: e.stats() for n, e in self.engines.items()}}
+
+
+def spec_kwargs(options: dict) -> tuple[dict, dict]:
+    """Split flat keyword options (as `LLM(**options)` takes them) into EngineSpec and PoolSpec fields."""
+    engine_fields = {f.name for f in dataclasses.fields(EngineSpec)}
+    pool_fields = {f.name for f in dataclasses.fields(PoolSpec)}
+    unknown = set(options) - engine_fields - pool_fields - {"device"}
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {sorted(unknown)}; known: "
+                        f"{sorted(engine_fields | pool_fields | {'device'})}")
+    return ({k: v for k, v in options.items() if k in engine_fields},
+            {k: v for k, v in options.items() if k in pool_fields})
+
+
+__all__ = ["EngineCore", "EngineSpec", "ModelEngine", "PoolSpec", "SeqStatus"]

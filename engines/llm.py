@@ -1,0 +1,64 @@
+"""The offline API, shaped like vLLM's: `LLM(model=DIR, **options).generate(prompts, params)` returns one
+`RequestOutput` per prompt in input order. It steps the engine in the calling thread (no background loop)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+from engines.core import EngineCore, EngineSpec, PoolSpec, spec_kwargs
+from engines.errors import RequestRejected
+from engines.model import Transformer
+from engines.outputs import RequestOutput
+from engines.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | Path | Transformer, *, name: str = "default", **options: Any):
+        device = options.pop("device", "cpu")
+        engine_opts, pool_opts = spec_kwargs(options)
+        self.core = EngineCore([EngineSpec(name=name, model=model, **engine_opts)], PoolSpec(**pool_opts), device)
+        self.engine = self.core.engines[name]
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(self, prompts: PromptInput | Seq[PromptInput],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 priority: int | Seq[int] = 0) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, `{"prompt_token_ids": [...]}` or a list of those (a bare list
+        of ints is one tokenized prompt). Raises RequestRejected (nothing queued) if any prompt is invalid."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        prios = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
+        reqs = []
+        for p, sp, prio in zip(prompts, params, prios):
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    p = list(p["prompt_token_ids"])
+                elif "prompt" in p:
+                    p = p["prompt"]
+                else:
+                    raise RequestRejected("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            self._counter += 1
+            reqs.append(self.engine.make_request(p, sp, f"llm-{self._counter}", priority=prio))
+        results: dict[str, RequestOutput] = {}
+        for r in reqs:  # validated all first: either every prompt is queued or none
+            self.engine.submit(r, lambda out: results.__setitem__(out.request_id, out), stream=False)
+        while self.engine.has_work():
+            self.core.step()
+        return [results[r.request_id] for r in reqs]
+
+    def stats(self) -> dict:
+        """Pool (pages used/cached/free, prefix queries/hits) and engine (running, preemptions...) counters."""
+        return {**self.core.pool.stats(), **{f"engine_{k}": v for k, v in self.engine.stats().items()}}

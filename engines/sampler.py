@@ -1,0 +1,143 @@
+"""Turns one step's logits into next tokens: penalties, min_tokens, greedy / temperature / top-k / top-p /
+min-p sampling with per-request seeds, and the logprobs of the raw model distribution (as OpenAI and vLLM
+report them). Batched tensor ops; a Python loop only over rows that need a per-row feature."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engines.outputs import Logprob, PositionLogprobs
+from engines.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerRow:
+    """What the sampler needs to know about one row: its params, its tokens so far, its RNG."""
+
+    params: SamplingParams
+    prompt_token_ids: Seq[int]
+    output_token_ids: Seq[int]
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    sampled_logprobs: list[float | None]  # the sampled token's raw logprob where logprobs were requested
+    logprobs: list[PositionLogprobs | None]  # sampled token + top-k, per row (None: not requested)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Seq[SamplerRow]) -> torch.Tensor:
+    """Repetition (vLLM/HF: prompt and output tokens, divide positive logits, multiply negative ones),
+    frequency and presence (OpenAI: output tokens only, subtract count * f and [count > 0] * p)."""
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(list(r.prompt_token_ids) + list(r.output_token_ids), dtype=torch.long,
+                                device=logits.device).unique()
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and len(r.output_token_ids):
+            out = torch.tensor(list(r.output_token_ids), dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                            min_p: torch.Tensor | None) -> torch.Tensor:
+    """x: temperature-scaled logits [R, V]; per-row k (V = off), p (1 = off), min_p (0 = off). Masks with -inf."""
+    neg_inf = torch.finfo(x.dtype).min if x.dtype != torch.float32 else float("-inf")
+    if top_k is not None:
+        kmax = int(top_k.max())
+        kth = x.topk(kmax, dim=-1).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        x = x.masked_fill(x < kth, neg_inf)
+    if top_p is not None:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # drop a token when the mass strictly before it already reaches p (the top token always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop[:, 0] = False
+        sorted_x = sorted_x.masked_fill(drop, neg_inf)
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    if min_p is not None:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, neg_inf)
+    return x
+
+
+def sample(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]] | None = None) -> SamplerOutput:
+    """logits: fp32 [R, V], one row per entry of `rows`. `stop_ids[i]` are the ids that min_tokens bans."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    want = [r.params.logprobs for r in rows]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want) else None
+
+    needs_penalty = any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty
+                        or r.params.presence_penalty for r in rows)
+    needs_ban = stop_ids is not None and any(
+        r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens for r in rows)
+    if needs_penalty or needs_ban:
+        logits = logits.clone()
+    if needs_penalty:
+        logits = apply_penalties(logits, rows)
+    if needs_ban:
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens and stop_ids[i]:
+                logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
+
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=device) if len(random_rows) < num_rows else None
+        x = logits if idx is None else logits[idx]
+        params = [rows[i].params for i in random_rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)
+        x = x / temps[:, None]
+        top_k = top_p = min_p = None
+        if any(0 < p.top_k < vocab for p in params):
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=device)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device)
+        x = apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
+        probs = x.softmax(dim=-1)
+        # exponential race: argmax(p / E), E ~ Exp(1), draws from p; a seeded row uses only its own RNG so
+        # its draws do not depend on which other requests share the batch
+        noise = torch.empty_like(probs).exponential_()
+        for j, i in enumerate(random_rows):
+            if rows[i].generator is not None:
+                noise[j].exponential_(generator=rows[i].generator)
+        picked = (probs / noise).argmax(dim=-1)
+        if idx is None:
+            tokens = picked
+        else:
+            tokens[idx] = picked
+
+    token_list = tokens.tolist()
+    sampled_lp: list[float | None] = [None] * num_rows
+    pos_lps: list[PositionLogprobs | None] = [None] * num_rows
+    if raw_logprobs is not None:
+        lp_rows = [i for i, k in enumerate(want) if k is not None]
+        sub = raw_logprobs[lp_rows]
+        tok = tokens[lp_rows][:, None]
+        chosen = sub.gather(1, tok)
+        ranks = (sub > chosen).sum(-1) + 1
+        kmax = max(want[i] for i in lp_rows)
+        top = sub.topk(kmax, dim=-1) if kmax > 0 else None
+        chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
+        top_v = top.values.tolist() if top is not None else None
+        top_i = top.indices.tolist() if top is not None else None
+        for j, i in enumerate(lp_rows):
+            d: PositionLogprobs = {token_list[i]: Logprob(chosen_l[j], ranks_l[j])}
+            for r in range(want[i]):
+                t = top_i[j][r]
+                if t not in d:
+                    d[t] = Logprob(top_v[j][r], r + 1)
+            sampled_lp[i] = chosen_l[j]
+            pos_lps[i] = d
+    return SamplerOutput(token_list, sampled_lp, pos_lps)

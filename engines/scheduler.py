@@ -1,0 +1,186 @@
+"""The scheduler decides what runs each step, in one language: `{seq_id: num_tokens}`.
+
+Running sequences first (decodes and unfinished prefill chunks, oldest admission first), then waiting ones by
+(priority, arrival) within a token budget; chunked prefill rides in the same step as decodes. When pages run
+out it preempts (by recompute) the lowest-priority, latest-admitted sequence and admits nobody that step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from engines.kv_pool import KVPool
+from engines.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # parallel to seqs; `as_dict` is {seq_id: n}
+    num_draft_tokens: dict[int, int] = field(default_factory=dict)  # seam for speculative decoding
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def as_dict(self) -> dict[int, int]:
+        return {s.seq_id: n for s, n in zip(self.seqs, self.num_tokens)}
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    """One per engine; draws pages for `model_id` from the shared pool."""
+
+    def __init__(self, pool: KVPool, model_id: int, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pool = pool
+        self.model_id = model_id
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = pool.block_size
+        self.running: list[Sequence] = []  # in admission order
+        self._waiting: list[tuple[tuple, Sequence]] = []  # heap on (priority, arrival, index)
+        self._admit_counter = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- queue management --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (seq.priority_key, seq))
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for _, s in self._waiting if not s.finished)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(not s.finished for _, s in self._waiting)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out of scheduling (finished, aborted or failed) and free its pages."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        # a waiting sequence stays in the heap, marked finished, and is dropped lazily when it surfaces
+        seq.status = SeqStatus.FINISHED
+        self._free_pages(seq)
+
+    def _free_pages(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.pool.release(seq.pages)
+        seq.pages = []
+        seq.block_hashes = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the KV (its hashed blocks stay cached), keep the generated tokens."""
+        self.running.remove(seq)
+        self._free_pages(seq)
+        seq.num_computed = 0
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _pages_needed(self, seq: Sequence, num_new: int) -> int:
+        total = -(-(seq.num_computed + num_new) // self.block_size)
+        return max(0, total - len(seq.pages))
+
+    def _blocked(self, seq: Sequence) -> bool:
+        """n > 1: the other choices wait for choice 0's prompt so they find its blocks in the prefix cache."""
+        if seq.index == 0 or not self.pool.enable_prefix_caching:
+            return False
+        leader = seq.request.seqs[0]
+        return not leader.finished and leader.num_computed < leader.prompt_len
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[int, int] = {}  # seq_id -> position in out.seqs
+
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            if num_new <= 0:
+                continue
+            need = self._pages_needed(seq, num_new)
+            while need > self.pool.num_free:
+                victim = max(self.running, key=lambda s: (s.request.priority, s.admit_order))
+                if victim.seq_id in scheduled:  # give its tokens back to the budget
+                    i = scheduled.pop(victim.seq_id)
+                    budget += out.num_tokens[i]
+                    out.num_tokens[i] = 0
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            if need:
+                seq.pages.extend(self.pool.allocate(self.model_id, need))
+            scheduled[seq.seq_id] = len(out.seqs)
+            out.seqs.append(seq)
+            out.num_tokens.append(num_new)
+            budget -= num_new
+
+        if out.preempted:  # drop entries zeroed by a later preemption
+            keep = [(s, n) for s, n in zip(out.seqs, out.num_tokens) if n > 0]
+            out.seqs = [s for s, _ in keep]
+            out.num_tokens = [n for _, n in keep]
+            return out  # no admissions in a step that preempted
+
+        deferred: list[tuple[tuple, Sequence]] = []
+        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            key, seq = self._waiting[0]
+            if seq.finished:
+                heapq.heappop(self._waiting)
+                continue
+            if self._blocked(seq):
+                deferred.append(heapq.heappop(self._waiting))
+                continue
+            cached_pages, cached_hashes = self.pool.match_prefix(
+                self.model_id, seq.token_ids, self._extra_keys(seq))
+            num_cached = len(cached_pages) * self.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            total_pages = -(-(num_cached + num_new) // self.block_size)
+            reclaim = sum(1 for p in cached_pages if self.pool.ref_count[p] == 0)
+            if total_pages - len(cached_pages) + reclaim > self.pool.num_free:
+                break  # head of line waits for memory; lower-priority requests must not overtake it
+            heapq.heappop(self._waiting)
+            self.pool.record_query(seq.num_tokens, num_cached)
+            self.pool.acquire(cached_pages)
+            seq.pages = cached_pages + self.pool.allocate(self.model_id, total_pages - len(cached_pages))
+            seq.block_hashes = cached_hashes
+            seq.num_computed = num_cached
+            seq.num_cached_tokens = num_cached
+            seq.status = SeqStatus.RUNNING
+            seq.admit_order = next(self._admit_counter)
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_tokens.append(num_new)
+            budget -= num_new
+        for item in deferred:
+            heapq.heappush(self._waiting, item)
+        return out
+
+    @staticmethod
+    def _extra_keys(seq: Sequence) -> tuple:
+        return ()  # seam: LoRA ids or multimodal hashes would join the block hash here
+
+    def commit_computed(self, seq: Sequence, num_new: int) -> None:
+        """After a forward pass: `num_new` more tokens have K/V; hash the blocks that just became full."""
+        seq.num_computed += num_new
+        bs = self.block_size
+        full = min(seq.num_computed, seq.num_tokens) // bs
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), full):
+            parent = self.pool.commit_block(self.model_id, seq.pages[i], parent,
+                                            tuple(seq.token_ids[i * bs:(i + 1) * bs]), self._extra_keys(seq))
+            seq.block_hashes.append(parent)

@@ -1,0 +1,91 @@
+"""Per-request state: a `Request` (what the user asked) fans out into `n` `Sequence`s (one per choice), each
+holding its tokens, its KV pages, how much of it is computed, and its decoded text. Nothing else keeps
+request state; the scheduler, runner and sampler read and advance these objects."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from engines.outputs import PositionLogprobs, RequestMetrics, RequestOutput
+from engines.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    emit: Callable[[RequestOutput], None] | None = None  # called on the engine thread with each output
+    stream: bool = True  # False: emit only the final output (offline use)
+    seqs: list[Sequence] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.finished for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int  # which choice of the request (0..n-1)
+    token_ids: list[int]  # prompt followed by the generated tokens
+    prompt_len: int
+    max_len: int  # prompt_len + max_tokens, capped by the model's context
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    pages: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the committed full blocks
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest admission
+    admit_order: int = -1
+    generator: torch.Generator | None = None
+    detokenizer: object | None = None
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # how much has already been handed to the caller (for delta outputs)
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def priority_key(self) -> tuple[int, float, int]:
+        return (self.request.priority, self.request.arrival_time, self.seq_id)
