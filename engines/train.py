@@ -1,0 +1,337 @@
+"""Reproducible training of the embedded default models `tandem-tiny-s` and `tandem-tiny-l`.
+
+Owns the shared byte-level BPE tokenizer (with a ChatML template), the token caches of the corpus splits,
+the plain PyTorch training loop over `engines.model.Transformer.dense_logits`, and the Hugging Face export.
+
+    python -m engines.train tokenizer --out /tmp/tandem_tok
+    python -m engines.train model --size l --tokenizer /tmp/tandem_tok --out models/tandem-tiny-l ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MAX_POSITIONS = 512
+
+
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+SIZES = {
+    "s": Size(hidden=128, layers=4, heads=4, kv_heads=4, intermediate=352),
+    "l": Size(hidden=256, layers=6, heads=8, kv_heads=4, intermediate=704),
+}
+
+
+# ---------------------------------------------------------------- tokenizer and token caches
+
+def train_tokenizer(out_dir: Path, vocab_size: int = 4096) -> None:
+    """Byte-level BPE on the train split only, so held-out modules stay unseen even by the merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from engines.corpus import load_corpus_split
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((text for _, text in load_corpus_split("train")), trainer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "add_bos_token": False,
+        "model_max_length": MAX_POSITIONS,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def special_ids(tok_dir: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def token_cache(tok_dir: Path, split: str, cache_dir: Path = Path("/tmp/tandem_tokens")) -> np.ndarray:
+    """The split as one uint16 array: each module's tokens followed by `<|end_of_text|>`; cached as .npy."""
+    from tokenizers import Tokenizer
+
+    from engines.corpus import load_corpus_split
+
+    tok_text = (tok_dir / "tokenizer.json").read_bytes()
+    key = f"{split}-{_digest(tok_text)}"
+    path = cache_dir / f"{key}.npy"
+    if path.exists():
+        return np.load(path, allow_pickle=False)
+    tok = Tokenizer.from_str(tok_text.decode())
+    eos = tok.token_to_id(EOS)
+    docs = load_corpus_split(split)
+    ids: list[int] = []
+    for enc in tok.encode_batch([text for _, text in docs], add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    arr = np.asarray(ids, dtype=np.uint16)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, arr, allow_pickle=False)
+    os.replace(tmp, path)
+    return arr
+
+
+def _digest(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- model and export
+
+def hf_config(size: Size, vocab_size: int, ids: dict[str, int], dtype: str = "bfloat16") -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": size.hidden,
+        "intermediate_size": size.intermediate,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": size.kv_heads,
+        "head_dim": size.hidden // size.heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+        "bos_token_id": ids[BOS],
+        "eos_token_id": [ids[EOS], ids[IM_END]],
+        "pad_token_id": ids[EOS],
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+
+
+def build_model(cfg: dict, seed: int):
+    import torch
+
+    from engines.model import Transformer
+    from engines.model_config import ModelConfig
+
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig.from_dict(cfg))
+    n_layers = cfg["num_hidden_layers"]
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            # residual-output projections scaled down with depth (GPT-2 style) keep early training stable
+            std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            torch.nn.init.normal_(p, 0.0, std)
+    return model
+
+
+def export(model, cfg: dict, tok_dir: Path, out_dir: Path, meta: dict) -> None:
+    """Write a complete HF folder atomically (temp dir then rename) so a reader never sees half a checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, cfg["torch_dtype"])
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue  # tied to model.embed_tokens.weight; HF re-ties it on load
+        state[k] = v.detach().to(dtype).contiguous()
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {
+        "bos_token_id": cfg["bos_token_id"],
+        "eos_token_id": cfg["eos_token_id"],
+        "pad_token_id": cfg["pad_token_id"],
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "top_k": 50,
+        "max_new_tokens": 128,
+    }
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, tmp / name)
+    (tmp / "training_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if out_dir.exists():
+        old = out_dir.with_name(out_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
+# ---------------------------------------------------------------- training loop
+
+def lr_at(progress: float, step: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warmup over `warmup` steps, then cosine from `peak` to `floor * peak` as progress goes 0 -> 1."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(max(progress, 0.0), 1.0)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def eval_loss(model, data: np.ndarray, seq_len: int, n_windows: int, autocast: bool) -> float:
+    """Mean next-token loss over `n_windows` evenly spaced windows: fixed positions, so evals are comparable."""
+    import torch
+    import torch.nn.functional as F
+
+    starts = np.linspace(0, len(data) - seq_len - 2, n_windows).astype(np.int64)
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for i in range(0, n_windows, 16):
+            batch = np.stack([data[s:s + seq_len + 1] for s in starts[i:i + 16]]).astype(np.int64)
+            x = torch.from_numpy(batch)
+            logits = model.dense_logits(x[:, :-1]).float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+            total += loss.item()
+            count += x[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+def fit(args: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    tok_dir = Path(args.tokenizer)
+    size = SIZES[args.size]
+    ids = special_ids(tok_dir)
+    vocab = json.loads((tok_dir / "tokenizer.json").read_text())
+    vocab_size = len(vocab["model"]["vocab"])
+    vocab_size = max(vocab_size, max(ids.values()) + 1)
+    cfg = hf_config(size, vocab_size, ids)
+    model = build_model(cfg, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    train = token_cache(tok_dir, "train")
+    val = token_cache(tok_dir, "validation")
+    print(f"size={args.size} params={n_params} train_tokens={len(train)} val_tokens={len(val)} "
+          f"threads={args.threads}", flush=True)
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    rng = np.random.default_rng(args.seed)
+    out_dir = Path(args.out)
+    seq, bsz = args.seq_len, args.batch_size
+    start = time.monotonic()
+    last_save = start
+    step, tokens, loss_ema = 0, 0, None
+    model.train()
+    while True:
+        elapsed = time.monotonic() - start
+        progress = step / args.steps if args.steps else elapsed / args.time_budget
+        if progress >= 1.0:
+            break
+        lr = lr_at(progress, step, args.lr, args.warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = rng.integers(0, len(train) - seq - 1, size=bsz)
+        batch = torch.from_numpy(np.stack([train[s:s + seq + 1] for s in starts]).astype(np.int64))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
+            logits = model.dense_logits(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab_size), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += bsz * seq
+        loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+        now = time.monotonic()
+        if step % args.log_every == 0:
+            print(f"step={step} progress={progress:.3f} lr={lr:.2e} loss={loss_ema:.4f} "
+                  f"tok/s={tokens / (now - start):.0f} elapsed={now - start:.0f}s", flush=True)
+        if now - last_save >= args.save_every:
+            _save(model, cfg, tok_dir, out_dir, args, step, tokens, now - start, val)
+            last_save = time.monotonic()
+    _save(model, cfg, tok_dir, out_dir, args, step, tokens, time.monotonic() - start, val, final=True)
+
+
+def _save(model, cfg, tok_dir, out_dir, args, step, tokens, elapsed, val, final=False) -> None:
+    vloss = eval_loss(model, val, args.seq_len, 64, args.autocast)
+    meta = {"size": args.size, "steps": step, "tokens": tokens, "elapsed_s": round(elapsed, 1),
+            "val_loss": round(vloss, 4), "final": final, "argv": sys.argv[1:]}
+    export(model, cfg, tok_dir, out_dir, meta)
+    print(f"saved step={step} tokens={tokens} val_loss={vloss:.4f} final={final} -> {out_dir}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engines.train", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tokenizer", help="train the shared BPE tokenizer and cache the token arrays")
+    t.add_argument("--out", required=True)
+    t.add_argument("--vocab-size", type=int, default=4096)
+    m = sub.add_parser("model", help="train one model and export it in Hugging Face format")
+    m.add_argument("--size", choices=sorted(SIZES), required=True)
+    m.add_argument("--tokenizer", required=True)
+    m.add_argument("--out", required=True)
+    m.add_argument("--steps", type=int, default=0, help="fixed step count (schedule by step)")
+    m.add_argument("--time-budget", type=float, default=3600.0, help="seconds (schedule by time) if no --steps")
+    m.add_argument("--lr", type=float, default=2e-3)
+    m.add_argument("--warmup", type=int, default=50)
+    m.add_argument("--weight-decay", type=float, default=0.1)
+    m.add_argument("--batch-size", type=int, default=16)
+    m.add_argument("--seq-len", type=int, default=256)
+    m.add_argument("--threads", type=int, default=2)
+    m.add_argument("--autocast", action="store_true", help="bf16 autocast (fp32 master weights)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--log-every", type=int, default=20)
+    m.add_argument("--save-every", type=float, default=300.0, help="seconds between checkpoint exports")
+    args = p.parse_args(argv)
+    if args.cmd == "tokenizer":
+        out = Path(args.out)
+        train_tokenizer(out, args.vocab_size)
+        for split in ("train", "validation", "heldout"):
+            print(split, len(token_cache(out, split)), "tokens", flush=True)
+        return 0
+    fit(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
