@@ -1,0 +1,124 @@
+"""The sampler: chi-square checks that temperature / top-k / top-p / min-p draw from the intended distribution,
+seeded rows reproduce whatever shares the batch, penalties follow OpenAI/vLLM semantics, and logprobs are the
+raw model distribution's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engines.sampler import SamplerRow, sample
+from engines.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+def rows(params: SamplingParams, n: int, seed: int | None = None) -> list[SamplerRow]:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return [SamplerRow(params, [0], [], gen) for _ in range(n)]
+
+
+def expected_probs(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Straight from the definitions, one token at a time (the sampler does it batched)."""
+    p = torch.softmax(LOGITS.double() / temperature, -1)
+    keep = torch.ones_like(p, dtype=torch.bool)
+    order = torch.argsort(p, descending=True)
+    if top_k:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        mass = 0.0
+        for i in order.tolist():  # smallest prefix of the sorted tokens whose mass reaches top_p
+            if mass >= top_p:
+                keep[i] = False
+            mass += p[i].item()
+    q = torch.where(keep, p, 0)
+    q = q / q.sum()
+    if min_p:
+        q = torch.where(q >= min_p * q.max(), q, 0)
+        q = q / q.sum()
+    return q
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.5), dict(temperature=1.3, top_k=3),
+                                dict(temperature=1.0, top_p=0.8), dict(temperature=0.8, top_k=5, top_p=0.9),
+                                dict(temperature=1.0, min_p=0.2)])
+def test_sampling_matches_the_expected_distribution_chi_square(kw):
+    torch.manual_seed(1234)
+    n = 20000
+    out = sample(LOGITS.repeat(n, 1), rows(SamplingParams(**kw), n))
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=8).double()
+    expected = expected_probs(kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("min_p", 0.0))
+    assert (counts[expected == 0] == 0).all(), "a filtered-out token was sampled"
+    support = expected > 0
+    _, pvalue = chisquare(counts[support].numpy(), (expected[support] * n).numpy())
+    assert pvalue > 1e-3, (counts, expected * n)
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy():
+    logits = torch.randn(5, 50)
+    out = sample(logits, [SamplerRow(SamplingParams(temperature=0), [0], []) for _ in range(3)]
+                 + [SamplerRow(SamplingParams(top_k=1), [0], []) for _ in range(2)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_else_is_in_the_batch():
+    params = SamplingParams(temperature=1.0, seed=3)
+    logits = torch.randn(1, 64)
+    g = torch.Generator().manual_seed(3)
+    seeded = SamplerRow(params, [0], [], g)
+    alone = []
+    for _ in range(20):
+        alone.append(sample(logits, [seeded]).token_ids[0])
+    g2 = torch.Generator().manual_seed(3)
+    seeded2 = SamplerRow(params, [0], [], g2)
+    crowd = [SamplerRow(SamplingParams(temperature=1.0), [0], []) for _ in range(5)]
+    mixed = []
+    for step in range(20):
+        batch = crowd[: step % 5] + [seeded2] + crowd[step % 5:]
+        out = sample(torch.cat([torch.randn(step % 5, 64), logits, torch.randn(5 - step % 5, 64)]), batch)
+        mixed.append(out.token_ids[step % 5])
+    assert mixed == alone
+    assert len(set(alone)) > 1  # it really sampled
+
+
+def test_repetition_presence_and_frequency_penalties():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.5, 1.0]])
+    # repetition (prompt + output): positive logits divided, negative multiplied
+    row = SamplerRow(SamplingParams(temperature=0, repetition_penalty=2.0), [0], [1])
+    from engines.sampler import apply_penalties
+    got = apply_penalties(logits.clone(), [row])
+    assert got.tolist() == [[1.0, -2.0, 0.5, 0.5, 1.0]]
+    # frequency and presence: output tokens only, count * f + [count > 0] * p
+    row = SamplerRow(SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25), [3], [2, 2, 4])
+    got = apply_penalties(logits.clone(), [row])
+    assert got.tolist() == [[2.0, -1.0, 0.5 - 1.0 - 0.25, 0.5, 1.0 - 0.5 - 0.25]]
+    # the greedy choice moves when the penalty pushes the top token down
+    out = sample(torch.tensor([[1.0, 0.9]]), [SamplerRow(SamplingParams(temperature=0, presence_penalty=0.5),
+                                                          [], [0])])
+    assert out.token_ids == [1]
+
+
+def test_min_tokens_bans_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    p = SamplingParams(temperature=0, min_tokens=2)
+    banned = sample(logits, [SamplerRow(p, [0], [2])], stop_ids=[{1}])
+    allowed = sample(logits, [SamplerRow(p, [0], [2, 2])], stop_ids=[{1}])
+    assert banned.token_ids == [2] and allowed.token_ids == [1]
+
+
+def test_logprobs_are_the_raw_distribution_with_ranks_and_top_k():
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0, 0.5]])
+    p = SamplingParams(temperature=2.0, top_k=2, logprobs=3, seed=0)
+    out = sample(logits, [SamplerRow(p, [0], [], torch.Generator().manual_seed(0))])
+    raw = torch.log_softmax(logits[0], -1)
+    tok = out.token_ids[0]
+    lp = out.logprobs[0]
+    assert out.sampled_logprobs[0] == pytest.approx(raw[tok].item())
+    assert lp[tok].rank == int((raw > raw[tok]).sum()) + 1
+    top3 = raw.topk(3)
+    for rank, (v, i) in enumerate(zip(top3.values.tolist(), top3.indices.tolist()), start=1):
+        assert lp[i].logprob == pytest.approx(v) and lp[i].rank == rank
+    assert set(lp) == set(top3.indices.tolist()) | {tok}
+    none = sample(logits, [SamplerRow(SamplingParams(temperature=0), [0], [])])
+    assert none.logprobs == [None] and none.sampled_logprobs == [None]

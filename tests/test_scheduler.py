@@ -1,0 +1,132 @@
+"""The scheduler on its own (no model): token budget, running-first order, chunked prefill mixed with decodes,
+priority admission, max_num_seqs, preemption of the lowest-priority latest-admitted sequence with no
+admissions in that step, and lazy removal of aborted waiting sequences."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.kv_pool import KVGeometry, KVPool
+from engines.sampling_params import SamplingParams
+from engines.scheduler import Scheduler
+from engines.sequence import Request, Sequence, SeqStatus
+
+GEOM = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+
+
+def make(num_pages: int = 64, budget: int = 16, max_seqs: int = 8, caching: bool = True) -> Scheduler:
+    pool = KVPool([GEOM], memory_bytes=num_pages * GEOM.page_bytes(4), block_size=4,
+                  enable_prefix_caching=caching)
+    return Scheduler(pool, 0, max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+
+
+def seq(prompt_len: int, priority: int = 0, arrival: float = 0.0, first_token: int = 0) -> Sequence:
+    ids = list(range(first_token, first_token + prompt_len))
+    req = Request(f"r{arrival}-{priority}", None, ids, SamplingParams(), priority=priority, arrival_time=arrival)
+    s = Sequence(req, 0, list(ids), prompt_len, prompt_len + 100)
+    req.seqs.append(s)
+    return s
+
+
+def run_step(sched: Scheduler) -> dict[int, int]:
+    """Pretend the model ran: commit the scheduled tokens and append a token where a row samples."""
+    out = sched.schedule()
+    for s, n in zip(out.seqs, out.num_tokens):
+        sched.commit_computed(s, n)
+        if s.num_computed == s.num_tokens:
+            s.token_ids.append(7)
+    return out.as_dict()
+
+
+def test_chunked_prefill_respects_the_budget_and_rides_with_decodes():
+    sched = make(budget=8)
+    a, b = seq(3, arrival=1), seq(20, arrival=2)
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched) == {a.seq_id: 3, b.seq_id: 5}  # a whole, b's first chunk
+    assert run_step(sched) == {a.seq_id: 1, b.seq_id: 7}  # a decodes first, b continues its prefill
+    assert run_step(sched) == {a.seq_id: 1, b.seq_id: 7}
+    assert run_step(sched) == {a.seq_id: 1, b.seq_id: 1}  # b's last prompt token, then both decode
+    assert b.num_computed == 20 and b.num_tokens == 21
+    assert len(b.pages) == 5  # pages cover computed tokens only: the 21st gets its page when scheduled
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival_up_to_max_num_seqs():
+    sched = make(budget=100, max_seqs=2)
+    late_urgent, early, earliest = seq(2, priority=-1, arrival=3), seq(2, arrival=2), seq(2, arrival=1)
+    for s in (early, earliest, late_urgent):
+        sched.add(s)
+    assert set(run_step(sched)) == {late_urgent.seq_id, earliest.seq_id}
+    assert sched.num_waiting == 1 and early.status is SeqStatus.WAITING
+    sched.finish(late_urgent)
+    assert set(run_step(sched)) == {earliest.seq_id, early.seq_id}
+
+
+def test_preemption_takes_the_lowest_priority_latest_admitted_and_admits_nobody_that_step():
+    sched = make(num_pages=4, budget=100)
+    hi = seq(4, priority=0, arrival=1, first_token=100)
+    lo_old = seq(4, priority=1, arrival=2, first_token=200)
+    lo_new = seq(4, priority=1, arrival=3, first_token=300)
+    for s in (hi, lo_old, lo_new):
+        sched.add(s)
+    run_step(sched)  # three sequences, one page each (4 prompt tokens)
+    assert sched.pool.num_free == 1
+    newcomer = seq(1, priority=-5, arrival=4)
+    sched.add(newcomer)
+    # every sequence now needs a second page: hi takes the last free one, lo_old needs one more
+    out = sched.schedule()
+    assert [s.seq_id for s in out.preempted] == [lo_new.seq_id]
+    assert out.as_dict() == {hi.seq_id: 1, lo_old.seq_id: 1}
+    assert newcomer.status is SeqStatus.WAITING and lo_new.status is SeqStatus.WAITING
+    assert lo_new.num_computed == 0 and lo_new.pages == [] and lo_new.num_tokens == 5  # keeps its token
+    assert sched.num_preemptions == 1
+
+
+def test_a_sequence_already_scheduled_this_step_can_be_preempted_and_gives_back_its_tokens():
+    sched = make(num_pages=3, budget=100)
+    old = seq(4, priority=5, arrival=1)  # admitted first but lowest priority
+    new = seq(4, priority=0, arrival=2, first_token=50)
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)
+    new.token_ids.extend([1, 2, 3, 4])  # new needs two more pages: only one is free
+    out = sched.schedule()
+    assert [s.seq_id for s in out.preempted] == [old.seq_id]
+    assert out.as_dict() == {new.seq_id: 5}
+    assert out.total_tokens == 5
+
+
+def test_a_recomputed_sequence_reuses_its_own_cached_blocks():
+    sched = make(num_pages=8, budget=100)
+    s = seq(9)
+    sched.add(s)
+    run_step(sched)
+    sched._preempt(s)
+    out = sched.schedule()
+    assert out.as_dict() == {s.seq_id: 2}  # 8 of 10 tokens come from the two cached full blocks
+    assert s.num_cached_tokens == 8
+
+
+def test_aborted_waiting_sequences_are_dropped_and_free_nothing_twice():
+    sched = make(budget=4)
+    a, b = seq(4, arrival=1), seq(4, arrival=2)
+    sched.add(a)
+    sched.add(b)
+    sched.finish(b)  # aborted while queued
+    assert sched.num_waiting == 1
+    assert run_step(sched) == {a.seq_id: 4}
+    sched.finish(a)  # aborted while running
+    assert not sched.has_work() and sched.pool.num_used == 0
+
+
+def test_head_of_line_request_waits_for_memory_instead_of_being_overtaken():
+    sched = make(num_pages=4, budget=100)
+    big = seq(8, arrival=1)
+    sched.add(big)
+    run_step(sched)  # holds 3 pages (9 tokens incl. the sampled one)
+    blocked, small = seq(8, arrival=2, first_token=40), seq(1, arrival=3, first_token=90)
+    sched.add(blocked)
+    sched.add(small)
+    out = sched.schedule()
+    assert out.as_dict() == {big.seq_id: 1}  # blocked needs 2 pages, 1 is free; small may not overtake
+    assert blocked.status is SeqStatus.WAITING and small.status is SeqStatus.WAITING
