@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
         temperature = (gen.temperature if gen.temperature is not None else 1.0) if gen.do_sample else 0.0
     top_p = args.top_p if args.top_p is not None else (gen.top_p if gen.do_sample and gen.top_p else 1.0)
     top_k = args.top_k if args.top_k is not None else (gen.top_k if gen.do_sample and gen.top_k else 0)
-    max_tokens = args.max_tokens or gen.max_new_tokens or DEFAULT_MAX_TOKENS
+    max_tokens = args.max_tokens if args.max_tokens is not None else (gen.max_new_tokens or DEFAULT_MAX_TOKENS)
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_tokens < 1:
         print("tandem generate: error: need temperature >= 0, 0 < top-p <= 1, top-k >= 0, max-tokens >= 1",
               file=sys.stderr)
