@@ -100,7 +100,10 @@ def build_plan(cfg: LoadTestConfig, rate: float | None,
         spec = RequestSpec(i, spec.input_tokens, spec.output_tokens, spec.hash_ids, spec.block_tokens)
         plan.append(PlannedRequest(i, t, cfg.models[i % len(cfg.models)], synth.prompt(spec),
                                    spec.input_tokens, spec.output_tokens))
-    span = cfg.duration_s if cfg.duration_s is not None else (plan[-1].at_s if plan else 0.0)
+    if cfg.duration_s is not None:
+        span = cfg.duration_s
+    else:  # a whole trace: n requests take n mean gaps, so the last one lies inside the window
+        span = plan[-1].at_s * len(plan) / (len(plan) - 1) if len(plan) > 1 and plan[-1].at_s > 0 else 1.0
     meta = {
         "source": source, "url": cfg.url, "api": cfg.api, "models": cfg.models,
         "rate_label": f"{rate:g} req/s" if rate is not None else f"trace time x{cfg.time_scale:g}",

@@ -1,0 +1,57 @@
+"""Prompt synthesis hits exact token counts for the served tokenizer and shares real prefixes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_checkpoints import build_tokenizer
+from tokenizers import Tokenizer
+
+from traces.prompts import PromptSynthesisError, PromptSynthesizer, WordPrompts
+from traces.workloads import RequestSpec, build_workload, fit_to_context
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d)
+    return d
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 128, 1000, 4097])
+def test_prompts_have_exact_token_counts(tok_dir, n):
+    synth = PromptSynthesizer(tok_dir, seed=0)
+    text = synth.prompt(RequestSpec(n, n, 4))
+    # Checked with a separately loaded tokenizer, as the server would count it (without special tokens).
+    assert len(Tokenizer.from_file(str(tok_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids) == n
+
+
+def test_equal_hash_ids_give_identical_prefixes_and_others_differ(tok_dir):
+    synth = PromptSynthesizer(tok_dir / "tokenizer.json", seed=0)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    a = tok.encode(synth.prompt(RequestSpec(0, 70, 4, (0, 1, 2), 32)), add_special_tokens=False).ids
+    b = tok.encode(synth.prompt(RequestSpec(1, 90, 4, (0, 1, 3), 32)), add_special_tokens=False).ids
+    c = tok.encode(synth.prompt(RequestSpec(2, 70, 4, (5, 6, 7), 32)), add_special_tokens=False).ids
+    assert (len(a), len(b), len(c)) == (70, 90, 70)
+    assert a[:64] == b[:64] and a[64:70] != b[64:70]
+    assert a[:32] != c[:32]
+
+
+def test_scaled_workload_prompts_are_exact(tok_dir):
+    synth = PromptSynthesizer(tok_dir, seed=1)
+    specs, _ = fit_to_context(build_workload("long_context_multiturn", 30, seed=2), 256)
+    for s in specs:
+        assert synth.count(synth.prompt(s)) == s.input_tokens
+        assert s.input_tokens + s.output_tokens <= 248
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(PromptSynthesisError, match="no tokenizer.json"):
+        PromptSynthesizer(tmp_path)
+
+
+def test_word_prompts_without_tokenizer_have_one_word_per_token():
+    text = WordPrompts(seed=0).prompt(RequestSpec(0, 50, 4, (1,), 20))
+    assert len(text.split()) == 50
+    assert text.split()[:20] == WordPrompts(seed=0).prompt(RequestSpec(9, 30, 4, (1,), 20)).split()[:20]
