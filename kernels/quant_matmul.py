@@ -1,0 +1,316 @@
+"""Weight-only int8 / int4 quantised linear layers: quantise-on-load from float weights, a Triton matmul
+that dequantises weight tiles in the loop (split-K for skinny decode shapes, one pass over K for large M),
+the PyTorch references, and `QuantLinear` / `quantize_model`, a module swap in the style of gpt-fast.
+
+Formats (weights are nn.Linear's [N, K]):
+- int8: w ~= q[n, k] * scale[n]; q int8 in [-127, 127], scale float32 [N] (symmetric, per output channel).
+- int4: w ~= (q[n, k] - zero[n, g]) * scale[n, g], g = k // group; q in [0, 15] packed two per byte
+  (even k in the low nibble, odd k in the high one) as uint8 [N, K/2]; scale float16 [N, K/group],
+  zero uint8 [N, K/group] (asymmetric, per group of 32, 64 or 128).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.launch import HAVE_TRITON, dot_precision, kernel, next_pow2, require_triton, tl
+
+INT4_GROUPS = (32, 64, 128)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantise on load
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weight [N, K] -> (int8 [N, K], float32 scale [N])."""
+    w = w.detach().float()
+    scale = w.abs().amax(1).clamp_min(1e-8) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float weight [N, K] -> (packed uint8 [N, K/2], float16 scale [N, K/group], uint8 zero [N, K/group])."""
+    if group not in INT4_GROUPS:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUPS}, got {group}")
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group}")
+    g = w.detach().float().reshape(n, k // group, group)
+    lo = g.amin(-1).clamp_max(0.0)  # keep 0 representable so zero rows stay exact
+    hi = g.amax(-1).clamp_min(0.0)
+    scale = ((hi - lo).clamp_min(1e-6) / 15.0).half().float()  # round the scale first: q uses what is stored
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed, scale.half(), zero.to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> uint8 [N, K] of values 0..15 (low nibble = even k)."""
+    n, half = packed.shape
+    out = torch.empty(n, half * 2, dtype=torch.uint8, device=packed.device)
+    out[:, 0::2] = packed & 0xF
+    out[:, 1::2] = packed >> 4
+    return out
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    q = unpack_int4(packed).float()
+    n, k = q.shape
+    group = k // scale.shape[1]
+    q = q.view(n, k // group, group)
+    return ((q - zero.float()[..., None]) * scale.float()[..., None]).view(n, k)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton matmul: out[m, n] = sum_k x[m, k] * dequant(w)[n, k]
+
+
+@kernel
+def _wq_matmul_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if BITS == 8:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_hi
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                        other=0)
+            if F32_DOT:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            else:
+                w = w.to(x.dtype)
+            acc += tl.dot(x, w, input_precision=DOT_PREC)
+        else:
+            # int4: bytes hold (even k, odd k); dot the low nibbles with even x columns, high with odd
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            offs_even = 2 * offs_b
+            b_ok = offs_even < k_hi
+            wb = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_b[:, None], mask=n_ok[None, :] & b_ok[:, None],
+                         other=0)
+            grp = offs_even // GROUP
+            sm = n_ok[None, :] & b_ok[:, None]
+            s = tl.load(scale_ptr + offs_n[None, :] * stride_sn + grp[:, None], mask=sm, other=0.0).to(tl.float32)
+            z = tl.load(zero_ptr + offs_n[None, :] * stride_sn + grp[:, None], mask=sm, other=0).to(tl.float32)
+            w_lo = ((wb & 0xF).to(tl.float32) - z) * s
+            w_hi = ((wb >> 4).to(tl.float32) - z) * s
+            xm = m_ok[:, None] & b_ok[None, :]
+            x_even = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_even[None, :], mask=xm, other=0.0)
+            x_odd = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_even[None, :] + 1, mask=xm, other=0.0)
+            if F32_DOT:
+                x_even = x_even.to(tl.float32)
+                x_odd = x_odd.to(tl.float32)
+            else:
+                w_lo = w_lo.to(x_even.dtype)
+                w_hi = w_hi.to(x_even.dtype)
+            acc += tl.dot(x_even, w_lo, input_precision=DOT_PREC)
+            acc += tl.dot(x_odd, w_hi, input_precision=DOT_PREC)
+    if BITS == 8:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _launch_config(m: int, n: int, k: int, bits: int, group: int, on_cuda: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k): skinny M splits K to fill the SMs; large M takes bigger tiles."""
+    if not on_cuda:  # interpreter: few, large tiles
+        block_k = 64 if bits == 8 else max(64, group)
+        return 16, 32, block_k, 2 if k >= 4 * block_k else 1
+    if m <= 16:
+        block_m, block_n, block_k = 16, 64, 256 if bits == 8 else 128
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        tiles = -(-n // block_n)
+        split = max(1, min(k // (4 * block_k), -(-2 * sms // tiles)))
+        return block_m, block_n, block_k, split
+    if m <= 64:
+        return 64, 64, 64, 1
+    return 128, 128, 64, 1
+
+
+def wq_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, *,
+              split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(w).T -> [M, N] in x's dtype (Triton; interpreter on CPU tensors).
+
+    int8 when w is int8 [N, K] (scale [N]); int4 when w is packed uint8 [N, K/2] (scale/zero [N, K/group]).
+    """
+    require_triton()
+    bits = 8 if w.dtype == torch.int8 else 4
+    m, k = x.shape
+    n = w.shape[0]
+    group = k // scale.shape[1] if bits == 4 else 0
+    x = x.contiguous()
+    on_cuda = x.is_cuda
+    bm, bn, bk, split = _launch_config(m, n, k, bits, group, on_cuda)
+    split = split if split_k is None else split_k
+    per_split = -(-k // split)
+    k_per_split = -(-per_split // bk) * bk  # whole BLOCK_K tiles per split (even, so nibbles pair up)
+    split = -(-k // k_per_split)
+    if split > 1:
+        out = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((1, m, n), dtype=x.dtype, device=x.device)
+    f32 = not on_cuda
+    _wq_matmul_kernel[(-(-m // bm), -(-n // bn), split)](
+        x, w, scale, zero if zero is not None else scale, out, m, n, k, k_per_split,
+        x.stride(0), w.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+        BITS=bits, GROUP=max(group, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32,
+        DOT_PREC=dot_precision(x.dtype, on_cuda), on_cuda=on_cuda,
+    )
+    return out.sum(0).to(x.dtype) if split > 1 else out[0]
+
+
+def wq_matmul_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, *,
+                  split_k: int | None = None) -> torch.Tensor:
+    """PyTorch reference of `wq_matmul`: dequantise the whole weight in float32, then one matmul."""
+    wf = dequantize_int8(w, scale) if w.dtype == torch.int8 else dequantize_int4(w, scale, zero)
+    return (x.float() @ wf.T).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# module swap
+
+
+def _cpu_int4_pack(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """Our int4 format -> torch's CPU packed format (w = (q - 8) * s + z' with z' = (8 - zero) * s)."""
+    q = unpack_int4(packed).to(torch.int32)
+    wp = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    s = scale.float()
+    sz = torch.stack([s, (8.0 - zero.float()) * s], dim=-1).transpose(0, 1).contiguous()  # [K/group, N, 2]
+    return wp, sz
+
+
+def _has_cpu_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+class QuantLinear(nn.Module):
+    """Weight-only int8/int4 replacement for nn.Linear (same in/out features, same bias).
+
+    CUDA: the Triton kernel. CPU: torch's packed ops (`_weight_int8pack_mm` fed bf16 activations, its fast
+    path; `_weight_int4pack_mm_for_cpu`) where the build has them, else the reference.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group_size: int = 64,
+                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if mode not in ("int8", "int4"):
+            raise ValueError(f"quantization mode must be 'int8' or 'int4', got {mode!r}")
+        self.in_features, self.out_features, self.mode, self.group_size = in_features, out_features, mode, group_size
+        if mode == "int8":
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+            self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
+            self.zero = None
+        else:
+            groups = in_features // group_size
+            self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+            self.register_buffer("scale", torch.ones(out_features, groups, dtype=torch.float16, device=device))
+            self.register_buffer("zero", torch.zeros(out_features, groups, dtype=torch.uint8, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device),
+                                 requires_grad=False) if bias else None
+        self._cpu_cache: tuple | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = 64) -> QuantLinear:
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, group_size,
+                device=w.device, bias_dtype=w.dtype)
+        if mode == "int8":
+            q, s = quantize_int8(w)
+            m.weight.copy_(q)
+            m.scale.copy_(s)
+        else:
+            packed, s, z = quantize_int4(w, group_size)
+            m.weight.copy_(packed)
+            m.scale.copy_(s)
+            m.zero.copy_(z)
+        if linear.bias is not None:
+            m.bias.data.copy_(linear.bias.detach())
+        return m
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self.mode == "int8":
+            return dequantize_int8(self.weight, self.scale)
+        return dequantize_int4(self.weight, self.scale, self.zero)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda and HAVE_TRITON:
+            y = wq_matmul(x2, self.weight, self.scale, self.zero)
+        else:
+            y = self._cpu_forward(x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "int8" and _has_cpu_op("_weight_int8pack_mm"):
+            if self._cpu_cache is None:
+                self._cpu_cache = (self.scale.to(torch.bfloat16),)
+            # bf16 activations take the op's fast path (fp32 ones are ~7x slower on this CPU)
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self._cpu_cache[0]).to(x.dtype)
+        if (self.mode == "int4" and _has_cpu_op("_weight_int4pack_mm_for_cpu")
+                and _has_cpu_op("_convert_weight_to_int4pack_for_cpu") and x.dtype != torch.float16):
+            if self._cpu_cache is None:
+                self._cpu_cache = _cpu_int4_pack(self.weight, self.scale, self.zero)
+            wp, sz = self._cpu_cache
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, wp, self.group_size, sz.to(x.dtype))
+        return wq_matmul_ref(x, self.weight, self.scale, self.zero)
+
+    def _apply(self, fn, recurse=True):
+        self._cpu_cache = None  # device/dtype moves invalidate the CPU packing
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        g = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{g}"
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = 64,
+                   skip: tuple[str, ...] = ("lm_head", "embed")) -> nn.Module:
+    """Swap every nn.Linear whose qualified name contains none of `skip` for a QuantLinear, in place.
+
+    mode "none" returns the model untouched. Layers whose in_features the int4 group does not divide stay
+    in float (and are counted in the returned model's `quantized_layers` attribute as skipped).
+    """
+    if mode == "none":
+        return model
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"quantization must be 'none', 'int8' or 'int4', got {mode!r}")
+    swapped, kept = 0, []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if not isinstance(child, nn.Linear) or any(s in full for s in skip):
+                continue
+            if mode == "int4" and child.in_features % group_size:
+                kept.append(full)
+                continue
+            setattr(module, child_name, QuantLinear.from_linear(child, mode, group_size))
+            swapped += 1
+    model.quantized_layers = {"mode": mode, "swapped": swapped, "kept_float": kept}
+    return model
