@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from engines.model import Transformer, rope_inv_freq
@@ -131,7 +131,12 @@ def weight_files(folder: Path) -> list[Path]:
 
 def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
                     device: str | torch.device = "cpu") -> LoadedCheckpoint:
-    """Load a Hugging Face Llama-family folder into an eval-mode `Transformer` on `device` in `dtype`."""
+    """Load a Hugging Face Llama-family folder into an eval-mode `Transformer` on `device` in `dtype`.
+
+    On the CPU, tensors already stored in `dtype` stay views of the file's private (copy-on-write) memory
+    map, as safetensors hands them out: zero-copy and paged in lazily. Do not overwrite the weights file in
+    place while the model is in use.
+    """
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: checkpoint folder does not exist")
@@ -149,7 +154,7 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
 
     loaded: set[str] = set()
     for file in files:
-        with safe_open(str(file), framework="pt", device=_safetensors_device(device)) as f:
+        with _open_safetensors(file, device) as f:
             names = list(f.keys())
             _check_names_and_shapes(f, names, expected, config, file)
             for name in names:
@@ -163,8 +168,8 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
     missing = [name for name in expected if name not in loaded]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        where = files[0].name if len(files) == 1 else f"{INDEX_FILE} shards"
-        raise CheckpointError(f"{folder / where}: missing tensor(s) {shown} required by config.json "
+        where = files[0] if len(files) == 1 else folder / INDEX_FILE
+        raise CheckpointError(f"{where}: missing tensor(s) {shown} required by config.json "
                               f"({config.architecture}, {config.num_layers} layers)")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -201,10 +206,15 @@ def _assign_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None
     setattr(module, leaf, nn.Parameter(tensor))
 
 
-def _safetensors_device(device: torch.device) -> str:
+def _open_safetensors(file: Path, device: torch.device) -> Any:
+    # Tensors are read straight onto the GPU when loading there: no host-side copy of the whole model.
+    where = "cpu"
     if device.type == "cuda":
-        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-    return "cpu"
+        where = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    try:
+        return safe_open(str(file), framework="pt", device=where)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{file}: cannot be read as safetensors ({e})") from e
 
 
 def _read_json(path: Path) -> Any:

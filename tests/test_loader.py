@@ -192,3 +192,10 @@ def test_unexpected_tensor_is_an_error_but_rotary_tables_are_ignored(llama_copy)
     save_file(weights, llama_copy / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) model\.layers\.0\.self_attn\.q_proj\.bias"):
         load_checkpoint(llama_copy)
+
+
+def test_truncated_weights_file_is_named(llama_copy):
+    weights = llama_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=r"ckpt/model\.safetensors: cannot be read as safetensors"):
+        load_checkpoint(llama_copy)
