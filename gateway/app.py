@@ -1,0 +1,644 @@
+"""The Litestar app: OpenAI-compatible endpoints over the engines, with thin handlers; routing, auth, limits,
+errors and telemetry live in their own modules. `create_app(config)` builds it; the engines load in the
+background at start-up (`/ready` answers 503 until they are up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.enums import ScopeType
+from litestar.exceptions import ValidationException
+from litestar.middleware import ASGIMiddleware
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.response import Stream
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engines.errors import EngineDeadError, RequestRejected
+from engines.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from gateway.auth import AuthMiddleware, KeyRing
+from gateway.config import TandemConfig, engine_core_args
+from gateway.errors import EXCEPTION_HANDLERS, APIError, error_response, handle_http_exception
+from gateway.protocol import (
+    SSE_DONE,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    InvalidParameter,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    encode,
+    prompt_input,
+    sampling_params,
+    sse,
+)
+from gateway.routing import Route, RoutedRun, Routes, RoutingContext
+from gateway.telemetry import Telemetry, add_engine_spans, build_tracer_provider, otel_plugin
+
+log = logging.getLogger("tandem.gateway")
+
+
+class EngineHost(Protocol):
+    """What the app needs from `engines.EngineCore` (the benchmark's fake engine implements it too)."""
+
+    def start(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def engine(self, name: str) -> Any: ...
+    def stats(self) -> dict: ...
+
+
+def default_host_factory(cfg: TandemConfig) -> Callable[[], EngineHost]:
+    def build() -> EngineHost:
+        from engines import EngineCore
+
+        specs, pool, device = engine_core_args(cfg)
+        return EngineCore(specs, pool, device=device)
+    return build
+
+
+@dataclass
+class GatewayState:
+    cfg: TandemConfig
+    routes: Routes
+    keyring: KeyRing
+    telemetry: Telemetry
+    host: EngineHost | None = None
+    engines: dict[str, Any] = field(default_factory=dict)
+    load_error: str | None = None
+    inflight: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def ready(self) -> bool:
+        return self.host is not None and bool(self.engines)
+
+
+# --------------------------------------------------------------------------------------- middleware
+
+
+class RequestIdMiddleware(ASGIMiddleware):
+    """Gives every request an id (in scope state for handlers and logs) and echoes it as x-request-id."""
+
+    scopes = (ScopeType.HTTP,)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    headers.append(header)
+                message["headers"] = headers
+            await send(message)
+
+        await next_app(scope, receive, send_with_id)
+
+
+# ------------------------------------------------------------------------------------------ handlers
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+@get("/health", sync_to_thread=False)
+def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get("/ready")
+async def ready(request: Request) -> Response:
+    state = _state(request)
+    if state.ready:
+        return Response({"status": "ready", "engines": sorted(state.engines)})
+    detail = state.load_error or "models are loading"
+    return Response({"status": "not_ready", "detail": detail}, status_code=503, headers={"retry-after": "5"})
+
+
+@get("/metrics", sync_to_thread=False, include_in_schema=False)
+def metrics(request: Request) -> Response:
+    return Response(generate_latest(_state(request).telemetry.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    state = _state(request)
+    cards = []
+    for name, route in state.routes.routes.items():
+        engine = state.engines.get(name) if route.direct else None
+        if name in state.routes.unavailable:
+            continue
+        cards.append(ModelCard(id=name, created=state.created, owned_by="tandem",
+                               kind="engine" if route.direct else "route",
+                               max_model_len=getattr(engine, "max_model_len", None)))
+    return ModelList(data=cards)
+
+
+@get("/v1/routes")
+async def list_routes(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    out = []
+    for name, route in state.cfg.routes.items():
+        window = state.telemetry.windows[name]
+        out.append({"name": name, "description": route.description, "strategy": route.strategy,
+                    "engines": route.engines, "available": name not in state.routes.unavailable,
+                    "priority": route.priority, "max_tokens": route.max_tokens,
+                    "allow_downgrade": route.allow_downgrade, "slo": msgspec.to_builtins(route.slo),
+                    "attainment": window.attainment()})
+    return {"object": "list", "data": out}
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request, data: ChatCompletionRequest) -> Response | Stream:
+    state = _state(request)
+    route = _admit(state, data.model)
+    messages = [m.to_template() for m in data.messages]
+    if not messages:
+        raise APIError(400, "messages must contain at least one message", param="messages", code="invalid_value")
+    extra = dict(data.chat_template_kwargs or {})
+
+    def render(engine: Any) -> str:
+        tokenizer = engine.tokenizer
+        if not tokenizer.has_chat_template:
+            raise APIError(400, f"model {engine.name!r} has no chat template; use /v1/completions",
+                           param="messages", code="no_chat_template")
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=data.add_generation_prompt,
+                                                 **extra)
+        except ValueError as exc:  # ChatTemplateError: the template rejected this conversation
+            raise APIError(400, f"chat template error: {exc}", param="messages", code="invalid_value") from None
+
+    ctx_kwargs = {"conversation": messages}
+    return await _serve(request, state, route, data, "chat", render, ctx_kwargs)
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request, data: CompletionRequest) -> Response | Stream:
+    state = _state(request)
+    route = _admit(state, data.model)
+    try:
+        prompt = prompt_input(data)
+    except InvalidParameter as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+
+    def render(engine: Any) -> str | list[int]:
+        return prompt
+
+    ctx_kwargs = {"prompt_text": prompt if isinstance(prompt, str) else None}
+    return await _serve(request, state, route, data, "text_completion", render, ctx_kwargs)
+
+
+# ------------------------------------------------------------------------------------- the core path
+
+
+def _admit(state: GatewayState, model: str) -> Route:
+    if not state.ready:
+        raise APIError(503, f"The server is not ready: {state.load_error or 'models are loading'}",
+                       code="not_ready", retry_after=5)
+    if state.inflight >= state.cfg.server.max_inflight_requests:
+        raise APIError(503, f"The server is overloaded ({state.inflight} requests in flight); retry shortly",
+                       code="overloaded", retry_after=1)
+    return state.routes.resolve(model)
+
+
+@dataclass
+class _Progress:
+    """Timing and token counts of one request, for usage, metrics and spans."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    itls: list[float] = field(default_factory=list)
+    last: RequestOutput | None = None
+
+    def saw(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if any(c.delta_token_ids for c in out.outputs):
+            if self.first_token is None:
+                self.first_token = now
+            elif self.last_token is not None:
+                self.itls.append(now - self.last_token)
+            self.last_token = now
+        self.last = out
+
+
+async def _serve(request: Request, state: GatewayState, route: Route,
+                 data: ChatCompletionRequest | CompletionRequest, operation: str,
+                 render: Callable[[Any], str | list[int]], ctx_kwargs: dict[str, Any]) -> Response | Stream:
+    arrival = time.monotonic()
+    request_id = request.scope["state"]["request_id"]
+    telemetry = state.telemetry
+    span = trace.get_current_span()
+    span.update_name(f"{operation} {data.model}")
+    span.set_attribute("gen_ai.operation.name", operation)
+    span.set_attribute("gen_ai.provider.name", "tandem")
+    span.set_attribute("gen_ai.request.model", data.model)
+    span.set_attribute("tandem.route", route.name)
+    for attr, value in (("temperature", data.temperature), ("top_p", data.top_p), ("seed", data.seed)):
+        if value is not None:
+            span.set_attribute(f"gen_ai.request.{attr}", value)
+    try:
+        params = sampling_params(data, default_max_tokens=None if operation == "chat" else 16,
+                                 max_tokens_cap=route.config.max_tokens)
+    except InvalidParameter as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    if params.max_tokens is not None:
+        span.set_attribute("gen_ai.request.max_tokens", params.max_tokens)
+    if state.cfg.telemetry.record_content:
+        span.set_attribute("gen_ai.input.messages", json.dumps(
+            ctx_kwargs.get("conversation") or [{"role": "user", "content": ctx_kwargs.get("prompt_text")}]))
+    ctx = RoutingContext(request_id=request_id, params=params, priority=route.config.priority, render=render,
+                         **ctx_kwargs)
+    parent = trace.set_span_in_context(span)
+    with telemetry.tracer.start_as_current_span("route", context=parent) as route_span:
+        run = state.routes.start(route, ctx, state.engines)
+        route_span.set_attribute("tandem.route", route.name)
+        route_span.set_attribute("tandem.route.strategy", route.config.strategy)
+        route_span.set_attribute("tandem.route.engine", run.engine.name)
+        if run.score is not None:
+            route_span.set_attribute("tandem.router.score", run.score)
+        for key, value in run.attributes.items():
+            route_span.set_attribute(key, value)
+    if not route.direct:
+        telemetry.router_decisions.labels(route.name, run.engine.name).inc()
+    span.set_attribute("gen_ai.response.model", run.engine.name)
+    headers = {"x-tandem-route": route.name, "x-tandem-model": run.engine.name}
+    if run.score is not None:
+        headers["x-tandem-router-score"] = f"{run.score:.4f}"
+
+    state.inflight += 1
+    progress = _Progress(arrival)
+    try:
+        first = await _first_output(run)
+    except BaseException:
+        state.inflight -= 1
+        run.abort()
+        raise
+    progress.saw(first)
+    response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + request_id
+    created = int(time.time())
+    fmt = _Formatter(operation, response_id, created, data.model, run.engine.tokenizer, data, params.logprobs)
+    finish = _Finisher(state, route, run, progress, span, request.scope["state"].get("api_key"))
+
+    if not data.stream:
+        try:
+            out = first
+            while not out.finished:
+                out = await anext(run.outputs)
+                progress.saw(out)
+            if out.error:
+                raise APIError(500, f"The engine failed this request (request id {request_id}): {out.error}",
+                               code="engine_error")
+            finish.done(out)
+            return Response(content=encode(fmt.full(out)), media_type="application/json", headers=headers)
+        finally:
+            finish.close()
+
+    include_usage = bool(data.stream_options and data.stream_options.include_usage)
+    events = _stream_events(first, run, progress, fmt, finish, include_usage)
+    return Stream(events, media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"},
+                  background=BackgroundTask(events.aclose))
+
+
+async def _first_output(run: RoutedRun) -> RequestOutput:
+    """Wait for the first output so a rejected request becomes a 400 before any byte is sent."""
+    try:
+        first = await anext(run.outputs)
+    except RequestRejected as exc:
+        text = str(exc)
+        code = "context_length_exceeded" if "context" in text or "max_tokens" in text else "request_rejected"
+        raise APIError(400, text, code=code, param="max_tokens" if text.startswith("max_tokens") else None) from None
+    except EngineDeadError as exc:
+        raise APIError(503, f"The engine is not running: {exc}", code="engine_dead", retry_after=5) from None
+    except StopAsyncIteration:
+        raise APIError(500, "The engine ended the request without any output", code="engine_error") from None
+    if first.error and first.finished and not any(c.token_ids for c in first.outputs):
+        raise APIError(500, f"The engine failed this request: {first.error}", code="engine_error")
+    return first
+
+
+async def _stream_events(first: RequestOutput, run: RoutedRun, progress: _Progress, fmt: _Formatter,
+                         finish: _Finisher, include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        for chunk in fmt.opening(len(first.outputs)):
+            yield chunk
+        out = first
+        while True:
+            if out.error:
+                err = APIError(500, f"The engine failed this request: {out.error}", code="engine_error")
+                yield err.sse_event()
+                break
+            for chunk in fmt.deltas(out):
+                yield chunk
+            if out.finished:
+                finish.done(out)
+                if include_usage:
+                    yield fmt.usage_chunk(out)
+                break
+            out = await anext(run.outputs)
+            progress.saw(out)
+        yield SSE_DONE
+    except (APIError, RequestRejected, EngineDeadError) as exc:
+        yield (exc if isinstance(exc, APIError) else APIError(500, str(exc), code="engine_error")).sse_event()
+        yield SSE_DONE
+    except Exception:
+        log.exception("stream %s failed", finish.run.request_ids)
+        yield APIError(500, "Internal server error while streaming; see the server log",
+                       code="internal_error").sse_event()
+        yield SSE_DONE
+    finally:
+        finish.close()
+
+
+class _Finisher:
+    """The end of a request, whichever way it ends: abort if unfinished, charge tokens, record telemetry."""
+
+    def __init__(self, state: GatewayState, route: Route, run: RoutedRun, progress: _Progress, span: Any,
+                 api_key: str | None):
+        self.state, self.route, self.run, self.progress, self.span, self.api_key = (
+            state, route, run, progress, span, api_key)
+        self.finished_ok = False
+        self.closed = False
+
+    def done(self, out: RequestOutput) -> None:
+        self.finished_ok = True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.state.inflight -= 1
+        out = self.progress.last
+        if not self.finished_ok:
+            self.run.abort()  # a dropped client or a failure: free the engine's KV pages now
+        if out is None:
+            return
+        prompt_tokens = len(out.prompt_token_ids)
+        output_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if self.api_key is not None:
+            self.state.keyring.limiter.charge_tokens(self.api_key, prompt_tokens + output_tokens)
+        now = time.monotonic()
+        reasons = [c.finish_reason or "abort" for c in out.outputs]
+        p = self.progress
+        ttft = None if p.first_token is None else p.first_token - p.arrival
+        metrics = out.metrics
+        queue = (metrics.first_scheduled_time - metrics.arrival_time
+                 if metrics and metrics.first_scheduled_time is not None else None)
+        telemetry = self.state.telemetry
+        telemetry.observe_request(route=self.route.name, model=self.run.engine.name, ttft_s=ttft,
+                                  e2e_s=now - p.arrival, itls=p.itls, output_tokens=output_tokens,
+                                  prompt_tokens=prompt_tokens, finish_reason=reasons[0], queue_s=queue)
+        span = self.span
+        span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+        span.set_attribute("gen_ai.response.finish_reasons", reasons)
+        span.set_attribute("gen_ai.response.id", self.run.request_ids[0][1] if self.run.request_ids else "")
+        if self.state.cfg.telemetry.record_content:
+            span.set_attribute("gen_ai.output.messages", json.dumps([c.text for c in out.outputs]))
+        with trace.use_span(span, end_on_exit=False):
+            add_engine_spans(telemetry.tracer, metrics, time.monotonic())
+
+
+# ------------------------------------------------------------------------------------------ formatting
+
+
+class _Formatter:
+    """RequestOutputs -> OpenAI JSON bodies and SSE chunks for one request (chat or legacy completions)."""
+
+    def __init__(self, operation: str, response_id: str, created: int, model: str, tokenizer: Any,
+                 data: ChatCompletionRequest | CompletionRequest, logprobs: int | None):
+        self.chat = operation == "chat"
+        self.id, self.created, self.model, self.tokenizer = response_id, created, model, tokenizer
+        self.logprobs = logprobs
+        self.echo = (not self.chat) and data.echo
+        self.finished: set[int] = set()
+        self.offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
+
+    # ---- chat
+    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                       usage=usage))
+
+    def opening(self, n: int) -> list[bytes]:
+        if not self.chat:
+            return []
+        return [self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))]) for i in range(n)]
+
+    def deltas(self, out: RequestOutput) -> list[bytes]:
+        events = []
+        for c in out.outputs:
+            if c.index in self.finished:
+                continue
+            has_delta = bool(c.delta_text) or (self.logprobs is not None and bool(c.delta_logprobs))
+            if self.chat:
+                if has_delta:
+                    events.append(self._chunk([ChunkChoice(
+                        index=c.index, delta=Delta(content=c.delta_text),
+                        logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs))]))
+                if c.finished:
+                    events.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(),
+                                                           finish_reason=_finish_reason(c))]))
+            elif has_delta or c.finished:
+                text = c.delta_text
+                if self.echo and c.index not in self.offsets:
+                    text = self._prompt_text(out) + text
+                lp = self._completion_logprobs(c.index, c.delta_token_ids, c.delta_logprobs)
+                events.append(sse(Completion(id=self.id, created=self.created, model=self.model, usage=None,
+                                             choices=[CompletionChoice(index=c.index, text=text, logprobs=lp,
+                                                                       finish_reason=_finish_reason(c))])))
+                self.offsets.setdefault(c.index, 0)
+            if c.finished:
+                self.finished.add(c.index)
+        return events
+
+    def usage_chunk(self, out: RequestOutput) -> bytes:
+        if self.chat:
+            return self._chunk([], usage=_usage(out))
+        return sse(Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=_usage(out)))
+
+    def full(self, out: RequestOutput) -> ChatCompletion | Completion:
+        if self.chat:
+            return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=_usage(out), choices=[
+                ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                           logprobs=self._chat_logprobs(c.token_ids, c.logprobs), finish_reason=_finish_reason(c))
+                for c in out.outputs])
+        prefix = self._prompt_text(out) if self.echo else ""
+        return Completion(id=self.id, created=self.created, model=self.model, usage=_usage(out), choices=[
+            CompletionChoice(index=c.index, text=prefix + c.text, finish_reason=_finish_reason(c),
+                             logprobs=self._completion_logprobs(c.index, c.token_ids, c.logprobs))
+            for c in out.outputs])
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+
+    # ---- logprobs
+    def _chat_logprobs(self, ids: list[int], positions: list[PositionLogprobs] | None) -> ChoiceLogprobs | None:
+        if self.logprobs is None or positions is None:
+            return None
+        content = []
+        for token_id, position in zip(ids, positions):
+            sampled = position.get(token_id)
+            text = self._text(token_id, sampled)
+            content.append(TokenLogprob(
+                token=text, logprob=_finite(sampled.logprob if sampled else float("-inf")),
+                bytes=list(text.encode()),
+                top_logprobs=[TopLogprob(token=t, logprob=_finite(lp), bytes=list(t.encode()))
+                              for t, lp in self._top(position)]))
+        return ChoiceLogprobs(content=content)
+
+    def _completion_logprobs(self, index: int, ids: list[int],
+                             positions: list[PositionLogprobs] | None) -> CompletionLogprobs | None:
+        if self.logprobs is None or positions is None:
+            return None
+        offset = self.offsets.get(index, 0)
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token_id, position in zip(ids, positions):
+            sampled = position.get(token_id)
+            text = self._text(token_id, sampled)
+            tokens.append(text)
+            token_lps.append(_finite(sampled.logprob) if sampled else None)
+            tops.append(dict(self._top(position)) if self.logprobs > 0 else None)
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets)
+
+    def _top(self, position: PositionLogprobs) -> list[tuple[str, float]]:
+        ranked = sorted(((lp.rank, tid, lp) for tid, lp in position.items()
+                         if lp.rank is not None and lp.rank <= (self.logprobs or 0)), key=lambda r: r[0])
+        return [(self._text(tid, lp), lp.logprob) for _, tid, lp in ranked]
+
+    def _text(self, token_id: int, lp: Any) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.token_text(token_id)
+
+
+def _finite(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -inf; OpenAI clients expect a number
+
+
+def _finish_reason(c: CompletionOutput) -> str | None:
+    if c.finish_reason in (None, "stop", "length"):
+        return c.finish_reason
+    return "stop" if c.finish_reason == "abort" else c.finish_reason
+
+
+def _usage(out: RequestOutput) -> Usage:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+# ------------------------------------------------------------------------------------------- the app
+
+
+def _validation_error(request: Request, exc: ValidationException) -> Response:
+    """Body decoding errors name the parameter, as OpenAI's 400s do."""
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    first = extra[0] if extra and isinstance(extra[0], dict) else None
+    if first is None:
+        return handle_http_exception(request, exc)
+    message = str(first.get("message", exc.detail))
+    missing = re.match(r"Object missing required field `(.+?)`", message)
+    where = re.search(r" - at `\$\.(.+)`$", message)  # msgspec says where in the body: "... - at `$.n`"
+    if missing:
+        param = missing.group(1)
+        text = f"Missing required parameter {param!r}"
+    else:
+        param = where.group(1) if where else (first.get("key") if first.get("key") != "data" else None)
+        message = message[:where.start()] if where else message
+        text = f"Invalid value for {param!r}: {message}" if param else f"Invalid request body: {message}"
+    err = APIError(400, text, param=param, code="missing_required_parameter" if missing else "invalid_value")
+    return error_response(err, request.scope.get("state", {}).get("request_id"))
+
+
+def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | None = None,
+               tracer_provider: TracerProvider | None = None,
+               on_load_error: Callable[[str], None] | None = None) -> Litestar:
+    """Build the gateway for `cfg`. The engines come from `host_factory` (default: an EngineCore for the
+    config), built and started in a worker thread at start-up so `/health` answers while they load."""
+    provider = tracer_provider or build_tracer_provider(cfg.telemetry)
+    telemetry = Telemetry(cfg.telemetry, cfg.routes, provider)
+    keyring = KeyRing(cfg.auth)
+    state = GatewayState(cfg=cfg, routes=Routes(cfg), keyring=keyring, telemetry=telemetry)
+    telemetry.bind_engines(lambda: state.engines)
+    for why in state.routes.unavailable.values():
+        log.warning("%s; requests for it get 501 until a strategy is registered", why)
+    build = host_factory or default_host_factory(cfg)
+    loading: list[asyncio.Task] = []
+
+    def load() -> None:
+        host = build()
+        host.start()
+        engines = {name: host.engine(name) for name in cfg.engines}
+        state.host, state.engines = host, engines
+
+    async def start_loading(app: Litestar) -> None:
+        async def run() -> None:
+            try:
+                await asyncio.to_thread(load)
+                log.info("engines ready: %s", ", ".join(state.engines))
+            except Exception as exc:
+                state.load_error = f"engine start-up failed: {type(exc).__name__}: {exc}"
+                log.exception("engine start-up failed")
+                if on_load_error is not None:
+                    on_load_error(state.load_error)
+        loading.append(asyncio.create_task(run()))
+
+    async def stop(app: Litestar) -> None:
+        for task in loading:
+            if not task.done():
+                await asyncio.wait([task], timeout=60)
+        if state.host is not None:
+            await asyncio.to_thread(state.host.shutdown)
+
+    app = Litestar(
+        route_handlers=[health, ready, metrics, list_models, list_routes, chat_completions, completions],
+        on_startup=[start_loading], on_shutdown=[stop],
+        middleware=[RequestIdMiddleware(), AuthMiddleware(keyring)],
+        plugins=[otel_plugin(provider)],
+        exception_handlers={**EXCEPTION_HANDLERS, ValidationException: _validation_error},
+        request_max_body_size=cfg.server.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="tandem", version="0.1.0", path="/schema",
+                                     render_plugins=[SwaggerRenderPlugin()]),
+        logging_config=None,
+        debug=False,
+    )
+    app.state.gateway = state
+    return app
+
+
+def gateway_state(app: Litestar) -> GatewayState:
+    return app.state.gateway
+

@@ -1,0 +1,81 @@
+"""Bearer API-key authentication and per-key admission, as ASGI middleware on the `/v1` API.
+
+With no keys configured auth is off (every request is the anonymous key); `/health`, `/ready`, `/metrics` and
+`/schema` stay open so probes and scrapers need no key.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from litestar.enums import ScopeType
+from litestar.middleware import ASGIMiddleware
+from litestar.types import ASGIApp, Receive, Scope, Send
+
+from gateway.config import AuthConfig
+from gateway.errors import APIError
+from gateway.limits import ANONYMOUS, RateLimiter
+
+log = logging.getLogger("tandem.gateway")
+
+
+class KeyRing:
+    """The configured keys and their limits; `identify` turns an Authorization header into a key."""
+
+    def __init__(self, auth: AuthConfig):
+        self.keys = [k.key for k in auth.keys()]
+        self.limiter = RateLimiter(auth.keys(), default_rpm=auth.requests_per_minute,
+                                   default_tpm=auth.tokens_per_minute)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def identify(self, authorization: str | None) -> str:
+        if not self.enabled:
+            return ANONYMOUS
+        if not authorization:
+            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'",
+                           code="missing_api_key")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "Malformed Authorization header: expected 'Bearer <key>'", code="invalid_api_key")
+        for key in self.keys:  # constant-time comparison: no timing hints about a key's prefix
+            if hmac.compare_digest(key.encode(), token.encode()):
+                return key
+        raise APIError(401, f"Incorrect API key provided: {_redact(token)}", code="invalid_api_key")
+
+
+def _redact(token: str) -> str:
+    return token[:3] + "..." + token[-2:] if len(token) > 8 else "***"
+
+
+class AuthMiddleware(ASGIMiddleware):
+    """Authenticate, then admit against the key's request/token limits; the key lands in scope state."""
+
+    scopes = (ScopeType.HTTP,)
+
+    def __init__(self, keyring: KeyRing):
+        self.keyring = keyring
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        if scope["path"].startswith("/v1/"):
+            authorization = None
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    authorization = value.decode("latin-1")
+                    break
+            key = self.keyring.identify(authorization)
+            if scope["path"] != "/v1/models" and scope["path"] != "/v1/routes":
+                self.keyring.limiter.admit(key)
+            scope.setdefault("state", {})["api_key"] = key
+        await next_app(scope, receive, send)
+
+
+def warn_if_open(keyring: KeyRing, host: str) -> None:
+    """Auth off on an address other machines can reach deserves a loud line in the log."""
+    if not keyring.enabled and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no API keys configured and binding to %s: anyone who can reach this address can use the "
+                    "API; set auth.api_keys or TANDEM_API_KEYS", host)

@@ -1,0 +1,94 @@
+"""Every error the gateway answers, in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`:
+the `APIError` raised by handlers and middleware, and the Litestar exception handlers that turn framework
+errors (404, 405, 413, malformed bodies) and unexpected exceptions (500, no stack trace) into that shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from gateway.protocol import ErrorBody, ErrorDetail, encode, sse
+
+log = logging.getLogger("tandem.gateway")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 501: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI error fields; `retry_after` adds the header (seconds)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 type: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.retry_after = retry_after
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"retry-after": str(max(1, math.ceil(self.retry_after)))}
+
+    def sse_event(self) -> bytes:
+        """The event a stream sends when it fails after the first chunk went out."""
+        return sse(self.body())
+
+
+def error_response(err: APIError, request_id: str | None = None) -> Response:
+    headers = err.headers()
+    if request_id:
+        headers["x-request-id"] = request_id
+    return Response(content=encode(err.body()), status_code=err.status, media_type="application/json",
+                    headers=headers)
+
+
+def _request_id(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("request_id")
+
+
+def handle_api_error(request: Request, exc: APIError) -> Response:
+    return error_response(exc, _request_id(request))
+
+
+def handle_http_exception(request: Request, exc: HTTPException) -> Response:
+    """Litestar's own errors (routing, body size, decoding) re-shaped as OpenAI errors."""
+    status = exc.status_code
+    if status == 404:
+        err = APIError(404, f"Unknown path {request.url.path}; see /schema for the API", code="not_found")
+    elif status == 405:
+        err = APIError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                       code="method_not_allowed")
+    elif status == 413:
+        err = APIError(413, f"Request body is too large: {exc.detail}", code="request_too_large")
+    elif status == 400 and ("JSON" in str(exc.detail) or "decode" in str(exc.detail).lower()):
+        err = APIError(400, f"Could not parse the JSON body of the request: {exc.detail}", code="invalid_json")
+    elif isinstance(exc, ValidationException) or status == 400:
+        err = APIError(400, f"Invalid request: {exc.detail}", code="invalid_request")
+    else:
+        err = APIError(status, str(exc.detail), code=None)
+    return error_response(err, _request_id(request))
+
+
+def handle_unexpected(request: Request, exc: Exception) -> Response:
+    """500 with the request id for the logs; the stack trace goes to the log, never to the client."""
+    request_id = _request_id(request)
+    log.exception("unhandled error in request %s", request_id, exc_info=exc)
+    err = APIError(500, f"Internal server error (request id {request_id}); the details are in the server log",
+                   code="internal_error")
+    return error_response(err, request_id)
+
+
+EXCEPTION_HANDLERS = {APIError: handle_api_error, HTTPException: handle_http_exception,
+                      Exception: handle_unexpected}

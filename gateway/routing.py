@@ -1,0 +1,114 @@
+"""Route -> engine: resolve the request's `model` to a route (a configured one, or an engine named directly)
+and let the route's strategy start the generation. `fixed` lives here; `router` and `cascade` plug into
+the same seam with `register_strategy` (a strategy may run one engine, or several in turn, as a cascade does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engines.outputs import RequestOutput
+from engines.sampling_params import SamplingParams
+from gateway.config import RouteConfig, TandemConfig
+from gateway.errors import APIError
+
+
+@dataclass(frozen=True)
+class Route:
+    """A resolved route: its name, config and whether the client named an engine directly."""
+
+    name: str
+    config: RouteConfig
+    direct: bool = False
+
+
+@dataclass
+class RoutingContext:
+    """What a strategy may look at and needs to start a request on an engine."""
+
+    request_id: str
+    params: SamplingParams
+    priority: int
+    render: Callable[[Any], str | list[int]]  # engine -> the prompt for that engine (its chat template)
+    conversation: list[dict[str, Any]] | None = None  # chat messages (the router scores the whole conversation)
+    prompt_text: str | None = None  # the raw prompt of /v1/completions
+
+
+@dataclass
+class RoutedRun:
+    """A started generation: which engine answers, its outputs, and how to abort everything it started."""
+
+    engine: Any  # AsyncEngine
+    outputs: AsyncIterator[RequestOutput]
+    request_ids: list[tuple[Any, str]] = field(default_factory=list)  # (engine, request id) pairs to abort
+    score: float | None = None  # router score P(large needed), when a router decided
+    attributes: dict[str, Any] = field(default_factory=dict)  # extra span attributes of the decision
+
+    def abort(self) -> None:
+        for engine, request_id in self.request_ids:
+            engine.abort(request_id)
+
+
+class Strategy(Protocol):
+    """A route strategy: given the route's engines, start the request and say who answers."""
+
+    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun: ...
+
+
+StrategyFactory = Callable[[str, RouteConfig, TandemConfig], Strategy]
+_FACTORIES: dict[str, StrategyFactory] = {}
+
+
+def register_strategy(name: str, factory: StrategyFactory) -> None:
+    """Make `name` available to routes; the factory builds one strategy per route at start-up."""
+    _FACTORIES[name] = factory
+
+
+def start_on(engine: Any, ctx: RoutingContext, **kwargs: Any) -> RoutedRun:
+    """Start ctx's request on one engine (the building block every strategy uses)."""
+    outputs = engine.generate(ctx.render(engine), ctx.params, ctx.request_id, priority=ctx.priority, **kwargs)
+    return RoutedRun(engine=engine, outputs=outputs, request_ids=[(engine, ctx.request_id)])
+
+
+class FixedStrategy:
+    """Always the route's one engine."""
+
+    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
+        return start_on(engines[route.config.engines[0]], ctx)
+
+
+register_strategy("fixed", lambda name, route, cfg: FixedStrategy())
+
+
+class Routes:
+    """The routing table: configured routes plus one implicit fixed route per engine."""
+
+    def __init__(self, cfg: TandemConfig):
+        self.cfg = cfg
+        self.routes: dict[str, Route] = {name: Route(name, rc) for name, rc in cfg.routes.items()}
+        for engine in cfg.engines:
+            self.routes[engine] = Route(engine, RouteConfig(engines=[engine]), direct=True)
+        self.strategies: dict[str, Strategy] = {}
+        self.unavailable: dict[str, str] = {}  # route -> why it cannot serve (its strategy is not installed)
+        for name, route in self.routes.items():
+            factory = _FACTORIES.get(route.config.strategy)
+            if factory is None:
+                self.unavailable[name] = (f"route {name!r} uses strategy {route.config.strategy!r}, which this "
+                                          f"build does not provide yet")
+                continue
+            self.strategies[name] = factory(name, route.config, cfg)
+
+    def resolve(self, model: str) -> Route:
+        route = self.routes.get(model)
+        if route is None:
+            raise APIError(404, f"The model {model!r} does not exist; available: {', '.join(self.routes)}",
+                           code="model_not_found", param="model")
+        if model in self.unavailable:
+            raise APIError(501, self.unavailable[model] + "; use another route", code="strategy_unavailable",
+                           param="model")
+        return route
+
+    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
+        return self.strategies[route.name].start(route, ctx, engines)

@@ -1,0 +1,240 @@
+"""Telemetry: OpenTelemetry tracing (Litestar's plugin for the server span, GenAI semantic-convention
+attributes, child spans for route decision, queue, prefill and decode), Prometheus metrics with the names of
+DESIGN section 6 (engine gauges pulled from `stats()` at scrape time), and live per-route SLO attainment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engines.outputs import RequestMetrics
+from gateway.config import RouteConfig, TelemetryConfig
+
+log = logging.getLogger("tandem.gateway")
+
+# vLLM's buckets, so dashboards built for vLLM read tandem's histograms unchanged.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+PREFIX = "tandem:"
+
+
+# ------------------------------------------------------------------------------------------- tracing
+
+
+def build_tracer_provider(cfg: TelemetryConfig) -> TracerProvider:
+    """A provider named after the service; OTLP/HTTP export when the standard OTEL_* variables ask for it."""
+    provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if cfg.otlp and endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        log.info("exporting traces over OTLP/HTTP to %s", endpoint)
+    return provider
+
+
+def otel_plugin(provider: TracerProvider) -> OpenTelemetryPlugin:
+    # send/receive spans would add two spans per streamed chunk: noise and overhead, no information.
+    return OpenTelemetryPlugin(OpenTelemetryConfig(
+        tracer_provider=provider, exclude_spans=["send", "receive"],
+        exclude=["^/metrics$", "^/health$", "^/ready$"]))
+
+
+def _epoch_ns(t: float) -> int:
+    """Engine timestamps are time.monotonic(); spans want wall-clock nanoseconds."""
+    if t < 1e9:  # monotonic seconds since boot, not an epoch time
+        t = t - time.monotonic() + time.time()
+    return int(t * 1e9)
+
+
+def add_engine_spans(tracer: trace.Tracer, metrics: RequestMetrics | None, finished_time: float) -> None:
+    """Queue, prefill and decode spans under the current span, timed by the engine's own timestamps."""
+    if metrics is None:
+        return
+    end = metrics.finished_time or finished_time
+    phases = [("queue", metrics.arrival_time, metrics.first_scheduled_time),
+              ("prefill", metrics.first_scheduled_time, metrics.first_token_time),
+              ("decode", metrics.first_token_time, end)]
+    for name, start, stop in phases:
+        if start is None or stop is None:
+            continue
+        span = tracer.start_span(name, start_time=_epoch_ns(start))
+        if name == "prefill":
+            span.set_attribute("tandem.cached_tokens", metrics.num_cached_tokens)
+        if name == "decode" and metrics.num_draft_tokens:
+            span.set_attribute("tandem.spec.draft_tokens", metrics.num_draft_tokens)
+            span.set_attribute("tandem.spec.accepted_tokens", metrics.num_accepted_tokens)
+        span.end(end_time=max(_epoch_ns(stop), _epoch_ns(start)))
+
+
+# ------------------------------------------------------------------------------------- SLO attainment
+
+
+@dataclass
+class _Sample:
+    at: float
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+class SLOWindow:
+    """Observed TTFT/TPOT of one route over the last `window_s` seconds, and the share meeting its SLO."""
+
+    def __init__(self, route: RouteConfig, window_s: float, clock: Callable[[], float] = time.monotonic):
+        self.route = route
+        self.window_s = window_s
+        self.clock = clock
+        self._samples: deque[_Sample] = deque()
+        self._lock = threading.Lock()
+
+    def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
+        with self._lock:
+            self._samples.append(_Sample(self.clock(), ttft_s, tpot_s))
+            self._trim()
+
+    def _trim(self) -> None:
+        horizon = self.clock() - self.window_s
+        while self._samples and self._samples[0].at < horizon:
+            self._samples.popleft()
+
+    def attainment(self) -> dict[str, Any]:
+        """Per kind (ttft, tpot): the fraction of requests meeting the target and the observed percentile."""
+        with self._lock:
+            self._trim()
+            samples = list(self._samples)
+        slo = self.route.slo
+        out: dict[str, Any] = {"window_s": self.window_s, "requests": len(samples)}
+        for kind, target_ms in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms)):
+            values = sorted(getattr(s, f"{kind}_s") for s in samples if getattr(s, f"{kind}_s") is not None)
+            observed = _percentile(values, slo.percentile) if values else None
+            met = (sum(v * 1000 <= target_ms for v in values) / len(values)) if values and target_ms else None
+            out[kind] = {"target_ms": target_ms, f"observed_p{slo.percentile:g}_ms":
+                         None if observed is None else round(observed * 1000, 3), "attainment": met}
+        return out
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    rank = min(len(sorted_values) - 1, max(0, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
+    return sorted_values[rank]
+
+
+# ------------------------------------------------------------------------------------------- Prometheus
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and counters read from each engine's `stats()` when Prometheus scrapes, not on every step."""
+
+    def __init__(self, engines: Callable[[], Mapping[str, Any]], windows: Mapping[str, SLOWindow]):
+        self.engines = engines
+        self.windows = windows
+
+    def collect(self) -> Iterable[Any]:
+        gauges = {"num_requests_running": ("num_running", "Requests in the running batch."),
+                  "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
+                  "kv_cache_usage_perc": ("kv_usage", "Fraction of the shared KV pool in use (0..1).")}
+        counters = {"prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                    "num_preemptions": ("num_preemptions", "Requests preempted (recomputed later)."),
+                    "spec_decode_num_draft_tokens": ("spec_num_draft_tokens", "Speculative draft tokens proposed."),
+                    "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens",
+                                                        "Speculative draft tokens accepted.")}
+        stats = {name: engine.stats() for name, engine in self.engines().items()}
+        for metric, (key, doc) in gauges.items():
+            family = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            for name, s in stats.items():
+                if key in s:
+                    family.add_metric([name], float(s[key]))
+            yield family
+        for metric, (key, doc) in counters.items():
+            family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            for name, s in stats.items():
+                if key in s:
+                    family.add_metric([name], float(s[key]))
+            yield family
+        slo = GaugeMetricFamily(PREFIX + "slo_attainment", "Share of requests meeting the route's SLO over the "
+                                "sliding window.", labels=["route", "kind"])
+        for route, window in self.windows.items():
+            att = window.attainment()
+            for kind in ("ttft", "tpot"):
+                if att[kind]["attainment"] is not None:
+                    slo.add_metric([route, kind], att[kind]["attainment"])
+        yield slo
+
+
+class Telemetry:
+    """The gateway's metrics registry, tracer and SLO windows; one per app so tests can run several."""
+
+    def __init__(self, cfg: TelemetryConfig, routes: Mapping[str, RouteConfig], provider: TracerProvider):
+        self.cfg = cfg
+        self.provider = provider
+        self.tracer = provider.get_tracer("tandem.gateway")
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.windows = {name: SLOWindow(route, cfg.slo_window_s) for name, route in routes.items()}
+        self._engines: Callable[[], Mapping[str, Any]] = dict
+        labels = ["model_name", "route"]
+        reg = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (gateway view).",
+                              labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between streamed token deltas.",
+                             labels, buckets=ITL_BUCKETS, registry=reg)
+        self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds", "Per request (E2E-TTFT)/(n-1).",
+                              labels, buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to last byte.",
+                             labels, buckets=REQUEST_BUCKETS, registry=reg)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time waiting in the engine queue.",
+                               labels, buckets=REQUEST_BUCKETS, registry=reg)
+        self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=reg)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", labels, registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=reg)
+        self.errors = Counter(PREFIX + "request_errors", "Requests answered with an error, by HTTP status.",
+                              ["route", "status"], registry=reg)
+        self.router_decisions = Counter(PREFIX + "router_decisions", "Routing decisions by chosen engine.",
+                                        ["route", "choice"], registry=reg)
+        self.cascade_escalations = Counter(PREFIX + "cascade_escalations", "Cascade escalations to the large "
+                                           "engine.", ["route"], registry=reg)
+        reg.register(_EngineStatsCollector(lambda: self._engines(), self.windows))
+
+    def bind_engines(self, engines: Callable[[], Mapping[str, Any]]) -> None:
+        """Where the scrape-time collector finds the engines (they load after the app starts)."""
+        self._engines = engines
+
+    def observe_request(self, *, route: str, model: str, ttft_s: float | None, e2e_s: float,
+                        itls: list[float], output_tokens: int, prompt_tokens: int, finish_reason: str,
+                        queue_s: float | None) -> None:
+        if ttft_s is not None:
+            self.ttft.labels(model, route).observe(ttft_s)
+        for gap in itls:
+            self.itl.labels(model, route).observe(gap)
+        tpot = (e2e_s - ttft_s) / (output_tokens - 1) if ttft_s is not None and output_tokens > 1 else None
+        if tpot is not None:
+            self.tpot.labels(model, route).observe(tpot)
+        self.e2e.labels(model, route).observe(e2e_s)
+        if queue_s is not None:
+            self.queue.labels(model, route).observe(max(0.0, queue_s))
+        self.requests.labels(model, route, finish_reason).inc()
+        self.prompt_tokens.labels(model, route).inc(prompt_tokens)
+        self.generation_tokens.labels(model, route).inc(output_tokens)
+        window = self.windows.get(route)
+        if window is not None:
+            window.observe(ttft_s, tpot)
