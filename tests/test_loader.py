@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engines.attention import VarlenCausal
-from engines.loader import GenerationDefaults, load_checkpoint
+from engines.loader import GenerationDefaults, load_checkpoint, resolve_dtype
 from engines.model_config import CheckpointError, ModelConfig
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -199,3 +199,14 @@ def test_truncated_weights_file_is_named(llama_copy):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match=r"ckpt/model\.safetensors: cannot be read as safetensors"):
         load_checkpoint(llama_copy)
+
+
+def test_auto_dtype_is_float32_on_cpu_and_the_checkpoint_dtype_on_gpu(llama_copy):
+    cfg = json.loads((llama_copy / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "bfloat16"
+    (llama_copy / "config.json").write_text(json.dumps(cfg))
+    ckpt = load_checkpoint(llama_copy)  # the stored tensors are float32; the config claims bfloat16
+    assert ckpt.model.lm_head.weight.dtype == torch.float32
+    assert resolve_dtype("auto", ckpt.config, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("fp16", ckpt.config, torch.device("cpu")) == torch.float16
