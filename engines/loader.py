@@ -167,9 +167,8 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
 
     missing = [name for name in expected if name not in loaded]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         where = files[0] if len(files) == 1 else folder / INDEX_FILE
-        raise CheckpointError(f"{where}: missing tensor(s) {shown} required by config.json "
+        raise CheckpointError(f"{where}: missing tensor(s) {_name_list(missing)} required by config.json "
                               f"({config.architecture}, {config.num_layers} layers)")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -183,9 +182,8 @@ def _check_names_and_shapes(f: Any, names: list[str], expected: dict[str, tuple[
                             config: ModelConfig, file: Path) -> None:
     unexpected = [n for n in names if n not in expected and not _ignorable(n, config)]
     if unexpected:
-        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
         raise CheckpointError(
-            f"{file}: unexpected tensor(s) {shown}: config.json ({config.architecture}) does not describe them; "
+            f"{file}: unexpected tensor(s) {_name_list(unexpected)}: config.json ({config.architecture}) does not describe them; "
             "the config and the weights do not match")
     for name in names:
         if name not in expected:
@@ -194,6 +192,11 @@ def _check_names_and_shapes(f: Any, names: list[str], expected: dict[str, tuple[
         if found != expected[name]:
             raise CheckpointError(f"{file}: tensor {name!r} has shape {list(found)} but config.json implies "
                                   f"{list(expected[name])}")
+
+
+def _name_list(names: list[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:
