@@ -23,6 +23,7 @@ from litestar.exceptions import ValidationException
 from litestar.middleware import ASGIMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.params import JSONBody
 from litestar.response import Stream
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry import trace
@@ -179,7 +180,7 @@ async def list_routes(request: Request) -> dict[str, Any]:
 
 
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request, data: ChatCompletionRequest) -> Response | Stream:
+async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response | Stream:
     state = _state(request)
     route = _admit(state, data.model)
     messages = [m.to_template() for m in data.messages]
@@ -203,7 +204,7 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
 
 
 @post("/v1/completions", status_code=200)
-async def completions(request: Request, data: CompletionRequest) -> Response | Stream:
+async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response | Stream:
     state = _state(request)
     route = _admit(state, data.model)
     try:

@@ -19,6 +19,9 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "default.toml"
 ENV_PREFIX = "TANDEM_"
 
+# Route strategies a config may name; gateway.routing.register_strategy adds to it.
+STRATEGY_NAMES: set[str] = {"fixed", "router", "cascade"}
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
 Fraction = Annotated[float, Meta(gt=0, le=1)]
@@ -68,7 +71,7 @@ class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class RouteConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     engines: list[str]  # fixed: [engine]; router and cascade: [small, large]
-    strategy: Literal["fixed", "router", "cascade"] = "fixed"
+    strategy: str = "fixed"  # fixed | router | cascade, or a name added with routing.register_strategy
     slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
     priority: int = 0  # lower runs first, as in vLLM
     max_tokens: PositiveInt | None = None  # cap on a request's max_tokens for this route
@@ -243,6 +246,9 @@ def _cross_check(cfg: TandemConfig) -> None:
         if name in cfg.engines:
             raise ConfigError(f"{src}: {where}: route name {name!r} is also an engine name; the model field "
                               f"would be ambiguous, rename one of them")
+        if route.strategy not in STRATEGY_NAMES:
+            raise ConfigError(f"{src}: {where}.strategy = {route.strategy!r} is invalid: expected one of "
+                              f"{', '.join(repr(s) for s in sorted(STRATEGY_NAMES))}")
         for engine in route.engines:
             if engine not in cfg.engines:
                 raise ConfigError(f"{src}: {where}.engines contains {engine!r}, an unknown engine; configured "

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from engines.outputs import RequestOutput
 from engines.sampling_params import SamplingParams
-from gateway.config import RouteConfig, TandemConfig
+from gateway.config import STRATEGY_NAMES, RouteConfig, TandemConfig
 from gateway.errors import APIError
 
 
@@ -64,6 +64,7 @@ _FACTORIES: dict[str, StrategyFactory] = {}
 def register_strategy(name: str, factory: StrategyFactory) -> None:
     """Make `name` available to routes; the factory builds one strategy per route at start-up."""
     _FACTORIES[name] = factory
+    STRATEGY_NAMES.add(name)
 
 
 def start_on(engine: Any, ctx: RoutingContext, **kwargs: Any) -> RoutedRun:
