@@ -152,6 +152,14 @@ async def test_client_records_tokens_usage_headers_and_outcomes(server):
     assert body["stream_options"] == {"include_usage": True}
 
 
+async def test_sequential_requests_reuse_one_keep_alive_connection(server):
+    _, url = server
+    reqs = [PlannedRequest(i, 0.1 * i, "ok", "hi", 1, 3) for i in range(5)]
+    result = await run_requests(url, reqs)
+    assert all(r.outcome == "completed" for r in result.records)
+    assert result.connections_opened == 1
+
+
 async def test_chat_api_and_concurrency_cap(server):
     app, url = server
     reqs = [PlannedRequest(i, 0.0, "ok", "hi", 1, 3) for i in range(6)]

@@ -10,9 +10,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from traces.readers import detect_format, read_azure, read_burstgpt, read_mooncake, read_trace, shared_traces_dir
-from traces.workloads import (MIXES_PATH, RequestSpec, WorkloadError, build_workload, fit_to_context,
-                              quantile_sampler, workload_names)
+from traces.readers import (
+    detect_format,
+    read_azure,
+    read_burstgpt,
+    read_mooncake,
+    read_trace,
+    shared_traces_dir,
+)
+from traces.workloads import (
+    MIXES_PATH,
+    RequestSpec,
+    WorkloadError,
+    build_workload,
+    fit_to_context,
+    quantile_sampler,
+    workload_names,
+)
 
 FIX = Path(__file__).parent / "fixtures" / "traces"
 

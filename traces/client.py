@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import msgspec
 
+from traces.transport import KeepAliveTransport
+
 SHED_STATUSES = (429, 503)  # admission control said no: counted as shed, not failed
 LAG_WARN_S = 0.010  # a dispatch this late means the generator, not the server, shapes the load
 
@@ -159,8 +161,10 @@ async def send_one(client: httpx.AsyncClient, url: str, req: PlannedRequest, rec
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    # Keep reading to the end of the body: a fully read response returns its connection
+                    # to the keep-alive pool; leaving early would close it.
                     done = True
-                    break
+                    continue
                 now = clock()
                 chunk = _decode.decode(data)
                 if "error" in chunk and chunk["error"]:
@@ -191,6 +195,7 @@ class RunResult:
     started_unix: float
     elapsed_s: float  # from the start until the last request finished
     lag_warning: str | None
+    connections_opened: int = 0  # keep-alive reuse: far fewer than requests when the server keeps up
 
 
 class Progress:
@@ -233,9 +238,10 @@ async def run_requests(base_url: str, plan: list[PlannedRequest], *, api: str = 
     records = [RequestRecord(r.index, r.model, r.input_tokens, r.output_tokens, r.at_s) for r in plan]
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     bar = Progress(len(plan), progress)
-    limits = httpx.Limits(max_connections=concurrency or 100_000, max_keepalive_connections=concurrency or 2048)
-    # One client for the whole run: HTTP/1.1 keep-alive connections are reused across requests.
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
+    # One client for the whole run: HTTP/1.1 keep-alive connections are reused across requests, through
+    # a transport whose pool stays O(1) per request under bursts (see traces.transport).
+    transport = KeepAliveTransport()
+    async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
         t0 = time.perf_counter()
         started_unix = time.time()
 
@@ -284,7 +290,7 @@ async def run_requests(base_url: str, plan: list[PlannedRequest], *, api: str = 
                 await side
             except asyncio.CancelledError:
                 pass
-    return RunResult(records, started_unix, elapsed, lag_warning(records))
+    return RunResult(records, started_unix, elapsed, lag_warning(records), transport.dialled)
 
 
 def lag_warning(records: list[RequestRecord]) -> str | None:

@@ -158,6 +158,7 @@ async def run_once(cfg: LoadTestConfig, rate: float | None, out: Path,
     if result.lag_warning:
         meta["warnings"].append(result.lag_warning)
     meta.update(started_unix=result.started_unix, elapsed_s=result.elapsed_s,
+                connections_opened=result.connections_opened,
                 slos={k: vars(v) for k, v in cfg.slos.items()})
     server = scraper.summary()
     if not server["available"]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from traces.workloads import RequestSpec, WorkloadError
@@ -39,7 +39,7 @@ def _column(header: list[str], *names: str, path: Path) -> str:
 def _azure_time(text: str) -> float:
     # Azure writes 7 fractional digits; datetime takes at most 6.
     head, _, frac = text.strip().partition(".")
-    base = datetime.strptime(head, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+    base = datetime.strptime(head, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp()
     return base + (float("0." + frac) if frac else 0.0)
 
 
