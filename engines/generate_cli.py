@@ -1,7 +1,7 @@
 """`tandem generate`: one completion from a checkpoint folder, offline, with no server.
 
-The generation loop is the simple contiguous-cache path (prefill, then one token at a time) kept in
-`generate_tokens`, so the command can switch to the batched engine without touching its interface.
+It runs the batched engine (`engines.LLM`) on a single request; `generate_tokens` and `sample_next` are small
+helpers over the same engine and sampler for callers holding a `Transformer` or a logits row.
 """
 
 from __future__ import annotations
@@ -12,63 +12,42 @@ import sys
 
 import torch
 
-from engines.attention import ContiguousCache
-from engines.loader import load_checkpoint
+from engines.llm import LLM
 from engines.model import Transformer
 from engines.model_config import CheckpointError
-from engines.tokenizer import ChatTemplateError, Tokenizer
+from engines.sampler import apply_top_k_top_p_min_p
+from engines.sampling_params import SamplingParams
+from engines.tokenizer import ChatTemplateError
 
 DEFAULT_MAX_TOKENS = 64
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
                 generator: torch.Generator | None) -> int:
-    """One token from fp32 logits [V]: argmax when temperature is 0, else temperature/top-k/top-p sampling."""
+    """One token from fp32 logits [V]: argmax when temperature is 0, else temperature/top-k/top-p sampling
+    with the engine sampler's filters."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Drop a token once the mass before it already reaches top_p; the most likely token always stays.
-        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    vocab = logits.shape[-1]
+    x = (logits / temperature)[None]
+    top_k_t = torch.tensor([top_k]) if 0 < top_k < vocab else None
+    top_p_t = torch.tensor([top_p], dtype=x.dtype) if top_p < 1.0 else None
+    probs = apply_top_k_top_p_min_p(x, top_k_t, top_p_t, None).softmax(-1)[0]
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-@torch.inference_mode()
 def generate_tokens(model: Transformer, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     eos_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """Generate up to `max_tokens` tokens after `prompt_ids`; stops after (and includes) the first EOS id."""
+    """Generate up to `max_tokens` tokens after `prompt_ids` with the engine; stops after (and includes) the
+    first EOS id."""
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: at least one prompt token is needed")
-    cfg = model.config
-    device = model.lm_head.weight.device
-    cache = ContiguousCache(cfg.num_layers, 1, len(prompt_ids) + max_tokens, cfg.num_kv_heads, cfg.head_dim,
-                            dtype=model.lm_head.weight.dtype, device=device)
-    generator = None
-    if seed is not None and temperature > 0:
-        generator = torch.Generator(device=device).manual_seed(seed)
-    step_ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-    position = 0
-    out: list[int] = []
-    while len(out) < max_tokens:
-        positions = torch.arange(position, position + len(step_ids), device=device)
-        cache.begin([len(step_ids)])
-        hidden = model(step_ids, positions, cache)
-        cache.end()
-        position += len(step_ids)
-        token = sample_next(model.compute_logits(hidden[-1:])[0], temperature, top_p, top_k, generator)
-        out.append(token)
-        if token in eos_ids:
-            break
-        step_ids = torch.tensor([token], dtype=torch.long, device=device)
-    return out
+    llm = LLM(model, max_num_seqs=1, max_model_len=len(prompt_ids) + max_tokens,
+              device=model.lm_head.weight.device)
+    llm.engine.eos_token_ids = set(eos_ids)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+    return llm.generate({"prompt_token_ids": list(prompt_ids)}, params)[0].outputs[0].token_ids
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,8 +72,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        ckpt = load_checkpoint(args.model, dtype=args.dtype, device=device)
-        tokenizer = Tokenizer.from_pretrained(args.model)
+        llm = LLM(args.model, dtype=args.dtype, device=device, max_num_seqs=1)
+        tokenizer = llm.tokenizer
         if args.chat:
             text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
             prompt_ids = tokenizer.encode(text, add_special_tokens=False)  # the template already has BOS
@@ -104,7 +83,7 @@ def main(argv: list[str]) -> int:
         print(f"tandem generate: error: {e}", file=sys.stderr)
         return 1
 
-    gen = ckpt.generation
+    gen = llm.engine.generation_defaults
     temperature = args.temperature
     if temperature is None:  # generation_config.json only samples when it says do_sample, as in transformers
         temperature = (gen.temperature if gen.temperature is not None else 1.0) if gen.do_sample else 0.0
@@ -115,17 +94,21 @@ def main(argv: list[str]) -> int:
         print("tandem generate: error: need temperature >= 0, 0 < top-p <= 1, top-k >= 0, max-tokens >= 1",
               file=sys.stderr)
         return 2
-    context = ckpt.config.max_position_embeddings
+    context = llm.engine.max_model_len
     if not prompt_ids or len(prompt_ids) >= context:
         print(f"tandem generate: error: the prompt has {len(prompt_ids)} tokens; the model takes 1 to "
               f"{context - 1}", file=sys.stderr)
         return 2
     max_tokens = min(max_tokens, context - len(prompt_ids))
 
-    eos_ids = tokenizer.eos_token_ids | set(ckpt.eos_token_ids)
-    token_ids = generate_tokens(ckpt.model, prompt_ids, max_tokens, temperature, top_p, top_k, args.seed, eos_ids)
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    finish_reason = "stop" if token_ids and token_ids[-1] in eos_ids else "length"
+    try:
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=args.seed,
+                                max_tokens=max_tokens)
+        out = llm.generate({"prompt_token_ids": prompt_ids}, params)[0].outputs[0]
+    except ValueError as e:  # invalid sampling values or a rejected request, worded for the user
+        print(f"tandem generate: error: {e}", file=sys.stderr)
+        return 2
+    token_ids, text, finish_reason = out.token_ids, out.text, out.finish_reason
     if args.json:
         print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": text,
                           "finish_reason": finish_reason}, ensure_ascii=False))
