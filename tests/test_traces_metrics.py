@@ -63,6 +63,8 @@ def test_summary_counts_slos_goodput_split_and_cost():
     assert a["slo"]["attainment"] == {"ttft": 0.5, "tpot": 1.0, "combined": 0.5}
     # b: request 2 meets both; 6 has ttft 100 ms (meets) and tpot 100 ms (misses); 3 and 4 miss.
     assert b["slo"]["attainment"] == {"ttft": 0.5, "tpot": 0.25, "combined": 0.25}
+    assert (b["slo"]["ttft_ms"], b["slo"]["tpot_ms"]) == (100, 60)
+    assert (b["requests"], b["completed"], b["failed"], b["shed"]) == (4, 2, 1, 1)
     assert s["slo_attainment"] == pytest.approx(2 / 6)
     assert s["goodput_rps"] == pytest.approx(0.2)  # 2 requests met every SLO in 10 s
     assert s["request_throughput_rps"] == pytest.approx(0.4)

@@ -118,12 +118,12 @@ def summarise(records: list[RequestRecord], *, window: tuple[float, float], slos
     for route in sorted({route_of(r) for r in rs}):
         group = [r for r in rs if route_of(r) == route]
         slo = slo_for(route, slos)
-        entry: dict[str, Any] = {"requests": len(group),
-                                 "completed": sum(r.outcome == "completed" for r in group),
-                                 **latency_stats(group)}
+        counts = Counter(r.outcome for r in group)
+        entry: dict[str, Any] = {"requests": len(group), "completed": counts["completed"],
+                                 "failed": counts["failed"], "shed": counts["shed"], **latency_stats(group)}
         if slo is not None:
             checks = [meets(r, slo) for r in group]
-            entry["slo"] = {f"{k}_ms": v for k, v in vars(slo).items() if v is not None} | {
+            entry["slo"] = {k: v for k, v in vars(slo).items() if v is not None} | {
                 "attainment": {d: sum(c[d] for c in checks) / len(group) for d in slo.dims()},
             }
             met = sum(all(c.values()) for c in checks)
