@@ -55,3 +55,13 @@ def test_word_prompts_without_tokenizer_have_one_word_per_token():
     text = WordPrompts(seed=0).prompt(RequestSpec(0, 50, 4, (1,), 20))
     assert len(text.split()) == 50
     assert text.split()[:20] == WordPrompts(seed=0).prompt(RequestSpec(9, 30, 4, (1,), 20)).split()[:20]
+
+
+def test_exact_counts_with_the_default_served_tokenizer():
+    model = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-s"
+    if not (model / "tokenizer.json").is_file():
+        pytest.skip("models/tandem-tiny-s/tokenizer.json is not in this checkout")
+    synth = PromptSynthesizer(model, seed=0)
+    assert len(synth.words) > 500
+    for n in (1, 64, 500):
+        assert synth.count(synth.prompt(RequestSpec(n, n, 4, (0,), 16))) == n
