@@ -244,6 +244,7 @@ def fit(args: argparse.Namespace) -> None:
     vocab_size = max(vocab_size, max(ids.values()) + 1)
     cfg = hf_config(size, vocab_size, ids)
     model = build_model(cfg, args.seed)
+    previous = _warm_start(model, Path(args.init_from)) if args.init_from else None
     n_params = sum(p.numel() for p in model.parameters())
     train = token_cache(tok_dir, "train")
     val = token_cache(tok_dir, "validation")
@@ -287,15 +288,31 @@ def fit(args: argparse.Namespace) -> None:
             print(f"step={step} progress={progress:.3f} lr={lr:.2e} loss={loss_ema:.4f} "
                   f"tok/s={tokens / (now - start):.0f} elapsed={now - start:.0f}s", flush=True)
         if now - last_save >= args.save_every:
-            _save(model, cfg, tok_dir, out_dir, args, step, tokens, now - start, val)
+            _save(model, cfg, tok_dir, out_dir, args, step, tokens, now - start, val, previous)
             last_save = time.monotonic()
-    _save(model, cfg, tok_dir, out_dir, args, step, tokens, time.monotonic() - start, val, final=True)
+    _save(model, cfg, tok_dir, out_dir, args, step, tokens, time.monotonic() - start, val, previous, final=True)
 
 
-def _save(model, cfg, tok_dir, out_dir, args, step, tokens, elapsed, val, final=False) -> None:
+def _warm_start(model, folder: Path) -> dict:
+    """Start from an exported checkpoint's weights (fresh optimizer and schedule): a second training stage."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"{folder}: weights do not match this size: missing {missing}, unexpected {unexpected}")
+    meta = json.loads((folder / "training_meta.json").read_text())
+    print(f"warm start from {folder}: {meta}", flush=True)
+    return meta
+
+
+def _save(model, cfg, tok_dir, out_dir, args, step, tokens, elapsed, val, previous, final=False) -> None:
     vloss = eval_loss(model, val, args.seq_len, 64, args.autocast)
-    meta = {"size": args.size, "steps": step, "tokens": tokens, "elapsed_s": round(elapsed, 1),
-            "val_loss": round(vloss, 4), "final": final, "argv": sys.argv[1:]}
+    # steps/tokens count every stage so far; `previous` keeps the earlier stages' own records
+    meta = {"size": args.size, "steps": step + (previous or {}).get("steps", 0),
+            "tokens": tokens + (previous or {}).get("tokens", 0), "stage_steps": step, "stage_tokens": tokens,
+            "elapsed_s": round(elapsed, 1), "val_loss": round(vloss, 4), "final": final, "argv": sys.argv[1:],
+            "previous": previous}
     export(model, cfg, tok_dir, out_dir, meta)
     print(f"saved step={step} tokens={tokens} val_loss={vloss:.4f} final={final} -> {out_dir}", flush=True)
 
@@ -320,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--threads", type=int, default=2)
     m.add_argument("--autocast", action="store_true", help="bf16 autocast (fp32 master weights)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--init-from", default=None, help="checkpoint folder to continue from (fresh optimizer)")
     m.add_argument("--log-every", type=int, default=20)
     m.add_argument("--save-every", type=float, default=300.0, help="seconds between checkpoint exports")
     args = p.parse_args(argv)
