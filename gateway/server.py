@@ -18,7 +18,6 @@ from typing import Any
 
 import uvicorn
 
-from gateway.auth import warn_if_open
 from gateway.config import ConfigError, TandemConfig, check_checkpoints, load_config
 
 log = logging.getLogger("tandem.gateway")
@@ -54,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.getLogger().setLevel(cfg.server.log_level.upper())
 
+    # Imported only now: they load torch, and a bad config should fail in a blink.
     from gateway.app import create_app
+    from gateway.auth import warn_if_open
 
     server: uvicorn.Server | None = None
     failed: list[str] = []

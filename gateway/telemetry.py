@@ -6,6 +6,7 @@ DESIGN section 6 (engine gauges pulled from `stats()` at scrape time), and live 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -134,8 +135,9 @@ class SLOWindow:
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
-    rank = min(len(sorted_values) - 1, max(0, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
-    return sorted_values[rank]
+    """Nearest-rank percentile: the smallest value with at least q% of the samples at or below it."""
+    rank = min(len(sorted_values), max(1, math.ceil(q / 100 * len(sorted_values))))
+    return sorted_values[rank - 1]
 
 
 # ------------------------------------------------------------------------------------------- Prometheus

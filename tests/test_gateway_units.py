@@ -1,0 +1,166 @@
+"""Gateway policy without HTTP: rate-limit buckets, API-key checks, request -> SamplingParams translation,
+SLO attainment windows and route resolution."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from gateway.auth import KeyRing
+from gateway.config import AuthConfig, RouteConfig, SLOConfig, config_from_dict
+from gateway.errors import APIError
+from gateway.limits import ANONYMOUS, RateLimiter
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidParameter,
+    prompt_input,
+    sampling_params,
+)
+from gateway.routing import Routes
+from gateway.telemetry import SLOWindow
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _limiter(clock: Clock, **auth) -> RateLimiter:
+    cfg = AuthConfig(**auth)
+    return RateLimiter(cfg.keys(), default_rpm=cfg.requests_per_minute, default_tpm=cfg.tokens_per_minute,
+                       clock=clock)
+
+
+def test_requests_per_minute_bucket_refuses_then_refills():
+    clock = Clock()
+    limiter = _limiter(clock, api_keys=["k"], requests_per_minute=2)
+    limiter.admit("k")
+    limiter.admit("k")
+    with pytest.raises(APIError) as info:
+        limiter.admit("k")
+    assert info.value.status == 429 and info.value.headers() == {"retry-after": "30"}
+    clock.now += 29.0
+    with pytest.raises(APIError):
+        limiter.admit("k")
+    clock.now += 1.0
+    limiter.admit("k")  # one request refilled after 30 s at 2/min
+
+
+def test_tokens_per_minute_charges_usage_and_waits_out_the_debt():
+    clock = Clock()
+    limiter = _limiter(clock, api_keys=["k"], tokens_per_minute=60)
+    limiter.admit("k")
+    limiter.charge_tokens("k", 90)  # 30 tokens of debt at 1 token/s
+    with pytest.raises(APIError) as info:
+        limiter.admit("k")
+    assert info.value.retry_after == pytest.approx(30.0, abs=1e-6)
+    assert "60 tokens per minute" in info.value.message
+    clock.now += 30.5
+    limiter.admit("k")
+
+
+def test_limits_apply_to_all_traffic_when_auth_is_off():
+    clock = Clock()
+    limiter = _limiter(clock, requests_per_minute=1)
+    limiter.admit(ANONYMOUS)
+    with pytest.raises(APIError):
+        limiter.admit(ANONYMOUS)
+    assert not _limiter(clock).active
+
+
+def test_keyring_parses_bearer_and_redacts_wrong_keys():
+    ring = KeyRing(AuthConfig(api_keys=["sk-abcdef123456"]))
+    assert ring.identify("Bearer sk-abcdef123456") == "sk-abcdef123456"
+    assert ring.identify("bearer   sk-abcdef123456 ") == "sk-abcdef123456"
+    for header, code in ((None, "missing_api_key"), ("Basic xyz", "invalid_api_key"),
+                         ("Bearer sk-wrongwrong99", "invalid_api_key")):
+        with pytest.raises(APIError) as info:
+            ring.identify(header)
+        assert info.value.status == 401 and info.value.code == code
+    with pytest.raises(APIError) as info:
+        ring.identify("Bearer sk-wrongwrong99")
+    assert "sk-wrongwrong99" not in info.value.message and "sk-...99" in info.value.message
+    assert KeyRing(AuthConfig()).identify(None) == ANONYMOUS
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields},
+                           ChatCompletionRequest)
+
+
+def test_chat_request_translation_prefers_max_completion_tokens_and_maps_logprobs():
+    params = sampling_params(_chat(max_tokens=50, max_completion_tokens=7, logprobs=True, top_logprobs=3,
+                                   stop="END", seed=4, top_k=5, min_p=0.1, ignore_eos=True, min_tokens=2),
+                             default_max_tokens=None)
+    assert (params.max_tokens, params.logprobs, params.stop, params.seed, params.top_k, params.min_p,
+            params.ignore_eos, params.min_tokens) == (7, 3, ["END"], 4, 5, 0.1, True, 2)
+    assert sampling_params(_chat(), default_max_tokens=None).max_tokens is None  # up to the context
+    assert sampling_params(_chat(max_tokens=100), default_max_tokens=None, max_tokens_cap=10).max_tokens == 10
+    assert sampling_params(_chat(logprobs=True), default_max_tokens=None).logprobs == 0
+    assert sampling_params(_chat(), default_max_tokens=None).logprobs is None
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"top_p": 0}, "top_p"),
+])
+def test_invalid_chat_parameters_are_named(fields, param):
+    with pytest.raises(InvalidParameter) as info:
+        sampling_params(_chat(**fields), default_max_tokens=None)
+    assert info.value.param == param
+
+
+def test_completion_prompt_forms():
+    def req(prompt):
+        return msgspec.convert({"model": "m", "prompt": prompt}, CompletionRequest)
+    assert prompt_input(req("text")) == "text"
+    assert prompt_input(req([1, 2, 3])) == [1, 2, 3]
+    assert prompt_input(req(["only"])) == "only"
+    assert prompt_input(req([[4, 5]])) == [4, 5]
+    for bad in (["a", "b"], [], "", [1, "x"]):
+        with pytest.raises(InvalidParameter) as info:
+            prompt_input(req(bad))
+        assert info.value.param == "prompt"
+    legacy = sampling_params(req("x"), default_max_tokens=16)
+    assert legacy.max_tokens == 16 and legacy.logprobs is None
+
+
+def test_slo_window_attainment_and_expiry():
+    clock = Clock()
+    window = SLOWindow(RouteConfig(engines=["e"], slo=SLOConfig(ttft_ms=100, tpot_ms=10, percentile=50)),
+                       window_s=60, clock=clock)
+    for ttft, tpot in ((0.05, 0.005), (0.08, 0.02), (0.3, 0.008), (0.09, None)):
+        window.observe(ttft, tpot)
+    att = window.attainment()
+    assert att["requests"] == 4
+    assert att["ttft"]["attainment"] == 0.75 and att["tpot"]["attainment"] == pytest.approx(2 / 3)
+    assert att["ttft"]["observed_p50_ms"] == 80.0
+    clock.now += 61
+    window.observe(0.2, None)
+    att = window.attainment()
+    assert att["requests"] == 1 and att["ttft"]["attainment"] == 0.0 and att["tpot"]["attainment"] is None
+
+
+def test_routes_resolve_configured_routes_and_engines_by_name():
+    cfg = config_from_dict({"engines": {"s": {"checkpoint": "/s"}, "l": {"checkpoint": "/l"}},
+                            "routes": {"fast": {"engines": ["s"]},
+                                       "auto": {"strategy": "router", "engines": ["s", "l"]}}})
+    routes = Routes(cfg)
+    assert routes.resolve("fast").config.engines == ["s"] and not routes.resolve("fast").direct
+    assert routes.resolve("l").direct and routes.resolve("l").config.engines == ["l"]
+    with pytest.raises(APIError) as missing:
+        routes.resolve("gpt-4")
+    assert missing.value.status == 404 and missing.value.code == "model_not_found"
+    assert "fast" in missing.value.message
+    with pytest.raises(APIError) as unavailable:
+        routes.resolve("auto")
+    assert unavailable.value.status == 501 and "strategy 'router'" in unavailable.value.message
