@@ -89,6 +89,7 @@ def test_loadtest_against_a_real_tandem_server(gateway, tmp_path):
     assert server["available"], server["reason"]
     assert server["counter_deltas"]["prefix_queries"] > 0 and server["prefix_cache_hit_rate"] is not None
     assert any("kv_usage" in x and "running" in x for x in server["series"])
+    assert server["server_mean_queue_s"] is not None  # the server exposes queue time; it is reported
     assert (out / "summary.md").is_file() and (out / "latency_cdf.png").is_file()
 
     # Client TTFT is never below the server's for the same request.

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arrival process (default: the workload's measured one, or the trace's timestamps)")
     p.add_argument("--burstiness", type=float, default=None, help="gamma shape: 1 = Poisson, < 1 burstier")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace timestamps (without --rate)")
+    p.add_argument("--trace-jitter", type=float, default=0.0, metavar="S",
+                   help="spread trace requests uniformly over S seconds (Mooncake timestamps are ~3 s buckets)")
     p.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
     p.add_argument("--warmup", type=float, default=0.0, help="seconds at the start left out of the statistics")
     p.add_argument("--cooldown", type=float, default=0.0, help="seconds at the end left out of the statistics")
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         price_per_hour=args.price_per_hour,
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or os.environ.get("OPENAI_API_KEY"),
         api=args.api, tokenizer=args.tokenizer, max_model_len=args.max_model_len, arrivals=args.arrivals,
-        burstiness=args.burstiness, time_scale=args.time_scale, concurrency=args.concurrency,
+        burstiness=args.burstiness, time_scale=args.time_scale, trace_jitter_s=args.trace_jitter,
+        concurrency=args.concurrency,
         warmup_s=args.warmup, cooldown_s=args.cooldown, seed=args.seed, timeout_s=args.timeout,
         temperature=args.temperature, scrape_interval_s=args.scrape_interval, plots=not args.no_plots,
         progress=not args.quiet and sys.stderr.isatty())

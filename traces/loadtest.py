@@ -42,6 +42,7 @@ class LoadTestConfig:
     arrivals: str | None = None  # poisson | gamma | on_off | trace; default: the workload's own
     burstiness: float | None = None
     time_scale: float = 1.0
+    trace_jitter_s: float = 0.0
     concurrency: int | None = None
     warmup_s: float = 0.0
     cooldown_s: float = 0.0
@@ -72,7 +73,8 @@ def build_plan(cfg: LoadTestConfig, rate: float | None,
     if cfg.trace:
         specs = read_trace(cfg.trace, cfg.trace_format)
         if process == "trace":
-            at = trace_arrivals([s.timestamp_s or 0.0 for s in specs], time_scale=cfg.time_scale, rate=rate)
+            at = trace_arrivals([s.timestamp_s or 0.0 for s in specs], time_scale=cfg.time_scale, rate=rate,
+                                jitter_s=cfg.trace_jitter_s, seed=cfg.seed)
         else:
             if rate is None:
                 raise WorkloadError(f"--arrivals {process} needs --rate")

@@ -70,7 +70,8 @@ def markdown_summary(report: dict[str, Any]) -> str:
     if srv.get("available"):
         lines.append(f"- server: prefix-cache hit rate {_pct(srv.get('prefix_cache_hit_rate'))}, speculative "
                      f"acceptance {_pct(srv.get('spec_acceptance_rate'))}, max waiting {srv.get('max_waiting')}, "
-                     f"max KV usage {_pct(srv.get('max_kv_usage'))}")
+                     f"max KV usage {_pct(srv.get('max_kv_usage'))}, mean queue time "
+                     f"{_ms(None if srv.get('server_mean_queue_s') is None else 1000 * srv['server_mean_queue_s'])} ms")
     else:
         lines.append(f"- server metrics: not available ({srv.get('reason')})")
     if s.get("cost"):

@@ -22,7 +22,9 @@ COUNTERS = {"prefix_queries": "tandem:prefix_cache_queries_total", "prefix_hits"
             "ttft_sum": "tandem:time_to_first_token_seconds_sum",
             "ttft_count": "tandem:time_to_first_token_seconds_count",
             "e2e_sum": "tandem:e2e_request_latency_seconds_sum",
-            "e2e_count": "tandem:e2e_request_latency_seconds_count"}
+            "e2e_count": "tandem:e2e_request_latency_seconds_count",
+            "queue_sum": "tandem:request_queue_time_seconds_sum",
+            "queue_count": "tandem:request_queue_time_seconds_count"}
 DECISIONS = "tandem:router_decisions_total"
 
 
@@ -105,6 +107,8 @@ class MetricsScraper:
             "prefix_cache_hit_rate": ratio("prefix_hits", "prefix_queries"),
             "spec_acceptance_rate": ratio("spec_accepted_tokens", "spec_draft_tokens"),
             "server_mean_ttft_s": ratio("ttft_sum", "ttft_count"),
+            "server_mean_queue_s": ratio("queue_sum", "queue_count"),
+            "server_mean_e2e_s": ratio("e2e_sum", "e2e_count"),
             "counter_deltas": deltas,
             "router_decisions": decisions,
             "max_waiting": max((s.get("waiting", 0.0) for s in self.samples), default=None),
