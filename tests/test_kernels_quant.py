@@ -105,10 +105,9 @@ def test_quantlinear_cpu_path_close_to_float_linear(mode):
     x = torch.randn(3, 7, 256)
     y = ql(x)
     assert y.shape == (3, 7, 96) and y.dtype == torch.float32
-    # CPU packed ops equal the dequantised reference up to their activation rounding (bf16 for int8)
+    # CPU packed ops equal the dequantised reference up to their bf16 activation rounding
     ref = x @ ql.dequantized_weight().T + lin.bias.detach()
-    tol = 3e-2 if mode == "int8" else 1e-4
-    torch.testing.assert_close(y, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(y, ref, atol=3e-2, rtol=3e-2)
     # and the quantisation error against the float layer stays small
     rel = (y - lin(x)).norm() / lin(x).norm()
     assert rel < (0.02 if mode == "int8" else 0.1)
