@@ -10,30 +10,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# A decode sequence and a prefill token both push one token through the model; when the data has not shown
-# one of them yet, its cost is borrowed from the other rather than assumed free.
-_MIN_COEF = 1e-9
+_MIN_COEF = 1e-9  # seconds; a fitted cost never reaches zero, so caps stay finite
 
 
 class StepTimeModel:
     """Recursive least squares with forgetting on (1, decode_seqs, prefill_tokens) -> step seconds; O(1)."""
 
-    __slots__ = ("forgetting", "min_samples", "max_trace", "theta", "p", "num_samples", "num_decode_samples",
-                 "num_prefill_samples", "_resid_scale")
+    __slots__ = ("forgetting", "min_samples", "max_variance", "theta", "p", "num_samples", "num_decode_samples",
+                 "num_prefill_samples", "_resid_scale", "_outliers")
 
-    def __init__(self, *, forgetting: float = 0.99, min_samples: int = 8, prior_variance: float = 1e4,
-                 max_trace: float = 1e6):
+    def __init__(self, *, forgetting: float = 0.99, min_samples: int = 8, prior_variance: float = 1e4):
         if not 0.0 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
         self.forgetting = forgetting
         self.min_samples = min_samples
-        self.max_trace = max_trace  # anti-windup: stop forgetting in directions the data no longer excites
+        # Anti-windup: forgetting inflates P without bound in directions the data stops exciting (hours of
+        # decode-only steps); capping each variance at the prior keeps the fit adaptive and well-conditioned.
+        self.max_variance = prior_variance
         self.theta = [0.0, 0.0, 0.0]  # a (s), b (s per decode sequence), c (s per prefill token)
         self.p = [prior_variance, 0.0, 0.0, 0.0, prior_variance, 0.0, 0.0, 0.0, prior_variance]  # 3x3 row-major
         self.num_samples = 0
         self.num_decode_samples = 0
         self.num_prefill_samples = 0
-        self._resid_scale = 0.0  # EWMA of |residual|, to clip outliers (GC pauses, first-call compiles)
+        self._resid_scale = 0.0  # EWMA of |residual|, to recognise outliers (GC pauses, first-call compiles)
+        self._outliers = 0  # consecutive outliers skipped; a run of them is a real change and is learned
 
     def observe(self, step_s: float, num_decode_seqs: int, num_prefill_tokens: int) -> None:
         """Fold one measured step into the fit."""
@@ -44,14 +44,17 @@ class StepTimeModel:
         px0 = p[0] * x0 + p[1] * x1 + p[2] * x2
         px1 = p[3] * x0 + p[4] * x1 + p[5] * x2
         px2 = p[6] * x0 + p[7] * x1 + p[8] * x2
-        lam = self.forgetting if p[0] + p[4] + p[8] < self.max_trace else 1.0
+        lam = self.forgetting
         denom = lam + x0 * px0 + x1 * px1 + x2 * px2
         k0, k1, k2 = px0 / denom, px1 / denom, px2 / denom
         th = self.theta
         err = step_s - (th[0] * x0 + th[1] * x1 + th[2] * x2)
-        if self.num_samples >= self.min_samples and self._resid_scale > 0:
-            bound = 6.0 * self._resid_scale  # Huber-style clip: one slow step must not swing the caps
-            err = max(-bound, min(bound, err))
+        predicted = step_s - err
+        if self.num_samples >= self.min_samples and abs(err) > max(6.0 * self._resid_scale, 0.1 * abs(predicted)):
+            self._outliers += 1
+            if self._outliers < 3:  # one or two odd steps must not swing the caps; three in a row are news
+                return
+        self._outliers = 0
         self._resid_scale = abs(err) if self.num_samples == 0 else 0.95 * self._resid_scale + 0.05 * abs(err)
         th[0] += k0 * err
         th[1] += k1 * err
@@ -65,6 +68,13 @@ class StepTimeModel:
                 v = (p[3 * i + j] - k[i] * px[j]) * inv
                 p[3 * i + j] = v
                 p[3 * j + i] = v
+        cap = self.max_variance
+        for i in range(3):
+            if p[4 * i] > cap:  # scale row and column i (D P D keeps P positive definite)
+                f = math.sqrt(cap / p[4 * i])
+                for j in range(3):
+                    p[3 * i + j] *= f
+                    p[3 * j + i] *= f
         self.num_samples += 1
         self.num_decode_samples += num_decode_seqs > 0
         self.num_prefill_samples += num_prefill_tokens > 0
@@ -77,6 +87,8 @@ class StepTimeModel:
     def coefficients(self) -> tuple[float, float, float]:
         """(a, b, c) made physical: non-negative overhead, positive per-sequence and per-token costs."""
         a, b, c = self.theta
+        # A decode sequence and a prefill token both push one token through the model: while the data has not
+        # shown one of them yet, its cost is borrowed from the other rather than assumed free.
         seen_b = self.num_decode_samples >= self.min_samples // 2
         seen_c = self.num_prefill_samples >= self.min_samples // 2
         if not seen_b and seen_c:
@@ -179,11 +191,11 @@ def caps_for_target(model: StepTimeModel, budget_s: float, target_s: float, num_
                     max_num_seqs: int, max_num_batched_tokens: int, min_prefill_tokens: int) -> BatchCaps:
     """The largest decode batch and prefill budget whose predicted step fits `budget_s` (pure function)."""
     a, b, c = model.coefficients()
-    decode_cap = max(1, min(max_num_seqs, math.floor((budget_s - a) / b)))
+    decode_cap = max(1, min(max_num_seqs, math.floor((budget_s - a) / b + 1e-6)))  # 1e-6: float dust
     decoding = min(num_decode_seqs, decode_cap)
     room = budget_s - a - b * decoding
     token_room = max_num_batched_tokens - decoding
-    prefill = math.floor(room / c) if room > 0 else 0
+    prefill = math.floor(room / c + 1e-6) if room > 0 else 0
     prefill = max(min(min_prefill_tokens, token_room), min(prefill, token_room))
     limited = "tpot" if decode_cap < max_num_seqs or prefill < token_room else "config"
     return BatchCaps(decode_cap, max(0, prefill), target_s, a + b * decoding + c * prefill, limited)

@@ -10,8 +10,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
+
+from gateway.slo import RouteReport
 
 
 class ScaleSignals(msgspec.Struct, kw_only=True):
@@ -30,6 +33,7 @@ class ScaleDecision(msgspec.Struct, kw_only=True):
     desired_replicas: int
     current_replicas: int
     recommended_replicas: int  # before hysteresis
+    utilization: float  # the largest metric/target ratio (1.0 = at target); HPA-style: replicas * utilization
     action: str  # "scale_up" | "scale_down" | "hold"
     reasons: list[str]
     signals: ScaleSignals
@@ -58,6 +62,7 @@ class Autoscaler:
         self.settings = settings or AutoscaleSettings()
         self.clock = clock
         self.desired: int | None = None
+        self.utilization = 0.0  # of the latest recommendation
         self._last_change = -math.inf
         self._last_slo_up = -math.inf
         self._window: deque[tuple[float, int]] = deque()  # (time, recommendation), values decreasing
@@ -69,9 +74,11 @@ class Autoscaler:
         wanted = [s.min_replicas]
         reasons = []
         # Proportional, as Kubernetes' HPA: replicas * metric / target, ignored within the tolerance band.
+        self.utilization = 0.0
         for name, value, target in (("queue", signals.waiting_per_replica, s.target_waiting_per_replica),
                                     ("kv_cache", signals.kv_usage, s.target_kv_usage)):
             ratio = value / target
+            self.utilization = max(self.utilization, ratio)
             n = current if abs(ratio - 1.0) <= s.tolerance else math.ceil(current * ratio - 1e-9)
             wanted.append(n)
             if n != current:
@@ -134,9 +141,21 @@ class Autoscaler:
         if not reasons:
             reasons.append(f"hold {desired}: every signal within its target")
         return ScaleDecision(desired_replicas=desired, current_replicas=signals.current_replicas,
-                             recommended_replicas=recommended, action=action, reasons=reasons, signals=signals)
+                             recommended_replicas=recommended, utilization=round(self.utilization, 4),
+                             action=action, reasons=reasons, signals=signals)
 
 
 def slo_targets(percentiles: Mapping[str, float]) -> dict[str, float]:
     """Route -> required attainment from its SLO percentile (p99 -> 0.99)."""
     return {route: p / 100.0 for route, p in percentiles.items()}
+
+
+def signals_from(engine_stats: Mapping[str, Mapping[str, Any]], reports: Mapping[str, RouteReport],
+                 current_replicas: int = 1) -> ScaleSignals:
+    """This replica's signals from `EngineCore.stats()["engines"]` and `SLOAccounting.reports()`."""
+    waiting = sum(float(s.get("num_waiting", 0)) for s in engine_stats.values())
+    kv = max((float(s.get("kv_usage", 0.0)) for s in engine_stats.values()), default=0.0)  # one shared pool
+    live = {name: r for name, r in reports.items() if r.attainment is not None}
+    return ScaleSignals(current_replicas=current_replicas, waiting_per_replica=waiting, kv_usage=kv,
+                        slo_attainment={name: r.attainment for name, r in live.items()},
+                        slo_targets=slo_targets({name: r.percentile for name, r in live.items()}))

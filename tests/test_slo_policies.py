@@ -12,7 +12,7 @@ import pytest
 from engines.step_model import BatchCapController, RunningTargets, StepTimeModel, caps_for_target
 from engines.waiting_queue import WaitingQueue
 from gateway.admission import AdmissionController, AdmissionSettings
-from gateway.autoscale import Autoscaler, AutoscaleSettings, ScaleSignals, slo_targets
+from gateway.autoscale import Autoscaler, AutoscaleSettings, ScaleSignals, signals_from, slo_targets
 from gateway.config import RouteConfig, SLOConfig
 from gateway.slo import SLOAccounting
 
@@ -73,6 +73,18 @@ def test_step_model_borrows_the_token_cost_it_has_not_seen():
     assert c == b  # a prefill token is priced like a decode sequence, not as free
 
 
+def test_step_model_still_adapts_after_hours_of_decode_only_steps():
+    model = StepTimeModel()
+    for i in range(5000):  # no prefill for a long time: that direction must not wind up and freeze the fit
+        d = 1 + i % 64
+        model.observe(0.001 + 0.0004 * d, d, 0)
+    for i in range(500):
+        d = 1 + i % 64
+        model.observe(0.002 + 0.0008 * d, d, 0)
+    assert model.coefficients()[1] == pytest.approx(0.0008, rel=0.03)
+    assert max(model.p[0], model.p[4], model.p[8]) <= model.max_variance * (1 + 1e-9)
+
+
 def _run_steps(ctl: BatchCapController, clock: Clock, a: float, b: float, c: float, n: int, rng: random.Random):
     for _ in range(n):
         d, p = rng.randint(1, 64), rng.choice([0, 32, 256, 512])
@@ -119,9 +131,10 @@ def test_batch_caps_use_the_configured_limits_without_a_target_or_data():
 
 
 def test_batch_caps_keep_a_minimum_prefill_when_decodes_fill_the_budget():
-    model = StepTimeModel(min_samples=1)
+    model = StepTimeModel()
     for d in range(1, 40):
-        model.observe(0.002 + 0.001 * d, d, 16 * (d % 3))
+        p = 64 * (d % 4)
+        model.observe(0.002 + 0.001 * d + 0.00005 * p, d, p)
     caps = caps_for_target(model, budget_s=0.030, target_s=0.035, num_decode_seqs=60, max_num_seqs=64,
                            max_num_batched_tokens=512, min_prefill_tokens=16)
     assert caps.max_decode_seqs == 28  # floor((0.030 - 0.002) / 0.001)
@@ -491,7 +504,7 @@ def test_autoscale_tolerance_kv_usage_and_bounds():
     assert (hold.action, hold.desired_replicas) == ("hold", 2)
     assert hold.reasons == ["hold 2: every signal within its target"]
     kv = scaler.evaluate(_signals(2, waiting=8, kv=0.96))
-    assert (kv.recommended_replicas, kv.desired_replicas) == (3, 3)
+    assert (kv.recommended_replicas, kv.desired_replicas, kv.utilization) == (3, 3, 1.2)
     assert any(r.startswith("kv_cache:") for r in kv.reasons)
     capped = scaler.evaluate(_signals(3, waiting=200))
     assert capped.recommended_replicas == 6 and capped.desired_replicas == 6
@@ -511,3 +524,16 @@ def test_autoscale_slo_miss_adds_one_replica_per_cool_down():
     clock.advance(60)
     idle = scaler.evaluate(_signals(4, waiting=0, kv=0.0, interactive=0.97))  # idle: replicas would not help
     assert idle.recommended_replicas == 1 and idle.desired_replicas == 4
+
+
+def test_autoscale_signals_from_engine_stats_and_slo_reports():
+    clock = Clock(0.0)
+    acc = SLOAccounting(_routes(), clock=clock)
+    for ttft in (0.1, 0.2, 0.9, 0.3):
+        acc.observe_request("interactive", "large", ttft_s=ttft, tpot_s=0.01, prompt_tokens=1, output_tokens=3)
+    stats = {"small": {"num_waiting": 3, "kv_usage": 0.5}, "large": {"num_waiting": 9, "kv_usage": 0.5}}
+    signals = signals_from(stats, acc.reports(), current_replicas=2)
+    assert (signals.waiting_per_replica, signals.kv_usage) == (12.0, 0.5)
+    assert signals.slo_attainment == {"interactive": 0.75} and signals.slo_targets == {"interactive": 0.99}
+    decision = Autoscaler(clock=clock).evaluate(signals)
+    assert decision.recommended_replicas == 3 and decision.utilization == 1.5  # 12 waiting / 8 target
