@@ -47,43 +47,55 @@ class Kernel:
 
     def __getitem__(self, grid):
         def launch(*args, on_cuda: bool, **kwargs):
-            if on_cuda:
-                return self.compiled()[grid](*args, **kwargs)
-            with _interpreted_stdlib():
-                return self.interpreted()[grid](*args, **kwargs)
+            impl = self.compiled() if on_cuda else self.interpreted()
+            with _stdlib_as(JITFunction if on_cuda else InterpretedFunction):
+                return impl[grid](*args, **kwargs)
         return launch
 
 
 _STDLIB_LOCK = threading.RLock()
-_INTERPRETED: dict[int, Any] = {}
+_TWINS: dict[tuple[int, type], Any] = {}
+_NEEDS_SWAP: dict[type, bool] = {}
+
+
+def _stdlib_functions(kind: type) -> list[tuple[Any, str, Any]]:
+    """(module, name, function) for triton.language's own @jit helpers that are NOT of `kind`."""
+    other = InterpretedFunction if kind is JITFunction else JITFunction
+    found = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith("triton.language"):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if isinstance(value, other):
+                found.append((mod, attr, value))
+    return found
 
 
 @contextlib.contextmanager
-def _interpreted_stdlib() -> Iterator[None]:
-    """Swap triton.language's own @jit helpers (tl.max, tl.sum, tl.cdiv, ...) for interpreted twins.
+def _stdlib_as(kind: type) -> Iterator[None]:
+    """Make triton.language's own @jit helpers (tl.max, tl.sum, tl.cdiv, ...) of `kind` for one launch.
 
-    They were decorated when triton was imported; without TRITON_INTERPRET at that moment they are compiled
-    JITFunctions, which the interpreter cannot call. The swap lasts for one interpreted launch.
+    They were decorated when triton was imported, compiled or interpreted depending on TRITON_INTERPRET at
+    that moment; a kernel of the other kind cannot call them. Checked once per kind; swapped only if needed.
     """
-    swapped = []
+    if _NEEDS_SWAP.get(kind) is False:
+        yield
+        return
     with contextlib.suppress(ImportError):
-        # imported lazily by the launcher; it insists on seeing the compiled helpers, so load it first
+        # imported lazily by the interpreter's launcher; it insists on compiled helpers, so load it first
         import triton.experimental.gluon  # noqa: F401
     with _STDLIB_LOCK:
+        found = _stdlib_functions(kind)
+        _NEEDS_SWAP[kind] = bool(found)
         try:
-            for name, mod in list(sys.modules.items()):
-                if mod is None or not name.startswith("triton.language"):
-                    continue
-                for attr, value in list(vars(mod).items()):
-                    if isinstance(value, JITFunction):
-                        twin = _INTERPRETED.get(id(value))
-                        if twin is None:
-                            twin = _INTERPRETED[id(value)] = (value, InterpretedFunction(value.fn))
-                        setattr(mod, attr, twin[1])
-                        swapped.append((mod, attr, value))
+            for mod, attr, value in found:
+                twin = _TWINS.get((id(value), kind))
+                if twin is None:
+                    twin = _TWINS[(id(value), kind)] = (value, kind(value.fn))
+                setattr(mod, attr, twin[1])
             yield
         finally:
-            for mod, attr, value in swapped:
+            for mod, attr, value in found:
                 setattr(mod, attr, value)
 
 
@@ -104,7 +116,8 @@ def next_pow2(n: int) -> int:
 
 
 def dot_precision(dtype: torch.dtype, on_cuda: bool) -> str | None:
-    """`tl.dot` input precision: exact fp32 in the interpreter, tf32 for fp32 on the GPU, default otherwise."""
-    if not on_cuda:
+    """`tl.dot` input precision: IEEE fp32 for fp32 inputs (exact in the interpreter, tf32 would cost ~1e-3
+    on the GPU; serving runs bf16/fp16 anyway), the default for 16-bit inputs."""
+    if not on_cuda or dtype == torch.float32:
         return "ieee"
-    return "tf32" if dtype == torch.float32 else None
+    return None

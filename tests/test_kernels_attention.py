@@ -3,14 +3,17 @@ plain dense causal attention, on adversarial shapes (permuted pages, odd lengths
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# CPU: run kernels under the Triton interpreter (kernels.launch also interprets CPU tensors when triton was
+# imported first without it). GPU: the flag would turn triton.language's own helpers into interpreted ones.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 

@@ -3,10 +3,13 @@
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# CPU: run kernels under the Triton interpreter (kernels.launch also interprets CPU tensors when triton was
+# imported first without it). GPU: the flag would turn triton.language's own helpers into interpreted ones.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from kernels.fused import (  # noqa: E402
     rejection_sample,
@@ -29,7 +32,7 @@ def test_rmsnorm_residual_matches_reference_and_model(dtype):
     out, res = rmsnorm_residual(x, r, w, 1e-6)
     ref_out, ref_res = rmsnorm_residual_ref(x, r, w, 1e-6)
     assert torch.equal(res, ref_res)
-    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    tol = 1e-5 if dtype == torch.float32 else 1e-3  # GPU sqrt/div are approximate
     torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
     # the reference is the model's own RMSNorm
     from engines.model import RMSNorm
@@ -46,7 +49,7 @@ def test_silu_mul_matches_reference(dtype):
     g = torch.Generator().manual_seed(1)
     gate, up = (torch.randn(3, 1500, generator=g) * 4).to(dtype), torch.randn(3, 1500, generator=g).to(dtype)
     out = silu_mul(gate.to(DEV), up.to(DEV)).cpu()
-    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out, silu_mul_ref(gate, up), atol=tol, rtol=tol)
 
 

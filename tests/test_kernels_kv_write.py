@@ -3,10 +3,13 @@ and a round trip through paged attention."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# CPU: run kernels under the Triton interpreter (kernels.launch also interprets CPU tensors when triton was
+# imported first without it). GPU: the flag would turn triton.language's own helpers into interpreted ones.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from kernels.kv_write import quantize_kv_int8, rotate_half_rope, write_kv, write_kv_ref  # noqa: E402
 from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402

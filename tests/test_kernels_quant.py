@@ -3,10 +3,13 @@ and large-M paths), the CPU packed ops behind QuantLinear, and quantize_model's 
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# CPU: run kernels under the Triton interpreter (kernels.launch also interprets CPU tensors when triton was
+# imported first without it). GPU: the flag would turn triton.language's own helpers into interpreted ones.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from kernels.quant_matmul import (  # noqa: E402
