@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cooldown", type=float, default=0.0, help="seconds at the end left out of the statistics")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds without progress (connect, a read) before a request fails")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between /metrics scrapes")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

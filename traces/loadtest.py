@@ -140,7 +140,11 @@ async def discover_max_model_len(cfg: LoadTestConfig) -> int | None:
         data = resp.json().get("data", []) if resp.status_code == 200 else []
     except (httpx.HTTPError, ValueError):
         return None
-    lens = [m["max_model_len"] for m in data if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)]
+    known = {m.get("id"): m.get("max_model_len") for m in data if isinstance(m, dict)}
+    targeted = [known.get(name) for name in cfg.models]
+    # A route may not state a length (it spans engines): then the smallest any served model takes.
+    lens = [n for n in targeted if isinstance(n, int)] if all(isinstance(n, int) for n in targeted) else [
+        n for n in known.values() if isinstance(n, int)]
     return min(lens) if lens else None
 
 
@@ -180,7 +184,8 @@ async def run_once(cfg: LoadTestConfig, rate: float | None, out: Path,
 
 def sweep_point(rate: float, report: dict[str, Any]) -> dict[str, Any]:
     s = report["summary"]
-    return {"rate": rate, **s["requests"], "slo_attainment": s.get("slo_attainment"),
+    return {"rate": rate, **s["requests"], "offered_rate_rps": s["offered_rate_rps"],
+            "slo_attainment": s.get("slo_attainment"),
             "goodput_rps": s.get("goodput_rps"), "request_throughput_rps": s["request_throughput_rps"],
             "output_token_throughput_tps": s["output_token_throughput_tps"],
             "ttft_p50_ms": s["overall"]["ttft_ms"]["p50"], "ttft_p99_ms": s["overall"]["ttft_ms"]["p99"],

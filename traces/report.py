@@ -188,7 +188,7 @@ def plot_sweep(out: Path, points: list[dict[str, Any]]) -> list[str] | str:
         return PLOTS_UNAVAILABLE
     rates = [p["rate"] for p in points]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(rates, rates, ":", color="grey", label="offered load")
+    ax.plot(rates, [p["offered_rate_rps"] for p in points], ":", color="grey", label="offered (measured)")
     ax.plot(rates, [p["request_throughput_rps"] for p in points], "o-", label="throughput")
     ax.plot(rates, [p.get("goodput_rps") or 0 for p in points], "s-", label="goodput (all SLOs met)")
     ax.set_xlabel("offered load (req/s)")
