@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _MIN_COEF = 1e-9  # seconds; a fitted cost never reaches zero, so caps stay finite
 
@@ -138,9 +138,8 @@ class RunningTargets:
         return sum(self._counts.values())
 
 
-@dataclass(frozen=True, slots=True)
-class BatchCaps:
-    """What the scheduler may run this step: decode sequences and prefill tokens, and why."""
+class BatchCaps(NamedTuple):
+    """What the scheduler may run this step: decode sequences and prefill tokens, and why (a tuple: cheap)."""
 
     max_decode_seqs: int
     max_prefill_tokens: int
