@@ -195,7 +195,7 @@ class AdmissionController:
             wait = excess / rate
         wait = min(s.max_retry_after_s, max(s.min_retry_after_s, wait))
         return AdmissionDecision(action="shed", engine=None, reason=reason, predicted_ttft_s=predicted,
-                                 target_ttft_s=target, retry_after_s=math.ceil(wait), status=503)
+                                 target_ttft_s=target, retry_after_s=float(math.ceil(wait)), status=503)
 
     # ---- the ledger --------------------------------------------------------------------------------------
     def admit(self, request_id: str, route: str, engine: str, prompt_tokens: int) -> AdmissionDecision:
