@@ -12,7 +12,7 @@ import numpy as np
 from router_model.data import DataError, read_examples
 from router_model.evaluate import evaluate_scores, format_report
 from router_model.features import KNOWN_EXTRAS, FeatureConfig
-from router_model.router import Router, RouterArtifactError
+from router_model.router import NUM_QUANTILES, Router, RouterArtifactError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,6 +103,7 @@ def _eval(args: argparse.Namespace) -> int:
         # the k-th highest score: exactly k prompts (barring ties) reach it
         router.threshold = float(np.sort(scores)[::-1][k - 1]) if k > 0 else router.threshold_for_fraction(0.0)
         router.target_large_fraction = f
+        router.score_quantiles = np.quantile(scores, np.linspace(0.0, 1.0, NUM_QUANTILES))
         router.save_threshold(args.router)
         print(f"saved threshold {router.threshold:.4f} (sends {np.mean(scores >= router.threshold):.1%} large "
               f"here) to {Path(args.router) / 'router.json'}")

@@ -63,7 +63,7 @@ class Router:
     coef_hashed: np.ndarray
     intercept: float
     calibration: Calibration
-    score_quantiles: np.ndarray  # [NUM_QUANTILES] calibrated scores on held-out data, ascending
+    score_quantiles: np.ndarray  # [NUM_QUANTILES] calibrated scores on held-out data, ascending (in the JSON)
     threshold: float = 0.5
     target_large_fraction: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -119,7 +119,6 @@ class Router:
             "dense_scale": self.dense_scale.astype(np.float64),
             "coef_dense": self.coef_dense.astype(np.float64),
             "coef_hashed": self.coef_hashed.astype(np.float32),
-            "score_quantiles": self.score_quantiles.astype(np.float64),
             "calibration_x": np.asarray(self.calibration.x, dtype=np.float64),
             "calibration_y": np.asarray(self.calibration.y, dtype=np.float64),
         }
@@ -136,17 +135,19 @@ class Router:
             "calibration": {"method": self.calibration.method, "a": self.calibration.a, "b": self.calibration.b},
             "threshold": self.threshold,
             "target_large_fraction": self.target_large_fraction,
+            "score_quantiles": [float(v) for v in self.score_quantiles],
             "metadata": self.metadata,
         }
         (folder / JSON_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         return folder
 
     def save_threshold(self, folder: str | Path) -> None:
-        """Rewrite only the JSON's threshold fields (the npz and its checksum stay as they are)."""
+        """Rewrite only the JSON's threshold fields and score quantiles (the npz and its checksum stay)."""
         path = Path(folder) / JSON_NAME
         doc = json.loads(path.read_text())
         doc["threshold"] = self.threshold
         doc["target_large_fraction"] = self.target_large_fraction
+        doc["score_quantiles"] = [float(v) for v in self.score_quantiles]
         path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
     @classmethod
@@ -187,7 +188,7 @@ class Router:
                 intercept=float(doc["intercept"]),
                 calibration=Calibration(method=cal["method"], a=float(cal["a"]), b=float(cal["b"]),
                                         x=arrays["calibration_x"], y=arrays["calibration_y"]),
-                score_quantiles=arrays["score_quantiles"],
+                score_quantiles=np.asarray(doc["score_quantiles"], dtype=np.float64),
                 threshold=float(doc["threshold"]),
                 target_large_fraction=doc.get("target_large_fraction"),
                 metadata=doc.get("metadata") or {},

@@ -1,8 +1,8 @@
 """Router training: features -> logistic regression with C chosen by grouped cross-validation -> calibration.
 
-The target is "the large model's answer is better by more than a margin" (or a given binary label).
-Probabilities are calibrated on out-of-fold margins (Platt sigmoid by default, or isotonic), the same recipe
-as scikit-learn's CalibratedClassifierCV(ensemble=False), and the artifact keeps only numpy arrays.
+The target is "the large model's answer is better by more than a margin" (or a given binary label). The
+served model is the average of the cross-validation fold models; probabilities are calibrated on their
+out-of-fold margins (Platt sigmoid by default, or isotonic), and the artifact keeps only numpy arrays.
 """
 
 from __future__ import annotations
@@ -134,26 +134,30 @@ def train_router(examples: Sequence[RouterExample], options: TrainOptions | None
     cv_table = []
     for c in opts.c_grid:
         oof = np.zeros(len(examples))
+        coefs, intercepts = [], []
         for train_idx, test_idx in folds:
             clf = _fit(x[train_idx], y[train_idx], w[train_idx], c)
             oof[test_idx] = clf.decision_function(x[test_idx])
+            coefs.append(clf.coef_.ravel())
+            intercepts.append(float(clf.intercept_[0]))
         apgr = evaluate_scores(oof, qualities[:, 0], qualities[:, 1]).apgr
         auc = _auc(oof, y)
         cv_table.append({"C": c, "cv_apgr": apgr, "cv_auc": auc})
         key = apgr if scored else auc
         if best is None or key > best[0]:
-            best = (key, c, oof)
+            best = (key, c, oof, np.mean(coefs, axis=0), float(np.mean(intercepts)))
         log(f"  C={c:<6g} cross-validated APGR {apgr:.4f}  AUC {auc:.4f}")
-    _, c_best, oof = best
+    # The served model is the average of the fold models (a linear model again): its margins live on the same
+    # scale as the out-of-fold margins the calibration and the score quantiles were fitted on; a refit on all
+    # data would be sharper than them and shift the threshold.
+    _, c_best, oof, coef, intercept = best
     calibration = _calibrate(oof, y, opts.calibration)
     oof_scores = calibration(oof)
-    clf = _fit(x, y, w, c_best)
-    coef = clf.coef_.ravel()
     nd = opts.feature_config.num_dense
     router = Router(
         feature_config=opts.feature_config, dense_mean=mean, dense_scale=scale,
         coef_dense=coef[:nd].astype(np.float64), coef_hashed=coef[nd:].astype(np.float64),
-        intercept=float(clf.intercept_[0]), calibration=calibration,
+        intercept=intercept, calibration=calibration,
         score_quantiles=np.quantile(oof_scores, np.linspace(0.0, 1.0, NUM_QUANTILES)),
         metadata={
             "trained_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
