@@ -4,7 +4,7 @@ Runs an instant OpenAI-style SSE endpoint (a bare asyncio HTTP/1.1 server, in it
 generator is measured) and drives it open-loop with Poisson arrivals at rising rates. Target: >= 200 req/s
 with p99 dispatch lag under 10 ms and every request completed. Prints a table, writes bench/results/.
 
-    .venv/bin/python bench/loadgen_capacity.py [--rates 100,200,400] [--duration 5] [--tokens 8]
+    .venv/bin/python bench/loadgen_capacity.py [--rates 100,200,400] [--duration 5] [--tokens 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import platform
 import socket
 import sys
@@ -97,6 +98,7 @@ def main() -> int:
     ap.add_argument("--rates", default="100,200,400")
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--tokens", type=int, default=8, help="streamed chunks per response")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per rate; the median one is reported")
     args = ap.parse_args()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -104,18 +106,31 @@ def main() -> int:
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     proc = mp.get_context("fork").Process(target=serve, args=(sock, args.tokens), daemon=True)
     proc.start()
+    rows = []
     try:
-        rows = [asyncio.run(drive(url, float(r), args.duration, args.tokens)) for r in args.rates.split(",")]
+        for rate in (float(r) for r in args.rates.split(",")):
+            # Repeat each rate and keep the median run (by p99 lag): the machine is shared, and one
+            # descheduling of the generator should not decide the verdict either way.
+            runs = []
+            for _ in range(args.repeats):
+                run = asyncio.run(drive(url, rate, args.duration, args.tokens))
+                runs.append(run | {"loadavg_1m": os.getloadavg()[0]})
+            runs.sort(key=lambda r: r["dispatch_lag_p99_ms"])
+            median = runs[len(runs) // 2]
+            rows.append(median | {"repeats": args.repeats,
+                                  "runs_keeping_up": sum(r["keeps_up"] for r in runs),
+                                  "dispatch_lag_p99_ms_all": [round(r["dispatch_lag_p99_ms"], 2) for r in runs]})
     finally:
         proc.terminate()
         proc.join(5)
     print(f"{'rate':>6} {'sent':>6} {'done':>6} {'achieved':>9} {'lag p50':>8} {'lag p99':>8} {'lag max':>8} "
-          f"{'ttft p50':>9} {'ttft p99':>9} {'cpu/req':>8}  keeps up")
+          f"{'ttft p50':>9} {'ttft p99':>9} {'cpu/req':>8} {'load':>5}  keeps up (runs)")
     for r in rows:
         print(f"{r['rate']:6.0f} {r['planned']:6d} {r['completed']:6d} {r['achieved_send_rate']:9.1f} "
               f"{r['dispatch_lag_p50_ms']:8.2f} {r['dispatch_lag_p99_ms']:8.2f} {r['dispatch_lag_max_ms']:8.2f} "
               f"{r['client_ttft_p50_ms']:9.2f} {r['client_ttft_p99_ms']:9.2f} "
-              f"{r['generator_cpu_per_request_ms']:8.2f}  {'yes' if r['keeps_up'] else 'NO'}")
+              f"{r['generator_cpu_per_request_ms']:8.2f} {r['loadavg_1m']:5.1f}  "
+              f"{'yes' if r['keeps_up'] else 'NO'} ({r['runs_keeping_up']}/{r['repeats']})")
     best = max((r["rate"] for r in rows if r["keeps_up"]), default=None)
     print(f"highest rate kept up with: {best} req/s (target >= 200)")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

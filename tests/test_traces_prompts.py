@@ -65,3 +65,23 @@ def test_exact_counts_with_the_default_served_tokenizer():
     assert len(synth.words) > 500
     for n in (1, 64, 500):
         assert synth.count(synth.prompt(RequestSpec(n, n, 4, (0,), 16))) == n
+
+
+def test_plans_share_shape_but_not_prompt_text_unless_the_prompt_seed_is_fixed(tok_dir, tmp_path):
+    from traces.loadtest import LoadTestConfig, _prompt_seed, build_plan
+
+    cfg = LoadTestConfig(url="http://x", out=tmp_path, workload="chat", rate=5, duration_s=4,
+                         tokenizer=str(tok_dir), models=["a", "b"])
+    p1, m1 = build_plan(cfg, 5, 256, _prompt_seed(cfg, 0))
+    p2, m2 = build_plan(cfg, 5, 256, _prompt_seed(cfg, 0))
+    # Same seed: same arrivals and lengths; fresh prompt seeds: no prompt repeats a previous run's text
+    # (which would hit a warm prefix cache on the server).
+    assert [(r.at_s, r.input_tokens, r.output_tokens) for r in p1] == [(r.at_s, r.input_tokens, r.output_tokens)
+                                                                       for r in p2]
+    assert m1["prompt_seed"] != m2["prompt_seed"]
+    assert all(a.prompt[:40] != b.prompt[:40] for a, b in zip(p1, p2) if a.input_tokens >= 8)
+    assert [r.model for r in p1[:4]] == ["a", "b", "a", "b"]
+    fixed = LoadTestConfig(url="http://x", out=tmp_path, workload="chat", rate=5, duration_s=4,
+                           tokenizer=str(tok_dir), prompt_seed=7)
+    assert build_plan(fixed, 5, 256, _prompt_seed(fixed, 0))[0][0].prompt == build_plan(
+        fixed, 5, 256, _prompt_seed(fixed, 0))[0][0].prompt

@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
     p.add_argument("--warmup", type=float, default=0.0, help="seconds at the start left out of the statistics")
     p.add_argument("--cooldown", type=float, default=0.0, help="seconds at the end left out of the statistics")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of arrivals and lengths")
+    p.add_argument("--prompt-seed", type=int, default=None,
+                   help="seed of the prompt text (default: fresh per run, so a warm prefix cache from an "
+                        "earlier run cannot flatter the numbers; the report records it)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds without progress (connect, a read) before a request fails")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between /metrics scrapes")
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         api=args.api, tokenizer=args.tokenizer, max_model_len=args.max_model_len, arrivals=args.arrivals,
         burstiness=args.burstiness, time_scale=args.time_scale, trace_jitter_s=args.trace_jitter,
         concurrency=args.concurrency,
-        warmup_s=args.warmup, cooldown_s=args.cooldown, seed=args.seed, timeout_s=args.timeout,
+        warmup_s=args.warmup, cooldown_s=args.cooldown, seed=args.seed, prompt_seed=args.prompt_seed,
+        timeout_s=args.timeout,
         temperature=args.temperature, scrape_interval_s=args.scrape_interval, plots=not args.no_plots,
         progress=not args.quiet and sys.stderr.isatty())
     try:

@@ -5,6 +5,7 @@ open-loop client while scraping /metrics, and writes the report (JSON, Markdown,
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,10 @@ class LoadTestConfig:
     concurrency: int | None = None
     warmup_s: float = 0.0
     cooldown_s: float = 0.0
-    seed: int = 0
+    seed: int = 0  # arrivals and lengths
+    # Prompt text. None: a fresh random seed per run, so prompts of an earlier run (or an earlier sweep
+    # point) cannot hit the server's warm prefix cache and flatter the numbers; recorded in the report.
+    prompt_seed: int | None = None
     timeout_s: float = 600.0
     temperature: float | None = 0.0
     scrape_interval_s: float = 1.0
@@ -65,8 +69,8 @@ def _pick_process(cfg: LoadTestConfig) -> tuple[str, float | None]:
     return process, burst
 
 
-def build_plan(cfg: LoadTestConfig, rate: float | None,
-               max_model_len: int | None) -> tuple[list[PlannedRequest], dict[str, Any]]:
+def build_plan(cfg: LoadTestConfig, rate: float | None, max_model_len: int | None,
+               prompt_seed: int = 0) -> tuple[list[PlannedRequest], dict[str, Any]]:
     """The timed requests of one run, and metadata saying how they were made."""
     warnings: list[str] = []
     process, burst = _pick_process(cfg)
@@ -96,7 +100,7 @@ def build_plan(cfg: LoadTestConfig, rate: float | None,
     if scaling.factor < 1.0:
         warnings.append(f"lengths scaled by {scaling.factor:.4f} to fit max_model_len {max_model_len}"
                         + (f"; {scaling.clipped} prompts cut" if scaling.clipped else ""))
-    synth = _synthesizer(cfg, warnings)
+    synth = _synthesizer(cfg, prompt_seed, warnings)
     plan = []
     for i, ((t, _), spec) in enumerate(zip(pairs, specs)):
         spec = RequestSpec(i, spec.input_tokens, spec.output_tokens, spec.hash_ids, spec.block_tokens)
@@ -111,7 +115,8 @@ def build_plan(cfg: LoadTestConfig, rate: float | None,
         "rate_label": f"{rate:g} req/s" if rate is not None else f"trace time x{cfg.time_scale:g}",
         "rate": rate,
         "arrivals": process + (f" (burstiness {burst:g})" if burst and process != "trace" else ""),
-        "planned_requests": len(plan), "span_s": span, "seed": cfg.seed, "concurrency": cfg.concurrency,
+        "planned_requests": len(plan), "span_s": span, "seed": cfg.seed, "prompt_seed": prompt_seed,
+        "concurrency": cfg.concurrency,
         "lengths": (f"exact token counts for {cfg.tokenizer}" if cfg.tokenizer else
                     "approximate (no --tokenizer: one word per intended token; see usage for real counts)"),
         "scaling": {"factor": scaling.factor, "max_model_len": max_model_len, "clipped": scaling.clipped},
@@ -120,13 +125,13 @@ def build_plan(cfg: LoadTestConfig, rate: float | None,
     return plan, meta
 
 
-def _synthesizer(cfg: LoadTestConfig, warnings: list[str]):
+def _synthesizer(cfg: LoadTestConfig, seed: int, warnings: list[str]):
     from traces.prompts import PromptSynthesizer, WordPrompts
 
     if cfg.tokenizer:
-        return PromptSynthesizer(cfg.tokenizer, seed=cfg.seed)
+        return PromptSynthesizer(cfg.tokenizer, seed=seed)
     warnings.append("no --tokenizer: prompt lengths are approximate (the server's usage has the real counts)")
-    return WordPrompts(seed=cfg.seed)
+    return WordPrompts(seed=seed)
 
 
 async def discover_max_model_len(cfg: LoadTestConfig) -> int | None:
@@ -148,10 +153,14 @@ async def discover_max_model_len(cfg: LoadTestConfig) -> int | None:
     return min(lens) if lens else None
 
 
-async def run_once(cfg: LoadTestConfig, rate: float | None, out: Path,
-                   max_model_len: int | None) -> dict[str, Any]:
+def _prompt_seed(cfg: LoadTestConfig, point: int) -> int:
+    return random.randrange(2**31) if cfg.prompt_seed is None else cfg.prompt_seed + point
+
+
+async def run_once(cfg: LoadTestConfig, rate: float | None, out: Path, max_model_len: int | None,
+                   point: int = 0) -> dict[str, Any]:
     """One load test at `rate`; writes report.json, summary.md and plots under `out`; returns the report."""
-    plan, meta = build_plan(cfg, rate, max_model_len)
+    plan, meta = build_plan(cfg, rate, max_model_len, _prompt_seed(cfg, point))
     scraper = MetricsScraper(cfg.url, cfg.scrape_interval_s)
     result = await run_requests(cfg.url, plan, api=cfg.api, api_key=cfg.api_key, concurrency=cfg.concurrency,
                                 timeout_s=cfg.timeout_s, temperature=cfg.temperature, progress=cfg.progress,
@@ -196,10 +205,10 @@ async def run_sweep(cfg: LoadTestConfig, rates: list[float]) -> dict[str, Any]:
     """One run per rate (lowest first) into `out/rate_<R>/`, then the goodput curve into `out/`."""
     max_len = await discover_max_model_len(cfg)
     points = []
-    for rate in sorted(rates):
+    for point, rate in enumerate(sorted(rates)):
         if cfg.progress:
             print(f"rate {rate:g} req/s", file=sys.stderr)
-        report = await run_once(cfg, rate, cfg.out / f"rate_{rate:g}", max_len)
+        report = await run_once(cfg, rate, cfg.out / f"rate_{rate:g}", max_len, point)
         points.append(sweep_point(rate, report))
     source = f"workload {cfg.workload}" if cfg.workload else f"trace {Path(cfg.trace or '').name}"
     sweep = {"source": source, "points": points, "slos": {k: vars(v) for k, v in cfg.slos.items()},
