@@ -99,7 +99,8 @@ class ModelEngine:
         self.max_model_len = min(spec.max_model_len or limit, limit)
         self.scheduler = Scheduler(pool, model_id, max_num_seqs=spec.max_num_seqs,
                                    max_num_batched_tokens=spec.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device)
+        self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device,
+                                  spec.attention_backend)
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._live_ids: set[str] = set()  # ids accepted and not yet finished (guarded by the GIL's atomic ops)

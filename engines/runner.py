@@ -1,7 +1,8 @@
 """The model runner: turns a scheduled step into one flattened varlen batch (token ids, positions, slot
 mapping, block tables, query start offsets, context lengths), runs the model over the paged KV pool and
-returns logits only for the rows that sample. `paged_attention_ref` is the PyTorch reference (and CPU path)
-that the Triton kernel later replaces behind the same `AttentionContext`."""
+returns logits only for the rows that sample. Attention goes through `PagedAttention` (an AttentionContext):
+`paged_attention_ref` here is the PyTorch path (the CPU default), `kernels.paged_attention` the Triton kernel
+with the same plain signature (the CUDA default)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,24 @@ from engines.sequence import Sequence
 
 
 @dataclass
-class PagedAttentionPlan:
-    """Per-step layout shared by every layer: decodes (one query each) run as one batch, longer query
-    runs (prefill chunks, verify windows) one by one, so nobody pads to the longest query."""
+class DecodeGroup:
+    rows: torch.Tensor  # [Sd] row of q for each decode sequence
+    tables: torch.Tensor  # [Sd, max_blocks] their block tables
+    mask: torch.Tensor  # [Sd, 1, 1, max_blocks * block_size], True = attend
 
-    write_pages: torch.Tensor  # [T] page of each new token
-    write_offsets: torch.Tensor  # [T] slot inside that page
-    decode_rows: torch.Tensor | None  # [Sd] row of q for each decode sequence
-    decode_tables: torch.Tensor | None  # [Sd, max_blocks]
-    decode_mask: torch.Tensor | None  # [Sd, 1, 1, max_blocks * block_size], True = attend
+
+@dataclass
+class PagedAttentionPlan:
+    """Per-step layout shared by every layer: decodes (one query each) run batched in a few groups of similar
+    context length (so a short context is not padded to the longest), longer query runs (prefill chunks,
+    verify windows) one by one, so nobody pads to the longest query."""
+
+    decode_groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, context_len, pages)
 
 
 def plan_paged_attention(block_tables: torch.Tensor, seq_lens: Seq[int], query_start_loc: Seq[int],
-                         slot_mapping: torch.Tensor, block_size: int) -> PagedAttentionPlan:
+                         block_size: int) -> PagedAttentionPlan:
     """block_tables [S, max_blocks] (padding entries must be pages the sequence owns, never foreign ones);
     seq_lens: context length per sequence including this step's tokens; query_start_loc: S + 1 offsets."""
     dec, pre = [], []
@@ -39,36 +44,49 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: Seq[int], query_s
         else:
             nb = -(-seq_lens[i] // block_size)
             pre.append((query_start_loc[i], q_len, seq_lens[i], block_tables[i, :nb]))
-    decode_rows = decode_tables = decode_mask = None
-    if dec:
-        lens = [seq_lens[i] for i in dec]
-        nb = -(-max(lens) // block_size)
-        idx = torch.tensor(dec, device=block_tables.device)
-        decode_rows = torch.tensor([query_start_loc[i] for i in dec], device=block_tables.device)
-        decode_tables = block_tables[idx, :nb]
-        lens_t = torch.tensor(lens, device=block_tables.device)
-        decode_mask = (torch.arange(nb * block_size, device=block_tables.device)[None, :] < lens_t[:, None])
-        decode_mask = decode_mask[:, None, None, :]
-    return PagedAttentionPlan(slot_mapping // block_size, slot_mapping % block_size, decode_rows,
-                              decode_tables, decode_mask, pre)
+    dev = block_tables.device
+    groups: list[DecodeGroup] = []
+    dec.sort(key=lambda i: seq_lens[i])
+    start = 0
+    while start < len(dec):
+        # a group holds contexts within 2x of its shortest: padding costs at most as much as the real work
+        end = start + 1
+        while end < len(dec) and seq_lens[dec[end]] <= 2 * seq_lens[dec[start]] + block_size:
+            end += 1
+        members = dec[start:end]
+        nb = -(-seq_lens[members[-1]] // block_size)
+        lens_t = torch.tensor([seq_lens[i] for i in members], device=dev)
+        mask = torch.arange(nb * block_size, device=dev)[None, :] < lens_t[:, None]
+        groups.append(DecodeGroup(torch.tensor([query_start_loc[i] for i in members], device=dev),
+                                  block_tables[torch.tensor(members, device=dev), :nb], mask[:, None, None, :]))
+        start = end
+    return PagedAttentionPlan(groups, pre)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        plan: PagedAttentionPlan, scale: float | None = None) -> torch.Tensor:
-    """q: [T, Hq, D]; k_cache, v_cache: [num_pages, block_size, Hkv, D] (one layer, K/V of this step
-    already written). Each query attends causally to its sequence's context (cached prefix included);
-    GQA maps query head h to KV head h // (Hq / Hkv). Returns [T, Hq, D]."""
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor, *,
+                        scale: float | None = None, plan: PagedAttentionPlan | None = None,
+                        **_unused: object) -> torch.Tensor:
+    """q: [T, Hq, D]; k_cache, v_cache: [num_pages, block_size, Hkv, D] (one layer, K/V of this step already
+    written); block_tables [S, max_blocks]; query_start_loc [S + 1]; context_lens [S] (keys per sequence,
+    new tokens included). Each query attends causally to its sequence's context (cached prefix included);
+    GQA maps query head h to KV head h // (Hq / Hkv). Returns [T, Hq, D]. `plan` (from
+    `plan_paged_attention`) saves re-deriving the layout in every layer; other keywords of the kernel's
+    signature (max_query_len, ...) are accepted and unused."""
+    if plan is None:
+        plan = plan_paged_attention(block_tables, context_lens.tolist(), query_start_loc.tolist(),
+                                    k_cache.shape[1])
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
-    if plan.decode_rows is not None:
-        sd, nb = plan.decode_tables.shape
-        k = k_cache[plan.decode_tables].view(sd, -1, num_kv, head_dim).transpose(1, 2)
-        v = v_cache[plan.decode_tables].view(sd, -1, num_kv, head_dim).transpose(1, 2)
+    for g in plan.decode_groups:
+        sd = g.tables.shape[0]
+        k = k_cache[g.tables].view(sd, -1, num_kv, head_dim).transpose(1, 2)
+        v = v_cache[g.tables].view(sd, -1, num_kv, head_dim).transpose(1, 2)
         # GQA without copying K/V: the query heads of one KV head become that head's query rows
-        qd = q[plan.decode_rows].view(sd, num_kv, num_heads // num_kv, head_dim)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_mask, scale=scale)
-        out[plan.decode_rows] = o.reshape(sd, num_heads, head_dim)
+        qd = q[g.rows].view(sd, num_kv, num_heads // num_kv, head_dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=g.mask, scale=scale)
+        out[g.rows] = o.reshape(sd, num_heads, head_dim)
     for start, q_len, ctx_len, pages in plan.prefills:
         k = k_cache[pages].reshape(-1, num_kv, head_dim)[:ctx_len].transpose(0, 1)
         v = v_cache[pages].reshape(-1, num_kv, head_dim)[:ctx_len].transpose(0, 1)
@@ -84,35 +102,63 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 class PagedAttention:
-    """`AttentionContext` over the pool: write this step's K/V by slot, then attend with the reference."""
+    """`AttentionContext` over the pool: write this step's K/V at their slots, then attend (torch or Triton)."""
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], plan: PagedAttentionPlan):
-        self.k_caches, self.v_caches, self.plan = k_caches, v_caches, plan
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], batch: StepBatch,
+                 use_kernel: bool):
+        self.k_caches, self.v_caches, self.b = k_caches, v_caches, batch
+        self.use_kernel = use_kernel
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kc, vc = self.k_caches[layer], self.v_caches[layer]
-        kc[self.plan.write_pages, self.plan.write_offsets] = k
-        vc[self.plan.write_pages, self.plan.write_offsets] = v
-        return paged_attention_ref(q, kc, vc, self.plan)
+        kc, vc, b = self.k_caches[layer], self.v_caches[layer], self.b
+        kc[b.write_pages, b.write_offsets] = k
+        vc[b.write_pages, b.write_offsets] = v
+        if self.use_kernel:
+            from kernels.paged_attention import paged_attention
+
+            return paged_attention(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens,
+                                   max_query_len=b.max_query_len, max_context_len=b.max_context_len)
+        return paged_attention_ref(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens, plan=b.plan)
 
 
 @dataclass
 class StepBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    plan: PagedAttentionPlan
-    logits_indices: torch.Tensor
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write_pages: torch.Tensor  # [T] page of each new token's K/V (slot mapping = page * block + offset)
+    write_offsets: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [S, max_blocks]
+    query_start_loc: torch.Tensor  # [S + 1]
+    context_lens: torch.Tensor  # [S]
+    max_query_len: int
+    max_context_len: int
+    plan: PagedAttentionPlan | None  # torch path only
+    logits_indices: torch.Tensor  # rows of the hidden states that sample
     sample_seqs: list[Sequence]  # rows of the logits, in order
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> bool:
+    """True when the Triton kernel runs attention: "auto" picks it on CUDA, the torch path elsewhere."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend={backend!r} is invalid: use auto, torch or triton")
+    if backend == "auto":
+        if device.type != "cuda":
+            return False
+        from kernels.launch import HAVE_TRITON
+
+        return HAVE_TRITON
+    return backend == "triton"
 
 
 class ModelRunner:
     """Runs one model over its view of the shared pool ([pages, 2, layers, block, kv_heads, head_dim])."""
 
     def __init__(self, model: torch.nn.Module, kv_view: torch.Tensor, block_size: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", attention_backend: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        self.use_kernel = resolve_attention_backend(attention_backend, self.device)
         layers = kv_view.shape[2]
         self.k_caches = [kv_view[:, 0, i] for i in range(layers)]
         self.v_caches = [kv_view[:, 1, i] for i in range(layers)]
@@ -126,7 +172,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         max_blocks = 0
-        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+        for seq, n in zip(seqs, num_tokens):
             c = seq.num_computed
             ids.extend(seq.token_ids[c:c + n])
             starts.append(starts[-1] + n)
@@ -143,18 +189,23 @@ class ModelRunner:
         seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
         offset = torch.tensor(computed, dtype=torch.long) - torch.tensor(starts[:-1], dtype=torch.long)
         positions = torch.arange(len(ids)) + offset[seq_index]
-        slots = block_tables[seq_index, positions // bs] * bs + positions % bs
+        pages = block_tables[seq_index, positions // bs]
         dev = self.device
-        block_tables = block_tables.to(dev)
-        plan = plan_paged_attention(block_tables, seq_lens, starts, slots.to(dev), bs)
-        return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), plan,
-                         torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs)
+        tables_dev = block_tables.to(dev)
+        plan = None if self.use_kernel else plan_paged_attention(tables_dev, seq_lens, starts, bs)
+        return StepBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=positions.to(dev),
+            write_pages=pages.to(dev), write_offsets=(positions % bs).to(dev), block_tables=tables_dev,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_query_len=max(num_tokens), max_context_len=max(seq_lens), plan=plan,
+            logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs=sample_seqs)
 
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward the scheduled tokens; returns fp32 logits [R, V] for the R sequences that sample."""
         batch = self.prepare(seqs, num_tokens)
-        attn = PagedAttention(self.k_caches, self.v_caches, batch.plan)
+        attn = PagedAttention(self.k_caches, self.v_caches, batch, self.use_kernel)
         hidden = self.model(batch.input_ids, batch.positions, attn)
         if not batch.sample_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), []

@@ -381,3 +381,14 @@ def test_text_prompts_and_outputs_in_input_order(llama):
     for o in outs:
         assert o.prompt_token_ids == llm.tokenizer.encode(o.prompt)
         assert o.outputs[0].text == llm.tokenizer.decode(o.outputs[0].token_ids)
+
+
+def test_the_triton_kernel_behind_the_same_seam_gives_the_same_tokens(llama):
+    """attention_backend="triton" runs kernels.paged_attention (the Triton interpreter on CPU tensors)."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 3, 14, seed=10)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ref = LLM(llama, block_size=BLOCK, max_num_batched_tokens=12)
+    tri = LLM(llama, block_size=BLOCK, max_num_batched_tokens=12, attention_backend="triton")
+    assert tri.engine.runner.use_kernel and not ref.engine.runner.use_kernel
+    assert ([o.outputs[0].token_ids for o in tri.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in ref.generate(prompts, params)])
