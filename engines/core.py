@@ -25,7 +25,7 @@ from engines.runner import ModelRunner
 from engines.sampler import SamplerRow, sample
 from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler
-from engines.sequence import Request, Sequence, SeqStatus
+from engines.sequence import Request, SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from engines.async_engine import AsyncEngine
@@ -452,6 +452,8 @@ class EngineCore:
     def check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        if self._thread is None:
+            raise EngineDeadError("EngineCore is not running: call start() before generate()")
 
     def has_work(self) -> bool:
         return any(e.has_work() for e in self.engines.values())

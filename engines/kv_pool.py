@@ -58,6 +58,7 @@ class KVPool:
         self._page_key: list[tuple | None] = [None] * self.num_pages
         # LRU free list: allocation pops from the front; unhashed pages go to the front, hashed ones to the back
         self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(self.num_pages))
+        self._num_cached_free = 0  # free pages that still carry a hash (a counter: stats() may run on any thread)
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -88,7 +89,7 @@ class KVPool:
 
     @property
     def num_cached_free(self) -> int:
-        return sum(1 for p in self._free if self.page_hash[p] is not None)
+        return self._num_cached_free
 
     def stats(self) -> dict:
         return {"num_pages": self.num_pages, "page_bytes": self.page_bytes, "used_pages": self.num_used,
@@ -142,6 +143,7 @@ class KVPool:
         for p in pages:
             if self.ref_count[p] == 0:
                 del self._free[p]
+                self._num_cached_free -= 1  # only hashed pages are ever found by match_prefix
             self.ref_count[p] += 1
 
     def allocate(self, model_id: int, n: int) -> list[int]:
@@ -154,6 +156,7 @@ class KVPool:
             p, _ = self._free.popitem(last=False)
             key = self._page_key[p]
             if key is not None:  # evict: the hash dies only now that the page is reused
+                self._num_cached_free -= 1
                 del self._cached[key]
                 self._page_key[p] = None
                 self.page_hash[p] = None
@@ -176,11 +179,14 @@ class KVPool:
                 self._free[p] = None
                 if self.page_hash[p] is None:
                     self._free.move_to_end(p, last=False)
+                else:
+                    self._num_cached_free += 1
             elif self.ref_count[p] < 0:
                 raise RuntimeError(f"KV page {p} released more often than acquired")
 
     def reset_prefix_cache(self) -> None:
-        for key, page in list(self._cached.items()):
+        for page in self._cached.values():
             self._page_key[page] = None
             self.page_hash[page] = None
         self._cached.clear()
+        self._num_cached_free = 0

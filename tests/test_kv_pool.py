@@ -109,3 +109,29 @@ def test_disabled_prefix_caching_never_hits():
     assert pool.match_prefix(0, list(range(9))) == ([], [])
     pool.release(pages)
     assert pool.num_cached_free == 0
+
+
+def test_counters_stay_consistent_under_random_allocation_sharing_and_release():
+    import random
+
+    rng = random.Random(0)
+    pool = KVPool([SMALL], memory_bytes=16 * SMALL.page_bytes(4), block_size=4)
+    held: list[list[int]] = []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.4 and pool.num_free >= 3:
+            tokens = [rng.randrange(3) for _ in range(12)]  # few distinct prefixes: hits and duplicates
+            hit, _ = pool.match_prefix(0, tokens + [0])
+            pool.acquire(hit)
+            pages = hit + pool.allocate(0, 3 - len(hit))
+            _commit(pool, pages, tokens)
+            held.append(pages)
+        elif held:
+            pool.release(held.pop(rng.randrange(len(held))))
+        brute_cached = sum(1 for p in pool._free if pool.page_hash[p] is not None)
+        assert pool.num_cached_free == brute_cached
+        assert pool.num_used == sum(1 for c in pool.ref_count if c > 0)
+        assert all(pool.ref_count[p] == 0 for p in pool._free)
+    for pages in held:
+        pool.release(pages)
+    assert pool.num_used == 0

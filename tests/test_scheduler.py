@@ -9,7 +9,7 @@ import torch
 from engines.kv_pool import KVGeometry, KVPool
 from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler
-from engines.sequence import Request, Sequence, SeqStatus
+from engines.sequence import Request, SeqStatus, Sequence
 
 GEOM = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 
