@@ -62,7 +62,7 @@ class FeatureConfig:
     char_buckets: int = 1 << 16
     word_ngrams: tuple[int, int] = (1, 2)
     char_ngrams: tuple[int, int] = (3, 5)
-    max_chars: int = 4096  # hashing and ratios look at the last max_chars characters; lengths stay exact
+    max_chars: int = 2048  # hashing and ratios look at the last max_chars characters; lengths stay exact
     stats: tuple[str, ...] = STAT_NAMES
     extras: tuple[str, ...] = ()
 
