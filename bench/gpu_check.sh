@@ -21,7 +21,7 @@ if $PY -c "import pytest" 2>/dev/null; then
     # --noconftest: the suite's conftest builds HF checkpoints (transformers), which the kernel tests never use
     timeout 240 $PY -m pytest -q --noconftest -p no:cacheprovider -o addopts="" -rs \
         tests/test_kernels_attention.py tests/test_kernels_kv_write.py tests/test_kernels_quant.py \
-        tests/test_kernels_fused.py 2>&1 | tail -40
+        tests/test_kernels_fused.py tests/test_kernels_model.py 2>&1 | tail -40
     tests_rc=${PIPESTATUS[0]}
 else
     echo "pytest is not installed here: kernel tests skipped"; tests_rc=99
