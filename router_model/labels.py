@@ -93,7 +93,7 @@ def score_chunks(model, chunks: list[Chunk], batch_size: int = 32,
 
 def build(small_dir: Path, large_dir: Path, out_dir: Path, num_prompts: int, continuation: int,
           min_prompt: int, max_prompt: int, per_module_cap: int, test_fraction: float, batch_size: int,
-          seed: int, split: str = "heldout", log=print) -> dict:
+          seed: int, splits: tuple[str, ...] = ("heldout",), log=print) -> dict:
     from engines.corpus import load_corpus_split
     from engines.loader import load_checkpoint
     from engines.tokenizer import Tokenizer
@@ -102,9 +102,11 @@ def build(small_dir: Path, large_dir: Path, out_dir: Path, num_prompts: int, con
     if (small_dir / "tokenizer.json").read_bytes() != (large_dir / "tokenizer.json").read_bytes():
         raise ValueError(f"{small_dir} and {large_dir} use different tokenizers: their scores are not comparable")
     tok = Tokenizer.from_pretrained(small_dir)
-    modules = [(name, tok.encode(text)) for name, text in load_corpus_split(split)]
+    if "train" in splits:
+        raise ValueError("the models trained on the 'train' split: label prompts must come from unseen modules")
+    modules = [(name, tok.encode(text)) for split in splits for name, text in load_corpus_split(split)]
     chunks = make_chunks(modules, num_prompts, continuation, min_prompt, max_prompt, per_module_cap, seed)
-    log(f"{len(chunks)} prompts from {len({c.module for c in chunks})} {split} modules "
+    log(f"{len(chunks)} prompts from {len({c.module for c in chunks})} modules of {'+'.join(splits)} "
         f"({time.perf_counter() - t0:.1f}s)")
 
     scores = {}
@@ -138,7 +140,7 @@ def build(small_dir: Path, large_dir: Path, out_dir: Path, num_prompts: int, con
         for f in files.values():
             f.close()
     summary = {
-        "small": str(small_dir), "large": str(large_dir), "split": split, "prompts": len(chunks),
+        "small": str(small_dir), "large": str(large_dir), "splits": list(splits), "prompts": len(chunks),
         "train": counts["train"], "test": counts["test"], "continuation_tokens": continuation,
         "prompt_tokens": [min_prompt, max_prompt], "seed": seed, "test_fraction": test_fraction,
         "mean_small_score": float(scores["small"][0].mean()), "mean_large_score": float(scores["large"][0].mean()),
@@ -154,8 +156,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--small", default="models/tandem-tiny-s")
     p.add_argument("--large", default="models/tandem-tiny-l")
     p.add_argument("--out-dir", default="data/router", help="writes train.jsonl, test.jsonl, summary.json")
-    p.add_argument("--split", default="heldout", choices=("heldout", "validation"),
-                   help="corpus split the prompts come from (never the models' training split)")
+    p.add_argument("--splits", nargs="+", default=["heldout"], choices=("heldout", "validation"),
+                   help="corpus splits the prompts come from (never the models' training split)")
     p.add_argument("--num-prompts", type=int, default=3000)
     p.add_argument("--continuation", type=int, default=32, help="tokens of true continuation scored")
     p.add_argument("--min-prompt", type=int, default=16)
@@ -173,7 +175,7 @@ def main(argv: list[str]) -> int:
     try:
         build(Path(args.small), Path(args.large), Path(args.out_dir), args.num_prompts, args.continuation,
               args.min_prompt, args.max_prompt, args.per_module_cap, args.test_fraction, args.batch_size,
-              args.seed, args.split)
+              args.seed, tuple(args.splits))
     except (OSError, ValueError) as e:
         print(f"tandem router label: error: {e}", file=sys.stderr)
         return 2
