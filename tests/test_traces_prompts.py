@@ -85,3 +85,19 @@ def test_plans_share_shape_but_not_prompt_text_unless_the_prompt_seed_is_fixed(t
                            tokenizer=str(tok_dir), prompt_seed=7)
     assert build_plan(fixed, 5, 256, _prompt_seed(fixed, 0))[0][0].prompt == build_plan(
         fixed, 5, 256, _prompt_seed(fixed, 0))[0][0].prompt
+
+
+def test_mooncake_hash_ids_become_shared_prompt_prefixes_after_scaling(tok_dir):
+    from traces.readers import read_mooncake
+
+    specs, scaling = fit_to_context(read_mooncake(Path(__file__).parent / "fixtures/traces/mooncake_small.jsonl"), 256)
+    synth = PromptSynthesizer(tok_dir, seed=3)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    ids = {s.hash_ids: tok.encode(synth.prompt(s), add_special_tokens=False).ids for s in specs}
+    block = specs[0].block_tokens
+    assert block == round(512 * scaling.factor) and block >= 2
+    a, b, c = ids[(0, 1, 2)], ids[(0, 1, 3)], ids[(0, 4)]
+    assert a[: 2 * block] == b[: 2 * block]  # hash ids 0, 1 shared
+    assert a[2 * block: 3 * block] != b[2 * block: 3 * block]  # 2 vs 3 differ
+    assert a[:block] == c[:block] and a[block: 2 * block] != c[block: 2 * block]
+    assert [len(ids[s.hash_ids]) for s in specs] == [s.input_tokens for s in specs]
