@@ -205,6 +205,14 @@ class Progress:
         self.total, self.enabled = total, enabled
         self.sent = self.completed = self.failed = self.shed = 0
 
+    def finished(self, outcome: str) -> None:
+        if outcome == "completed":
+            self.completed += 1
+        elif outcome == "shed":
+            self.shed += 1
+        else:
+            self.failed += 1
+
     def line(self, elapsed: float, max_lag: float) -> str:
         width = 24
         done = self.completed + self.failed + self.shed
@@ -257,7 +265,7 @@ async def run_requests(base_url: str, plan: list[PlannedRequest], *, api: str = 
                     await send_one(client, url, req, rec, clock, api, headers, temperature)
             else:
                 await send_one(client, url, req, rec, clock, api, headers, temperature)
-            setattr(bar, rec.outcome, getattr(bar, rec.outcome) + 1)
+            bar.finished(rec.outcome)
 
         async def show_progress() -> None:
             while True:
