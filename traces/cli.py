@@ -20,7 +20,8 @@ EPILOG = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem loadtest", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="tandem loadtest", description="Replay a workload mix or a real trace "
+                                "against an OpenAI-compatible endpoint and write a report (docs/loadtest.md).",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", required=True, help="base URL of the endpoint, e.g. http://127.0.0.1:8000")
     p.add_argument("--api-key", default=None, help="bearer key (default: $TANDEM_API_KEY or $OPENAI_API_KEY)")

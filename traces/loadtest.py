@@ -97,6 +97,9 @@ def build_plan(cfg: LoadTestConfig, rate: float | None, max_model_len: int | Non
         source = f"workload {cfg.workload}"
     pairs = [(float(t), s) for t, s in zip(at, specs) if cfg.duration_s is None or t < cfg.duration_s]
     specs, scaling = fit_to_context([s for _, s in pairs], max_model_len)
+    if max_model_len is None:
+        warnings.append("the served context length is unknown (no --max-model-len, none in /v1/models): "
+                        "lengths are not scaled, and requests longer than the context will fail")
     if scaling.factor < 1.0:
         warnings.append(f"lengths scaled by {scaling.factor:.4f} to fit max_model_len {max_model_len}"
                         + (f"; {scaling.clipped} prompts cut" if scaling.clipped else ""))
