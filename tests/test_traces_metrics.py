@@ -109,3 +109,41 @@ def test_highest_passing_rate_stops_at_the_knee():
     assert highest_passing_rate(pts, 0.99) == 2
     assert highest_passing_rate(pts, 0.90) == 4
     assert highest_passing_rate([{"rate": 1, "slo_attainment": 0.1}], 0.9) is None
+
+
+PROM_TEXT = """# TYPE tandem:num_requests_waiting gauge
+tandem:num_requests_waiting{model_name="tandem-small"} 2
+tandem:num_requests_waiting{model_name="tandem-large"} 3
+# TYPE tandem:kv_cache_usage_perc gauge
+tandem:kv_cache_usage_perc{model_name="tandem-small"} 0.25
+tandem:kv_cache_usage_perc{model_name="tandem-large"} 0.25
+# TYPE tandem:prefix_cache_queries counter
+tandem:prefix_cache_queries_total{model_name="tandem-small"} %(q)s
+# TYPE tandem:prefix_cache_hits counter
+tandem:prefix_cache_hits_total{model_name="tandem-small"} %(h)s
+# TYPE tandem:router_decisions counter
+tandem:router_decisions_total{route="auto",choice="tandem-small"} %(s)s
+tandem:router_decisions_total{route="auto",choice="tandem-large"} 1
+# TYPE tandem:time_to_first_token_seconds histogram
+tandem:time_to_first_token_seconds_bucket{le="0.1",model_name="m",route="r"} 1
+tandem:time_to_first_token_seconds_bucket{le="+Inf",model_name="m",route="r"} %(n)s
+tandem:time_to_first_token_seconds_count{model_name="m",route="r"} %(n)s
+tandem:time_to_first_token_seconds_sum{model_name="m",route="r"} %(t)s
+"""
+
+
+def test_prometheus_scrapes_become_gauges_counter_deltas_and_rates():
+    from traces.server_metrics import MetricsScraper, parse_metrics
+
+    first = parse_metrics(PROM_TEXT % {"q": 100, "h": 10, "s": 4, "n": 2, "t": 0.5})
+    assert first["waiting"] == 5.0 and first["kv_usage"] == 0.25  # summed; one shared pool: max
+    assert first["router_decisions"] == {"tandem-small": 4.0, "tandem-large": 1.0}
+    last = parse_metrics(PROM_TEXT % {"q": 300, "h": 110, "s": 10, "n": 6, "t": 1.7})
+    scraper = MetricsScraper("http://x", samples=[first | {"t_s": 0.0}, last | {"t_s": 1.0}])
+    s = scraper.summary()
+    assert s["available"] and s["prefix_cache_hit_rate"] == pytest.approx(0.5)  # 100 hits / 200 queries
+    assert s["server_mean_ttft_s"] == pytest.approx(0.3)  # 1.2 s over 4 requests
+    assert s["router_decisions"] == {"tandem-small": 6.0, "tandem-large": 0.0}
+    assert s["spec_acceptance_rate"] is None and s["max_waiting"] == 5.0
+    assert MetricsScraper("http://x", error="GET /metrics answered 404").summary() == {
+        "available": False, "reason": "GET /metrics answered 404", "series": []}
