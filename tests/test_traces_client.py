@@ -154,8 +154,8 @@ async def test_client_records_tokens_usage_headers_and_outcomes(server):
 
 async def test_sequential_requests_reuse_one_keep_alive_connection(server):
     _, url = server
-    reqs = [PlannedRequest(i, 0.1 * i, "ok", "hi", 1, 3) for i in range(5)]
-    result = await run_requests(url, reqs)
+    reqs = [PlannedRequest(i, 0.0, "ok", "hi", 1, 3) for i in range(5)]
+    result = await run_requests(url, reqs, concurrency=1)  # strictly one after another
     assert all(r.outcome == "completed" for r in result.records)
     assert result.connections_opened == 1
 
