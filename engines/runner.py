@@ -79,17 +79,20 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
+    # pages as rows: index_select copies whole contiguous pages (~2-3x faster than 4-D advanced indexing)
+    k_rows, v_rows = k_cache.flatten(1), v_cache.flatten(1)
     for g in plan.decode_groups:
         sd = g.tables.shape[0]
-        k = k_cache[g.tables].view(sd, -1, num_kv, head_dim).transpose(1, 2)
-        v = v_cache[g.tables].view(sd, -1, num_kv, head_dim).transpose(1, 2)
+        flat = g.tables.reshape(-1)
+        k = k_rows.index_select(0, flat).view(sd, -1, num_kv, head_dim).transpose(1, 2)
+        v = v_rows.index_select(0, flat).view(sd, -1, num_kv, head_dim).transpose(1, 2)
         # GQA without copying K/V: the query heads of one KV head become that head's query rows
         qd = q[g.rows].view(sd, num_kv, num_heads // num_kv, head_dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=g.mask, scale=scale)
         out[g.rows] = o.reshape(sd, num_heads, head_dim)
     for start, q_len, ctx_len, pages in plan.prefills:
-        k = k_cache[pages].reshape(-1, num_kv, head_dim)[:ctx_len].transpose(0, 1)
-        v = v_cache[pages].reshape(-1, num_kv, head_dim)[:ctx_len].transpose(0, 1)
+        k = k_rows.index_select(0, pages).view(-1, num_kv, head_dim)[:ctx_len].transpose(0, 1)
+        v = v_rows.index_select(0, pages).view(-1, num_kv, head_dim)[:ctx_len].transpose(0, 1)
         qs = q[start:start + q_len].transpose(0, 1)
         if q_len == ctx_len:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
