@@ -245,6 +245,12 @@ def fit(args: argparse.Namespace) -> None:
     cfg = hf_config(size, vocab_size, ids)
     model = build_model(cfg, args.seed)
     previous = _warm_start(model, Path(args.init_from)) if args.init_from else None
+    teacher = None
+    if args.teacher:
+        from engines.loader import load_checkpoint
+
+        teacher = load_checkpoint(args.teacher, dtype="float32").model.eval()
+        print(f"distilling from {args.teacher} with weight {args.distill_weight}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     train = token_cache(tok_dir, "train")
     val = token_cache(tok_dir, "validation")
@@ -275,7 +281,15 @@ def fit(args: argparse.Namespace) -> None:
         batch = torch.from_numpy(np.stack([train[s:s + seq + 1] for s in starts]).astype(np.int64))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
             logits = model.dense_logits(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, vocab_size), batch[:, 1:].reshape(-1))
+        flat = logits.float().reshape(-1, vocab_size)
+        loss = F.cross_entropy(flat, batch[:, 1:].reshape(-1))
+        if teacher is not None:
+            # logit distillation: match the teacher's next-token distribution so the student agrees with its
+            # argmax (what a speculative draft needs), mixed with the plain data loss
+            with torch.no_grad():
+                target = F.log_softmax(teacher.dense_logits(batch[:, :-1]).float().reshape(-1, vocab_size), -1)
+            kl = F.kl_div(F.log_softmax(flat, -1), target, log_target=True, reduction="batchmean")
+            loss = (1 - args.distill_weight) * loss + args.distill_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -312,7 +326,7 @@ def _save(model, cfg, tok_dir, out_dir, args, step, tokens, elapsed, val, previo
     meta = {"size": args.size, "steps": step + (previous or {}).get("steps", 0),
             "tokens": tokens + (previous or {}).get("tokens", 0), "stage_steps": step, "stage_tokens": tokens,
             "elapsed_s": round(elapsed, 1), "val_loss": round(vloss, 4), "final": final, "argv": sys.argv[1:],
-            "previous": previous}
+            "teacher": args.teacher, "previous": previous}
     export(model, cfg, tok_dir, out_dir, meta)
     print(f"saved step={step} tokens={tokens} val_loss={vloss:.4f} final={final} -> {out_dir}", flush=True)
 
@@ -338,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--autocast", action="store_true", help="bf16 autocast (fp32 master weights)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--init-from", default=None, help="checkpoint folder to continue from (fresh optimizer)")
+    m.add_argument("--teacher", default=None, help="checkpoint folder to distil from (same tokenizer)")
+    m.add_argument("--distill-weight", type=float, default=0.8, help="share of the KL term when distilling")
     m.add_argument("--log-every", type=int, default=20)
     m.add_argument("--save-every", type=float, default=300.0, help="seconds between checkpoint exports")
     args = p.parse_args(argv)
