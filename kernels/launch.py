@@ -8,6 +8,7 @@ function and builds both forms lazily; the launch picks one from the device of t
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -121,3 +122,9 @@ def dot_precision(dtype: torch.dtype, on_cuda: bool) -> str | None:
     if not on_cuda or dtype == torch.float32:
         return "ieee"
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device_index: int = 0) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: launch heuristics ask at every call)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

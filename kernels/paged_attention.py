@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kernels.launch import dot_precision, kernel, next_pow2, require_triton, tl
+from kernels.launch import dot_precision, kernel, next_pow2, require_triton, sm_count, tl
 
 KV_NONE, KV_INT8, KV_FP8 = 0, 1, 2
 _LOG2E = 1.4426950408889634
@@ -152,7 +152,7 @@ def _pick_splits(num_programs: int, max_context_len: int, max_query_len: int, on
     """Split the keys only for short query chunks whose programs would leave the GPU's SMs idle."""
     if not on_cuda or max_query_len > 16:
         return 1
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = sm_count(torch.cuda.current_device())
     want = -(-2 * sms // max(1, num_programs))
     return int(max(1, min(want, max_context_len // 256, 32)))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.launch import HAVE_TRITON, dot_precision, kernel, require_triton, tl
+from kernels.launch import HAVE_TRITON, dot_precision, kernel, require_triton, sm_count, tl
 
 INT4_GROUPS = (32, 64, 128)
 
@@ -142,7 +142,7 @@ def _launch_config(m: int, n: int, k: int, bits: int, group: int, on_cuda: bool)
         return 16, 32, block_k, 2 if k >= 4 * block_k else 1
     if m <= 16:
         block_m, block_n, block_k = 16, 64, 256 if bits == 8 else 128
-        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        sms = sm_count(torch.cuda.current_device())
         tiles = -(-n // block_n)
         split = max(1, min(k // (4 * block_k), -(-2 * sms // tiles)))
         return block_m, block_n, block_k, split
