@@ -3,7 +3,7 @@ in float32, int8 and int4 (kernels.quant_matmul.QuantLinear on torch's packed CP
 machine's measured copy bandwidth and the bandwidth roofline (weight bytes read per token / bandwidth).
 Prints a table and writes bench/results/quant_cpu.json.
 
-    .venv/bin/python bench/quant_cpu.py [--layers 20] [--rounds 3] [--steps 4] [--modes float32,int8,int4]
+    .venv/bin/python bench/quant_cpu.py [--threads 1] [--layers 20] [--rounds 3] [--steps 4]
 
 The CPU is shared (2 cores, background jobs), so the modes are measured round-robin and each reports the
 median and the best step time over all rounds.
@@ -113,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--modes", default="float32,int8,int4")
     ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default). 1 by default: "
+                    "on a shared machine a parallel step waits at every barrier for a descheduled thread")
     ap.add_argument("--out", default=str(ROOT / "bench/results/quant_cpu.json"))
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     cfg = llama_300m(args.layers)
