@@ -47,8 +47,10 @@ class Kernel:
         return self._interpreted
 
     def __getitem__(self, grid):
-        def launch(*args, on_cuda: bool, **kwargs):
+        def launch(*args, on_cuda: bool, num_warps: int | None = None, num_stages: int | None = None, **kwargs):
             impl = self.compiled() if on_cuda else self.interpreted()
+            if on_cuda:  # launch options exist only for compiled kernels
+                kwargs.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v})
             with _stdlib_as(JITFunction if on_cuda else InterpretedFunction):
                 return impl[grid](*args, **kwargs)
         return launch

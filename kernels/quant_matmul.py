@@ -178,7 +178,7 @@ def wq_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
         x, w, scale, zero if zero is not None else scale, out, m, n, k, k_per_split,
         x.stride(0), w.stride(0), scale.stride(0), out.stride(0), out.stride(1),
         BITS=bits, GROUP=max(group, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32,
-        DOT_PREC=dot_precision(x.dtype, on_cuda), on_cuda=on_cuda,
+        DOT_PREC=dot_precision(x.dtype, on_cuda), on_cuda=on_cuda, num_warps=8 if bm * bn >= 128 * 128 else 4,
     )
     return out.sum(0).to(x.dtype) if split > 1 else out[0]
 
