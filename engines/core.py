@@ -198,6 +198,8 @@ class ModelEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return 0
+        if sched.num_draft_tokens:  # only a speculative verifier may schedule drafts (issue: speculative decoding)
+            raise RuntimeError("draft tokens were scheduled but this engine has no speculative verifier")
         self.num_steps += 1
         now = time.monotonic()
         for seq in sched.seqs:

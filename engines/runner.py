@@ -137,7 +137,8 @@ class StepBatch:
     max_context_len: int
     plan: PagedAttentionPlan | None  # torch path only
     logits_indices: torch.Tensor  # rows of the hidden states that sample
-    sample_seqs: list[Sequence]  # rows of the logits, in order
+    sample_seqs: list[Sequence]  # sequences that sample, in order
+    rows_per_seq: list[int]  # logits rows of each sampling sequence: 1, or 1 + k when verifying k drafts
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> bool:
@@ -174,16 +175,22 @@ class ModelRunner:
         computed: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        rows_per_seq: list[int] = []
         max_blocks = 0
         for seq, n in zip(seqs, num_tokens):
             c = seq.num_computed
-            ids.extend(seq.token_ids[c:c + n])
+            toks = seq.token_ids[c:c + n]
+            drafts = n - len(toks)  # scheduled draft tokens follow the last known token
+            if drafts:
+                toks = toks + seq.spec_token_ids[:drafts]
+            ids.extend(toks)
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
             computed.append(c)
-            if c + n == seq.num_tokens:  # the last known token is in: this row samples the next one
-                sample_rows.append(starts[-1] - 1)
+            if c + n - drafts == seq.num_tokens:  # the last known token is in: its row samples the next one
+                sample_rows.extend(range(starts[-1] - 1 - drafts, starts[-1]))
                 sample_seqs.append(seq)
+                rows_per_seq.append(1 + drafts)
             max_blocks = max(max_blocks, len(seq.pages))
         # padding repeats the sequence's own first page: never another model's bytes (see KVPool.allocate)
         tables = [s.pages + [s.pages[0]] * (max_blocks - len(s.pages)) for s in seqs]
@@ -202,14 +209,22 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             context_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             max_query_len=max(num_tokens), max_context_len=max(seq_lens), plan=plan,
-            logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs=sample_seqs)
+            logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs=sample_seqs,
+            rows_per_seq=rows_per_seq)
 
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward the scheduled tokens; returns fp32 logits [R, V] for the R sequences that sample."""
+        logits, batch = self.execute_batch(seqs, num_tokens)
+        return logits, batch.sample_seqs
+
+    @torch.inference_mode()
+    def execute_batch(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> tuple[torch.Tensor, StepBatch]:
+        """Like `execute`, with the batch layout: a sequence verifying k drafts has 1 + k consecutive logits
+        rows (`rows_per_seq`), the distributions after its last known token and after each draft."""
         batch = self.prepare(seqs, num_tokens)
         attn = PagedAttention(self.k_caches, self.v_caches, batch, self.use_kernel)
         hidden = self.model(batch.input_ids, batch.positions, attn)
         if not batch.sample_seqs:
-            return hidden.new_empty((0, 0), dtype=torch.float32), []
-        return self.model.compute_logits(hidden[batch.logits_indices]), batch.sample_seqs
+            return hidden.new_empty((0, 0), dtype=torch.float32), batch
+        return self.model.compute_logits(hidden[batch.logits_indices]), batch

@@ -12,14 +12,16 @@ import itertools
 from dataclasses import dataclass, field
 
 from engines.kv_pool import KVPool
-from engines.sequence import Sequence, SeqStatus
+from engines.sequence import SeqStatus, Sequence
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # parallel to seqs; `as_dict` is {seq_id: n}
-    num_draft_tokens: dict[int, int] = field(default_factory=dict)  # seam for speculative decoding
+    # speculative decoding: seq_id -> k draft tokens (`Sequence.spec_token_ids`) verified in this step; they
+    # are included in num_tokens (1 + k for a decode) and have pages, but only a verifier commits them
+    num_draft_tokens: dict[int, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
 
     def as_dict(self) -> dict[int, int]:
@@ -80,6 +82,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV (its hashed blocks stay cached), keep the generated tokens."""
         self.running.remove(seq)
+        seq.spec_token_ids.clear()
         self._free_pages(seq)
         seq.num_computed = 0
         self.num_preemptions += 1
@@ -107,7 +110,13 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            num_new = seq.num_tokens - seq.num_computed
+            drafts = 0
+            if num_new == 1 and seq.spec_token_ids:  # speculative: verify k drafts with the decode token
+                drafts = max(0, min(len(seq.spec_token_ids), budget - 1, seq.max_len - seq.num_tokens))
+                del seq.spec_token_ids[drafts:]
+                num_new += drafts
+            num_new = min(num_new, budget)
             if num_new <= 0:
                 continue
             need = self._pages_needed(seq, num_new)
@@ -117,6 +126,7 @@ class Scheduler:
                     i = scheduled.pop(victim.seq_id)
                     budget += out.num_tokens[i]
                     out.num_tokens[i] = 0
+                    out.num_draft_tokens.pop(victim.seq_id, None)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -128,6 +138,8 @@ class Scheduler:
             scheduled[seq.seq_id] = len(out.seqs)
             out.seqs.append(seq)
             out.num_tokens.append(num_new)
+            if drafts:
+                out.num_draft_tokens[seq.seq_id] = drafts
             budget -= num_new
 
         if out.preempted:  # drop entries zeroed by a later preemption

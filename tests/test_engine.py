@@ -392,3 +392,31 @@ def test_the_triton_kernel_behind_the_same_seam_gives_the_same_tokens(llama):
     assert tri.engine.runner.use_kernel and not ref.engine.runner.use_kernel
     assert ([o.outputs[0].token_ids for o in tri.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in ref.generate(prompts, params)])
+
+
+def test_runner_verifies_draft_tokens_with_one_logits_row_per_position(llama):
+    """The speculative seam: drafts scheduled with a decode get K/V slots and a logits row each."""
+    llm = LLM(llama, block_size=BLOCK)
+    eng = llm.engine
+    prompt = random_prompts(1, 9, 9, seed=11)[0]
+    expected = greedy_alone(eng.model, prompt, 12)
+    sink = Collector()
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "spec", emit=sink)
+    eng.step()  # prefill + first token
+    (seq,) = eng.scheduler.running
+    seq.spec_token_ids = expected[1:5]  # four correct drafts
+    sched = eng.scheduler.schedule()
+    assert sched.num_draft_tokens == {seq.seq_id: 4} and sched.num_tokens == [5]
+    logits, batch = eng.runner.execute_batch(sched.seqs, sched.num_tokens)
+    assert batch.rows_per_seq == [5] and logits.shape[0] == 5
+    with torch.inference_mode():
+        dense = eng.model.dense_logits(torch.tensor([prompt + expected[:5]]))[0, len(prompt):]
+    torch.testing.assert_close(logits, dense.float(), atol=1e-4, rtol=1e-4)
+    assert logits.argmax(-1).tolist() == expected[1:6]
+    # a verifier accepting all four appends them plus the bonus token and commits their K/V
+    seq.token_ids.extend(expected[1:6])
+    seq.spec_token_ids.clear()
+    eng.scheduler.commit_computed(seq, 5)
+    drain(eng)
+    assert sink.final["spec"].outputs[0].token_ids == expected
+    assert llm.core.pool.num_used == 0
