@@ -160,3 +160,11 @@ def test_kernel_runs_when_triton_was_imported_without_interpret_flag():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert res.returncode == 0, res.stderr
     assert float(res.stdout.strip()) < 1e-5
+
+
+def test_int64_metadata_as_the_engine_runner_builds_it():
+    args, _ = make_batch([17, 40], [3, 1], 4, 2, 16, seed=9)
+    q, k, v, tables, qsl, ctx = args
+    long_args = (q, k, v, tables.long(), qsl.long(), ctx.long())
+    torch.testing.assert_close(paged_attention(*long_args, num_splits=2), paged_attention_ref(*args),
+                               atol=1e-5, rtol=1e-5)
