@@ -106,8 +106,6 @@ class ModelEngine:
         self._live_ids: set[str] = set()  # ids accepted and not yet finished (guarded by the GIL's atomic ops)
         self.num_steps = 0
         self.num_generated_tokens = 0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
 
     # ---- caller side (any thread) --------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
@@ -207,8 +205,6 @@ class ModelEngine:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
                 m.num_cached_tokens = seq.num_cached_tokens
-                self.prefix_queries += seq.num_tokens
-                self.prefix_hits += seq.num_cached_tokens
         try:
             logits, sample_seqs = self.runner.execute(sched.seqs, sched.num_tokens)
             for seq, n in zip(sched.seqs, sched.num_tokens):
@@ -223,8 +219,7 @@ class ModelEngine:
         return sched.total_tokens
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        rows = [SamplerRow(s.request.params, s.token_ids[:s.prompt_len], s.token_ids[s.prompt_len:], s.generator)
-                for s in seqs]
+        rows = [self._sampler_row(s) for s in seqs]
         stop_ids = [self.eos_token_ids | set(s.request.params.stop_token_ids) if s.request.params.min_tokens
                     else set() for s in seqs]
         try:
@@ -253,6 +248,15 @@ class ModelEngine:
         for req in touched.values():
             if req.error is None:
                 self._emit(req, final=req.finished)
+
+    @staticmethod
+    def _sampler_row(seq: Sequence) -> SamplerRow:
+        # the token history is copied only for the rows whose options read it (penalties, min_tokens)
+        p = seq.request.params
+        history = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        prompt = seq.token_ids[:seq.prompt_len] if history else ()
+        output = seq.token_ids[seq.prompt_len:] if history or p.min_tokens else ()
+        return SamplerRow(p, prompt, output, seq.generator)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None, pos_logprobs: dict | None) -> None:
         params = seq.request.params
@@ -351,8 +355,9 @@ class ModelEngine:
         pool = self.pool.stats()
         pages = {p for s in self.scheduler.running for p in s.pages}
         return {"name": self.name, "kv_usage": pool["kv_usage"], "num_running": self.scheduler.num_running,
-                "num_waiting": self.scheduler.num_waiting, "prefix_cache_queries": self.prefix_queries,
-                "prefix_cache_hits": self.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
+                "num_waiting": self.scheduler.num_waiting,
+                "prefix_cache_queries": self.scheduler.prefix_queries,
+                "prefix_cache_hits": self.scheduler.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
                 "used_blocks": pool["used_pages"], "engine_used_blocks": len(pages),
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
                 "max_model_len": self.max_model_len}

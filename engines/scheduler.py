@@ -48,6 +48,8 @@ class Scheduler:
         self._waiting: list[tuple[tuple, Sequence]] = []  # heap on (priority, arrival, index)
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up at admission (every admission, every choice)
+        self.prefix_hits = 0  # of those, tokens served from the prefix cache
 
     # ---- queue management --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -167,6 +169,8 @@ class Scheduler:
                 break  # head of line waits for memory; lower-priority requests must not overtake it
             heapq.heappop(self._waiting)
             self.pool.record_query(seq.num_tokens, num_cached)
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += num_cached
             self.pool.acquire(cached_pages)
             seq.pages = cached_pages + self.pool.allocate(self.model_id, total_pages - len(cached_pages))
             seq.block_hashes = cached_hashes

@@ -115,6 +115,8 @@ def test_prefix_cache_hits_give_identical_outputs_and_show_in_stats(llama):
     stats = llm.stats()
     # every later request reuses the system prompt's 7 full blocks (28 tokens)
     assert stats["prefix_cache_hits"] >= 5 * 28
+    assert stats["engine_prefix_cache_hits"] == stats["prefix_cache_hits"]  # one engine: its counts are the pool's
+    assert stats["engine_prefix_cache_queries"] == stats["prefix_cache_queries"]
     assert all(o.metrics.num_cached_tokens == 28 for o in rest)
     # a prompt that extends a finished request (its prompt and its answer) hits those blocks too
     extended = system + suffixes[0] + first.outputs[0].token_ids + [7, 8, 9]
