@@ -183,13 +183,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     group = hq // hkv
     block_d = max(16, next_pow2(d))
-    if on_cuda:
-        block_m = max(16, min(64, next_pow2(group * max_query_len)))
-        block_n = 64 if block_d <= 128 else 32
-    else:  # the interpreter runs each tile op in numpy: bigger tiles, fewer programs
-        block_m = max(16, min(64, next_pow2(group * max_query_len)))
-        block_n = 64
-    block_m = max(block_m, next_pow2(group))
+    # M rows = query tokens x the GQA group of one KV head; tl.dot needs at least 16 of them
+    block_m = max(16, min(64, next_pow2(group * max_query_len)), next_pow2(group))
+    block_n = 64 if block_d <= 128 or not on_cuda else 32  # keep the K/V tiles within shared memory
     block_q = block_m // group
     n_qblocks = -(-max_query_len // block_q)
     if num_splits is None:
