@@ -422,3 +422,32 @@ def test_runner_verifies_draft_tokens_with_one_logits_row_per_position(llama):
     drain(eng)
     assert sink.final["spec"].outputs[0].token_ids == expected
     assert llm.core.pool.num_used == 0
+
+
+def test_priority_decides_admission_when_the_batch_is_full(llama):
+    llm = LLM(llama, block_size=BLOCK, max_num_seqs=1)
+    eng = llm.engine
+    sink = Collector()
+    order = []
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    def emit(o):
+        sink(o)
+        if o.finished:
+            order.append(o.request_id)
+
+    eng.add_request([5, 6, 7], params, "first", emit=emit)
+    eng.step()  # "first" holds the only slot; the rest queue behind it
+    for rid, prio in (("low", 5), ("urgent", -1), ("normal", 0)):
+        eng.add_request([5, 6, 7], params, rid, priority=prio, emit=emit)
+    drain(eng)
+    assert order == ["first", "urgent", "normal", "low"]
+
+
+def test_n_choices_without_prefix_caching_and_max_tokens_none_runs_to_the_context(llama):
+    llm = LLM(llama, block_size=BLOCK, max_model_len=40, enable_prefix_caching=False)
+    prompt = {"prompt_token_ids": random_prompts(1, 10, 10, seed=12)[0]}
+    out = llm.generate(prompt, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=None, ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [30, 30]
+    assert all(c.finish_reason == "length" for c in out.outputs)
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    assert llm.stats()["prefix_cache_hits"] == 0 and llm.stats()["used_pages"] == 0
