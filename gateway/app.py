@@ -10,7 +10,6 @@ import json
 import logging
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,14 +17,11 @@ from typing import Any, Protocol
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
-from litestar.enums import ScopeType
 from litestar.exceptions import ValidationException
-from litestar.middleware import ASGIMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.params import JSONBody
 from litestar.response import Stream
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,7 +30,7 @@ from engines.errors import EngineDeadError, RequestRejected
 from engines.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.config import TandemConfig, engine_core_args
-from gateway.errors import EXCEPTION_HANDLERS, APIError, error_response, handle_http_exception
+from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.protocol import (
     SSE_DONE,
     AssistantMessage,
@@ -101,30 +97,6 @@ class GatewayState:
         return self.host is not None and bool(self.engines)
 
 
-# --------------------------------------------------------------------------------------- middleware
-
-
-class RequestIdMiddleware(ASGIMiddleware):
-    """Gives every request an id (in scope state for handlers and logs) and echoes it as x-request-id."""
-
-    scopes = (ScopeType.HTTP,)
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
-        request_id = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        header = (b"x-request-id", request_id.encode())
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers") or [])
-                if not any(name.lower() == b"x-request-id" for name, _ in headers):
-                    headers.append(header)
-                message["headers"] = headers
-            await send(message)
-
-        await next_app(scope, receive, send_with_id)
-
-
 # ------------------------------------------------------------------------------------------ handlers
 
 
@@ -182,7 +154,7 @@ async def list_routes(request: Request) -> dict[str, Any]:
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response | Stream:
     state = _state(request)
-    route = _admit(state, data.model)
+    route = _admit(request, state, data.model)
     messages = [m.to_template() for m in data.messages]
     if not messages:
         raise APIError(400, "messages must contain at least one message", param="messages", code="invalid_value")
@@ -206,7 +178,7 @@ async def chat_completions(request: Request, data: JSONBody[ChatCompletionReques
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response | Stream:
     state = _state(request)
-    route = _admit(state, data.model)
+    route = _admit(request, state, data.model)
     try:
         prompt = prompt_input(data)
     except InvalidParameter as exc:
@@ -222,14 +194,16 @@ async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Re
 # ------------------------------------------------------------------------------------- the core path
 
 
-def _admit(state: GatewayState, model: str) -> Route:
+def _admit(request: Request, state: GatewayState, model: str) -> Route:
     if not state.ready:
         raise APIError(503, f"The server is not ready: {state.load_error or 'models are loading'}",
                        code="not_ready", retry_after=5)
     if state.inflight >= state.cfg.server.max_inflight_requests:
         raise APIError(503, f"The server is overloaded ({state.inflight} requests in flight); retry shortly",
                        code="overloaded", retry_after=1)
-    return state.routes.resolve(model)
+    route = state.routes.resolve(model)
+    request.scope["state"]["route"] = route.name  # the error counter's route label from here on
+    return route
 
 
 @dataclass
@@ -293,7 +267,7 @@ async def _serve(request: Request, state: GatewayState, route: Route,
     if not route.direct:
         telemetry.router_decisions.labels(route.name, run.engine.name).inc()
     span.set_attribute("gen_ai.response.model", run.engine.name)
-    headers = {"x-tandem-route": route.name, "x-tandem-model": run.engine.name}
+    headers = {"x-request-id": request_id, "x-tandem-route": route.name, "x-tandem-model": run.engine.name}
     if run.score is not None:
         headers["x-tandem-router-score"] = f"{run.score:.4f}"
 
@@ -350,33 +324,44 @@ async def _first_output(run: RoutedRun) -> RequestOutput:
 
 async def _stream_events(first: RequestOutput, run: RoutedRun, progress: _Progress, fmt: _Formatter,
                          finish: _Finisher, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE events of one request; a failure after the first byte becomes an error event, then [DONE].
+
+    The events of one engine output (every choice's delta, the finish, the usage) go out in one write: a
+    write per event would cost a trip through every ASGI layer and a syscall each, for no earlier byte.
+    """
+    error: APIError | None = None
+    pending: list[bytes] = fmt.opening(len(first.outputs))
     try:
-        for chunk in fmt.opening(len(first.outputs)):
-            yield chunk
-        out = first
-        while True:
-            if out.error:
-                err = APIError(500, f"The engine failed this request: {out.error}", code="engine_error")
-                yield err.sse_event()
-                break
-            for chunk in fmt.deltas(out):
-                yield chunk
-            if out.finished:
-                finish.done(out)
-                if include_usage:
-                    yield fmt.usage_chunk(out)
-                break
-            out = await anext(run.outputs)
-            progress.saw(out)
-        yield SSE_DONE
-    except (APIError, RequestRejected, EngineDeadError) as exc:
-        yield (exc if isinstance(exc, APIError) else APIError(500, str(exc), code="engine_error")).sse_event()
-        yield SSE_DONE
-    except Exception:
-        log.exception("stream %s failed", finish.run.request_ids)
-        yield APIError(500, "Internal server error while streaming; see the server log",
-                       code="internal_error").sse_event()
-        yield SSE_DONE
+        try:
+            out = first
+            while True:
+                if out.error:
+                    error = APIError(500, f"The engine failed this request: {out.error}", code="engine_error")
+                    break
+                pending.extend(fmt.deltas(out))
+                if out.finished:
+                    finish.done(out)
+                    if include_usage:
+                        pending.append(fmt.usage_chunk(out))
+                    break
+                if pending:
+                    yield b"".join(pending)
+                    pending.clear()
+                out = await anext(run.outputs)
+                progress.saw(out)
+        except APIError as exc:
+            error = exc
+        except (RequestRejected, EngineDeadError) as exc:
+            error = APIError(500, str(exc), code="engine_error")
+        except Exception:
+            log.exception("stream of request %s failed", fmt.id)
+            error = APIError(500, "Internal server error while streaming; see the server log",
+                             code="internal_error")
+        if error is not None:
+            finish.state.telemetry.count_error(finish.route.name, error.status)
+            pending.append(error.sse_event())
+        pending.append(SSE_DONE)
+        yield b"".join(pending)
     finally:
         finish.close()
 
@@ -581,7 +566,7 @@ def _validation_error(request: Request, exc: ValidationException) -> Response:
         message = message[:where.start()] if where else message
         text = f"Invalid value for {param!r}: {message}" if param else f"Invalid request body: {message}"
     err = APIError(400, text, param=param, code="missing_required_parameter" if missing else "invalid_value")
-    return error_response(err, request.scope.get("state", {}).get("request_id"))
+    return handle_api_error(request, err)
 
 
 def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | None = None,
@@ -627,7 +612,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     app = Litestar(
         route_handlers=[health, ready, metrics, list_models, list_routes, chat_completions, completions],
         on_startup=[start_loading], on_shutdown=[stop],
-        middleware=[RequestIdMiddleware(), AuthMiddleware(keyring)],
+        middleware=[AuthMiddleware(keyring)],
         plugins=[otel_plugin(provider)],
         exception_handlers={**EXCEPTION_HANDLERS, ValidationException: _validation_error},
         request_max_body_size=cfg.server.max_body_bytes,
@@ -637,6 +622,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         debug=False,
     )
     app.state.gateway = state
+    app.state.on_error = telemetry.count_error
     return app
 
 

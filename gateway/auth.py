@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import uuid
 
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
@@ -53,7 +54,8 @@ def _redact(token: str) -> str:
 
 
 class AuthMiddleware(ASGIMiddleware):
-    """Authenticate, then admit against the key's request/token limits; the key lands in scope state."""
+    """Give the request its id, authenticate, then admit against the key's request/token limits; the id and
+    the key land in scope state (one middleware, not three: each layer costs on every request)."""
 
     scopes = (ScopeType.HTTP,)
 
@@ -61,6 +63,8 @@ class AuthMiddleware(ASGIMiddleware):
         self.keyring = keyring
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        state = scope.setdefault("state", {})
+        state["request_id"] = uuid.uuid4().hex
         if scope["path"].startswith("/v1/"):
             authorization = None
             for name, value in scope["headers"]:
@@ -70,7 +74,7 @@ class AuthMiddleware(ASGIMiddleware):
             key = self.keyring.identify(authorization)
             if scope["path"] != "/v1/models" and scope["path"] != "/v1/routes":
                 self.keyring.limiter.admit(key)
-            scope.setdefault("state", {})["api_key"] = key
+            state["api_key"] = key
         await next_app(scope, receive, send)
 
 

@@ -58,8 +58,16 @@ def _request_id(request: Request) -> str | None:
     return request.scope.get("state", {}).get("request_id")
 
 
+def _respond(request: Request, err: APIError) -> Response:
+    """The error response, counted by the app's `on_error(route, status)` hook when it has one."""
+    on_error = getattr(request.app.state, "on_error", None)
+    if on_error is not None:
+        on_error(request.scope.get("state", {}).get("route"), err.status)
+    return error_response(err, _request_id(request))
+
+
 def handle_api_error(request: Request, exc: APIError) -> Response:
-    return error_response(exc, _request_id(request))
+    return _respond(request, exc)
 
 
 def handle_http_exception(request: Request, exc: HTTPException) -> Response:
@@ -78,7 +86,7 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response:
         err = APIError(400, f"Invalid request: {exc.detail}", code="invalid_request")
     else:
         err = APIError(status, str(exc.detail), code=None)
-    return error_response(err, _request_id(request))
+    return _respond(request, err)
 
 
 def handle_unexpected(request: Request, exc: Exception) -> Response:
@@ -87,7 +95,7 @@ def handle_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error in request %s", request_id, exc_info=exc)
     err = APIError(500, f"Internal server error (request id {request_id}); the details are in the server log",
                    code="internal_error")
-    return error_response(err, request_id)
+    return _respond(request, err)
 
 
 EXCEPTION_HANDLERS = {APIError: handle_api_error, HTTPException: handle_http_exception,

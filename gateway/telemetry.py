@@ -193,6 +193,7 @@ class Telemetry:
         self.registry = CollectorRegistry(auto_describe=True)
         self.windows = {name: SLOWindow(route, cfg.slo_window_s) for name, route in routes.items()}
         self._engines: Callable[[], Mapping[str, Any]] = dict
+        self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
         labels = ["model_name", "route"]
         reg = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (gateway view).",
@@ -221,22 +222,35 @@ class Telemetry:
         """Where the scrape-time collector finds the engines (they load after the app starts)."""
         self._engines = engines
 
+    def _bound(self, model: str, route: str) -> tuple[Any, ...]:
+        """The label-bound children of one (model, route), cached: `.labels()` costs on every request."""
+        key = (model, route)
+        bound = self._children.get(key)
+        if bound is None:
+            bound = self._children[key] = tuple(m.labels(model, route) for m in (
+                self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens))
+        return bound
+
     def observe_request(self, *, route: str, model: str, ttft_s: float | None, e2e_s: float,
                         itls: list[float], output_tokens: int, prompt_tokens: int, finish_reason: str,
                         queue_s: float | None) -> None:
+        ttft_m, itl_m, tpot_m, e2e_m, queue_m, prompt_m, generation_m = self._bound(model, route)
         if ttft_s is not None:
-            self.ttft.labels(model, route).observe(ttft_s)
+            ttft_m.observe(ttft_s)
         for gap in itls:
-            self.itl.labels(model, route).observe(gap)
+            itl_m.observe(gap)
         tpot = (e2e_s - ttft_s) / (output_tokens - 1) if ttft_s is not None and output_tokens > 1 else None
         if tpot is not None:
-            self.tpot.labels(model, route).observe(tpot)
-        self.e2e.labels(model, route).observe(e2e_s)
+            tpot_m.observe(tpot)
+        e2e_m.observe(e2e_s)
         if queue_s is not None:
-            self.queue.labels(model, route).observe(max(0.0, queue_s))
+            queue_m.observe(max(0.0, queue_s))
         self.requests.labels(model, route, finish_reason).inc()
-        self.prompt_tokens.labels(model, route).inc(prompt_tokens)
-        self.generation_tokens.labels(model, route).inc(output_tokens)
+        prompt_m.inc(prompt_tokens)
+        generation_m.inc(output_tokens)
         window = self.windows.get(route)
         if window is not None:
             window.observe(ttft_s, tpot)
+
+    def count_error(self, route: str | None, status: int) -> None:
+        self.errors.labels(route or "", str(status)).inc()

@@ -417,6 +417,29 @@ def test_request_span_has_genai_attributes_and_engine_children(client, spans):
     assert not any(s.name.endswith(("http send", "http receive")) for s in finished)
 
 
+def test_prompt_and_completion_enter_spans_only_with_record_content(client, server, spans):
+    telemetry = server.app.state.gateway.cfg.telemetry
+    telemetry.record_content = True
+    try:
+        spans.clear()
+        resp = client.chat.completions.create(model="best", messages=MESSAGES, max_tokens=2, temperature=0)
+        deadline = time.monotonic() + 5
+        while not any(s.name == "chat best" for s in spans.get_finished_spans()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        telemetry.record_content = False
+    attrs = next(s for s in spans.get_finished_spans() if s.name == "chat best").attributes
+    assert json.loads(attrs["gen_ai.input.messages"]) == MESSAGES
+    assert json.loads(attrs["gen_ai.output.messages"]) == [resp.choices[0].message.content]
+
+
+def test_errors_are_counted_by_route_and_status(client, server):
+    before = _metric(server, "tandem:request_errors_total", route="fast", status="400")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="fast", prompt="x", temperature=9)
+    assert _metric(server, "tandem:request_errors_total", route="fast", status="400") == before + 1
+
+
 def test_metrics_histograms_and_slo_attainment_move(client, server):
     before = _metric(server, "tandem:time_to_first_token_seconds_count", route="fast")
     e2e_before = _metric(server, "tandem:e2e_request_latency_seconds_count", route="fast")
