@@ -128,12 +128,12 @@ async def list_models(request: Request) -> ModelList:
     state = _state(request)
     cards = []
     for name, route in state.routes.routes.items():
-        engine = state.engines.get(name) if route.direct else None
         if name in state.routes.unavailable:
             continue
+        lens = [getattr(state.engines.get(e), "max_model_len", None) for e in route.config.engines]
         cards.append(ModelCard(id=name, created=state.created, owned_by="tandem",
                                kind="engine" if route.direct else "route",
-                               max_model_len=getattr(engine, "max_model_len", None)))
+                               max_model_len=min(lens) if lens and None not in lens else None))
     return ModelList(data=cards)
 
 

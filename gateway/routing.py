@@ -1,10 +1,12 @@
 """Route -> engine: resolve the request's `model` to a route (a configured one, or an engine named directly)
 and let the route's strategy start the generation. `fixed` lives here; `router` and `cascade` plug into
-the same seam with `register_strategy` (a strategy may run one engine, or several in turn, as a cascade does).
+the same seam: a module named in STRATEGY_MODULES calls `register_strategy` when imported (a strategy may run
+one engine, or several in turn, as a cascade does).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -59,6 +61,8 @@ class Strategy(Protocol):
 
 StrategyFactory = Callable[[str, RouteConfig, TandemConfig], Strategy]
 _FACTORIES: dict[str, StrategyFactory] = {}
+# Where the strategies that live outside this module are found: importing the module registers the strategy.
+STRATEGY_MODULES = {"router": "gateway.router_strategy", "cascade": "gateway.cascade"}
 
 
 def register_strategy(name: str, factory: StrategyFactory) -> None:
@@ -83,6 +87,20 @@ class FixedStrategy:
 register_strategy("fixed", lambda name, route, cfg: FixedStrategy())
 
 
+def _import_strategy(name: str) -> StrategyFactory | None:
+    """Import the module that registers strategy `name`; None when this build does not have it."""
+    module = STRATEGY_MODULES.get(name)
+    if module is None:
+        return None
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:  # the module exists but something it needs is missing: say so loudly
+            raise
+        return None
+    return _FACTORIES.get(name)
+
+
 class Routes:
     """The routing table: configured routes plus one implicit fixed route per engine."""
 
@@ -94,7 +112,7 @@ class Routes:
         self.strategies: dict[str, Strategy] = {}
         self.unavailable: dict[str, str] = {}  # route -> why it cannot serve (its strategy is not installed)
         for name, route in self.routes.items():
-            factory = _FACTORIES.get(route.config.strategy)
+            factory = _FACTORIES.get(route.config.strategy) or _import_strategy(route.config.strategy)
             if factory is None:
                 self.unavailable[name] = (f"route {name!r} uses strategy {route.config.strategy!r}, which this "
                                           f"build does not provide yet")
