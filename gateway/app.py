@@ -23,6 +23,7 @@ from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.params import JSONBody
 from litestar.response import Stream
 from opentelemetry import trace
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -57,7 +58,13 @@ from gateway.protocol import (
     sse,
 )
 from gateway.routing import Route, RoutedRun, Routes, RoutingContext
-from gateway.telemetry import Telemetry, add_engine_spans, build_tracer_provider, otel_plugin
+from gateway.telemetry import (
+    Telemetry,
+    add_engine_spans,
+    build_meter_provider,
+    build_tracer_provider,
+    otel_plugin,
+)
 
 log = logging.getLogger("tandem.gateway")
 
@@ -283,9 +290,14 @@ async def _serve(request: Request, state: GatewayState, route: Route,
     response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + request_id
     created = int(time.time())
     fmt = _Formatter(operation, response_id, created, data.model, run.engine.tokenizer, data, params.logprobs)
-    finish = _Finisher(state, route, run, progress, span, request.scope["state"].get("api_key"))
+    finish = _Finisher(state, route, run, progress, span, request.scope["state"].get("api_key"), operation,
+                       data.model)
 
     if not data.stream:
+        # A client that hangs up on a long non-streamed request must not keep its KV pages busy.
+        watcher = None if first.finished else asyncio.create_task(_until_disconnect(request))
+        if watcher is not None:
+            watcher.add_done_callback(lambda t: None if t.cancelled() else run.abort())
         try:
             out = first
             while not out.finished:
@@ -297,12 +309,20 @@ async def _serve(request: Request, state: GatewayState, route: Route,
             finish.done(out)
             return Response(content=encode(fmt.full(out)), media_type="application/json", headers=headers)
         finally:
+            if watcher is not None:
+                watcher.cancel()
             finish.close()
 
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     events = _stream_events(first, run, progress, fmt, finish, include_usage)
     return Stream(events, media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"},
                   background=BackgroundTask(events.aclose))
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body is already read, so the next ASGI message is the end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _first_output(run: RoutedRun) -> RequestOutput:
@@ -370,9 +390,10 @@ class _Finisher:
     """The end of a request, whichever way it ends: abort if unfinished, charge tokens, record telemetry."""
 
     def __init__(self, state: GatewayState, route: Route, run: RoutedRun, progress: _Progress, span: Any,
-                 api_key: str | None):
+                 api_key: str | None, operation: str, request_model: str):
         self.state, self.route, self.run, self.progress, self.span, self.api_key = (
             state, route, run, progress, span, api_key)
+        self.operation, self.request_model = operation, request_model
         self.finished_ok = False
         self.closed = False
 
@@ -403,7 +424,8 @@ class _Finisher:
         telemetry = self.state.telemetry
         telemetry.observe_request(route=self.route.name, model=self.run.engine.name, ttft_s=ttft,
                                   e2e_s=now - p.arrival, itls=p.itls, output_tokens=output_tokens,
-                                  prompt_tokens=prompt_tokens, finish_reason=reasons[0], queue_s=queue)
+                                  prompt_tokens=prompt_tokens, finish_reason=reasons[0], queue_s=queue,
+                                  operation=self.operation, request_model=self.request_model)
         span = self.span
         span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
@@ -570,12 +592,13 @@ def _validation_error(request: Request, exc: ValidationException) -> Response:
 
 
 def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | None = None,
-               tracer_provider: TracerProvider | None = None,
+               tracer_provider: TracerProvider | None = None, meter_provider: MeterProvider | None = None,
                on_load_error: Callable[[str], None] | None = None) -> Litestar:
     """Build the gateway for `cfg`. The engines come from `host_factory` (default: an EngineCore for the
     config), built and started in a worker thread at start-up so `/health` answers while they load."""
     provider = tracer_provider or build_tracer_provider(cfg.telemetry)
-    telemetry = Telemetry(cfg.telemetry, cfg.routes, provider)
+    telemetry = Telemetry(cfg.telemetry, cfg.routes, provider,
+                          meter_provider or build_meter_provider(cfg.telemetry))
     keyring = KeyRing(cfg.auth)
     state = GatewayState(cfg=cfg, routes=Routes(cfg), keyring=keyring, telemetry=telemetry)
     telemetry.bind_engines(lambda: state.engines)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from litestar.plugins.opentelemetry import OpenTelemetryConfig, OpenTelemetryPlugin
-from opentelemetry import trace
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import MeterProvider as MeterProviderAPI
+from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -37,6 +39,10 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
 PREFIX = "tandem:"
+# The OpenTelemetry GenAI semantic conventions' bucket advisories for the server metrics.
+GENAI_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+GENAI_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+GENAI_DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
 
 
 # ------------------------------------------------------------------------------------------- tracing
@@ -52,6 +58,19 @@ def build_tracer_provider(cfg: TelemetryConfig) -> TracerProvider:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         log.info("exporting traces over OTLP/HTTP to %s", endpoint)
     return provider
+
+
+def build_meter_provider(cfg: TelemetryConfig) -> MeterProvider | None:
+    """GenAI metrics go out over OTLP/HTTP when the OTEL_* variables ask for it; otherwise the global provider
+    (a no-op unless the process configured one) receives them."""
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    if not (cfg.otlp and endpoint):
+        return None
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    return MeterProvider(resource=Resource.create({"service.name": cfg.service_name}),
+                         metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
 
 
 def otel_plugin(provider: TracerProvider) -> OpenTelemetryPlugin:
@@ -186,7 +205,8 @@ class _EngineStatsCollector(Collector):
 class Telemetry:
     """The gateway's metrics registry, tracer and SLO windows; one per app so tests can run several."""
 
-    def __init__(self, cfg: TelemetryConfig, routes: Mapping[str, RouteConfig], provider: TracerProvider):
+    def __init__(self, cfg: TelemetryConfig, routes: Mapping[str, RouteConfig], provider: TracerProvider,
+                 meter_provider: MeterProviderAPI | None = None):
         self.cfg = cfg
         self.provider = provider
         self.tracer = provider.get_tracer("tandem.gateway")
@@ -217,6 +237,16 @@ class Telemetry:
         self.cascade_escalations = Counter(PREFIX + "cascade_escalations", "Cascade escalations to the large "
                                            "engine.", ["route"], registry=reg)
         reg.register(_EngineStatsCollector(lambda: self._engines(), self.windows))
+        meter = (meter_provider or metrics.get_meter_provider()).get_meter("tandem.gateway")
+        self.genai_ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token", unit="s", description="Time to generate the first token.",
+            explicit_bucket_boundaries_advisory=GENAI_TTFT_BUCKETS)
+        self.genai_tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token", unit="s", description="Time per output token after the first.",
+            explicit_bucket_boundaries_advisory=GENAI_TPOT_BUCKETS)
+        self.genai_duration = meter.create_histogram(
+            "gen_ai.server.request.duration", unit="s", description="Generative AI server request duration.",
+            explicit_bucket_boundaries_advisory=GENAI_DURATION_BUCKETS)
 
     def bind_engines(self, engines: Callable[[], Mapping[str, Any]]) -> None:
         """Where the scrape-time collector finds the engines (they load after the app starts)."""
@@ -233,7 +263,7 @@ class Telemetry:
 
     def observe_request(self, *, route: str, model: str, ttft_s: float | None, e2e_s: float,
                         itls: list[float], output_tokens: int, prompt_tokens: int, finish_reason: str,
-                        queue_s: float | None) -> None:
+                        queue_s: float | None, operation: str = "chat", request_model: str = "") -> None:
         ttft_m, itl_m, tpot_m, e2e_m, queue_m, prompt_m, generation_m = self._bound(model, route)
         if ttft_s is not None:
             ttft_m.observe(ttft_s)
@@ -251,6 +281,13 @@ class Telemetry:
         window = self.windows.get(route)
         if window is not None:
             window.observe(ttft_s, tpot)
+        attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "tandem",
+                 "gen_ai.request.model": request_model or route, "gen_ai.response.model": model}
+        if ttft_s is not None:
+            self.genai_ttft.record(ttft_s, attrs)
+        if tpot is not None:
+            self.genai_tpot.record(tpot, attrs)
+        self.genai_duration.record(e2e_s, attrs)
 
     def count_error(self, route: str | None, status: int) -> None:
         self.errors.labels(route or "", str(status)).inc()

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -91,10 +93,16 @@ def spans() -> InMemorySpanExporter:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoints, spans):
+def metric_reader() -> InMemoryMetricReader:
+    return InMemoryMetricReader()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, spans, metric_reader):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
-    with ServerThread(_config(checkpoints), tracer_provider=provider) as srv:
+    with ServerThread(_config(checkpoints), tracer_provider=provider,
+                      meter_provider=MeterProvider(metric_readers=[metric_reader])) as srv:
         yield srv
 
 
@@ -391,6 +399,19 @@ async def test_dropping_50_streams_midway_frees_every_kv_page(server):
     assert aborted - aborted_before == 50
 
 
+def test_client_hanging_up_on_a_long_non_streamed_request_aborts_it(server):
+    aborted_before = _metric(server, "tandem:request_success_total", route="best", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(5, read=0.3), json={
+            "model": "best", "prompt": "x", "max_tokens": 500, "n": 8, "ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while _metric(server, "tandem:request_success_total", route="best", finished_reason="abort") == aborted_before \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, "tandem:request_success_total", route="best", finished_reason="abort") == aborted_before + 1
+    assert _used_pages(server) == 0
+
+
 # ------------------------------------------------------------------------------------------ telemetry
 
 
@@ -431,6 +452,22 @@ def test_prompt_and_completion_enter_spans_only_with_record_content(client, serv
     attrs = next(s for s in spans.get_finished_spans() if s.name == "chat best").attributes
     assert json.loads(attrs["gen_ai.input.messages"]) == MESSAGES
     assert json.loads(attrs["gen_ai.output.messages"]) == [resp.choices[0].message.content]
+
+
+def test_genai_server_metrics_use_the_semantic_convention_buckets(client, metric_reader):
+    client.chat.completions.create(model="fast", messages=MESSAGES, max_tokens=3, extra_body={"ignore_eos": True})
+    found = {}
+    for resource in metric_reader.get_metrics_data().resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                found[metric.name] = metric
+    assert {"gen_ai.server.time_to_first_token", "gen_ai.server.time_per_output_token",
+            "gen_ai.server.request.duration"} <= set(found)
+    ttft = found["gen_ai.server.time_to_first_token"]
+    point = next(p for p in ttft.data.data_points if p.attributes["gen_ai.request.model"] == "fast")
+    assert point.count >= 1 and tuple(point.explicit_bounds)[:3] == (0.001, 0.005, 0.01)
+    assert point.attributes["gen_ai.response.model"] == "tandem-small"
+    assert point.attributes["gen_ai.operation.name"] == "chat" and point.attributes["gen_ai.provider.name"] == "tandem"
 
 
 def test_errors_are_counted_by_route_and_status(client, server):
