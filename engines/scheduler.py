@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engines.kv_pool import KVPool
@@ -50,6 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up at admission (every admission, every choice)
         self.prefix_hits = 0  # of those, tokens served from the prefix cache
+        self.on_free: Callable[[Sequence], None] | None = None  # the drafter drops its KV with the sequence's
 
     # ---- queue management --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -76,6 +78,8 @@ class Scheduler:
         self._free_pages(seq)
 
     def _free_pages(self, seq: Sequence) -> None:
+        if self.on_free is not None:
+            self.on_free(seq)
         if seq.pages:
             self.pool.release(seq.pages)
         seq.pages = []
@@ -113,12 +117,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = seq.num_tokens - seq.num_computed
-            drafts = 0
-            if num_new == 1 and seq.spec_token_ids:  # speculative: verify k drafts with the decode token
-                drafts = max(0, min(len(seq.spec_token_ids), budget - 1, seq.max_len - seq.num_tokens))
-                del seq.spec_token_ids[drafts:]
-                num_new += drafts
-            num_new = min(num_new, budget)
+            drafts = self._fit_drafts(seq, num_new, budget)
+            num_new = min(num_new + drafts, budget)
             if num_new <= 0:
                 continue
             need = self._pages_needed(seq, num_new)
@@ -162,7 +162,8 @@ class Scheduler:
             cached_pages, cached_hashes = self.pool.match_prefix(
                 self.model_id, seq.token_ids, self._extra_keys(seq))
             num_cached = len(cached_pages) * self.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            drafts = self._fit_drafts(seq, seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached + drafts, budget)
             total_pages = -(-(num_cached + num_new) // self.block_size)
             reclaim = sum(1 for p in cached_pages if self.pool.ref_count[p] == 0)
             if total_pages - len(cached_pages) + reclaim > self.pool.num_free:
@@ -181,10 +182,22 @@ class Scheduler:
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_tokens.append(num_new)
+            if drafts:
+                out.num_draft_tokens[seq.seq_id] = drafts
             budget -= num_new
         for item in deferred:
             heapq.heappush(self._waiting, item)
         return out
+
+    @staticmethod
+    def _fit_drafts(seq: Sequence, num_new: int, budget: int) -> int:
+        """Speculative: drafts ride with the chunk that reaches the last known token (a decode, or a prompt's
+        final chunk), as many as the budget and max_tokens leave room for; the rest are dropped."""
+        if not seq.spec_token_ids:
+            return 0
+        drafts = max(0, min(len(seq.spec_token_ids), budget - num_new, seq.max_len - seq.num_tokens))
+        del seq.spec_token_ids[drafts:]
+        return drafts
 
     @staticmethod
     def _extra_keys(seq: Sequence) -> tuple:
