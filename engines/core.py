@@ -26,12 +26,14 @@ from engines.sampler import SamplerRow, sample
 from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler
 from engines.sequence import Request, SeqStatus, Sequence
+from engines.speculative import Drafter, SpeculativeDecoder
 
 if TYPE_CHECKING:
     from engines.async_engine import AsyncEngine
 
 log = logging.getLogger("tandem.engine")
 
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # max k when a spec names a draft engine but no num_speculative_tokens
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -101,6 +103,8 @@ class ModelEngine:
                                    max_num_batched_tokens=spec.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device,
                                   spec.attention_backend)
+        # verifies supplied drafts always; EngineCore gives it a drafter when the spec names a draft engine
+        self.speculator = SpeculativeDecoder(self, None, 0)
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._live_ids: set[str] = set()  # ids accepted and not yet finished (guarded by the GIL's atomic ops)
@@ -125,8 +129,6 @@ class ModelEngine:
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
                      priority: int = 0, draft_token_ids: list[int] | None = None) -> Request:
-        if draft_token_ids is not None:
-            raise RequestRejected("speculative decoding not enabled: draft_token_ids are not accepted yet")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected(f"engine {self.name!r} has no tokenizer: pass the prompt as token ids")
@@ -138,6 +140,10 @@ class ModelEngine:
         vocab = self.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab}) for model {self.name!r}")
+        if draft_token_ids is not None:
+            draft_token_ids = [int(t) for t in draft_token_ids]
+            if draft_token_ids and (min(draft_token_ids) < 0 or max(draft_token_ids) >= vocab):
+                raise RequestRejected(f"draft_token_ids must be in [0, {vocab}) for model {self.name!r}")
         if len(ids) >= self.max_model_len:
             raise RequestRejected(f"the prompt has {len(ids)} tokens but {self.name!r} has a context of "
                                   f"{self.max_model_len}: shorten the prompt to at most {self.max_model_len - 1}")
@@ -163,6 +169,8 @@ class ModelEngine:
                 seq.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, prompt_ids=ids)
             if params.logprobs is not None:
                 seq.logprobs = []
+            if draft_token_ids:
+                self.speculator.add_supplied(seq, draft_token_ids)
             req.seqs.append(seq)
         return req
 
@@ -193,11 +201,11 @@ class ModelEngine:
     def step(self) -> int:
         """One scheduling step; returns the number of tokens the model processed."""
         self._drain_inbox()
+        self.speculator.propose()  # sets Sequence.spec_token_ids (supplied drafts, the drafter's k)
         sched = self.scheduler.schedule()
         if not sched:
             return 0
-        if sched.num_draft_tokens:  # only a speculative verifier may schedule drafts (issue: speculative decoding)
-            raise RuntimeError("draft tokens were scheduled but this engine has no speculative verifier")
+        t0 = time.perf_counter()
         self.num_steps += 1
         now = time.monotonic()
         for seq in sched.seqs:
@@ -205,17 +213,21 @@ class ModelEngine:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
                 m.num_cached_tokens = seq.num_cached_tokens
+        drafts = sched.num_draft_tokens
         try:
-            logits, sample_seqs = self.runner.execute(sched.seqs, sched.num_tokens)
-            for seq, n in zip(sched.seqs, sched.num_tokens):
-                self.scheduler.commit_computed(seq, n)
+            logits, batch = self.runner.execute_batch(sched.seqs, sched.num_tokens)
+            for seq, n in zip(sched.seqs, sched.num_tokens):  # drafts' K/V: only the verifier commits them
+                self.scheduler.commit_computed(seq, n - drafts.get(seq.seq_id, 0) if drafts else n)
         except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
             log.exception("engine %s: batch forward failed", self.name)
             for req in {id(s.request): s.request for s in sched.seqs}.values():
                 self._fail(req, f"engine error during forward: {type(e).__name__}: {e}")
             return 0
-        if sample_seqs:
-            self._sample_and_append(logits, sample_seqs)
+        if drafts:
+            self.speculator.verify(logits, batch, drafts)
+        elif batch.sample_seqs:
+            self._sample_and_append(logits, batch.sample_seqs)
+        self.speculator.adaptive.target.observe(sched.total_tokens, time.perf_counter() - t0)
         return sched.total_tokens
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -360,7 +372,7 @@ class ModelEngine:
                 "prefix_cache_hits": self.scheduler.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
                 "used_blocks": pool["used_pages"], "engine_used_blocks": len(pages),
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, **self.speculator.stats()}
 
 
 def _pool_bytes(pool: PoolSpec, engines_: list[tuple[EngineSpec, LoadedModel]], page_bytes: int,
@@ -390,9 +402,12 @@ class EngineCore:
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
         for s in specs:
-            if s.num_speculative_tokens or s.draft:
-                raise ValueError(f"engine {s.name!r}: speculative decoding is not available yet "
-                                 "(set draft=None, num_speculative_tokens=0)")
+            if s.num_speculative_tokens < 0 or (s.num_speculative_tokens and s.draft is None):
+                raise ValueError(f"engine {s.name!r}: num_speculative_tokens={s.num_speculative_tokens} needs a "
+                                 "draft engine: set draft to another engine's name, or num_speculative_tokens=0")
+            if s.draft is not None and (s.draft == s.name or s.draft not in names):
+                raise ValueError(f"engine {s.name!r}: draft={s.draft!r} must name another engine of this core "
+                                 f"(have {names})")
             if s.quantization != "none":
                 raise ValueError(f"engine {s.name!r}: quantization={s.quantization!r} is not available yet; use 'none'")
         pool = pool or PoolSpec()
@@ -413,6 +428,15 @@ class EngineCore:
                            self.device, pool.enable_prefix_caching)
         self.engines: dict[str, ModelEngine] = {
             s.name: ModelEngine(s, lm, self.pool, i, self.device) for i, (s, lm) in enumerate(loaded)}
+        for s in specs:
+            if s.draft is not None:
+                target, draft = self.engines[s.name], self.engines[s.draft]
+                if draft.config.vocab_size != target.config.vocab_size:
+                    raise ValueError(f"engine {s.name!r}: draft {s.draft!r} has vocabulary "
+                                     f"{draft.config.vocab_size}, the engine {target.config.vocab_size}: a draft "
+                                     "model must share the engine's tokenizer")
+                k_max = s.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
+                target.speculator = SpeculativeDecoder(target, Drafter(draft), k_max)
         self._async: dict[str, AsyncEngine] = {}
         self._cv = threading.Condition()
         self._stop = False

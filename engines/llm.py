@@ -17,17 +17,26 @@ PromptInput = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | Path | Transformer, *, name: str = "default", **options: Any):
+    def __init__(self, model: str | Path | Transformer, *, name: str = "default",
+                 draft_model: str | Path | Transformer | None = None, **options: Any):
+        """`draft_model`: a second checkpoint (same tokenizer) that drafts for `model` (speculative decoding,
+        up to `num_speculative_tokens` per step, default 4); it gets its own idle engine named "<name>-draft"."""
         device = options.pop("device", "cpu")
         engine_opts, pool_opts = spec_kwargs(options)
-        self.core = EngineCore([EngineSpec(name=name, model=model, **engine_opts)], PoolSpec(**pool_opts), device)
+        specs = [EngineSpec(name=name, model=model, **engine_opts)]
+        if draft_model is not None:
+            specs[0].draft = f"{name}-draft"
+            specs.append(EngineSpec(name=f"{name}-draft", model=draft_model, dtype=specs[0].dtype,
+                                    max_model_len=specs[0].max_model_len))
+        self.core = EngineCore(specs, PoolSpec(**pool_opts), device)
         self.engine = self.core.engines[name]
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
     def generate(self, prompts: PromptInput | Seq[PromptInput],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
-                 priority: int | Seq[int] = 0) -> list[RequestOutput]:
+                 priority: int | Seq[int] = 0,
+                 draft_token_ids: list[int] | Seq[list[int] | None] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, `{"prompt_token_ids": [...]}` or a list of those (a bare list
         of ints is one tokenized prompt). Raises RequestRejected (nothing queued) if any prompt is invalid."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
@@ -41,6 +50,11 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         prios = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
+        # draft_token_ids: a candidate output the engine verifies first (one list for every prompt, or one each)
+        if draft_token_ids is None or (draft_token_ids and isinstance(draft_token_ids[0], int)):
+            drafts = [draft_token_ids] * len(prompts)
+        else:
+            drafts = list(draft_token_ids)
         reqs = []
         for p, sp, prio in zip(prompts, params, prios):
             if isinstance(p, dict):
@@ -51,7 +65,8 @@ class LLM:
                 else:
                     raise RequestRejected("a dict prompt needs 'prompt' or 'prompt_token_ids'")
             self._counter += 1
-            reqs.append(self.engine.make_request(p, sp, f"llm-{self._counter}", priority=prio))
+            reqs.append(self.engine.make_request(p, sp, f"llm-{self._counter}", priority=prio,
+                                                 draft_token_ids=drafts[len(reqs)]))
         results: dict[str, RequestOutput] = {}
         for r in reqs:  # validated all first: either every prompt is queued or none
             self.engine.submit(r, lambda out: results.__setitem__(out.request_id, out), stream=False)

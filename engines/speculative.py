@@ -1,0 +1,591 @@
+"""Speculative decoding: a small model drafts k tokens per sequence, the engine's model verifies them in one
+pass over k+1 positions, and rejection sampling keeps the target's output distribution exactly. Owns the
+drafter (the small engine's model and runner, its KV in the shared pool), verification, adaptive k and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engines.outputs import Logprob, PositionLogprobs
+from engines.sampler import SamplerRow, apply_penalties, apply_top_k_top_p_min_p, sample
+from engines.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engines.core import ModelEngine
+    from engines.runner import StepBatch
+
+log = logging.getLogger("tandem.speculative")
+
+SUPPLIED_CHUNK = 16  # supplied drafts are verified this many per target pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# distributions and the rejection sampler
+
+
+def sampler_row(seq: Sequence, extra: Seq[int] = ()) -> SamplerRow:
+    """The sampler's view of `seq` with `extra` (earlier drafts of this window) appended to its output."""
+    p = seq.request.params
+    history = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+    prompt = seq.token_ids[:seq.prompt_len] if history else ()
+    output = seq.token_ids[seq.prompt_len:] + list(extra) if history or p.min_tokens else ()
+    return SamplerRow(p, prompt, output, seq.generator)
+
+
+def processed_distributions(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]]
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What `sampler.sample` would draw from: (argmax of the penalised logits [R] — the greedy choice,
+    probabilities [R, V] after penalties, min_tokens bans, temperature, top-k/top-p/min-p — rows of greedy
+    params hold zeros; None when every row is greedy)."""
+    num_rows, vocab = logits.shape
+    needs_penalty = any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty
+                        or r.params.presence_penalty for r in rows)
+    needs_ban = any(r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens for r in rows)
+    if needs_penalty or needs_ban:
+        logits = logits.clone()
+    if needs_penalty:
+        logits = apply_penalties(logits, rows)
+    if needs_ban:
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens and stop_ids[i]:
+                logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
+    greedy = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not random_rows:
+        return greedy, None
+    params = [rows[i].params for i in random_rows]
+    idx = torch.tensor(random_rows, device=logits.device)
+    x = logits[idx] / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)[:, None]
+    top_k = top_p = min_p = None
+    if any(0 < p.top_k < vocab for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=x.device)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=x.device)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=x.device)
+    probs = torch.zeros_like(logits)
+    probs[idx] = apply_top_k_top_p_min_p(x, top_k, top_p, min_p).softmax(-1)
+    return greedy, probs
+
+
+def rejection_sample_batched(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                             target_probs: torch.Tensor, uniform_accept: torch.Tensor,
+                             uniform_recover: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.fused.rejection_sample_ref` vectorised over rows (same arguments, same results): the CPU path.
+    A row with fewer real drafts pads with uniform_accept = inf and a zero draft-probability row, so its
+    first padded position recovers from p itself, which is the bonus token."""
+    b, k = draft_token_ids.shape
+    dev = target_probs.device
+    p_d = target_probs[:, :k].gather(2, draft_token_ids[..., None])[..., 0]
+    if draft_probs is not None:
+        q_d = draft_probs.gather(2, draft_token_ids[..., None])[..., 0]
+    else:
+        q_d = torch.ones_like(p_d)
+    rejected = ~(uniform_accept * q_d < p_d)
+    pos = torch.where(rejected.any(1), rejected.to(torch.int8).argmax(1), torch.full((b,), k, device=dev))
+    rows = torch.arange(b, device=dev)
+    p = target_probs[rows, pos]
+    safe = pos.clamp(max=k - 1)
+    if draft_probs is not None:
+        q = draft_probs[rows, safe]
+    else:
+        q = torch.nn.functional.one_hot(draft_token_ids[rows, safe], p.shape[-1]).to(p.dtype)
+    r = torch.where((pos == k)[:, None], p, (p - q).clamp_min(0.0))
+    live = r > 0
+    hits = (r.cumsum(1) > (uniform_recover * r.sum(1))[:, None]) & live
+    vocab_idx = torch.arange(r.shape[1], device=dev)
+    last_live = torch.where(live, vocab_idx, -1).max(1).values.clamp_min(0)
+    token = torch.where(hits.any(1), hits.to(torch.int8).argmax(1), last_live)
+    out = torch.where(torch.arange(k, device=dev)[None, :] < pos[:, None], draft_token_ids, -1)
+    out = torch.cat([out, torch.full((b, 1), -1, dtype=out.dtype, device=dev)], 1)
+    out[rows, pos] = token
+    return out, pos
+
+
+def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                     uniform_accept: torch.Tensor, uniform_recover: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel on CUDA, the vectorised reference elsewhere."""
+    if target_probs.is_cuda:
+        from kernels.fused import rejection_sample as kernel
+
+        return kernel(draft_token_ids, draft_probs, target_probs, uniform_accept, uniform_recover)
+    return rejection_sample_batched(draft_token_ids, draft_probs, target_probs, uniform_accept, uniform_recover)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# adaptive k
+
+
+class CostModel:
+    """Seconds of one pass as a function of its size, learned online: an EMA per power-of-two size bucket,
+    read by linear interpolation between measured sizes; outside them it assumes no saving below and linear
+    growth above (pessimistic, so an unmeasured large batch does not look cheap)."""
+
+    def __init__(self, decay: float = 0.7):
+        self.decay = decay
+        self.points: dict[int, list[float]] = {}  # bucket -> [mean size, mean seconds]
+
+    def observe(self, size: int, seconds: float) -> None:
+        b = max(1, size).bit_length()
+        pt = self.points.get(b)
+        if pt is None:
+            self.points[b] = [float(size), seconds]
+        else:
+            pt[0] = self.decay * pt[0] + (1 - self.decay) * size
+            pt[1] = self.decay * pt[1] + (1 - self.decay) * seconds
+
+    def estimate(self, size: int) -> float | None:
+        if not self.points:
+            return None
+        pts = sorted(self.points.values())
+        if size <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if size <= x1:
+                return y0 + (y1 - y0) * (size - x0) / max(x1 - x0, 1e-9)
+        x, y = pts[-1]
+        return y * size / x
+
+
+class AdaptiveK:
+    """Per engine: picks k in 0..k_max maximising expected tokens per second,
+    B * E(k) / (T(B * (k + 1)) + k * D(B)), E(k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al.), from the
+    measured acceptance a and the measured target (T) and draft (D) pass costs. k = 0 is plain decoding;
+    every `explore_every` choices of 0 it tries k = 1 once so a stale estimate can recover."""
+
+    def __init__(self, k_max: int, explore_every: int = 32, decay: float = 0.95):
+        self.k_max = k_max
+        self.explore_every = explore_every
+        self.decay = decay
+        self.target = CostModel()
+        self.draft = CostModel()
+        self._accepted = 0.0  # EMA counts of the geometric model: accepted drafts and first rejections
+        self._rejected = 0.0
+        self._zeros = 0
+        self.k = k_max
+
+    @property
+    def acceptance(self) -> float | None:
+        n = self._accepted + self._rejected
+        return self._accepted / n if n > 0 else None
+
+    def observe_window(self, num_drafts: int, num_accepted: int) -> None:
+        self._accepted = self.decay * self._accepted + num_accepted
+        self._rejected = self.decay * self._rejected + (1 if num_accepted < num_drafts else 0)
+
+    @staticmethod
+    def expected_tokens(a: float, k: int) -> float:
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def choose(self, batch: int) -> int:
+        if self.k_max == 0 or batch == 0:
+            return 0
+        a = self.acceptance
+        t_plain = self.target.estimate(batch)
+        d = self.draft.estimate(batch)
+        if a is None or t_plain is None or d is None:
+            self.k = min(2, self.k_max)  # nothing measured yet: draft a little to learn
+            return self.k
+        best, best_rate = 0, batch / t_plain
+        for k in range(1, self.k_max + 1):
+            rate = batch * self.expected_tokens(a, k) / (self.target.estimate(batch * (k + 1)) + k * d)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0:
+            self._zeros += 1
+            if self._zeros % self.explore_every == 0:
+                best = 1
+        self.k = best
+        return best
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the drafter
+
+
+class DraftState:
+    """The drafter's view of one sequence, shaped like a `Sequence` for the runner: its own token list
+    (a prefix of the sequence's, then this step's drafts) and its own pages in the small model's geometry."""
+
+    __slots__ = ("token_ids", "pages", "num_computed", "block_hashes", "spec_token_ids", "num_hashed")
+
+    def __init__(self, token_ids: list[int], pages: list[int], num_computed: int, block_hashes: list[int]):
+        self.token_ids = token_ids
+        self.pages = pages
+        self.num_computed = num_computed
+        self.block_hashes = block_hashes
+        self.spec_token_ids: list[int] = []  # the runner's field: a draft state never verifies anything
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Drafter:
+    """Runs the small engine's model (the same weights object and runner) over draft KV kept in the shared
+    pool under the small model's id, so the small engine's cached prompt blocks serve as draft KV."""
+
+    def __init__(self, engine: ModelEngine):
+        self.engine = engine
+        self.runner = engine.runner
+        self.pool = engine.pool
+        self.model_id = engine.model_id
+        self.block_size = engine.pool.block_size
+
+    def release(self, seq: Sequence) -> None:
+        ds = seq.draft_state
+        if ds is not None:
+            self.pool.release(ds.pages)
+            seq.draft_state = None
+
+    def _state(self, seq: Sequence) -> DraftState:
+        ds = seq.draft_state
+        if ds is None:
+            pages, hashes = self.pool.match_prefix(self.model_id, seq.token_ids)
+            self.pool.acquire(pages)
+            ds = DraftState(list(seq.token_ids), pages, len(pages) * self.block_size, hashes)
+            seq.draft_state = ds
+        else:  # catch up with the tokens appended since (its list is always a prefix of the sequence's)
+            ds.token_ids.extend(seq.token_ids[len(ds.token_ids):])
+        return ds
+
+    def reserve(self, seq: Sequence, k: int, spare_pages: int) -> DraftState | None:
+        """The state with pages for k drafts (positions up to num_tokens + k - 2), or None if the pool
+        cannot spare them without starving the engines (`spare_pages` stay free)."""
+        ds = self._state(seq)
+        need = -(-(ds.num_tokens + k - 1) // self.block_size) - len(ds.pages)
+        if need > 0:
+            if need + spare_pages > self.pool.num_free:
+                return None
+            ds.pages.extend(self.pool.allocate(self.model_id, need))
+        return ds
+
+    def rollback(self, ds: DraftState, num_valid: int) -> None:
+        """Keep the first `num_valid` tokens (verified: the sequence has them too); hash their full blocks."""
+        del ds.token_ids[num_valid:]
+        ds.num_computed = min(ds.num_computed, num_valid)
+        bs = self.block_size
+        parent = ds.block_hashes[-1] if ds.block_hashes else None
+        for i in range(len(ds.block_hashes), ds.num_computed // bs):
+            parent = self.pool.commit_block(self.model_id, ds.pages[i], parent,
+                                            tuple(ds.token_ids[i * bs:(i + 1) * bs]))
+            ds.block_hashes.append(parent)
+
+    @torch.inference_mode()
+    def draft(self, seqs: list[Sequence], states: list[DraftState], ks: list[int],
+              stop_ids: list[set[int]], cost: CostModel) -> list[torch.Tensor | None]:
+        """k_i tokens for sequence i, sampled from the draft's processed distribution q (greedy rows take
+        its argmax). Appends them to `seq.spec_token_ids` and the state; returns q rows [k_i, V] per
+        sequence (None: deterministic drafts, q is one-hot)."""
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        step = 0
+        while active:
+            t0 = time.perf_counter()
+            act_states = [states[i] for i in active]
+            num_new = [s.num_tokens - s.num_computed for s in act_states]
+            logits, _ = self.runner.execute_batch(act_states, num_new)
+            for s, n in zip(act_states, num_new):
+                s.num_computed += n
+            rows = [sampler_row(seqs[i], seqs[i].spec_token_ids) for i in active]
+            greedy, probs = processed_distributions(logits, rows, [stop_ids[i] for i in active])
+            tokens = greedy
+            if probs is not None:
+                noise = torch.empty_like(probs).exponential_()
+                for j, i in enumerate(active):
+                    if seqs[i].generator is not None and not rows[j].params.greedy:
+                        noise[j].exponential_(generator=seqs[i].generator)
+                sampled = (probs / noise).argmax(-1)
+                is_random = torch.tensor([not r.params.greedy for r in rows], device=tokens.device)
+                tokens = torch.where(is_random, sampled, greedy)
+            token_list = tokens.tolist()
+            still = []
+            for j, i in enumerate(active):
+                seqs[i].spec_token_ids.append(token_list[j])
+                states[i].token_ids.append(token_list[j])
+                if not rows[j].params.greedy:
+                    qs[i].append(probs[j])
+                if len(seqs[i].spec_token_ids) < ks[i]:
+                    still.append(i)
+            if step > 0 or sum(num_new) <= 2 * len(active):  # a long catch-up pass is not a draft step's cost
+                cost.observe(len(active), time.perf_counter() - t0)
+            active = still
+            step += 1
+        return [torch.stack(q) if q else None for q in qs]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the engine's speculative decoder
+
+
+@dataclass
+class _Window:
+    seq: Sequence
+    drafts: list[int]
+    q: torch.Tensor | None  # [k, V] or None (one-hot: supplied or greedy drafts)
+    drafted: bool  # by the drafter (counts toward its measured acceptance), not supplied
+
+
+def _stop_ids(engine: ModelEngine, seq: Sequence) -> set[int]:
+    """The ids min_tokens bans, as the engine hands them to the sampler."""
+    p = seq.request.params
+    return engine.eos_token_ids | set(p.stop_token_ids) if p.min_tokens else set()
+
+
+class SpeculativeDecoder:
+    """Per target engine: `propose()` before scheduling sets `Sequence.spec_token_ids` (supplied drafts
+    first, then the drafter's k), `verify()` after the forward turns the k + 1 logits rows of each such
+    sequence into accepted tokens, commits their K/V and rolls the rest back."""
+
+    def __init__(self, engine: ModelEngine, drafter: Drafter | None, k_max: int):
+        self.engine = engine
+        self.drafter = drafter
+        self.k_max = k_max if drafter is not None else 0
+        self.adaptive = AdaptiveK(self.k_max)
+        self.supplied: set[Sequence] = set()  # sequences with supplied drafts left to verify
+        self._windows: dict[int, _Window] = {}
+        self.num_drafts = 0  # verification windows
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position: list[int] = []
+        self.num_emitted_tokens = 0  # tokens the windows produced (accepted + the recovered/bonus one)
+        if drafter is not None:
+            engine.scheduler.on_free = self._on_free
+
+    def _on_free(self, seq: Sequence) -> None:
+        self.drafter.release(seq)
+
+    def add_supplied(self, seq: Sequence, draft_token_ids: list[int]) -> None:
+        seq.supplied_draft_ids = list(draft_token_ids[:seq.max_len - seq.prompt_len])
+        if seq.supplied_draft_ids:
+            self.supplied.add(seq)
+
+    # ---- before scheduling ----------------------------------------------------------------------------------
+    def propose(self) -> None:
+        self._drop_unverified()
+        if self.supplied:
+            self._propose_supplied()
+        if self.drafter is None:
+            return
+        seqs = [s for s in self.engine.scheduler.running
+                if not s.spec_token_ids and s.num_tokens - s.num_computed == 1 and s.num_tokens < s.max_len
+                and s.request.params.speculative is not False]
+        if not seqs:
+            return
+        k = self.adaptive.choose(len(seqs))
+        chosen, states, ks = [], [], []
+        spare = len(self.engine.scheduler.running) + 1
+        for s in seqs:
+            p = s.request.params
+            # a seeded sampling row always drafts k_max so its random draws do not depend on timing
+            k_s = self.k_max if s.generator is not None and not p.greedy else k
+            k_s = min(k_s, s.max_len - s.num_tokens)
+            if k_s <= 0:
+                continue
+            ds = self.drafter.reserve(s, k_s, spare)
+            if ds is None:
+                continue
+            chosen.append(s)
+            states.append(ds)
+            ks.append(k_s)
+        if not chosen:
+            return
+        stop_ids = [_stop_ids(self.engine, s) for s in chosen]
+        try:
+            qs = self.drafter.draft(chosen, states, ks, stop_ids, self.adaptive.draft)
+        except Exception as e:  # a drafter failure fails the sequences it was drafting for, nothing else
+            log.exception("engine %s: drafting failed", self.engine.name)
+            for req in {id(s.request): s.request for s in chosen}.values():
+                self.engine._fail(req, f"engine error while drafting: {type(e).__name__}: {e}")
+            return
+        for s, q in zip(chosen, qs):
+            self._windows[s.seq_id] = _Window(s, list(s.spec_token_ids), q, True)
+
+    def _drop_unverified(self) -> None:
+        """Drafts of the previous step that were not verified (not scheduled, preempted, finished) go away."""
+        for w in self._windows.values():
+            seq = w.seq
+            seq.spec_token_ids.clear()
+            ds = seq.draft_state
+            if ds is not None and ds.num_tokens > seq.num_tokens:
+                self.drafter.rollback(ds, seq.num_tokens)
+        self._windows.clear()
+
+    def _propose_supplied(self) -> None:
+        for seq in list(self.supplied):
+            sup = seq.supplied_draft_ids
+            out = seq.num_output_tokens
+            if seq.finished or out >= len(sup) or seq.token_ids[seq.prompt_len:] != sup[:out]:
+                self.supplied.discard(seq)  # done, or the output left the supplied path
+                seq.supplied_draft_ids = []
+                continue
+            # the scheduler attaches them once the sequence's chunk reaches its last known token
+            seq.spec_token_ids = sup[out:out + SUPPLIED_CHUNK]
+            self._windows[seq.seq_id] = _Window(seq, list(seq.spec_token_ids), None, False)
+
+    # ---- after the forward ----------------------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, batch: StepBatch, num_draft_tokens: dict[int, int]) -> None:
+        """Accept/reject every verifying sequence's drafts, append the tokens; plain rows go to the sampler."""
+        eng = self.engine
+        plain_rows, plain_seqs, spec = [], [], []
+        row = 0
+        for seq, n in zip(batch.sample_seqs, batch.rows_per_seq):
+            if n == 1:
+                plain_rows.append(row)
+                plain_seqs.append(seq)
+            else:
+                spec.append((seq, row, n - 1))
+            row += n
+        if plain_seqs:
+            eng._sample_and_append(logits[plain_rows] if len(plain_rows) < logits.shape[0] else logits, plain_seqs)
+        if not spec:
+            return
+        try:
+            results = self._accept(logits, spec)
+        except Exception as e:
+            log.exception("engine %s: verification failed", eng.name)
+            for req in {id(s.request): s.request for s, _, _ in spec}.values():
+                eng._fail(req, f"engine error during verification: {type(e).__name__}: {e}")
+            return
+        touched = {}
+        now = time.monotonic()
+        for (seq, start, k), (tokens, num_acc) in zip(spec, results):
+            req = seq.request
+            if req.error is not None or seq.finished:
+                continue
+            w = self._windows.get(seq.seq_id)
+            self._record(k, num_acc, w is not None and w.drafted)
+            seq.spec_token_ids.clear()
+            base = seq.num_tokens
+            lp_rows = (torch.log_softmax(logits[start:start + len(tokens)], -1)
+                       if req.params.logprobs is not None else None)
+            try:
+                for j, tok in enumerate(tokens):
+                    lp, pos_lp = self._logprobs(lp_rows, j, tok, req.params.logprobs)
+                    eng._append_token(seq, tok, lp, pos_lp)
+                    eng.num_generated_tokens += 1
+                    if seq.finished:
+                        break
+                    if j < num_acc:  # an accepted draft: its K/V from this pass is now valid
+                        eng.scheduler.commit_computed(seq, 1)
+            except Exception as e:
+                log.exception("engine %s: request %s failed", eng.name, req.request_id)
+                eng._fail(req, f"engine error: {type(e).__name__}: {e}")
+                continue
+            ds = seq.draft_state
+            if ds is not None and not seq.finished:
+                self.drafter.rollback(ds, base + num_acc)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            touched[id(req)] = req
+        for req in touched.values():
+            if req.error is None:
+                eng._emit(req, final=req.finished)
+
+    def _accept(self, logits: torch.Tensor, spec: list[tuple[Sequence, int, int]]
+                ) -> list[tuple[list[int], int]]:
+        """(tokens to append, number of accepted drafts) per verifying sequence."""
+        rows, stop_ids, windows = [], [], []
+        for seq, _, k in spec:
+            w = self._windows.get(seq.seq_id)
+            drafts = seq.spec_token_ids[:k] if w is None else w.drafts[:k]
+            q = None if w is None or w.q is None else w.q[:k]
+            windows.append((drafts, q))
+            stop = _stop_ids(self.engine, seq)
+            for j in range(k + 1):
+                rows.append(sampler_row(seq, drafts[:j]))
+                stop_ids.append(stop)
+        index = torch.tensor([start + j for _, start, k in spec for j in range(k + 1)], device=logits.device)
+        greedy, probs = processed_distributions(logits[index], rows, stop_ids)
+        greedy_l = greedy.tolist()
+        results: list[tuple[list[int], int] | None] = [None] * len(spec)
+        random_idx = []
+        offset = 0
+        for i, ((seq, _, k), (drafts, q)) in enumerate(zip(spec, windows)):
+            if seq.request.params.greedy:  # exact: keep drafts while they equal the target's argmax
+                target = greedy_l[offset:offset + k + 1]
+                acc = 0
+                while acc < k and drafts[acc] == target[acc]:
+                    acc += 1
+                results[i] = (drafts[:acc] + [target[acc]], acc)
+            else:
+                random_idx.append((i, offset))
+            offset += k + 1
+        if random_idx:
+            results_r = self._rejection(probs, spec, windows, random_idx)
+            for (i, _), r in zip(random_idx, results_r):
+                results[i] = r
+        return results
+
+    def _rejection(self, probs: torch.Tensor, spec, windows, random_idx) -> list[tuple[list[int], int]]:
+        """Rejection sampling of the sampling rows, batched per draft count k (no padding)."""
+        dev = probs.device
+        by_k: dict[int, list[tuple[int, int]]] = {}
+        for i, off in random_idx:
+            by_k.setdefault(spec[i][2], []).append((i, off))
+        results: dict[int, tuple[list[int], int]] = {}
+        for k, group in by_k.items():
+            b = len(group)
+            p = torch.stack([probs[off:off + k + 1] for _, off in group])
+            draft_ids = torch.tensor([windows[i][0] for i, _ in group], dtype=torch.long, device=dev)
+            q = None
+            if any(windows[i][1] is not None for i, _ in group):
+                q = torch.stack([windows[i][1] if windows[i][1] is not None
+                                 else torch.nn.functional.one_hot(draft_ids[j], p.shape[-1]).to(p.dtype)
+                                 for j, (i, _) in enumerate(group)])
+            # uniforms: a seeded sequence draws from its own generator, so batching never changes its draws
+            u = torch.rand(b, k + 1, device=dev)
+            for j, (i, _) in enumerate(group):
+                gen = spec[i][0].generator
+                if gen is not None:
+                    u[j] = torch.rand(k + 1, generator=gen, device=dev)
+            tokens, num_acc = rejection_sample(draft_ids, q, p, u[:, :k].contiguous(), u[:, k].contiguous())
+            for (i, _), toks, acc in zip(group, tokens.tolist(), num_acc.tolist()):
+                results[i] = (toks[:acc + 1], acc)
+        return [results[i] for i, _ in random_idx]
+
+    @staticmethod
+    def _logprobs(lp_rows: torch.Tensor | None, j: int, token: int, k: int | None
+                  ) -> tuple[float | None, PositionLogprobs | None]:
+        """The target's raw logprob of `token` at window position j, plus its top k (as the sampler reports)."""
+        if lp_rows is None:
+            return None, None
+        row = lp_rows[j]
+        chosen = float(row[token])
+        d: PositionLogprobs = {token: Logprob(chosen, int((row > chosen).sum()) + 1)}
+        if k:
+            top = row.topk(k)
+            for r, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+                if t not in d:
+                    d[t] = Logprob(v, r + 1)
+        return chosen, d
+
+    def _record(self, k: int, num_acc: int, drafted: bool) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += num_acc
+        self.num_emitted_tokens += num_acc + 1
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
+        for j in range(num_acc):
+            self.accepted_per_position[j] += 1
+        if drafted:
+            self.adaptive.observe_window(k, num_acc)
+
+    def stats(self) -> dict:
+        return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_accepted_per_position": list(self.accepted_per_position),
+                "spec_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
+                                         if self.num_draft_tokens else 0.0),
+                "spec_mean_accepted_length": (self.num_emitted_tokens / self.num_drafts
+                                              if self.num_drafts else 0.0),
+                "spec_k": self.adaptive.k if self.drafter is not None else 0,
+                "spec_k_max": self.k_max}
