@@ -215,7 +215,11 @@ class ModelEngine:
                 m.num_cached_tokens = seq.num_cached_tokens
         drafts = sched.num_draft_tokens
         try:
-            logits, batch = self.runner.execute_batch(sched.seqs, sched.num_tokens)
+            if drafts:  # the verifier needs the layout: 1 + k logits rows per verifying sequence
+                logits, batch = self.runner.execute_batch(sched.seqs, sched.num_tokens)
+                sample_seqs = batch.sample_seqs
+            else:
+                logits, sample_seqs = self.runner.execute(sched.seqs, sched.num_tokens)
             for seq, n in zip(sched.seqs, sched.num_tokens):  # drafts' K/V: only the verifier commits them
                 self.scheduler.commit_computed(seq, n - drafts.get(seq.seq_id, 0) if drafts else n)
         except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
@@ -225,8 +229,8 @@ class ModelEngine:
             return 0
         if drafts:
             self.speculator.verify(logits, batch, drafts)
-        elif batch.sample_seqs:
-            self._sample_and_append(logits, batch.sample_seqs)
+        elif sample_seqs:
+            self._sample_and_append(logits, sample_seqs)
         self.speculator.adaptive.target.observe(sched.total_tokens, time.perf_counter() - t0)
         return sched.total_tokens
 

@@ -158,7 +158,8 @@ class AdaptiveK:
     """Per engine: picks k in 0..k_max maximising expected tokens per second,
     B * E(k) / (T(B * (k + 1)) + k * D(B)), E(k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al.), from the
     measured acceptance a and the measured target (T) and draft (D) pass costs. k = 0 is plain decoding;
-    every `explore_every` choices of 0 it tries k = 1 once so a stale estimate can recover."""
+    every `explore_every` choices it takes the other side once (k = 1 instead of 0, 0 instead of k) so both
+    cost estimates stay measured and a stale acceptance estimate can recover."""
 
     def __init__(self, k_max: int, explore_every: int = 32, decay: float = 0.95):
         self.k_max = k_max
@@ -169,7 +170,9 @@ class AdaptiveK:
         self._accepted = 0.0  # EMA counts of the geometric model: accepted drafts and first rejections
         self._rejected = 0.0
         self._zeros = 0
+        self._steps = 0
         self.k = k_max
+        self.fixed: int | None = None  # pin k (tests, benchmarks); None: adaptive
 
     @property
     def acceptance(self) -> float | None:
@@ -185,23 +188,27 @@ class AdaptiveK:
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
     def choose(self, batch: int) -> int:
+        if self.fixed is not None:
+            self.k = min(self.fixed, self.k_max)
+            return self.k
         if self.k_max == 0 or batch == 0:
             return 0
+        self._steps += 1
         a = self.acceptance
-        t_plain = self.target.estimate(batch)
+        if max(1, batch).bit_length() not in self.target.points:
+            self.k = 0  # measure a plain step at this batch size first
+            return 0
         d = self.draft.estimate(batch)
-        if a is None or t_plain is None or d is None:
-            self.k = min(2, self.k_max)  # nothing measured yet: draft a little to learn
+        if a is None or d is None:
+            self.k = min(2, self.k_max)  # nothing drafted yet: draft a little to learn
             return self.k
-        best, best_rate = 0, batch / t_plain
+        best, best_rate = 0, batch / self.target.estimate(batch)
         for k in range(1, self.k_max + 1):
             rate = batch * self.expected_tokens(a, k) / (self.target.estimate(batch * (k + 1)) + k * d)
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0:
-            self._zeros += 1
-            if self._zeros % self.explore_every == 0:
-                best = 1
+        if self._steps % self.explore_every == 0:  # keep both sides measured: the other choice, once
+            best = 1 if best == 0 else 0
         self.k = best
         return best
 
@@ -238,6 +245,7 @@ class Drafter:
         self.pool = engine.pool
         self.model_id = engine.model_id
         self.block_size = engine.pool.block_size
+        self.num_prefix_hit_tokens = 0  # draft KV found in the prefix cache (e.g. the small engine's prompts)
 
     def release(self, seq: Sequence) -> None:
         ds = seq.draft_state
@@ -250,6 +258,7 @@ class Drafter:
         if ds is None:
             pages, hashes = self.pool.match_prefix(self.model_id, seq.token_ids)
             self.pool.acquire(pages)
+            self.num_prefix_hit_tokens += len(pages) * self.block_size
             ds = DraftState(list(seq.token_ids), pages, len(pages) * self.block_size, hashes)
             seq.draft_state = ds
         else:  # catch up with the tokens appended since (its list is always a prefix of the sequence's)
@@ -588,4 +597,5 @@ class SpeculativeDecoder:
                 "spec_mean_accepted_length": (self.num_emitted_tokens / self.num_drafts
                                               if self.num_drafts else 0.0),
                 "spec_k": self.adaptive.k if self.drafter is not None else 0,
+                "spec_draft_prefix_hit_tokens": self.drafter.num_prefix_hit_tokens if self.drafter else 0,
                 "spec_k_max": self.k_max}

@@ -315,8 +315,8 @@ def test_invalid_requests_are_rejected_before_any_work(llama):
         llm.generate({"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=40))
     with pytest.raises(RequestRejected, match="whole pool has 8"):
         llm.generate({"prompt_token_ids": [5] * 30}, SamplingParams(max_tokens=10))
-    with pytest.raises(RequestRejected, match="speculative decoding not enabled"):
-        llm.engine.add_request([5, 6], SamplingParams(), draft_token_ids=[1, 2])
+    with pytest.raises(RequestRejected, match="draft_token_ids must be in"):
+        llm.engine.add_request([5, 6], SamplingParams(), draft_token_ids=[1, 384])
     with pytest.raises(RequestRejected, match="empty"):
         llm.generate({"prompt_token_ids": []})
     assert not llm.engine.has_work() and llm.core.pool.num_used == 0
