@@ -1,0 +1,341 @@
+"""Speculative decoding on tiny random models: greedy output token-for-token equal to plain decoding (single
+requests, a continuous batch of 32 with chunked prefill, preemption, stops, n > 1), sampled output distributed
+as the target's (chi-square on a 16-token vocabulary, temperature 1 and top-p), supplied drafts, the pool
+draining to zero, the vectorised rejection sampler against the kernel's reference, and adaptive k."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engines import LLM, EngineCore, EngineSpec, PoolSpec, SamplingParams
+from engines.loader import load_checkpoint
+from engines.sampler import apply_top_k_top_p_min_p
+from engines.speculative import AdaptiveK, rejection_sample_batched
+from kernels.fused import rejection_sample_ref
+
+BLOCK = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Module:
+    """The model with Gaussian noise on every matrix: a draft that agrees often but not always."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() >= 2:
+                p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint):
+    """(checkpoint dir of the target, its Transformer, a noisy draft Transformer)."""
+    path = tiny_checkpoint("llama", num_heads=4, num_kv_heads=2)
+    target = load_checkpoint(path).model
+    return path, target, noisy_copy(target, 0.004)
+
+
+def spec_llm(pair, k: int = 3, fixed: bool = True, **options) -> LLM:
+    _, target, draft = pair
+    llm = LLM(target, draft_model=draft, num_speculative_tokens=k, block_size=BLOCK, **options)
+    if fixed:
+        llm.engine.speculator.adaptive.fixed = k
+    return llm
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 384) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def drain(engine, max_steps: int = 20_000) -> None:
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < max_steps
+
+
+# ---- the rejection sampler ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_vectorised_rejection_sampler_equals_the_kernel_reference(with_q):
+    gen = torch.Generator().manual_seed(0)
+    b, k, v = 12, 4, 10
+    target = torch.rand(b, k + 1, v, generator=gen).pow(3)
+    target /= target.sum(-1, keepdim=True)
+    draft = torch.rand(b, k, v, generator=gen).pow(3)
+    draft /= draft.sum(-1, keepdim=True)
+    # drafts the target likes, sometimes not: all accept/reject paths occur
+    ids = torch.where(torch.rand(b, k, generator=gen) < 0.6, target[:, :k].argmax(-1),
+                      torch.randint(0, v, (b, k), generator=gen))
+    for trial in range(20):
+        u_acc, u_rec = torch.rand(b, k, generator=gen), torch.rand(b, generator=gen)
+        q = draft if with_q else None
+        got = rejection_sample_batched(ids, q, target, u_acc, u_rec)
+        want = rejection_sample_ref(ids, q, target, u_acc, u_rec)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
+
+
+# ---- greedy: exactly plain decoding ------------------------------------------------------------------------------
+
+def test_greedy_single_requests_are_token_for_token_plain_greedy(pair):
+    path, target, _ = pair
+    plain = LLM(target, block_size=BLOCK)
+    spec = spec_llm(pair, k=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for prompt in random_prompts(4, 1, 30, seed=1):
+        want = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+        got = spec.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+        assert got == want
+    stats = spec.stats()
+    assert stats["engine_spec_num_draft_tokens"] > 100
+    assert 0.3 < stats["engine_spec_acceptance_rate"] < 1.0  # the noisy draft is right often, not always
+    assert stats["used_pages"] == 0
+
+
+def test_a_continuous_batch_of_32_mixed_requests_equals_plain_decoding(pair):
+    """Staggered arrivals, chunked prefill, mixed max_tokens, stop token ids, stop strings, n = 2."""
+    _, target, _ = pair
+    prompts = random_prompts(32, 1, 40, seed=2)
+    rng = random.Random(3)
+    plain = LLM(target, block_size=BLOCK, max_num_batched_tokens=48)
+    params = []
+    for i, p in enumerate(prompts):
+        m = rng.randint(1, 24)
+        if i % 4 == 1:  # stop on whatever token the plain run produces 3rd (the draft must not overshoot it)
+            third = plain.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=m + 3,
+                                                                            ignore_eos=True))[0].outputs[0]
+            params.append(SamplingParams(temperature=0, max_tokens=m + 3, ignore_eos=True,
+                                         stop_token_ids=[third.token_ids[2]]))
+        elif i % 4 == 2:
+            params.append(SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, n=2, logprobs=2))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    spec = spec_llm(pair, k=3, max_num_batched_tokens=48)
+    want = [plain.generate({"prompt_token_ids": p}, sp)[0] for p, sp in zip(prompts, params)]
+    eng = spec.engine
+    finals = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(p, sp, f"r{i}", emit=lambda o: finals.__setitem__(o.request_id, o) if o.finished else None)
+        if i % 2:
+            eng.step()
+    drain(eng)
+    for i, w in enumerate(want):
+        got = finals[f"r{i}"]
+        for a, b in zip(got.outputs, w.outputs):
+            assert a.token_ids == b.token_ids, f"request {i}"
+            assert a.finish_reason == b.finish_reason and a.stop_reason == b.stop_reason
+            if b.logprobs is not None:  # the target's logprobs, as plain decoding reports them
+                for la, lb in zip(a.logprobs, b.logprobs):
+                    assert la.keys() == lb.keys()
+                    assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+    stats = spec.stats()
+    assert stats["engine_spec_num_accepted_tokens"] > 50
+    assert stats["used_pages"] == 0
+
+
+def test_preemption_drops_draft_state_and_still_matches(pair):
+    _, target, _ = pair
+    prompts = random_prompts(10, 10, 30, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(target, block_size=BLOCK)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    page = 2 * 2 * BLOCK * 2 * 16 * 4  # both models: 2 layers, 2 KV heads, head_dim 16, float32
+    spec = spec_llm(pair, k=3, memory_bytes=40 * page, enable_prefix_caching=False)
+    got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    stats = spec.stats()
+    assert stats["engine_num_preemptions"] > 0 and stats["engine_spec_num_drafts"] > 0
+    assert got == want
+    assert stats["used_pages"] == 0
+
+
+def test_aborts_mid_speculation_free_target_and_draft_pages(pair):
+    spec = spec_llm(pair, k=3)
+    eng = spec.engine
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for i, p in enumerate(random_prompts(6, 5, 20, seed=5)):
+        eng.add_request(p, params, f"a{i}")
+    for _ in range(4):
+        eng.step()
+    assert any(s.draft_state is not None and s.draft_state.pages for s in eng.scheduler.running)
+    assert eng.stats()["spec_num_drafts"] > 0
+    for i in range(6):
+        eng.abort(f"a{i}")
+    eng.step()
+    assert not eng.has_work() and spec.core.pool.num_used == 0
+
+
+def test_per_request_speculative_false_never_drafts(pair):
+    spec = spec_llm(pair, k=3)
+    out = spec.generate({"prompt_token_ids": [7, 8, 9]},
+                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False))[0]
+    assert len(out.outputs[0].token_ids) == 20
+    assert spec.stats()["engine_spec_num_drafts"] == 0
+
+
+def test_seeded_sampling_with_speculation_reproduces_and_n_choices_differ(pair):
+    spec = spec_llm(pair, k=3, fixed=False)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5, n=2, max_tokens=25, ignore_eos=True)
+    prompt = {"prompt_token_ids": [11, 12, 13, 14]}
+    first = spec.generate(prompt, params)[0]
+    others = spec.generate([prompt] * 3, [SamplingParams(temperature=1.0, max_tokens=25)] * 2 + [params])
+    assert [c.token_ids for c in others[2].outputs] == [c.token_ids for c in first.outputs]
+    assert first.outputs[0].token_ids != first.outputs[1].token_ids
+    assert spec.stats()["engine_spec_num_drafts"] > 0
+
+
+# ---- sampling: the target's distribution -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tiny_checkpoint):
+    """A 16-token target and an unrelated 16-token draft (so rejections and recoveries are frequent)."""
+    kw = dict(vocab_size=16, hidden_size=32, num_heads=2, num_kv_heads=1, with_tokenizer=False)
+    target = load_checkpoint(tiny_checkpoint("llama", seed=1, **kw)).model
+    draft = load_checkpoint(tiny_checkpoint("llama", seed=2, **kw)).model
+    return target, draft
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_speculative_sampling_matches_the_target_distribution(tiny_vocab_pair, top_p):
+    target, draft = tiny_vocab_pair
+    torch.manual_seed(0)
+    llm = LLM(target, draft_model=draft, num_speculative_tokens=2, block_size=BLOCK, max_num_seqs=256,
+              max_num_batched_tokens=1024)
+    llm.engine.speculator.adaptive.fixed = 2
+    prompt = [3, 9, 4]
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3, ignore_eos=True, n=16)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 250, params)
+    samples = [tuple(c.token_ids) for o in outs for c in o.outputs]
+    stats = llm.stats()
+    assert 0.05 < stats["engine_spec_acceptance_rate"] < 0.9  # real accepts and real recoveries
+    assert stats["engine_spec_num_draft_tokens"] > 3000
+
+    def dist(prefixes: list[tuple[int, ...]]) -> torch.Tensor:
+        """The sampler's distribution after each prefix: temperature 1, then top-p."""
+        with torch.inference_mode():
+            logits = target.dense_logits(torch.tensor([prompt + list(p) for p in prefixes]))[:, -1].float()
+        tp = torch.full((len(prefixes),), top_p) if top_p < 1 else None
+        return apply_top_k_top_p_min_p(logits, None, tp, None).softmax(-1)
+
+    # exact joint of tokens 2 and 3 (both drafted and verified) given token 1, and the marginal of token 3
+    p1 = dist([()])[0]
+    pairs = list(itertools.product(range(16), repeat=2))
+    p2 = dist([(a,) for a in range(16)])
+    p3 = dist(list(itertools.product(range(16), repeat=2)))
+    joint23 = torch.zeros(16, 16)
+    for (a, b), row in zip(pairs, p3):
+        joint23[b] += p1[a] * p2[a, b] * row
+    n = len(samples)
+    observed = torch.zeros(16, 16)
+    for s in samples:
+        observed[s[1], s[2]] += 1
+    expected = joint23.flatten() * n
+    obs = observed.flatten()
+    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    f_obs = torch.cat([obs[keep], obs[~keep].sum()[None]]).double()
+    f_exp = torch.cat([expected[keep], expected[~keep].sum()[None]]).double()
+    f_exp *= f_obs.sum() / f_exp.sum()
+    assert int(keep.sum()) > 20
+    assert chisquare(f_obs.numpy(), f_exp.numpy()).pvalue > 1e-3
+    if top_p < 1:  # tokens outside the top-p set are never emitted
+        assert all(expected.view(16, 16)[s[1], s[2]] > 0 for s in samples)
+
+
+# ---- supplied drafts -------------------------------------------------------------------------------------------
+
+def test_supplied_drafts_of_the_models_own_greedy_output_are_all_accepted(pair):
+    _, target, _ = pair
+    prompt = random_prompts(1, 12, 12, seed=6)[0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(target, block_size=BLOCK)
+    greedy = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    verifier = LLM(target, block_size=BLOCK)  # no drafter: supplied drafts need only the verifier
+    out = verifier.generate({"prompt_token_ids": prompt}, params, draft_token_ids=greedy)[0].outputs[0]
+    assert out.token_ids == greedy
+    stats = verifier.stats()
+    assert stats["engine_spec_acceptance_rate"] == 1.0
+    # 40 tokens in 3 target passes (chunks of 16 drafts, each adds a bonus token); plain needs 40
+    assert stats["engine_num_steps"] <= 3
+    assert stats["used_pages"] == 0
+
+
+def test_supplied_random_drafts_are_mostly_rejected_and_yield_the_greedy_output(pair):
+    _, target, _ = pair
+    prompt = random_prompts(1, 12, 12, seed=7)[0]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    greedy = LLM(target, block_size=BLOCK).generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    spec = spec_llm(pair, k=3)
+    junk = [random.Random(8).randrange(5, 384) for _ in range(30)]
+    out = spec.generate({"prompt_token_ids": prompt}, params, draft_token_ids=junk)[0].outputs[0]
+    assert out.token_ids == greedy
+    stats = spec.stats()
+    supplied_accepted = sum(a == b for a, b in zip(junk, greedy))
+    assert supplied_accepted <= 2
+    assert stats["engine_spec_num_drafts"] > 1  # the drafter took over after the supplied path was rejected
+    assert stats["used_pages"] == 0
+
+
+def test_draft_kv_reuses_the_small_engines_cached_prompt(pair, tiny_checkpoint):
+    path, _, _ = pair
+    core = EngineCore([EngineSpec("small", path), EngineSpec("large", path, draft="small", num_speculative_tokens=2)],
+                      PoolSpec(block_size=BLOCK))
+    prompt = random_prompts(1, 21, 21, seed=9)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    small, large = core.engines["small"], core.engines["large"]
+    assert large.speculator.drafter.engine.model is small.model  # the same weights object
+    small.add_request(prompt, params, "s")
+    drain(small)
+    large.speculator.adaptive.fixed = 2
+    large.add_request(prompt, params, "l")
+    drain(large)
+    assert large.stats()["spec_draft_prefix_hit_tokens"] == 20  # 5 full blocks of the 21-token prompt
+    assert core.pool.num_used == 0
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="needs a draft engine"):
+        EngineCore([EngineSpec("a", "unused", num_speculative_tokens=3)])
+    with pytest.raises(ValueError, match="must name another engine"):
+        EngineCore([EngineSpec("a", "unused", draft="b")])
+
+
+# ---- adaptive k --------------------------------------------------------------------------------------------------
+
+def feed(ak: AdaptiveK, batch: int, plain: float, per_token: float, draft: float, a: float) -> None:
+    for k in range(ak.k_max + 1):
+        ak.target.observe(batch * (k + 1), plain + per_token * batch * k)
+    ak.draft.observe(batch, draft)
+    for _ in range(50):  # windows of 20 drafts with one rejection each: a = accepted / (accepted + 1)
+        ak.observe_window(20, round(a / (1 - a)))
+
+
+def test_adaptive_k_drafts_when_it_pays_and_stops_when_it_does_not():
+    ak = AdaptiveK(4)
+    assert ak.choose(1) == 0  # nothing measured: a plain step first
+    ak.target.observe(1, 0.010)
+    assert ak.choose(1) == 2  # then a little drafting to measure acceptance and draft cost
+    fast = AdaptiveK(4)
+    feed(fast, 1, plain=0.010, per_token=0.0002, draft=0.0005, a=0.95)
+    assert fast.choose(1) == 4  # cheap draft, high acceptance: the longest window
+    slow = AdaptiveK(4)
+    feed(slow, 32, plain=0.010, per_token=0.0003, draft=0.006, a=0.5)
+    assert slow.choose(32) == 0  # the verify pass scales with the batch: speculation loses
+    # exploration: one step in explore_every takes the other side
+    choices = [slow.choose(32) for _ in range(64)]
+    assert choices.count(1) == 2 and choices.count(0) == 62
+    assert AdaptiveK.expected_tokens(0.5, 3) == pytest.approx(1.875)
