@@ -17,6 +17,7 @@ from msgspec import Meta, Struct
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "default.toml"
+DEFAULT_ROUTER_ARTIFACT = PROJECT_ROOT / "models" / "router"  # a router route without `artifact` uses it
 ENV_PREFIX = "TANDEM_"
 
 # Route strategies a config may name; gateway.routing.register_strategy adds to it.
@@ -61,7 +62,7 @@ class SLOConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 class RouterConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     threshold: Annotated[float, Meta(ge=0, le=1)] | None = None  # P(large needed) above this -> large
     target_large_fraction: Fraction | None = None  # or calibrate the threshold to send this share to large
-    artifact: str | None = None  # router artifact folder (JSON + npz)
+    artifact: str | None = None  # router artifact folder (JSON + npz); unset: models/router of the project
 
 
 class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -464,10 +465,19 @@ def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], Any, str]:
 
 
 def check_checkpoints(cfg: TandemConfig) -> None:
-    """Fail before loading anything when an engine's checkpoint folder is missing."""
+    """Fail before loading anything when an engine's checkpoint or a router route's artifact is missing."""
     for name, engine in cfg.engines.items():
         folder = Path(engine.checkpoint)
         if not (folder / "config.json").is_file():
             reason = "does not exist" if not folder.exists() else "has no config.json"
             raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint = {engine.checkpoint!r} {reason}; "
                               f"point it at a Hugging Face model folder")
+    for name, route in cfg.routes.items():
+        if route.strategy != "router":
+            continue
+        folder = Path(route.router.artifact or DEFAULT_ROUTER_ARTIFACT)
+        missing = [f for f in ("router.json", "router.npz") if not (folder / f).is_file()]
+        if missing:
+            raise ConfigError(f"{cfg.source}: routes.{name}.router.artifact = {str(folder)!r} has no "
+                              f"{' or '.join(missing)}; build one with `tandem router train --out {folder}` or "
+                              f"point the route at a router folder")
