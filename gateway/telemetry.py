@@ -107,6 +107,20 @@ def add_engine_spans(tracer: trace.Tracer, metrics: RequestMetrics | None, finis
         span.end(end_time=max(_epoch_ns(stop), _epoch_ns(start)))
 
 
+def add_escalation_span(tracer: trace.Tracer, metrics: RequestMetrics | None, finished_time: float,
+                        attributes: Mapping[str, Any]) -> None:
+    """A cascade escalation under the current span: from the large engine's arrival to its end, with that
+    engine's queue/prefill/decode nested inside (the small attempt's phases are not re-traced)."""
+    if metrics is None:
+        return
+    end = metrics.finished_time or finished_time
+    span = tracer.start_span("escalation", start_time=_epoch_ns(metrics.arrival_time), attributes=dict(attributes))
+    span.set_attribute("tandem.spec.accepted_tokens", metrics.num_accepted_tokens)
+    with trace.use_span(span, end_on_exit=False):
+        add_engine_spans(tracer, metrics, finished_time)
+    span.end(end_time=max(_epoch_ns(end), _epoch_ns(metrics.arrival_time)))
+
+
 # ------------------------------------------------------------------------------------- SLO attainment
 
 
