@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from engines.outputs import Logprob, PositionLogprobs
 from engines.sampler import SamplerRow, apply_penalties, apply_top_k_top_p_min_p, sample
@@ -217,6 +218,100 @@ class AdaptiveK:
 # the drafter
 
 
+class LeanDraftForward:
+    """A lean forward for draft passes of a few tokens per sequence on the CPU, where a tiny model's time is
+    per-op overhead: functional calls on the draft model's own parameters (no module dispatch, no copies),
+    RoPE as one matmul with a per-position rotation table, and every query token attending over its
+    sequence's pages as its own batch row. Same math as `Transformer.forward` over the paged pool (logits
+    agree to float rounding); plain Llama/Mistral float models only, others take the runner."""
+
+    MAX_TABLE_BYTES = 64 << 20
+
+    def __init__(self, model: torch.nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 block_size: int):
+        cfg = model.config
+        self.cfg, self.block_size = cfg, block_size
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.layers = [(l.input_layernorm.weight, l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
+                        l.self_attn.v_proj.weight, l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
+                        l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight)
+                       for l in model.model.layers]
+        self.embed = model.model.embed_tokens.weight
+        self.norm = model.model.norm.weight
+        self.lm_head = model.lm_head.weight
+        # x @ rot[t] == x * cos[t] + rotate_half(x) * sin[t] (HF's half-split RoPE) for x [.., head_dim]
+        with torch.no_grad():
+            cos, sin = model.rope(torch.arange(cfg.max_position_embeddings, device=self.embed.device),
+                                  self.embed.dtype)
+            d, h = cfg.head_dim, cfg.head_dim // 2
+            rot = torch.diag_embed(cos)
+            idx = torch.arange(h, device=cos.device)
+            rot[:, idx + h, idx] = -sin[:, :h]
+            rot[:, idx, idx + h] = sin[:, h:]
+        self.rot = rot
+
+    @staticmethod
+    def supported(model: torch.nn.Module, runner: object) -> bool:
+        cfg = model.config
+        caches = getattr(runner, "k_caches", None)
+        if (caches is None or getattr(runner, "use_kernel", True) or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias
+                or cfg.qk_norm or getattr(cfg, "hidden_act", "silu") != "silu"):
+            return False
+        dtype = next(model.parameters()).dtype
+        linears = [m for m in model.modules() if m.__class__.__name__.endswith("Linear")]
+        if any(type(m) is not torch.nn.Linear for m in linears) or dtype not in (torch.float32, torch.bfloat16):
+            return False  # quantised layers or an unusual dtype: the model's own forward knows them
+        table = cfg.max_position_embeddings * cfg.head_dim * cfg.head_dim * torch.finfo(dtype).bits // 8
+        return caches[0].dtype == dtype and table <= LeanDraftForward.MAX_TABLE_BYTES
+
+    @torch.inference_mode()
+    def __call__(self, states: Seq[DraftState], num_new: Seq[int]) -> torch.Tensor:
+        """Forward each state's next `num_new` tokens (K/V written into its pages); logits [S, V] of each
+        state's last token."""
+        cfg, bs = self.cfg, self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        tables: list[list[int]] = []
+        last: list[int] = []
+        for s, n in zip(states, num_new):
+            c = s.num_computed
+            ids.extend(s.token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+            tables.extend([s.pages] * n)
+            last.append(len(ids) - 1)
+        nb = max(pos) // bs + 1
+        tables = [t[:nb] + [t[0]] * (nb - len(t)) for t in tables]  # pad with an own page (never foreign)
+        dev = self.embed.device
+        t = len(ids)
+        pos_t = torch.tensor(pos, device=dev)
+        table_t = torch.tensor(tables, device=dev)
+        flat = table_t.view(-1)
+        wp = table_t.gather(1, (pos_t // bs)[:, None])[:, 0]
+        wo = pos_t % bs
+        mask = (torch.arange(nb * bs, device=dev)[None, :] <= pos_t[:, None])[:, None, None, :]
+        rot = self.rot[pos_t]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        x = self.embed[torch.tensor(ids, device=dev)]
+        for i, (ln1, wq, wk, wv, wo_, ln2, wg, wu, wd) in enumerate(self.layers):
+            hs = F.rms_norm(x, (x.shape[-1],), ln1, eps)
+            q = torch.matmul(F.linear(hs, wq).view(t, hq, d), rot)
+            k = torch.matmul(F.linear(hs, wk).view(t, hkv, d), rot)
+            v = F.linear(hs, wv).view(t, hkv, d)
+            kc, vc = self.k_caches[i], self.v_caches[i]
+            kc[wp, wo] = k
+            vc[wp, wo] = v
+            keys = kc.flatten(1).index_select(0, flat).view(t, nb * bs, hkv, d).transpose(1, 2)
+            vals = vc.flatten(1).index_select(0, flat).view(t, nb * bs, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.view(t, hkv, hq // hkv, d), keys, vals, attn_mask=mask)
+            x = x + F.linear(o.reshape(t, hq * d), wo_)
+            hs = F.rms_norm(x, (x.shape[-1],), ln2, eps)
+            x = x + F.linear(F.silu(F.linear(hs, wg)) * F.linear(hs, wu), wd)
+        x = F.rms_norm(x[torch.tensor(last, device=dev)], (x.shape[-1],), self.norm, eps)
+        return F.linear(x, self.lm_head).float()
+
+
+
 class DraftState:
     """The drafter's view of one sequence, shaped like a `Sequence` for the runner: its own token list
     (a prefix of the sequence's, then this step's drafts) and its own pages in the small model's geometry."""
@@ -245,6 +340,8 @@ class Drafter:
         self.pool = engine.pool
         self.model_id = engine.model_id
         self.block_size = engine.pool.block_size
+        self.lean = (LeanDraftForward(engine.model, engine.runner.k_caches, engine.runner.v_caches, self.block_size)
+                     if LeanDraftForward.supported(engine.model, engine.runner) else None)
         self.num_prefix_hit_tokens = 0  # draft KV found in the prefix cache (e.g. the small engine's prompts)
 
     def release(self, seq: Sequence) -> None:
@@ -300,7 +397,10 @@ class Drafter:
             t0 = time.perf_counter()
             act_states = [states[i] for i in active]
             num_new = [s.num_tokens - s.num_computed for s in act_states]
-            logits, _ = self.runner.execute_batch(act_states, num_new)
+            if self.lean is not None and sum(num_new) <= 4 * len(num_new):  # decode-like: the lean forward
+                logits = self.lean(act_states, num_new)
+            else:  # catch-up (a prompt, or many tokens since the last draft): the runner's varlen prefill
+                logits, _ = self.runner.execute_batch(act_states, num_new)
             for s, n in zip(act_states, num_new):
                 s.num_computed += n
             rows = [sampler_row(seqs[i], seqs[i].spec_token_ids) for i in active]

@@ -1,0 +1,131 @@
+"""Speculative decoding on the default tiny pair (tandem-tiny-s drafts for tandem-tiny-l): output tokens/s
+with and without speculation at batch 1, 8 and 32, greedy and temperature 0.8, side by side in one process,
+with acceptance rate, mean accepted length and the k adaptive k settled on. Prompts are windows of held-out
+standard-library modules (the models' own domain). Prints a table, writes bench/results/speculative.json.
+
+    .venv/bin/python bench/speculative.py [--batches 1 8 32] [--max-tokens 128] [--repeats 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engines import LLM, SamplingParams  # noqa: E402
+from engines.corpus import load_corpus_split  # noqa: E402
+
+LARGE, SMALL = ROOT / "models" / "tandem-tiny-l", ROOT / "models" / "tandem-tiny-s"
+
+
+def prompts_from_heldout(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
+    """n windows of `length` tokens, each starting at a line start of a held-out module."""
+    rng = random.Random(seed)
+    modules = [text for _, text in load_corpus_split("heldout") if len(text) > 4000]
+    out = []
+    while len(out) < n:
+        text = rng.choice(modules)
+        start = text.rfind("\n", 0, rng.randrange(0, len(text) - 3000)) + 1
+        ids = tokenizer.encode(text[start:start + 2000])
+        if len(ids) >= length:
+            out.append(ids[:length])
+    return out
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, list[int]]:
+    """Every prompt at once; returns (seconds, output tokens, the k chosen at each step that drafted)."""
+    eng = llm.engine
+    spec = eng.speculator
+    ks: list[int] = []
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params, f"b{time.monotonic_ns()}-{i}")
+    t0 = time.perf_counter()
+    n0 = eng.num_generated_tokens
+    while eng.has_work():
+        eng.step()
+        if spec.drafter is not None:
+            ks.append(spec.adaptive.k)
+    return time.perf_counter() - t0, eng.num_generated_tokens - n0, ks
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (max k)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    plain = LLM(LARGE, max_num_seqs=64)
+    spec = LLM(LARGE, draft_model=SMALL, num_speculative_tokens=args.k, max_num_seqs=64)
+    tok = plain.tokenizer
+    warm = prompts_from_heldout(tok, 2, args.prompt_tokens, seed=99)
+    for llm in (plain, spec):  # warm-up: allocator, first-call overheads, and adaptive k's first measurements
+        llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=64))
+
+    rows = []
+    for temp in (0.0, 0.8):
+        for b in args.batches:
+            prompts = prompts_from_heldout(tok, b, args.prompt_tokens, seed=b)
+            params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
+            t_plain, t_spec, ks = [], [], Counter()
+            before = spec.engine.speculator.stats()
+            for _ in range(args.repeats):  # alternate so both see the same background load
+                dt, n, _ = run(plain, prompts, params)
+                t_plain.append(n / dt)
+                dt, n, k_steps = run(spec, prompts, params)
+                t_spec.append(n / dt)
+                ks.update(k_steps)
+            after = spec.engine.speculator.stats()
+            drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
+            draft_toks = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+            accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+            p_med, s_med = statistics.median(t_plain), statistics.median(t_spec)
+            rows.append({
+                "temperature": temp, "batch": b, "plain_tokens_per_s": round(p_med, 1),
+                "spec_tokens_per_s": round(s_med, 1), "speedup": round(s_med / p_med, 3),
+                "acceptance_rate": round(accepted / draft_toks, 3) if draft_toks else None,
+                "mean_accepted_length": round((accepted + drafts) / drafts, 3) if drafts else None,
+                "k_steps": dict(sorted(ks.items())), "plain_runs": [round(x, 1) for x in t_plain],
+                "spec_runs": [round(x, 1) for x in t_spec]})
+            r = rows[-1]
+            print(f"temp {temp:<4} batch {b:>3}: plain {r['plain_tokens_per_s']:>8.1f} tok/s  spec "
+                  f"{r['spec_tokens_per_s']:>8.1f} tok/s  {r['speedup']:.2f}x  accept {r['acceptance_rate']}  "
+                  f"mean len {r['mean_accepted_length']}  k per step {r['k_steps']}", flush=True)
+
+    print()
+    print("| temperature | batch | plain tok/s | speculative tok/s | speedup | acceptance | mean accepted length "
+          "| k chosen (steps) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['temperature']} | {r['batch']} | {r['plain_tokens_per_s']} | {r['spec_tokens_per_s']} | "
+              f"{r['speedup']:.2f}x | {r['acceptance_rate']} | {r['mean_accepted_length']} | {r['k_steps']} |")
+    result = {"config": {"target": str(LARGE.relative_to(ROOT)), "draft": str(SMALL.relative_to(ROOT)),
+                         "k_max": args.k, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+                         "repeats": args.repeats, "threads": args.threads, "python": platform.python_version(),
+                         "torch": torch.__version__, "machine": platform.machine()},
+              "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
