@@ -6,6 +6,7 @@ background at start-up (`/ready` answers 503 until they are up).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import re
@@ -61,12 +62,15 @@ from gateway.routing import Route, RoutedRun, Routes, RoutingContext
 from gateway.telemetry import (
     Telemetry,
     add_engine_spans,
+    add_escalation_span,
     build_meter_provider,
     build_tracer_provider,
     otel_plugin,
 )
 
 log = logging.getLogger("tandem.gateway")
+# Run attribute a cascade sets once it has decided (gateway/cascade.py); the app turns it into a header.
+ESCALATED = "tandem.cascade.escalated"
 
 
 class EngineHost(Protocol):
@@ -237,7 +241,7 @@ class _Progress:
 async def _serve(request: Request, state: GatewayState, route: Route,
                  data: ChatCompletionRequest | CompletionRequest, operation: str,
                  render: Callable[[Any], str | list[int]], ctx_kwargs: dict[str, Any]) -> Response | Stream:
-    arrival = time.monotonic()
+    arrival = request.scope["state"].get("arrival") or time.monotonic()
     request_id = request.scope["state"]["request_id"]
     telemetry = state.telemetry
     span = trace.get_current_span()
@@ -271,12 +275,7 @@ async def _serve(request: Request, state: GatewayState, route: Route,
             route_span.set_attribute("tandem.router.score", run.score)
         for key, value in run.attributes.items():
             route_span.set_attribute(key, value)
-    if not route.direct:
-        telemetry.router_decisions.labels(route.name, run.engine.name).inc()
-    span.set_attribute("gen_ai.response.model", run.engine.name)
-    headers = {"x-request-id": request_id, "x-tandem-route": route.name, "x-tandem-model": run.engine.name}
-    if run.score is not None:
-        headers["x-tandem-router-score"] = f"{run.score:.4f}"
+        decided = set(run.attributes)
 
     state.inflight += 1
     progress = _Progress(arrival)
@@ -287,6 +286,20 @@ async def _serve(request: Request, state: GatewayState, route: Route,
         run.abort()
         raise
     progress.saw(first)
+    # A cascade knows who answers only once its first output arrives: engine, headers and metrics are read now.
+    for key in run.attributes.keys() - decided:
+        span.set_attribute(key, run.attributes[key])
+    escalated = run.attributes.get(ESCALATED)
+    if not route.direct:
+        telemetry.router_decisions.labels(route.name, run.engine.name).inc()
+    if escalated:
+        telemetry.cascade_escalations.labels(route.name).inc()
+    span.set_attribute("gen_ai.response.model", run.engine.name)
+    headers = {"x-request-id": request_id, "x-tandem-route": route.name, "x-tandem-model": run.engine.name}
+    if run.score is not None:
+        headers["x-tandem-router-score"] = f"{run.score:.4f}"
+    if escalated is not None:
+        headers["x-tandem-escalated"] = "true" if escalated else "false"
     response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + request_id
     created = int(time.time())
     fmt = _Formatter(operation, response_id, created, data.model, run.engine.tokenizer, data, params.logprobs)
@@ -434,7 +447,11 @@ class _Finisher:
         if self.state.cfg.telemetry.record_content:
             span.set_attribute("gen_ai.output.messages", json.dumps([c.text for c in out.outputs]))
         with trace.use_span(span, end_on_exit=False):
-            add_engine_spans(telemetry.tracer, metrics, time.monotonic())
+            if self.run.attributes.get(ESCALATED):
+                cascade = {k: v for k, v in self.run.attributes.items() if k.startswith("tandem.cascade.")}
+                add_escalation_span(telemetry.tracer, metrics, time.monotonic(), cascade)
+            else:
+                add_engine_spans(telemetry.tracer, metrics, time.monotonic())
 
 
 # ------------------------------------------------------------------------------------------ formatting
@@ -611,6 +628,10 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         host = build()
         host.start()
         engines = {name: host.engine(name) for name in cfg.engines}
+        # torch and the models leave ~200k long-lived objects; a full GC pass over them stalls every request
+        # for ~200 ms (the p99 of the overhead benchmark). Freeze them out of the collector's view.
+        gc.collect()
+        gc.freeze()
         state.host, state.engines = host, engines
 
     async def start_loading(app: Litestar) -> None:
@@ -631,6 +652,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
                 await asyncio.wait([task], timeout=60)
         if state.host is not None:
             await asyncio.to_thread(state.host.shutdown)
+        gc.unfreeze()  # let interpreter shutdown collect them (extension types report leaks otherwise)
 
     app = Litestar(
         route_handlers=[health, ready, metrics, list_models, list_routes, chat_completions, completions],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 import uuid
 
 from litestar.enums import ScopeType
@@ -54,7 +55,7 @@ def _redact(token: str) -> str:
 
 
 class AuthMiddleware(ASGIMiddleware):
-    """Give the request its id, authenticate, then admit against the key's request/token limits; the id and
+    """Give the request its id and arrival time, authenticate, then admit against the key's request/token limits; the id and
     the key land in scope state (one middleware, not three: each layer costs on every request)."""
 
     scopes = (ScopeType.HTTP,)
@@ -65,6 +66,7 @@ class AuthMiddleware(ASGIMiddleware):
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         state = scope.setdefault("state", {})
         state["request_id"] = uuid.uuid4().hex
+        state["arrival"] = time.monotonic()  # TTFT and E2E count from here, before the body is parsed
         if scope["path"].startswith("/v1/"):
             authorization = None
             for name, value in scope["headers"]:

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from gateway.auth import KeyRing
-from gateway.config import AuthConfig, RouteConfig, SLOConfig, config_from_dict
+from gateway.config import STRATEGY_NAMES, AuthConfig, RouteConfig, SLOConfig, config_from_dict
 from gateway.errors import APIError
 from gateway.limits import ANONYMOUS, RateLimiter
 from gateway.protocol import (
@@ -17,7 +17,7 @@ from gateway.protocol import (
     prompt_input,
     sampling_params,
 )
-from gateway.routing import Routes
+from gateway.routing import STRATEGY_MODULES, Routes
 from gateway.telemetry import SLOWindow
 
 
@@ -150,10 +150,12 @@ def test_slo_window_attainment_and_expiry():
     assert att["requests"] == 1 and att["ttft"]["attainment"] == 0.0 and att["tpot"]["attainment"] is None
 
 
-def test_routes_resolve_configured_routes_and_engines_by_name():
+def test_routes_resolve_configured_routes_and_engines_by_name(monkeypatch):
+    monkeypatch.setattr("gateway.config.STRATEGY_NAMES", STRATEGY_NAMES | {"absent"})
+    monkeypatch.setitem(STRATEGY_MODULES, "absent", "gateway.no_such_strategy_module")
     cfg = config_from_dict({"engines": {"s": {"checkpoint": "/s"}, "l": {"checkpoint": "/l"}},
                             "routes": {"fast": {"engines": ["s"]},
-                                       "auto": {"strategy": "router", "engines": ["s", "l"]}}})
+                                       "later": {"strategy": "absent", "engines": ["s", "l"]}}})
     routes = Routes(cfg)
     assert routes.resolve("fast").config.engines == ["s"] and not routes.resolve("fast").direct
     assert routes.resolve("l").direct and routes.resolve("l").config.engines == ["l"]
@@ -162,5 +164,5 @@ def test_routes_resolve_configured_routes_and_engines_by_name():
     assert missing.value.status == 404 and missing.value.code == "model_not_found"
     assert "fast" in missing.value.message
     with pytest.raises(APIError) as unavailable:
-        routes.resolve("auto")
-    assert unavailable.value.status == 501 and "strategy 'router'" in unavailable.value.message
+        routes.resolve("later")
+    assert unavailable.value.status == 501 and "strategy 'absent'" in unavailable.value.message
