@@ -1,0 +1,144 @@
+"""The `cascade` route strategy: the small engine answers first (with token logprobs); when its confidence
+(mean or minimum token logprob) is under the route's threshold, the large engine verifies that answer as
+supplied draft tokens in one pass and regenerates from the first rejected token. Streaming buffers until the
+decision, so a client sees one answer, never a retracted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engines.errors import RequestRejected
+from engines.outputs import CompletionOutput, RequestOutput
+from gateway.config import RouteConfig, TandemConfig
+from gateway.errors import APIError
+from gateway.routing import Route, RoutedRun, RoutingContext, register_strategy
+
+log = logging.getLogger("tandem.gateway")
+
+ESCALATED = "tandem.cascade.escalated"  # run attribute (and span attribute) the app reads for its header
+
+
+def confidence(output: CompletionOutput, mode: str) -> float:
+    """Mean or minimum log-probability of the tokens the model chose (0.0 for an empty answer)."""
+    if not output.token_ids:
+        return 0.0
+    positions = output.logprobs or []
+    values = []
+    for token_id, position in zip(output.token_ids, positions):
+        chosen = position.get(token_id)
+        values.append(chosen.logprob if chosen is not None else -math.inf)
+    if len(values) < len(output.token_ids):  # logprobs missing: nothing says the answer is good
+        return -math.inf
+    return min(values) if mode == "min" else sum(values) / len(values)
+
+
+def whole_answer(out: RequestOutput, keep_logprobs: bool) -> RequestOutput:
+    """The finished output as one delta carrying the whole answer (what a buffered stream sends at once);
+    logprobs the client did not ask for are dropped."""
+    choices = [dataclasses.replace(
+        c, logprobs=c.logprobs if keep_logprobs else None, delta_text=c.text, delta_token_ids=list(c.token_ids),
+        delta_logprobs=c.logprobs if keep_logprobs else None) for c in out.outputs]
+    return dataclasses.replace(out, outputs=choices)
+
+
+@dataclass
+class CascadeRun(RoutedRun):
+    """A cascade's run: `engine` turns to the large engine when it escalates; an abort stops escalation."""
+
+    aborted: bool = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        super().abort()
+
+
+class CascadeStrategy:
+    """Small first; escalate to large (verifying the small answer as drafts) when it is not confident."""
+
+    def __init__(self, name: str, route: RouteConfig):
+        self.name = name
+        self.small, self.large = route.engines
+        self.mode = route.cascade.mode
+        self.threshold = route.cascade.confidence_threshold
+        self._same_vocab: dict[tuple[int, int], bool] = {}
+
+    def should_escalate(self, output: CompletionOutput) -> tuple[bool, float]:
+        score = confidence(output, self.mode)
+        return score < self.threshold, score
+
+    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
+        if ctx.params.n != 1:
+            raise APIError(400, f"n = {ctx.params.n} is not supported on the cascade route {self.name!r} (one "
+                           f"answer is checked and escalated); use n = 1 or a fixed route", param="n",
+                           code="invalid_value")
+        small, large = engines[self.small], engines[self.large]
+        run = CascadeRun(engine=small, outputs=None, request_ids=[(small, ctx.request_id)])  # type: ignore[arg-type]
+        run.outputs = self._outputs(run, ctx, small, large)  # attached now: the iterator needs the run
+        return run
+
+    async def _outputs(self, run: CascadeRun, ctx: RoutingContext, small: Any,
+                       large: Any) -> AsyncIterator[RequestOutput]:
+        asked = ctx.params.logprobs is not None
+        # The confidence needs the chosen tokens' logprobs even when the client did not ask for them.
+        small_params = ctx.params if asked else dataclasses.replace(ctx.params, logprobs=0)
+        final: RequestOutput | None = None
+        async for out in small.generate(ctx.render(small), small_params, ctx.request_id, priority=ctx.priority):
+            final = out
+        assert final is not None and final.finished
+        answer = final.outputs[0]
+        if final.error or answer.finish_reason in ("abort", "error") or run.aborted:
+            yield whole_answer(final, asked)
+            return
+        escalate, score = self.should_escalate(answer)
+        run.attributes.update({"tandem.cascade.confidence": max(score, -1e9), "tandem.cascade.mode": self.mode,
+                               "tandem.cascade.threshold": self.threshold,
+                               "tandem.cascade.small_completion_tokens": len(answer.token_ids), ESCALATED: False})
+        if not escalate:
+            yield whole_answer(final, asked)
+            return
+
+        large_id = f"{ctx.request_id}-escalated"
+        drafts = list(answer.token_ids) if self._shares_vocabulary(small, large) else None
+        run.request_ids.append((large, large_id))
+        outputs = large.generate(ctx.render(large), ctx.params, large_id, priority=ctx.priority,
+                                 draft_token_ids=drafts)
+        try:
+            first = await anext(outputs)
+        except RequestRejected as exc:
+            # The large engine cannot take this prompt (e.g. a shorter context): the small answer stands.
+            log.warning("cascade %s: request %s not escalated: %s", self.name, ctx.request_id, exc)
+            run.attributes["tandem.cascade.escalation_rejected"] = str(exc)
+            yield whole_answer(final, asked)
+            return
+        run.engine = large
+        run.attributes[ESCALATED] = True
+        run.attributes["tandem.cascade.draft_tokens"] = len(drafts or ())
+        yield first
+        async for out in outputs:
+            yield out
+
+    def _shares_vocabulary(self, small: Any, large: Any) -> bool:
+        """Drafts are token ids: only meaningful when both engines tokenize identically (checked once)."""
+        key = (id(small.tokenizer), id(large.tokenizer))
+        same = self._same_vocab.get(key)
+        if same is None:
+            a, b = small.tokenizer, large.tokenizer
+            same = a is b or (a.vocab_size == b.vocab_size and a.backend.to_str() == b.backend.to_str())
+            if not same:
+                log.warning("cascade %s: %s and %s tokenize differently; escalations regenerate without drafts",
+                            self.name, self.small, self.large)
+            self._same_vocab[key] = same
+        return same
+
+
+def _factory(name: str, route: RouteConfig, cfg: TandemConfig) -> CascadeStrategy:
+    return CascadeStrategy(name, route)
+
+
+register_strategy("cascade", _factory)

@@ -1,0 +1,76 @@
+"""The `router` route strategy: score each request with the route's trained router (whole conversation, text
+features only, microseconds) and send it to the route's small or large engine. The artifact loads once at
+start-up; the threshold is the route's own, or calibrated from a target large fraction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.config import DEFAULT_ROUTER_ARTIFACT, ConfigError, RouteConfig, TandemConfig
+from gateway.routing import Route, RoutedRun, RoutingContext, register_strategy, start_on
+from router_model import Router, RouterArtifactError
+from router_model.features import Conversation
+
+def route_threshold(router: Router, route: RouteConfig) -> tuple[float, str]:
+    """(threshold, where it came from): the route's explicit threshold, else its target large fraction turned
+    into a threshold through the artifact's held-out score quantiles, else the artifact's own threshold."""
+    if route.router.threshold is not None:
+        return route.router.threshold, "route threshold"
+    if route.router.target_large_fraction is not None:
+        fraction = route.router.target_large_fraction
+        return router.threshold_for_fraction(fraction), f"route target_large_fraction {fraction:g}"
+    return router.threshold, f"artifact threshold (target large fraction {router.target_large_fraction})"
+
+
+class RouterStrategy:
+    """P(large needed) >= threshold -> the large engine, else the small one."""
+
+    def __init__(self, name: str, route: RouteConfig, router: Router):
+        self.name = name
+        self.small, self.large = route.engines
+        self.router = router
+        self.threshold, self.threshold_source = route_threshold(router, route)
+
+    def conversation(self, ctx: RoutingContext, engines: Mapping[str, Any]) -> Conversation:
+        """What the router scores: every chat message, or the raw prompt (token-id prompts decoded)."""
+        if ctx.conversation is not None:
+            return ctx.conversation
+        if ctx.prompt_text is not None:
+            return ctx.prompt_text
+        small = engines[self.small]
+        return small.tokenizer.decode(ctx.render(small))
+
+    def decide(self, conversation: Conversation) -> tuple[str, float]:
+        """("small" | "large", score) for one conversation under this route's threshold."""
+        return self.router.decide(conversation, threshold=self.threshold)
+
+    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
+        choice, score = self.decide(self.conversation(ctx, engines))
+        run = start_on(engines[self.large if choice == "large" else self.small], ctx)
+        run.score = score
+        run.attributes.update({"tandem.router.choice": choice, "tandem.router.threshold": self.threshold})
+        return run
+
+
+def load_route_router(name: str, route: RouteConfig, cfg: TandemConfig) -> Router:
+    """The route's artifact, or a ConfigError naming the route's setting and the fix."""
+    folder = route.router.artifact or str(DEFAULT_ROUTER_ARTIFACT)
+    where = f"{cfg.source}: routes.{name}.router.artifact = {folder!r}"
+    try:
+        router = Router.load(folder)
+    except RouterArtifactError as exc:
+        raise ConfigError(f"{where} cannot be loaded: {exc}") from None
+    if router.required_extras:
+        # The gateway scores from text alone; model-derived features would need a small-model prefill first.
+        raise ConfigError(f"{where} needs extra feature(s) {', '.join(router.required_extras)}, which the gateway "
+                          f"does not compute; train the route's router without extras")
+    return router
+
+
+def _factory(name: str, route: RouteConfig, cfg: TandemConfig) -> RouterStrategy:
+    return RouterStrategy(name, route, load_route_router(name, route, cfg))
+
+
+register_strategy("router", _factory)
