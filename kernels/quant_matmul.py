@@ -207,11 +207,25 @@ def _has_cpu_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
 
 
+def cpu_packed_op_fits(mode: str, out_features: int, in_features: int) -> bool:
+    """Whether torch's CPU packed op serves this layer's shape (measured on torch 2.13, see the tests).
+
+    `_weight_int8pack_mm` reads K in blocks of 16 with no tail check: with K % 16 != 0 it returns garbage
+    or segfaults for M > 1 (K = 136, the tiny test models' intermediate size, crashed the engine).
+    `_convert_weight_to_int4pack_for_cpu` refuses N % 16 != 0. Other shapes take the reference.
+    """
+    if mode == "int8":
+        return in_features % 16 == 0 and _has_cpu_op("_weight_int8pack_mm")
+    return (out_features % 16 == 0 and _has_cpu_op("_weight_int4pack_mm_for_cpu")
+            and _has_cpu_op("_convert_weight_to_int4pack_for_cpu"))
+
+
 class QuantLinear(nn.Module):
     """Weight-only int8/int4 replacement for nn.Linear (same in/out features, same bias).
 
     CUDA: the Triton kernel. CPU: torch's packed ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
-    fed bf16 activations, their fast path, where the build has them; else the reference.
+    fed bf16 activations, their fast path, where the build has them and the shape fits
+    (`cpu_packed_op_fits`); else the reference.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group_size: int = 64,
@@ -268,20 +282,20 @@ class QuantLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "int8" and _has_cpu_op("_weight_int8pack_mm"):
+        if not cpu_packed_op_fits(self.mode, self.out_features, self.in_features):
+            return wq_matmul_ref(x, self.weight, self.scale, self.zero)
+        # bf16 activations are the packed ops' fast path (fp32 ~7x, int4 fp32/fp16 ~13x slower on this CPU);
+        # the ops also insist on a contiguous last dimension, which a strided bf16 input would not have
+        xb = x.to(torch.bfloat16).contiguous()
+        if self.mode == "int8":
             if self._cpu_cache is None:
                 self._cpu_cache = (self.scale.to(torch.bfloat16),)
-            # bf16 activations take the op's fast path (fp32 ones are ~7x slower on this CPU)
-            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self._cpu_cache[0]).to(x.dtype)
-        if self.mode == "int4" and _has_cpu_op("_weight_int4pack_mm_for_cpu") and _has_cpu_op(
-                "_convert_weight_to_int4pack_for_cpu"):
-            if self._cpu_cache is None:
-                wp, sz = _cpu_int4_pack(self.weight, self.scale, self.zero)
-                self._cpu_cache = (wp, sz.to(torch.bfloat16))
-            wp, sz = self._cpu_cache
-            # bf16 is this op's fast path too (fp32 and fp16 activations measured ~13x slower)
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), wp, self.group_size, sz).to(x.dtype)
-        return wq_matmul_ref(x, self.weight, self.scale, self.zero)
+            return torch.ops.aten._weight_int8pack_mm(xb, self.weight, self._cpu_cache[0]).to(x.dtype)
+        if self._cpu_cache is None:
+            wp, sz = _cpu_int4_pack(self.weight, self.scale, self.zero)
+            self._cpu_cache = (wp, sz.to(torch.bfloat16))
+        wp, sz = self._cpu_cache
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, wp, self.group_size, sz).to(x.dtype)
 
     def _apply(self, fn, recurse=True):
         self._cpu_cache = None  # device/dtype moves invalidate the CPU packing

@@ -147,3 +147,36 @@ def test_bf16_quantlinear_on_gpu(m):
         ql = QuantLinear.from_linear(lin, mode, 64)
         ref = x.float() @ ql.dequantized_weight().T
         torch.testing.assert_close(ql(x).float(), ref, atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mode,in_features,out_features", [
+    ("int8", 136, 64),  # K % 16 != 0: torch's int8 packed op segfaulted / returned NaN for M > 1
+    ("int8", 72, 40),
+    ("int4", 64, 136),  # N % 16 != 0: torch's int4 packing refuses it
+    ("int4", 128, 24),
+])
+def test_quantlinear_shapes_the_cpu_packed_ops_cannot_take_use_the_reference(mode, in_features, out_features):
+    """Regression: the engine's tiny llama (hidden 64, intermediate 136) crashed inside _weight_int8pack_mm."""
+    from kernels.quant_matmul import cpu_packed_op_fits
+
+    assert not cpu_packed_op_fits(mode, out_features, in_features)
+    torch.manual_seed(2)
+    lin = nn.Linear(in_features, out_features, bias=False)
+    ql = QuantLinear.from_linear(lin, mode, group_size=32 if mode == "int4" else 64)
+    for m in (1, 2, 3, 7, 17):
+        x = torch.randn(m, in_features)
+        y = ql(x)
+        assert torch.isfinite(y).all()
+        # the reference path: exactly the dequantised weight in float32
+        torch.testing.assert_close(y, wq_matmul_ref(x, ql.weight, ql.scale, ql.zero), atol=1e-5, rtol=1e-5)
+
+
+def test_quantlinear_takes_strided_bf16_activations():
+    """The packed ops demand a contiguous last dimension; a strided bf16 view must still work."""
+    torch.manual_seed(3)
+    lin = nn.Linear(64, 32, bias=False)
+    for mode in ("int8", "int4"):
+        ql = QuantLinear.from_linear(lin, mode, group_size=32)
+        x = torch.randn(5, 128).bfloat16()[:, ::2]
+        ref = x.float() @ ql.dequantized_weight().T
+        torch.testing.assert_close(ql(x).float(), ref, atol=5e-2, rtol=3e-2)
