@@ -2,7 +2,8 @@
 
 A page holds one block (`block_size` tokens) of K and V for all layers of one model. Pages are refcounted;
 full blocks carry a chained hash so a later prompt with the same prefix reuses them (prefix caching), and
-freed hashed pages wait in an LRU free list until a new allocation evicts them.
+freed hashed pages wait in an LRU free list until a new allocation evicts them. A page of an int8 KV cache
+carries its per token-head float32 scales after the data; an fp8 cache has one scale per layer and K/V.
 """
 
 from __future__ import annotations
@@ -15,16 +16,26 @@ import torch
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """What one model needs from a page: `block_size` tokens of K and V for every layer."""
+    """What one model needs from a page: `block_size` tokens of K and V for every layer.
+
+    `dtype` is the storage dtype: a float dtype, torch.int8 (quantised per token and head: the page also
+    holds float32 scales [2, layers, block, kv_heads] after the data) or torch.float8_e4m3fn (per-tensor
+    scales, one per layer and K/V, outside the pages)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
 
-    def page_bytes(self, block_size: int) -> int:
+    def data_bytes(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+    def scale_bytes(self, block_size: int) -> int:
+        return 2 * self.num_layers * block_size * self.num_kv_heads * 4 if self.dtype == torch.int8 else 0
+
+    def page_bytes(self, block_size: int) -> int:
+        return -(-self.data_bytes(block_size) // 4) * 4 + self.scale_bytes(block_size)
 
 
 class KVPool:
@@ -50,6 +61,7 @@ class KVPool:
         # zeros: a masked-out slot must never hold NaN bits (0 * NaN poisons attention in the reference path)
         self.buffer = torch.zeros(self.num_pages * self.page_bytes, dtype=torch.uint8, device=device)
         self._views = [self._make_view(g) for g in self.geometries]
+        self._scales = [self._make_scales(g) for g in self.geometries]
         self.ref_count = [0] * self.num_pages
         self.page_hash: list[int | None] = [None] * self.num_pages
         self.owner: list[int] = [-1] * self.num_pages
@@ -70,9 +82,26 @@ class KVPool:
         return torch.as_strided(flat, (self.num_pages, 2, g.num_layers, bs, h, d),
                                 (page_elems, g.num_layers * bs * h * d, bs * h * d, h * d, d, 1))
 
+    def _make_scales(self, g: KVGeometry) -> torch.Tensor | None:
+        if g.dtype == torch.float8_e4m3fn:
+            # no calibration data at load: scale 1.0 stores K/V as they are (e4m3 covers +-448)
+            return torch.ones(2, g.num_layers, dtype=torch.float32, device=self.buffer.device)
+        if g.dtype != torch.int8:
+            return None
+        flat = self.buffer.view(torch.float32)
+        bs, h = self.block_size, g.num_kv_heads
+        return torch.as_strided(flat, (self.num_pages, 2, g.num_layers, bs, h),
+                                (self.page_bytes // 4, g.num_layers * bs * h, bs * h, h, 1),
+                                -(-g.data_bytes(bs) // 4))
+
     def view(self, model_id: int) -> torch.Tensor:
-        """[num_pages, 2 (K, V), layers, block_size, kv_heads, head_dim] over the pool, in the model's dtype."""
+        """[num_pages, 2 (K, V), layers, block_size, kv_heads, head_dim] over the pool, in the storage dtype."""
         return self._views[model_id]
+
+    def scales(self, model_id: int) -> torch.Tensor | None:
+        """The KV dequantisation scales: int8 [num_pages, 2, layers, block_size, kv_heads] float32 inside the
+        pages; fp8 [2, layers] float32 (per tensor); None for a float cache."""
+        return self._scales[model_id]
 
     def page_utilization(self, model_id: int) -> float:
         return self.geometries[model_id].page_bytes(self.block_size) / self.page_bytes
