@@ -205,7 +205,7 @@ class ModelEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return 0
-        t0 = time.perf_counter()
+        t0 = self.speculator.adaptive.target.clock()
         self.num_steps += 1
         now = time.monotonic()
         for seq in sched.seqs:
@@ -231,7 +231,7 @@ class ModelEngine:
             self.speculator.verify(logits, batch, drafts)
         elif sample_seqs:
             self._sample_and_append(logits, sample_seqs)
-        self.speculator.adaptive.target.observe(sched.total_tokens, time.perf_counter() - t0)
+        self.speculator.adaptive.target.observe(sched.total_tokens, self.speculator.adaptive.target.clock() - t0)
         return sched.total_tokens
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

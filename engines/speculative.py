@@ -129,8 +129,11 @@ class CostModel:
     read by linear interpolation between measured sizes; outside them it assumes no saving below and linear
     growth above (pessimistic, so an unmeasured large batch does not look cheap)."""
 
-    def __init__(self, decay: float = 0.7):
+    def __init__(self, decay: float = 0.9):
         self.decay = decay
+        # single-threaded CPU: the thread's CPU time, steady when other jobs share the cores (the ratio of
+        # costs is what matters); elsewhere wall time (a GPU runs asynchronously to this thread)
+        self.clock = time.perf_counter
         self.points: dict[int, list[float]] = {}  # bucket -> [mean size, mean seconds]
 
     def observe(self, size: int, seconds: float) -> None:
@@ -162,12 +165,15 @@ class AdaptiveK:
     every `explore_every` choices it takes the other side once (k = 1 instead of 0, 0 instead of k) so both
     cost estimates stay measured and a stale acceptance estimate can recover."""
 
-    def __init__(self, k_max: int, explore_every: int = 32, decay: float = 0.95):
+    def __init__(self, k_max: int, explore_every: int = 32, decay: float = 0.95,
+                 device: torch.device | str = "cpu"):
         self.k_max = k_max
         self.explore_every = explore_every
         self.decay = decay
         self.target = CostModel()
         self.draft = CostModel()
+        if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+            self.target.clock = self.draft.clock = time.thread_time
         self._accepted = 0.0  # EMA counts of the geometric model: accepted drafts and first rejections
         self._rejected = 0.0
         self._zeros = 0
@@ -394,10 +400,11 @@ class Drafter:
         active = list(range(len(seqs)))
         step = 0
         while active:
-            t0 = time.perf_counter()
+            t0 = cost.clock()
             act_states = [states[i] for i in active]
             num_new = [s.num_tokens - s.num_computed for s in act_states]
-            if self.lean is not None and sum(num_new) <= 4 * len(num_new):  # decode-like: the lean forward
+            decode_like = sum(num_new) <= 2 * len(num_new)
+            if self.lean is not None and sum(num_new) <= 4 * len(num_new):  # few tokens each: the lean forward
                 logits = self.lean(act_states, num_new)
             else:  # catch-up (a prompt, or many tokens since the last draft): the runner's varlen prefill
                 logits, _ = self.runner.execute_batch(act_states, num_new)
@@ -423,8 +430,8 @@ class Drafter:
                     qs[i].append(probs[j])
                 if len(seqs[i].spec_token_ids) < ks[i]:
                     still.append(i)
-            if step > 0 or sum(num_new) <= 2 * len(active):  # a long catch-up pass is not a draft step's cost
-                cost.observe(len(active), time.perf_counter() - t0)
+            if decode_like:  # a catch-up pass (a prompt, tokens since the last draft) is not a draft step's cost
+                cost.observe(len(active), cost.clock() - t0)
             active = still
             step += 1
         return [torch.stack(q) if q else None for q in qs]
@@ -457,7 +464,7 @@ class SpeculativeDecoder:
         self.engine = engine
         self.drafter = drafter
         self.k_max = k_max if drafter is not None else 0
-        self.adaptive = AdaptiveK(self.k_max)
+        self.adaptive = AdaptiveK(self.k_max, device=engine.device)
         self.supplied: set[Sequence] = set()  # sequences with supplied drafts left to verify
         self._windows: dict[int, _Window] = {}
         self.num_drafts = 0  # verification windows
