@@ -1,8 +1,8 @@
 """The model runner: turns a scheduled step into one flattened varlen batch (token ids, positions, slot
 mapping, block tables, query start offsets, context lengths), runs the model over the paged KV pool and
 returns logits only for the rows that sample. Attention goes through `PagedAttention` (an AttentionContext):
-`paged_attention_ref` here is the PyTorch path (the CPU default), `kernels.paged_attention` the Triton kernel
-with the same plain signature (the CUDA default)."""
+`paged_attention_ref` here is the PyTorch path (the CPU default), `kernels.write_kv` + `kernels.paged_attention`
+the Triton kernels with the same plain signature (the CUDA default); both read int8 / fp8 KV caches."""
 
 from __future__ import annotations
 
@@ -63,36 +63,50 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: Seq[int], query_s
     return PagedAttentionPlan(groups, pre)
 
 
+def _gather_pages(cache: torch.Tensor, kv_scale: torch.Tensor | None, pages: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Rows of whole pages [len(pages) * block_size, Hkv, D] in `dtype`, dequantised when the cache is int8
+    (per token-head scales [num_pages, block_size, Hkv]) or fp8 (a 1-element scale)."""
+    _, bs, h, d = cache.shape
+    # pages as rows: index_select copies whole contiguous pages (~2-3x faster than 4-D advanced indexing)
+    rows = cache.flatten(1).index_select(0, pages).view(-1, h, d)
+    if cache.dtype == torch.int8:
+        return (rows.float() * kv_scale.flatten(1).index_select(0, pages).view(-1, h, 1)).to(dtype)
+    if cache.dtype == torch.float8_e4m3fn:
+        return (rows.float() * kv_scale.float()).to(dtype)
+    return rows
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor, *,
                         scale: float | None = None, plan: PagedAttentionPlan | None = None,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                         **_unused: object) -> torch.Tensor:
     """q: [T, Hq, D]; k_cache, v_cache: [num_pages, block_size, Hkv, D] (one layer, K/V of this step already
     written); block_tables [S, max_blocks]; query_start_loc [S + 1]; context_lens [S] (keys per sequence,
     new tokens included). Each query attends causally to its sequence's context (cached prefix included);
     GQA maps query head h to KV head h // (Hq / Hkv). Returns [T, Hq, D]. `plan` (from
     `plan_paged_attention`) saves re-deriving the layout in every layer; other keywords of the kernel's
-    signature (max_query_len, ...) are accepted and unused."""
+    signature (max_query_len, ...) are accepted and unused. int8 / fp8 caches take k_scale/v_scale as the
+    kernel does; pages are dequantised to q's dtype as they are gathered."""
     if plan is None:
         plan = plan_paged_attention(block_tables, context_lens.tolist(), query_start_loc.tolist(),
                                     k_cache.shape[1])
     out = torch.empty_like(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
-    # pages as rows: index_select copies whole contiguous pages (~2-3x faster than 4-D advanced indexing)
-    k_rows, v_rows = k_cache.flatten(1), v_cache.flatten(1)
     for g in plan.decode_groups:
         sd = g.tables.shape[0]
         flat = g.tables.reshape(-1)
-        k = k_rows.index_select(0, flat).view(sd, -1, num_kv, head_dim).transpose(1, 2)
-        v = v_rows.index_select(0, flat).view(sd, -1, num_kv, head_dim).transpose(1, 2)
+        k = _gather_pages(k_cache, k_scale, flat, q.dtype).view(sd, -1, num_kv, head_dim).transpose(1, 2)
+        v = _gather_pages(v_cache, v_scale, flat, q.dtype).view(sd, -1, num_kv, head_dim).transpose(1, 2)
         # GQA without copying K/V: the query heads of one KV head become that head's query rows
         qd = q[g.rows].view(sd, num_kv, num_heads // num_kv, head_dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=g.mask, scale=scale)
         out[g.rows] = o.reshape(sd, num_heads, head_dim)
     for start, q_len, ctx_len, pages in plan.prefills:
-        k = k_rows.index_select(0, pages).view(-1, num_kv, head_dim)[:ctx_len].transpose(0, 1)
-        v = v_rows.index_select(0, pages).view(-1, num_kv, head_dim)[:ctx_len].transpose(0, 1)
+        k = _gather_pages(k_cache, k_scale, pages, q.dtype)[:ctx_len].transpose(0, 1)
+        v = _gather_pages(v_cache, v_scale, pages, q.dtype)[:ctx_len].transpose(0, 1)
         # 4-D inputs: torch's CPU flash kernel takes them (3-D ones fall back to the ~4x slower math path)
         qs, k, v = q[start:start + q_len].transpose(0, 1)[None], k[None], v[None]
         if q_len == ctx_len:
@@ -106,23 +120,40 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 class PagedAttention:
-    """`AttentionContext` over the pool: write this step's K/V at their slots, then attend (torch or Triton)."""
+    """`AttentionContext` over the pool: write this step's K/V at their slots (quantising for an int8 / fp8
+    cache), then attend (torch or Triton). `k_scales`/`v_scales`: per-layer KV scales, None for float."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], batch: StepBatch,
-                 use_kernel: bool):
+                 use_kernel: bool, k_scales: list[torch.Tensor] | None = None,
+                 v_scales: list[torch.Tensor] | None = None, slot_mapping: torch.Tensor | None = None):
         self.k_caches, self.v_caches, self.b = k_caches, v_caches, batch
         self.use_kernel = use_kernel
+        self.k_scales, self.v_scales = k_scales, v_scales
+        if slot_mapping is None and (use_kernel or k_scales is not None):
+            slot_mapping = batch.write_pages * k_caches[0].shape[1] + batch.write_offsets
+        self.slot_mapping = slot_mapping  # -1 skips a token (CUDA-graph padding)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc, b = self.k_caches[layer], self.v_caches[layer], self.b
-        kc[b.write_pages, b.write_offsets] = k
-        vc[b.write_pages, b.write_offsets] = v
+        ks = self.k_scales[layer] if self.k_scales is not None else None
+        vs = self.v_scales[layer] if self.v_scales is not None else None
         if self.use_kernel:
+            from kernels.kv_write import write_kv
             from kernels.paged_attention import paged_attention
 
+            write_kv(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
             return paged_attention(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens,
-                                   max_query_len=b.max_query_len, max_context_len=b.max_context_len)
-        return paged_attention_ref(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens, plan=b.plan)
+                                   max_query_len=b.max_query_len, max_context_len=b.max_context_len,
+                                   k_scale=ks, v_scale=vs)
+        if ks is None:
+            kc[b.write_pages, b.write_offsets] = k
+            vc[b.write_pages, b.write_offsets] = v
+        else:
+            from kernels.kv_write import write_kv_ref
+
+            write_kv_ref(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
+        return paged_attention_ref(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens, plan=b.plan,
+                                   k_scale=ks, v_scale=vs)
 
 
 @dataclass
@@ -159,7 +190,10 @@ class ModelRunner:
     """Runs one model over its view of the shared pool ([pages, 2, layers, block, kv_heads, head_dim])."""
 
     def __init__(self, model: torch.nn.Module, kv_view: torch.Tensor, block_size: int,
-                 device: torch.device | str = "cpu", attention_backend: str = "auto"):
+                 device: torch.device | str = "cpu", attention_backend: str = "auto",
+                 kv_scales: torch.Tensor | None = None):
+        """kv_scales: `KVPool.scales(model_id)` for an int8 ([pages, 2, layers, block, kv_heads]) or fp8
+        ([2, layers]) cache; None for a float one."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -167,6 +201,13 @@ class ModelRunner:
         layers = kv_view.shape[2]
         self.k_caches = [kv_view[:, 0, i] for i in range(layers)]
         self.v_caches = [kv_view[:, 1, i] for i in range(layers)]
+        self.k_scales = self.v_scales = None
+        if kv_scales is not None and kv_scales.dim() == 2:  # fp8: one scale per layer, as 1-element tensors
+            self.k_scales = [kv_scales[0, i:i + 1] for i in range(layers)]
+            self.v_scales = [kv_scales[1, i:i + 1] for i in range(layers)]
+        elif kv_scales is not None:
+            self.k_scales = [kv_scales[:, 0, i] for i in range(layers)]
+            self.v_scales = [kv_scales[:, 1, i] for i in range(layers)]
 
     def prepare(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> StepBatch:
         bs = self.block_size
@@ -224,7 +265,7 @@ class ModelRunner:
         """Like `execute`, with the batch layout: a sequence verifying k drafts has 1 + k consecutive logits
         rows (`rows_per_seq`), the distributions after its last known token and after each draft."""
         batch = self.prepare(seqs, num_tokens)
-        attn = PagedAttention(self.k_caches, self.v_caches, batch, self.use_kernel)
+        attn = PagedAttention(self.k_caches, self.v_caches, batch, self.use_kernel, self.k_scales, self.v_scales)
         hidden = self.model(batch.input_ids, batch.positions, attn)
         if not batch.sample_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), batch
