@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.speculative")
 
 SUPPLIED_CHUNK = 16  # supplied drafts are verified this many per target pass
+EXPLORE_SEQS = 4  # sequences that draft in a step that only measures acceptance and cost
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -179,6 +180,7 @@ class AdaptiveK:
         self._zeros = 0
         self._steps = 0
         self.k = k_max
+        self.exploring = False  # the latest choice only measures: draft for a few sequences, not the batch
         self.fixed: int | None = None  # pin k (tests, benchmarks); None: adaptive
 
     @property
@@ -195,6 +197,7 @@ class AdaptiveK:
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
     def choose(self, batch: int) -> int:
+        self.exploring = False
         if self.fixed is not None:
             self.k = min(self.fixed, self.k_max)
             return self.k
@@ -208,6 +211,7 @@ class AdaptiveK:
         d = self.draft.estimate(batch)
         if a is None or d is None:
             self.k = min(2, self.k_max)  # nothing drafted yet: draft a little to learn
+            self.exploring = True
             return self.k
         best, best_rate = 0, batch / self.target.estimate(batch)
         for k in range(1, self.k_max + 1):
@@ -215,6 +219,7 @@ class AdaptiveK:
             if rate > best_rate:
                 best, best_rate = k, rate
         if self._steps % self.explore_every == 0:  # keep both sides measured: the other choice, once
+            self.exploring = best == 0
             best = 1 if best == 0 else 0
         self.k = best
         return best
@@ -496,6 +501,8 @@ class SpeculativeDecoder:
         if not seqs:
             return
         k = self.adaptive.choose(len(seqs))
+        if self.adaptive.exploring:  # a measurement, not a bet: a few sequences (their draft KV may lag)
+            seqs = seqs[:EXPLORE_SEQS]
         chosen, states, ks = [], [], []
         spare = len(self.engine.scheduler.running) + 1
         for s in seqs:

@@ -317,9 +317,10 @@ def test_config_errors_name_the_field():
 # ---- adaptive k --------------------------------------------------------------------------------------------------
 
 def feed(ak: AdaptiveK, batch: int, plain: float, per_token: float, draft: float, a: float) -> None:
-    for k in range(ak.k_max + 1):
-        ak.target.observe(batch * (k + 1), plain + per_token * batch * k)
-    ak.draft.observe(batch, draft)
+    for _ in range(30):  # sizes sharing a bucket alternate, so each bucket settles on their mean
+        for k in range(ak.k_max + 1):
+            ak.target.observe(batch * (k + 1), plain + per_token * batch * k)
+        ak.draft.observe(batch, draft)
     for _ in range(50):  # windows of 20 drafts with one rejection each: a = accepted / (accepted + 1)
         ak.observe_window(20, round(a / (1 - a)))
 
