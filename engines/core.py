@@ -5,6 +5,7 @@ one background thread that owns the device. Outputs leave through per-request ca
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import logging
 import threading
@@ -35,6 +36,8 @@ log = logging.getLogger("tandem.engine")
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # max k when a spec names a draft engine but no num_speculative_tokens
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV storage: a float dtype, int8 (per token-head scales) or fp8 e4m3 (per-tensor scales)
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -47,8 +50,9 @@ class EngineSpec:
     max_model_len: int | None = None
     draft: str | None = None
     num_speculative_tokens: int = 0
-    quantization: str = "none"
+    quantization: str = "none"  # none | int8 | int4: weight-only, applied at load (lm_head, embeddings stay float)
     attention_backend: str = "auto"
+    quantization_group_size: int = 64  # int4 only: 32, 64 or 128
 
 
 @dataclass
@@ -57,7 +61,7 @@ class PoolSpec:
     memory_fraction: float = 0.9
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto: each model's own dtype
+    kv_cache_dtype: str = "auto"  # auto: each model's own dtype; float32 | bfloat16 | float16 | int8 | fp8
 
 
 @dataclass
@@ -70,7 +74,9 @@ class LoadedModel:
 
 def load_model(spec: EngineSpec, device: torch.device) -> LoadedModel:
     if isinstance(spec.model, Transformer):
-        model = spec.model.to(device).eval()
+        # quantising swaps modules in place: never do that to the caller's model
+        model = copy.deepcopy(spec.model) if spec.quantization != "none" else spec.model
+        model = _quantize(model.to(device).eval(), spec)
         return LoadedModel(model, None, set(model.config.eos_token_ids), None)
     from engines.loader import load_checkpoint
     from engines.tokenizer import Tokenizer
@@ -78,7 +84,18 @@ def load_model(spec: EngineSpec, device: torch.device) -> LoadedModel:
     ckpt = load_checkpoint(spec.model, dtype=spec.dtype, device=device)
     tokenizer = Tokenizer.from_pretrained(spec.model)
     eos = set(ckpt.eos_token_ids) | set(tokenizer.eos_token_ids)
-    return LoadedModel(ckpt.model, tokenizer, eos, ckpt.generation)
+    return LoadedModel(_quantize(ckpt.model, spec), tokenizer, eos, ckpt.generation)
+
+
+def _quantize(model: Transformer, spec: EngineSpec) -> Transformer:
+    """Quantise-on-load: nn.Linear -> kernels' QuantLinear (int8 per channel, int4 per group)."""
+    if spec.quantization == "none":
+        return model
+    from kernels.quant_matmul import quantize_model
+
+    with torch.no_grad():
+        quantize_model(model, spec.quantization, spec.quantization_group_size)
+    return model
 
 
 class ModelEngine:
@@ -102,7 +119,7 @@ class ModelEngine:
         self.scheduler = Scheduler(pool, model_id, max_num_seqs=spec.max_num_seqs,
                                    max_num_batched_tokens=spec.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device,
-                                  spec.attention_backend)
+                                  spec.attention_backend, pool.scales(model_id))
         # verifies supplied drafts always; EngineCore gives it a drafter when the spec names a draft engine
         self.speculator = SpeculativeDecoder(self, None, 0)
         self.requests: dict[str, Request] = {}
@@ -412,19 +429,23 @@ class EngineCore:
             if s.draft is not None and (s.draft == s.name or s.draft not in names):
                 raise ValueError(f"engine {s.name!r}: draft={s.draft!r} must name another engine of this core "
                                  f"(have {names})")
-            if s.quantization != "none":
-                raise ValueError(f"engine {s.name!r}: quantization={s.quantization!r} is not available yet; use 'none'")
+            if s.quantization not in ("none", "int8", "int4"):
+                raise ValueError(f"engine {s.name!r}: quantization={s.quantization!r} is invalid: use none, int8 "
+                                 "or int4")
+            if s.quantization == "int4" and s.quantization_group_size not in (32, 64, 128):
+                raise ValueError(f"engine {s.name!r}: quantization_group_size={s.quantization_group_size} is "
+                                 "invalid for int4: use 32, 64 or 128")
         pool = pool or PoolSpec()
-        if pool.kv_cache_dtype not in ("auto", *_DTYPES):
+        if pool.kv_cache_dtype not in ("auto", *_KV_DTYPES):
             raise ValueError(f"kv_cache_dtype={pool.kv_cache_dtype!r} is not supported: use auto, "
-                             "float32, bfloat16 or float16")
+                             "float32, bfloat16, float16, int8 or fp8")
         self.device = torch.device(device)
         loaded = [(s, load_model(s, self.device)) for s in specs]
         geoms = []
         for _, lm in loaded:
             cfg = lm.model.config
             dtype = (next(lm.model.parameters()).dtype if pool.kv_cache_dtype == "auto"
-                     else _DTYPES[pool.kv_cache_dtype])
+                     else _KV_DTYPES[pool.kv_cache_dtype])
             geoms.append(KVGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))
         page_bytes = max(g.page_bytes(pool.block_size) for g in geoms)
         self.pool_spec = pool

@@ -74,7 +74,7 @@ def _gather_pages(cache: torch.Tensor, kv_scale: torch.Tensor | None, pages: tor
         return (rows.float() * kv_scale.flatten(1).index_select(0, pages).view(-1, h, 1)).to(dtype)
     if cache.dtype == torch.float8_e4m3fn:
         return (rows.float() * kv_scale.float()).to(dtype)
-    return rows
+    return rows if rows.dtype == dtype else rows.to(dtype)  # e.g. a bfloat16 cache under a float32 model
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -146,8 +146,8 @@ class PagedAttention:
                                    max_query_len=b.max_query_len, max_context_len=b.max_context_len,
                                    k_scale=ks, v_scale=vs)
         if ks is None:
-            kc[b.write_pages, b.write_offsets] = k
-            vc[b.write_pages, b.write_offsets] = v
+            kc[b.write_pages, b.write_offsets] = k.to(kc.dtype)
+            vc[b.write_pages, b.write_offsets] = v.to(vc.dtype)
         else:
             from kernels.kv_write import write_kv_ref
 
