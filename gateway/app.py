@@ -246,13 +246,12 @@ async def _serve(request: Request, state: GatewayState, route: Route,
     telemetry = state.telemetry
     span = trace.get_current_span()
     span.update_name(f"{operation} {data.model}")
-    span.set_attribute("gen_ai.operation.name", operation)
-    span.set_attribute("gen_ai.provider.name", "tandem")
-    span.set_attribute("gen_ai.request.model", data.model)
-    span.set_attribute("tandem.route", route.name)
+    attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "tandem",
+                  "gen_ai.request.model": data.model, "tandem.route": route.name}
     for attr, value in (("temperature", data.temperature), ("top_p", data.top_p), ("seed", data.seed)):
         if value is not None:
-            span.set_attribute(f"gen_ai.request.{attr}", value)
+            attributes[f"gen_ai.request.{attr}"] = value
+    span.set_attributes(attributes)  # one call: each attribute set takes the span's lock
     try:
         params = sampling_params(data, default_max_tokens=None if operation == "chat" else 16,
                                  max_tokens_cap=route.config.max_tokens)
@@ -268,13 +267,11 @@ async def _serve(request: Request, state: GatewayState, route: Route,
     parent = trace.set_span_in_context(span)
     with telemetry.tracer.start_as_current_span("route", context=parent) as route_span:
         run = state.routes.start(route, ctx, state.engines)
-        route_span.set_attribute("tandem.route", route.name)
-        route_span.set_attribute("tandem.route.strategy", route.config.strategy)
-        route_span.set_attribute("tandem.route.engine", run.engine.name)
+        decision = {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy,
+                    "tandem.route.engine": run.engine.name, **run.attributes}
         if run.score is not None:
-            route_span.set_attribute("tandem.router.score", run.score)
-        for key, value in run.attributes.items():
-            route_span.set_attribute(key, value)
+            decision["tandem.router.score"] = run.score
+        route_span.set_attributes(decision)
         decided = set(run.attributes)
 
     state.inflight += 1
@@ -440,10 +437,9 @@ class _Finisher:
                                   prompt_tokens=prompt_tokens, finish_reason=reasons[0], queue_s=queue,
                                   operation=self.operation, request_model=self.request_model)
         span = self.span
-        span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
-        span.set_attribute("gen_ai.response.finish_reasons", reasons)
-        span.set_attribute("gen_ai.response.id", self.run.request_ids[0][1] if self.run.request_ids else "")
+        span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": output_tokens,
+                             "gen_ai.response.finish_reasons": reasons,
+                             "gen_ai.response.id": self.run.request_ids[0][1] if self.run.request_ids else ""})
         if self.state.cfg.telemetry.record_content:
             span.set_attribute("gen_ai.output.messages", json.dumps([c.text for c in out.outputs]))
         with trace.use_span(span, end_on_exit=False):

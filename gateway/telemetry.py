@@ -80,10 +80,10 @@ def otel_plugin(provider: TracerProvider) -> OpenTelemetryPlugin:
         exclude=["^/metrics$", "^/health$", "^/ready$"]))
 
 
-def _epoch_ns(t: float) -> int:
+def _epoch_ns(t: float, offset: float | None = None) -> int:
     """Engine timestamps are time.monotonic(); spans want wall-clock nanoseconds."""
     if t < 1e9:  # monotonic seconds since boot, not an epoch time
-        t = t - time.monotonic() + time.time()
+        t += time.time() - time.monotonic() if offset is None else offset
     return int(t * 1e9)
 
 
@@ -91,20 +91,21 @@ def add_engine_spans(tracer: trace.Tracer, metrics: RequestMetrics | None, finis
     """Queue, prefill and decode spans under the current span, timed by the engine's own timestamps."""
     if metrics is None:
         return
+    offset = time.time() - time.monotonic()  # once for the three spans: they must share one clock mapping
     end = metrics.finished_time or finished_time
-    phases = [("queue", metrics.arrival_time, metrics.first_scheduled_time),
-              ("prefill", metrics.first_scheduled_time, metrics.first_token_time),
-              ("decode", metrics.first_token_time, end)]
-    for name, start, stop in phases:
+    decode_attrs = ({"tandem.spec.draft_tokens": metrics.num_draft_tokens,
+                     "tandem.spec.accepted_tokens": metrics.num_accepted_tokens}
+                    if metrics.num_draft_tokens else None)
+    phases = [("queue", metrics.arrival_time, metrics.first_scheduled_time, None),
+              ("prefill", metrics.first_scheduled_time, metrics.first_token_time,
+               {"tandem.cached_tokens": metrics.num_cached_tokens}),
+              ("decode", metrics.first_token_time, end, decode_attrs)]
+    for name, start, stop, attributes in phases:
         if start is None or stop is None:
             continue
-        span = tracer.start_span(name, start_time=_epoch_ns(start))
-        if name == "prefill":
-            span.set_attribute("tandem.cached_tokens", metrics.num_cached_tokens)
-        if name == "decode" and metrics.num_draft_tokens:
-            span.set_attribute("tandem.spec.draft_tokens", metrics.num_draft_tokens)
-            span.set_attribute("tandem.spec.accepted_tokens", metrics.num_accepted_tokens)
-        span.end(end_time=max(_epoch_ns(stop), _epoch_ns(start)))
+        start_ns = _epoch_ns(start, offset)
+        span = tracer.start_span(name, start_time=start_ns, attributes=attributes)
+        span.end(end_time=max(_epoch_ns(stop, offset), start_ns))
 
 
 def add_escalation_span(tracer: trace.Tracer, metrics: RequestMetrics | None, finished_time: float,
