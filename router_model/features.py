@@ -23,6 +23,8 @@ STAT_NAMES: tuple[str, ...] = (
     "indented_line_ratio", "blank_line_ratio", "comment_line_ratio", "keyword_ratio", "bracket_ratio",
     "quote_ratio", "question_ratio", "log_turns", "user_turns", "assistant_turns", "has_system",
     "last_message_share",
+    # where the conversation stops: what comes next depends most on the last line
+    "ends_mid_line", "log_last_line_len", "last_line_indent", "last_line_is_comment", "inside_triple_quote",
 )
 # Extra features a caller may supply per request (the gateway fills them from the small engine's prefill).
 KNOWN_EXTRAS: dict[str, str] = {
@@ -63,6 +65,7 @@ class FeatureConfig:
     word_ngrams: tuple[int, int] = (1, 2)
     char_ngrams: tuple[int, int] = (3, 5)
     max_chars: int = 2048  # hashing and ratios look at the last max_chars characters; lengths stay exact
+    tail_chars: int = 64  # the last characters get their own char n-grams too (0: off)
     stats: tuple[str, ...] = STAT_NAMES
     extras: tuple[str, ...] = ()
 
@@ -76,6 +79,8 @@ class FeatureConfig:
         for name, (lo, hi) in (("word_ngrams", self.word_ngrams), ("char_ngrams", self.char_ngrams)):
             if not 1 <= lo <= hi <= 8:
                 raise ValueError(f"{name}={(lo, hi)} must satisfy 1 <= low <= high <= 8")
+        if not 0 <= self.tail_chars <= self.max_chars:
+            raise ValueError(f"tail_chars={self.tail_chars} must be between 0 and max_chars={self.max_chars}")
 
     @property
     def num_dense(self) -> int:
@@ -246,13 +251,20 @@ class Featurizer:
     def _char_hashes(self, turns: list[tuple[str, str]]) -> list[np.ndarray]:
         text = "".join(f"\x02{role}\x03{t.lower()}" for role, t in turns)
         c = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+        out = self._char_ngrams(c, salt=101)
+        if self.config.tail_chars:
+            # the same n-grams of the very end, in their own hash space: the continuation depends on them most
+            out += self._char_ngrams(c[-self.config.tail_chars:], salt=211)
+        return out
+
+    def _char_ngrams(self, c: np.ndarray, salt: int) -> list[np.ndarray]:
         lo, hi = self.config.char_ngrams
         out = []
         for n in range(lo, hi + 1):
             if c.size < n:
                 break
             # polynomial hash of each window (vectorised over positions, looped over the n offsets), then mixed
-            h = np.full(c.size - n + 1, np.uint64(n + 101), dtype=np.uint64)
+            h = np.full(c.size - n + 1, np.uint64(n + salt), dtype=np.uint64)
             for k in range(n):
                 h = h * _CHAR_MULT + c[k:c.size - n + 1 + k]
             out.append(_mix64(h))
@@ -277,6 +289,10 @@ class Featurizer:
         roles = [r for r, _ in full_turns]
         last_chars = len(full_turns[-1][1]) if full_turns else 0
         punct = counts[_BRACKET] + counts[_QUOTE] + counts[_QUESTION] + counts[_PUNCT]
+        last_line = lines[-1] if lines else ""
+        stripped = last_line.lstrip(" \t")
+        # an odd number of triple quotes so far: the conversation stops inside a docstring or long string
+        triple = (body.count('"""') + body.count("'''")) % 2
         return np.array([
             np.log1p(total_chars),
             np.log1p(total_words),
@@ -302,4 +318,9 @@ class Featurizer:
             float(roles.count("assistant")),
             float("system" in roles or "developer" in roles),
             last_chars / max(total_chars, 1),
+            float(bool(last_line)),
+            np.log1p(len(last_line)),
+            np.log1p(len(last_line) - len(stripped)),
+            float(stripped.startswith(("#", "//"))),
+            float(triple),
         ], dtype=np.float64)

@@ -112,3 +112,19 @@ def test_extras_are_reported_missing_and_filled_when_given():
     assert f("hi").extras_missing == ["small_prompt_logprob"]
     filled = f("hi", {"small_prompt_logprob": -2.5})
     assert filled.extras_missing == [] and filled.dense[-1] == -2.5
+
+
+def test_where_the_prompt_stops_is_described():
+    inside_doc = Featurizer()('def f():\n    """Return the\n    answer to ever')
+    assert _stat(inside_doc, "inside_triple_quote") == 1.0 and _stat(inside_doc, "ends_mid_line") == 1.0
+    assert _stat(inside_doc, "last_line_indent") == pytest.approx(np.log1p(4))
+    at_line_end = Featurizer()('x = """done"""\n    # note\n')
+    assert _stat(at_line_end, "inside_triple_quote") == 0.0 and _stat(at_line_end, "ends_mid_line") == 0.0
+    assert _stat(Featurizer()("a = 1\n    # todo"), "last_line_is_comment") == 1.0
+
+
+def test_tail_ngrams_add_features_only_when_enabled():
+    text = "print('hello world')\n" * 20
+    with_tail = Featurizer(FeatureConfig(tail_chars=64))(text)
+    without = Featurizer(FeatureConfig(tail_chars=0))(text)
+    assert with_tail.indices.size > without.indices.size
