@@ -1,12 +1,12 @@
 """Labelled router data for the default tiny models, built from corpus modules the models never trained on.
 
-Each prompt is a chunk of a held-out module (a random 16-224 token window); its continuation is the next N
-tokens. A model's quality on the prompt is the teacher-forced mean log-probability of that true continuation
-(= -loss), so PGR compares how much of the large model's log-likelihood gain a router recovers. The small
+Each prompt is a chunk (a random 16-208 token window) of a module the models never trained on (the corpus's
+`heldout` and `validation` splits); its continuation is the next 48 tokens. A model's quality on the prompt is
+the teacher-forced mean log-probability of that true continuation (= -loss), so PGR compares how much of the large model's log-likelihood gain a router recovers. The small
 model's mean prompt log-probability comes free from the same pass and is saved as the `small_prompt_logprob`
 extra. Train/test are split by module, so no module's text appears on both sides.
 
-    tandem router label --small models/tandem-tiny-s --large models/tandem-tiny-l --out-dir data/router
+    tandem router label --small models/tandem-tiny-s --large models/tandem-tiny-l --out-dir models/router/labels
 """
 
 from __future__ import annotations
@@ -155,13 +155,13 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="tandem router label", description=__doc__.splitlines()[0])
     p.add_argument("--small", default="models/tandem-tiny-s")
     p.add_argument("--large", default="models/tandem-tiny-l")
-    p.add_argument("--out-dir", default="data/router", help="writes train.jsonl, test.jsonl, summary.json")
-    p.add_argument("--splits", nargs="+", default=["heldout"], choices=("heldout", "validation"),
-                   help="corpus splits the prompts come from (never the models' training split)")
-    p.add_argument("--num-prompts", type=int, default=3000)
-    p.add_argument("--continuation", type=int, default=32, help="tokens of true continuation scored")
+    p.add_argument("--out-dir", default="models/router/labels", help="writes train.jsonl, test.jsonl, summary.json")
+    p.add_argument("--splits", nargs="+", default=["heldout", "validation"], choices=("heldout", "validation"),
+                   help="corpus splits the prompts come from: modules the models never trained on")
+    p.add_argument("--num-prompts", type=int, default=5000)
+    p.add_argument("--continuation", type=int, default=48, help="tokens of true continuation scored")
     p.add_argument("--min-prompt", type=int, default=16)
-    p.add_argument("--max-prompt", type=int, default=224, help="prompt + continuation stays within training length")
+    p.add_argument("--max-prompt", type=int, default=208, help="prompt + continuation stays within training length")
     p.add_argument("--per-module-cap", type=int, default=400)
     p.add_argument("--test-fraction", type=float, default=0.35, help="share of modules held out as the test set")
     p.add_argument("--batch-size", type=int, default=32)
