@@ -53,6 +53,7 @@ class EngineSpec:
     quantization: str = "none"  # none | int8 | int4: weight-only, applied at load (lm_head, embeddings stay float)
     attention_backend: str = "auto"
     quantization_group_size: int = 64  # int4 only: 32, 64 or 128
+    cuda_graphs: bool = True  # CUDA + Triton attention: decode steps replay graphs captured per batch bucket
 
 
 @dataclass
@@ -120,6 +121,8 @@ class ModelEngine:
                                    max_num_batched_tokens=spec.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device,
                                   spec.attention_backend, pool.scales(model_id))
+        if spec.cuda_graphs and device.type == "cuda" and self.runner.use_kernel:
+            self.runner.enable_decode_graphs(spec.max_num_seqs, self.max_model_len)
         # verifies supplied drafts always; EngineCore gives it a drafter when the spec names a draft engine
         self.speculator = SpeculativeDecoder(self, None, 0)
         self.requests: dict[str, Request] = {}

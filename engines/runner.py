@@ -208,6 +208,16 @@ class ModelRunner:
         elif kv_scales is not None:
             self.k_scales = [kv_scales[:, 0, i] for i in range(layers)]
             self.v_scales = [kv_scales[:, 1, i] for i in range(layers)]
+        self.decode_graphs = None  # engines.cuda_graphs.DecodeGraphs once enabled
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
+        """Replay decode-only steps of up to `max_batch` sequences from CUDA graphs (Triton attention only);
+        `capture=False` runs the same padded static-buffer forward eagerly."""
+        if not self.use_kernel:
+            raise ValueError("CUDA graphs need the Triton attention backend")
+        from engines.cuda_graphs import DecodeGraphs
+
+        self.decode_graphs = DecodeGraphs(self, max_batch, max_model_len, capture)
 
     def prepare(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> StepBatch:
         bs = self.block_size
@@ -265,8 +275,12 @@ class ModelRunner:
         """Like `execute`, with the batch layout: a sequence verifying k drafts has 1 + k consecutive logits
         rows (`rows_per_seq`), the distributions after its last known token and after each draft."""
         batch = self.prepare(seqs, num_tokens)
-        attn = PagedAttention(self.k_caches, self.v_caches, batch, self.use_kernel, self.k_scales, self.v_scales)
-        hidden = self.model(batch.input_ids, batch.positions, attn)
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            hidden = self.decode_graphs.run(batch)
+        else:
+            attn = PagedAttention(self.k_caches, self.v_caches, batch, self.use_kernel, self.k_scales,
+                                  self.v_scales)
+            hidden = self.model(batch.input_ids, batch.positions, attn)
         if not batch.sample_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), batch
         return self.model.compute_logits(hidden[batch.logits_indices]), batch

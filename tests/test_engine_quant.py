@@ -156,11 +156,22 @@ def test_the_triton_kernels_read_an_int8_pool_like_the_torch_path(llama):
     assert compare(torch_out, tri_out, 1e-4) == 8
 
 
-def test_quantising_a_built_transformer_leaves_the_callers_model_float():
-    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-                                 "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-                                 "max_position_embeddings": 64})
+def random_transformer(vocab: int = 64, hidden: int = 32, layers: int = 1, seed: int = 0) -> Transformer:
+    """A built model (no checkpoint, no transformers), weights scaled up so greedy choices are not near-ties."""
+    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+                                 "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128})
+    torch.manual_seed(seed)
     model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    return model
+
+
+def test_quantising_a_built_transformer_leaves_the_callers_model_float():
+    model = random_transformer()
     llm = LLM(model, block_size=BLOCK, quantization="int8")
     assert isinstance(llm.engine.model.model.layers[0].mlp.up_proj, QuantLinear)
     assert type(model.model.layers[0].mlp.up_proj) is nn.Linear
@@ -176,3 +187,56 @@ def test_quantising_a_built_transformer_leaves_the_callers_model_float():
 def test_invalid_quantisation_options_fail_at_start_up_naming_the_field(llama, spec, pool, match):
     with pytest.raises(ValueError, match=match):
         EngineCore([EngineSpec("m", llama, **spec)], PoolSpec(**pool))
+
+
+def count_graph_runs(runner) -> list[int]:
+    """Instrument the runner's DecodeGraphs.run: the batch sizes it served."""
+    served = []
+    graphs = runner.decode_graphs
+    run = graphs.run
+
+    def counted(batch):
+        served.append(batch.input_ids.shape[0])
+        return run(batch)
+
+    graphs.run = counted
+    return served
+
+
+def test_padded_static_decode_forward_gives_the_eager_tokens(llama):
+    """What a CUDA graph replays, run eagerly on the CPU: decode batches padded to a bucket (slot -1, no query
+    for the padding) over static buffers, here on an int8 pool with the interpreted Triton kernels."""
+    from engines.cuda_graphs import bucket_sizes
+
+    assert bucket_sizes(1) == [1] and bucket_sizes(6) == [1, 2, 4, 6] and bucket_sizes(64)[-2:] == [32, 64]
+    _, eager = generate(llama, n_prompts=3, max_tokens=4, kv_cache_dtype="int8")
+    # one prefill step for all three, so they decode together
+    llm = LLM(llama, block_size=BLOCK, max_num_batched_tokens=128, kv_cache_dtype="int8", attention_backend="triton")
+    llm.engine.runner.enable_decode_graphs(4, llm.engine.max_model_len, capture=False)
+    served = count_graph_runs(llm.engine.runner)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    static = [o.outputs[0] for o in llm.generate(prompts(3), params)]
+    assert 3 in served  # three decoding sequences padded into the bucket of 4
+    assert [o.token_ids for o in static] == [o.token_ids for o in eager]
+    assert compare(eager, static, 1e-4) == 12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run by bench/gpu_check.sh)")
+@pytest.mark.parametrize("options", [{}, dict(quantization="int8", kv_cache_dtype="int8")])
+def test_cuda_graph_replay_gives_the_eager_greedy_tokens(options):
+    model = random_transformer(vocab=256, hidden=64, layers=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    rng = random.Random(5)
+    batch = [{"prompt_token_ids": [rng.randrange(256) for _ in range(rng.randint(3, 40))]} for _ in range(5)]
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(model, device="cuda", block_size=16, memory_bytes=64 << 20, max_num_seqs=8, cuda_graphs=graphs,
+                  **options)
+        runner = llm.engine.runner
+        assert runner.use_kernel and (runner.decode_graphs is not None) == graphs
+        served = count_graph_runs(runner) if graphs else []
+        outs[graphs] = [o.outputs[0] for o in llm.generate(batch, params)]
+        if graphs:
+            assert sorted(runner.decode_graphs.graphs) == [1, 2, 4, 8] and 5 in served
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert compare(outs[False], outs[True], 1e-3) == 60
