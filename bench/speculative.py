@@ -44,20 +44,21 @@ def prompts_from_heldout(tokenizer, n: int, length: int, seed: int) -> list[list
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, list[int]]:
-    """Every prompt at once; returns (seconds, output tokens, the k chosen at each step that drafted)."""
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float, int, list[int]]:
+    """Every prompt at once; returns (wall seconds, CPU seconds of this thread, output tokens, the k adaptive
+    k held after each step)."""
     eng = llm.engine
     spec = eng.speculator
     ks: list[int] = []
     for i, p in enumerate(prompts):
         eng.add_request(p, params, f"b{time.monotonic_ns()}-{i}")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     n0 = eng.num_generated_tokens
     while eng.has_work():
         eng.step()
         if spec.drafter is not None:
             ks.append(spec.adaptive.k)
-    return time.perf_counter() - t0, eng.num_generated_tokens - n0, ks
+    return time.perf_counter() - t0, time.thread_time() - c0, eng.num_generated_tokens - n0, ks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,43 +85,81 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batches:
             prompts = prompts_from_heldout(tok, b, args.prompt_tokens, seed=b)
             params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True)
-            t_plain, t_spec, ks = [], [], Counter()
+            t_plain, t_spec, c_plain, c_spec, ks = [], [], [], [], Counter()
+            run(plain, prompts, params)  # warm-up at this batch: first touches of pool pages, allocator growth
+            run(spec, prompts, params)
             before = spec.engine.speculator.stats()
             for _ in range(args.repeats):  # alternate so both see the same background load
-                dt, n, _ = run(plain, prompts, params)
+                dt, dc, n, _ = run(plain, prompts, params)
                 t_plain.append(n / dt)
-                dt, n, k_steps = run(spec, prompts, params)
+                c_plain.append(n / dc)
+                dt, dc, n, k_steps = run(spec, prompts, params)
                 t_spec.append(n / dt)
+                c_spec.append(n / dc)
                 ks.update(k_steps)
             after = spec.engine.speculator.stats()
             drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
             draft_toks = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
             accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
             p_med, s_med = statistics.median(t_plain), statistics.median(t_spec)
+            pc_med, sc_med = statistics.median(c_plain), statistics.median(c_spec)
+            # speedups: the median over back-to-back (plain, speculative) pairs, robust to load drifting
+            pair = statistics.median(s / p for s, p in zip(t_spec, t_plain))
+            pair_cpu = statistics.median(s / p for s, p in zip(c_spec, c_plain))
             rows.append({
                 "temperature": temp, "batch": b, "plain_tokens_per_s": round(p_med, 1),
-                "spec_tokens_per_s": round(s_med, 1), "speedup": round(s_med / p_med, 3),
+                "spec_tokens_per_s": round(s_med, 1), "speedup": round(pair, 3),
+                "plain_tokens_per_cpu_s": round(pc_med, 1), "spec_tokens_per_cpu_s": round(sc_med, 1),
+                "speedup_cpu": round(pair_cpu, 3),
                 "acceptance_rate": round(accepted / draft_toks, 3) if draft_toks else None,
                 "mean_accepted_length": round((accepted + drafts) / drafts, 3) if drafts else None,
                 "k_steps": dict(sorted(ks.items())), "plain_runs": [round(x, 1) for x in t_plain],
                 "spec_runs": [round(x, 1) for x in t_spec]})
             r = rows[-1]
             print(f"temp {temp:<4} batch {b:>3}: plain {r['plain_tokens_per_s']:>8.1f} tok/s  spec "
-                  f"{r['spec_tokens_per_s']:>8.1f} tok/s  {r['speedup']:.2f}x  accept {r['acceptance_rate']}  "
+                  f"{r['spec_tokens_per_s']:>8.1f} tok/s  {r['speedup']:.2f}x (per CPU-s {r['speedup_cpu']:.2f}x)  accept {r['acceptance_rate']}  "
                   f"mean len {r['mean_accepted_length']}  k per step {r['k_steps']}", flush=True)
 
+    # the ceiling adaptive k works under: every fixed k at batch 1, greedy (alternating with plain runs)
+    sweep = []
+    prompts = prompts_from_heldout(tok, 1, args.prompt_tokens, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    run(plain, prompts, params)
+    for k in range(0, args.k + 1):
+        spec.engine.speculator.adaptive.fixed = k
+        run(spec, prompts, params)
+        before = spec.engine.speculator.stats()
+        ratios, cpu_ratios = [], []
+        for _ in range(args.repeats):
+            dt_p, dc_p, n_p, _ = run(plain, prompts, params)
+            dt_s, dc_s, n_s, _ = run(spec, prompts, params)
+            ratios.append((n_s / dt_s) / (n_p / dt_p))
+            cpu_ratios.append((n_s / dc_s) / (n_p / dc_p))
+        after = spec.engine.speculator.stats()
+        drafts = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+        acc = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+        sweep.append({"k": k, "speedup": round(statistics.median(ratios), 3),
+                      "speedup_cpu": round(statistics.median(cpu_ratios), 3),
+                      "acceptance_rate": round(acc / drafts, 3) if drafts else None})
+        print(f"fixed k={k}, batch 1, greedy: {sweep[-1]}", flush=True)
+    spec.engine.speculator.adaptive.fixed = None
+    cost = spec.engine.speculator.adaptive
+    measured = {"target_step_seconds_by_tokens": {round(x, 1): y for x, y in sorted(cost.target.points.values())},
+                "draft_pass_seconds_by_seqs": {round(x, 1): y for x, y in sorted(cost.draft.points.values())}}
+
     print()
-    print("| temperature | batch | plain tok/s | speculative tok/s | speedup | acceptance | mean accepted length "
-          "| k chosen (steps) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| temperature | batch | plain tok/s | speculative tok/s | speedup (wall) | speedup (per CPU-s) "
+          "| acceptance | mean accepted length | k held (steps) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['temperature']} | {r['batch']} | {r['plain_tokens_per_s']} | {r['spec_tokens_per_s']} | "
-              f"{r['speedup']:.2f}x | {r['acceptance_rate']} | {r['mean_accepted_length']} | {r['k_steps']} |")
+              f"{r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {r['acceptance_rate']} | "
+              f"{r['mean_accepted_length']} | {r['k_steps']} |")
     result = {"config": {"target": str(LARGE.relative_to(ROOT)), "draft": str(SMALL.relative_to(ROOT)),
                          "k_max": args.k, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                          "repeats": args.repeats, "threads": args.threads, "python": platform.python_version(),
                          "torch": torch.__version__, "machine": platform.machine()},
-              "rows": rows}
+              "rows": rows, "fixed_k_batch1_greedy": sweep, "adaptive_cost_model": measured}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
