@@ -116,7 +116,6 @@ def add_escalation_span(tracer: trace.Tracer, metrics: RequestMetrics | None, fi
         return
     end = metrics.finished_time or finished_time
     span = tracer.start_span("escalation", start_time=_epoch_ns(metrics.arrival_time), attributes=dict(attributes))
-    span.set_attribute("tandem.spec.accepted_tokens", metrics.num_accepted_tokens)
     with trace.use_span(span, end_on_exit=False):
         add_engine_spans(tracer, metrics, finished_time)
     span.end(end_time=max(_epoch_ns(end), _epoch_ns(metrics.arrival_time)))

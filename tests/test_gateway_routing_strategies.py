@@ -118,6 +118,14 @@ def _metric(server: ServerThread, name: str, **labels: str) -> float:
     return total
 
 
+def _spans_once_served(spans: InMemorySpanExporter, server_span: str) -> list:
+    """The finished spans once the server span has ended (it ends just after the response is sent)."""
+    deadline = time.monotonic() + 5
+    while not any(s.name == server_span for s in spans.get_finished_spans()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return list(spans.get_finished_spans())
+
+
 def _chat(client: openai.OpenAI, model: str, messages=EASY, **kwargs):
     raw = client.chat.completions.with_raw_response.create(model=model, messages=messages, **kwargs)
     return raw.headers, raw.parse()
@@ -155,7 +163,7 @@ def test_router_scores_the_whole_conversation_and_plain_prompts(server, client):
 def test_router_decision_is_a_span_attribute(server, client, spans):
     spans.clear()
     headers, _ = _chat(client, "auto", HARD, max_tokens=2)
-    route_span = next(s for s in spans.get_finished_spans() if s.name == "route")
+    route_span = next(s for s in _spans_once_served(spans, "chat auto") if s.name == "route")
     assert route_span.attributes["tandem.router.choice"] == "large"
     assert route_span.attributes["tandem.router.score"] == pytest.approx(float(headers["x-tandem-router-score"]),
                                                                           abs=1e-4)
@@ -251,7 +259,7 @@ def test_streaming_cascade_buffers_until_the_decision(client):
 def test_escalation_is_a_child_span_with_the_decision(client, spans):
     spans.clear()
     _chat(client, "cascade-always", **GREEDY)
-    finished = spans.get_finished_spans()
+    finished = _spans_once_served(spans, "chat cascade-always")
     escalation = next(s for s in finished if s.name == "escalation")
     server_span = next(s for s in finished if s.name.startswith("chat cascade-always"))
     assert escalation.parent.span_id == server_span.context.span_id
@@ -261,6 +269,32 @@ def test_escalation_is_a_child_span_with_the_decision(client, spans):
     assert {"queue", "prefill", "decode"} <= {s.name for s in finished if s.parent
                                                 and s.parent.span_id == escalation.context.span_id}
     assert server_span.attributes["gen_ai.response.model"] == "tandem-large"
+
+
+def test_escalation_verifies_the_small_answer_as_drafts(tiny_checkpoint, tmp_path, spans):
+    """Two engines on the same weights: the large one accepts every token of the small answer in its
+    verification pass (the draft path is real, not a plain regeneration)."""
+    ckpt = _with_chat_template(tiny_checkpoint("llama"), tmp_path / "twin")
+    cfg = config_from_dict({
+        "engines": {"a": {"checkpoint": str(ckpt)}, "b": {"checkpoint": str(ckpt)}},
+        "kv_pool": {"memory_bytes": 16 << 20},
+        "routes": {"up": {"strategy": "cascade", "engines": ["a", "b"], "cascade": {"confidence_threshold": 0.0}}}})
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with ServerThread(cfg, tracer_provider=provider) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        _, direct = _chat(client, "b", **GREEDY)
+        large = srv.app.state.gateway.engines["b"]
+        before = large.stats()
+        headers, up = _chat(client, "up", **GREEDY)
+        after = large.stats()
+        escalation = next(s for s in _spans_once_served(exporter, "chat up") if s.name == "escalation")
+    assert headers["x-tandem-escalated"] == "true"
+    assert up.choices[0].message.content == direct.choices[0].message.content
+    assert escalation.attributes["tandem.cascade.draft_tokens"] == 12
+    assert after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"] >= 11
+    assert after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"] >= 11
 
 
 def test_cascade_rejects_n_above_one(client):
