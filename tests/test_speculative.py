@@ -340,3 +340,37 @@ def test_adaptive_k_drafts_when_it_pays_and_stops_when_it_does_not():
     choices = [slow.choose(32) for _ in range(64)]
     assert choices.count(1) == 2 and choices.count(0) == 62
     assert AdaptiveK.expected_tokens(0.5, 3) == pytest.approx(1.875)
+
+
+def test_stop_strings_with_speculation_stop_where_plain_decoding_stops(pair):
+    path, _, draft = pair
+    plain = LLM(path, block_size=BLOCK)
+    spec = LLM(path, draft_model=draft, num_speculative_tokens=4, block_size=BLOCK)
+    spec.engine.speculator.adaptive.fixed = 4
+    prompt = "def read_config(path):\n"
+    free = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]  # a piece from the middle of the output
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    want = plain.generate(prompt, params)[0].outputs[0]
+    got = spec.generate(prompt, params)[0].outputs[0]
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    assert (got.text, got.token_ids) == (want.text, want.token_ids)
+    assert spec.stats()["engine_spec_num_accepted_tokens"] > 0 and spec.stats()["used_pages"] == 0
+
+
+def test_lean_draft_forward_equals_the_models_forward_over_the_pool(pair):
+    from engines.speculative import DraftState, LeanDraftForward
+
+    _, target, _ = pair
+    llm = LLM(target, block_size=BLOCK)
+    eng = llm.engine
+    assert LeanDraftForward.supported(eng.model, eng.runner)
+    lean = LeanDraftForward(eng.model, eng.runner.k_caches, eng.runner.v_caches, BLOCK)
+    a = DraftState(list(range(10, 33)), eng.pool.allocate(eng.model_id, 7), 0, [])
+    b = DraftState(list(range(40, 49)), eng.pool.allocate(eng.model_id, 3), 0, [])
+    eng.runner.execute_batch([a, b], [21, 8])  # a prefix of each through the runner
+    a.num_computed, b.num_computed = 21, 8
+    got = lean([a, b], [2, 1])  # two new tokens for a, one for b
+    a.num_computed, b.num_computed = 21, 8
+    want, _ = eng.runner.execute_batch([a, b], [2, 1])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
