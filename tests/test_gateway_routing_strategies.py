@@ -232,6 +232,17 @@ def test_greedy_cascade_answers_exactly_as_large_when_escalating_and_as_small_ot
     assert stay.choices[0].logprobs is None  # logprobs were computed for the decision, not asked for
 
 
+def test_cascade_on_legacy_completions(client):
+    def complete(model: str):
+        raw = client.completions.with_raw_response.create(model=model, prompt="def read_config(path):",
+                                                          **GREEDY)
+        return raw.headers, raw.parse().choices[0].text
+
+    assert complete("cascade-always")[1] == complete("tandem-large")[1]
+    assert complete("cascade-never")[1] == complete("tandem-small")[1]
+    assert complete("cascade-always")[0]["x-tandem-escalated"] == "true"
+
+
 def test_cascade_keeps_logprobs_the_client_asked_for(client):
     _, stay = _chat(client, "cascade-never", logprobs=True, top_logprobs=2, **GREEDY)
     content = stay.choices[0].logprobs.content
