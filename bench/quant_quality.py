@@ -1,7 +1,8 @@
-"""Quantisation quality on the default large model's held-out set: perplexity with float32 weights, int8 and
-int4 weight-only quantisation (both the CPU serving path, whose packed ops take bf16 activations, and the
-weights-only effect with float32 activations), and with an int8 or fp8 KV cache (K/V stored quantised,
-attention in float32). Prints a table and writes bench/results/quant_quality.json.
+"""Quantisation quality on the default large model's held-out set, measured through the engine: perplexity
+of teacher-forced chunks run by the engine's own runner over its paged KV pool (the model quantised on load
+by `EngineSpec.quantization`, K/V written to and read back from an int8 / fp8 pool by `kv_cache_dtype`), for
+float32, int8 and int4 weights and int8 / fp8 KV; plus the weights-only effect (dequantised weights, float32
+activations) outside the engine. Prints a table and writes bench/results/quant_quality.json.
 
     .venv/bin/python bench/quant_quality.py [--model models/tandem-tiny-l] [--chunks 64] [--seq-len 256]
 """
@@ -25,28 +26,14 @@ if str(ROOT) not in sys.path:
 
 from engines.attention import DenseCausal  # noqa: E402
 from engines.corpus import load_corpus_split  # noqa: E402
+from engines.llm import LLM  # noqa: E402
 from engines.loader import load_checkpoint  # noqa: E402
+from engines.runner import PagedAttention  # noqa: E402
+from engines.sampling_params import SamplingParams  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
-from kernels.kv_write import FP8_MAX, quantize_kv_int8  # noqa: E402
 from kernels.quant_matmul import QuantLinear, quantize_model  # noqa: E402
 
 LIMITS = {"int8": 0.01, "int4 g64": 0.05, "int8 KV": 0.01}  # issue 8: allowed perplexity increase
-
-
-class QuantizedKV:
-    """DenseCausal attention over K/V that went through the pool's int8 (per token-head) or fp8 storage."""
-
-    def __init__(self, batch: int, seqlen: int, kind: str):
-        self.inner, self.kind = DenseCausal(batch, seqlen), kind
-
-    def _store(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "int8":
-            q, s = quantize_kv_int8(x)
-            return (q.float() * s[..., None]).to(x.dtype)
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float().to(x.dtype)  # scale 1.0
-
-    def forward(self, layer: int, q, k, v):
-        return self.inner.forward(layer, q, self._store(k), self._store(v))
 
 
 def heldout_chunks(tokenizer: Tokenizer, seq_len: int, limit: int) -> list[list[int]]:
@@ -59,17 +46,48 @@ def heldout_chunks(tokenizer: Tokenizer, seq_len: int, limit: int) -> list[list[
 
 
 @torch.inference_mode()
-def perplexity(model, chunks: list[list[int]], kv: str | None = None, batch_size: int = 8) -> float:
+def perplexity(model, chunks: list[list[int]], batch_size: int = 8) -> float:
+    """Dense causal forward (no engine, no cache)."""
     total, count = 0.0, 0
     for i in range(0, len(chunks), batch_size):
         x = torch.tensor(chunks[i:i + batch_size], dtype=torch.long)
         inp, tgt = x[:, :-1], x[:, 1:]
         b, s = inp.shape
-        attn = DenseCausal(b, s) if kv is None else QuantizedKV(b, s, kv)
-        hidden = model(inp.reshape(-1), torch.arange(s).repeat(b), attn)
+        hidden = model(inp.reshape(-1), torch.arange(s).repeat(b), DenseCausal(b, s))
         logits = model.compute_logits(hidden)
         total += F.cross_entropy(logits, tgt.reshape(-1), reduction="sum").item()
         count += tgt.numel()
+    return math.exp(total / count)
+
+
+@torch.inference_mode()
+def engine_perplexity(model_dir: str, chunks: list[list[int]], chunk_tokens: int = 64, batch_size: int = 8,
+                      **options) -> float:
+    """Through the engine: each batch of chunks is prefilled in pieces of `chunk_tokens` by the engine's runner
+    into pages of its pool, so every query attends to K/V read back from the pool (quantised there when
+    kv_cache_dtype says so), with the engine's (possibly quantised) model; every position's logits score."""
+    llm = LLM(model_dir, block_size=16, dtype="float32", memory_bytes=256 << 20, **options)
+    eng, pool = llm.engine, llm.core.pool
+    runner = eng.runner
+    total, count = 0.0, 0
+    for i in range(0, len(chunks), batch_size):
+        group = chunks[i:i + batch_size]
+        seqs = [eng.make_request(c[:-1], SamplingParams(max_tokens=1)).seqs[0] for c in group]
+        for seq in seqs:
+            seq.pages = pool.allocate(eng.model_id, -(-seq.num_tokens // pool.block_size))
+        for start in range(0, len(group[0]) - 1, chunk_tokens):
+            n = [min(chunk_tokens, s.num_tokens - start) for s in seqs]
+            batch = runner.prepare(seqs, n)
+            attn = PagedAttention(runner.k_caches, runner.v_caches, batch, runner.use_kernel, runner.k_scales,
+                                  runner.v_scales)
+            logits = eng.model.compute_logits(eng.model(batch.input_ids, batch.positions, attn))
+            targets = torch.cat([torch.tensor(c[start + 1:start + 1 + k]) for c, k in zip(group, n)])
+            total += F.cross_entropy(logits, targets, reduction="sum").item()
+            count += targets.numel()
+            for seq, k in zip(seqs, n):
+                seq.num_computed += k
+        for seq in seqs:
+            pool.release(seq.pages)
     return math.exp(total / count)
 
 
@@ -100,19 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     model = ckpt.model
     chunks = heldout_chunks(Tokenizer.from_pretrained(args.model), args.seq_len, args.chunks)
     g = args.group_size
+    engine = lambda **o: lambda: engine_perplexity(args.model, chunks, **o)  # noqa: E731
     variants = [
-        ("float32", lambda: (model, None)),
-        ("int8", lambda: (quantize_model(copy.deepcopy(model), "int8"), None)),
-        ("int8 weights only (fp32 activations)", lambda: (weights_only(model, "int8", g), None)),
-        (f"int4 g{g}", lambda: (quantize_model(copy.deepcopy(model), "int4", g), None)),
-        (f"int4 g{g} weights only (fp32 activations)", lambda: (weights_only(model, "int4", g), None)),
-        ("int8 KV", lambda: (model, "int8")),
-        ("fp8 e4m3 KV (scale 1.0)", lambda: (model, "fp8")),
+        ("float32", engine()),
+        ("float32 dense forward (no engine, no pool)", lambda: perplexity(model, chunks)),
+        ("int8", engine(quantization="int8")),
+        ("int8 weights only (fp32 activations)", lambda: perplexity(weights_only(model, "int8", g), chunks)),
+        (f"int4 g{g}", engine(quantization="int4", quantization_group_size=g)),
+        (f"int4 g{g} weights only (fp32 activations)", lambda: perplexity(weights_only(model, "int4", g), chunks)),
+        ("int8 KV", engine(kv_cache_dtype="int8")),
+        ("fp8 e4m3 KV (scale 1.0)", engine(kv_cache_dtype="fp8")),
+        ("int8 weights + int8 KV", engine(quantization="int8", kv_cache_dtype="int8")),
     ]
     rows, base = [], None
-    for name, build in variants:
-        m, kv = build()
-        ppl = perplexity(m, chunks, kv)
+    for name, measure in variants:
+        ppl = measure()
         base = ppl if base is None else base
         inc = ppl / base - 1
         limit = LIMITS.get(name)
