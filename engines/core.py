@@ -189,8 +189,8 @@ class ModelEngine:
                 seq.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, prompt_ids=ids)
             if params.logprobs is not None:
                 seq.logprobs = []
-            if draft_token_ids:
-                self.speculator.add_supplied(seq, draft_token_ids)
+            if draft_token_ids:  # verified first, at most max_tokens of them
+                seq.supplied_draft_ids = draft_token_ids[:max_tokens]
             req.seqs.append(seq)
         return req
 
@@ -209,6 +209,8 @@ class ModelEngine:
                 self.requests[req.request_id] = req
                 for seq in req.seqs:
                     self.scheduler.add(seq)
+                    if seq.supplied_draft_ids:
+                        self.speculator.supplied.add(seq)
             else:
                 req = self.requests.get(item)
                 if req is not None and not req.finished:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.outputs import Logprob, PositionLogprobs
-from engines.sampler import SamplerRow, apply_penalties, apply_top_k_top_p_min_p, sample
+from engines.sampler import SamplerRow, apply_penalties, apply_top_k_top_p_min_p
 from engines.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -243,10 +243,11 @@ class LeanDraftForward:
         cfg = model.config
         self.cfg, self.block_size = cfg, block_size
         self.k_caches, self.v_caches = k_caches, v_caches
-        self.layers = [(l.input_layernorm.weight, l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
-                        l.self_attn.v_proj.weight, l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
-                        l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight)
-                       for l in model.model.layers]
+        self.layers = [(lay.input_layernorm.weight, lay.self_attn.q_proj.weight, lay.self_attn.k_proj.weight,
+                        lay.self_attn.v_proj.weight, lay.self_attn.o_proj.weight,
+                        lay.post_attention_layernorm.weight, lay.mlp.gate_proj.weight, lay.mlp.up_proj.weight,
+                        lay.mlp.down_proj.weight)
+                       for lay in model.model.layers]
         self.embed = model.model.embed_tokens.weight
         self.norm = model.model.norm.weight
         self.lm_head = model.lm_head.weight
@@ -254,7 +255,7 @@ class LeanDraftForward:
         with torch.no_grad():
             cos, sin = model.rope(torch.arange(cfg.max_position_embeddings, device=self.embed.device),
                                   self.embed.dtype)
-            d, h = cfg.head_dim, cfg.head_dim // 2
+            h = cfg.head_dim // 2
             rot = torch.diag_embed(cos)
             idx = torch.arange(h, device=cos.device)
             rot[:, idx + h, idx] = -sin[:, :h]
@@ -470,7 +471,7 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.k_max = k_max if drafter is not None else 0
         self.adaptive = AdaptiveK(self.k_max, device=engine.device)
-        self.supplied: set[Sequence] = set()  # sequences with supplied drafts left to verify
+        self.supplied: set[Sequence] = set()  # sequences with supplied drafts left (engine thread only)
         self._windows: dict[int, _Window] = {}
         self.num_drafts = 0  # verification windows
         self.num_draft_tokens = 0
@@ -482,11 +483,6 @@ class SpeculativeDecoder:
 
     def _on_free(self, seq: Sequence) -> None:
         self.drafter.release(seq)
-
-    def add_supplied(self, seq: Sequence, draft_token_ids: list[int]) -> None:
-        seq.supplied_draft_ids = list(draft_token_ids[:seq.max_len - seq.prompt_len])
-        if seq.supplied_draft_ids:
-            self.supplied.add(seq)
 
     # ---- before scheduling ----------------------------------------------------------------------------------
     def propose(self) -> None:
@@ -631,7 +627,7 @@ class SpeculativeDecoder:
         results: list[tuple[list[int], int] | None] = [None] * len(spec)
         random_idx = []
         offset = 0
-        for i, ((seq, _, k), (drafts, q)) in enumerate(zip(spec, windows)):
+        for i, ((seq, _, k), (drafts, _q)) in enumerate(zip(spec, windows)):
             if seq.request.params.greedy:  # exact: keep drafts while they equal the target's argmax
                 target = greedy_l[offset:offset + k + 1]
                 acc = 0
