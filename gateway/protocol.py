@@ -46,7 +46,6 @@ class ChatMessage(Struct, kw_only=True):
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(Struct, kw_only=True):
@@ -72,7 +71,6 @@ class _SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
-    priority: int | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
