@@ -276,32 +276,32 @@ async def _serve(request: Request, state: GatewayState, route: Route,
 
     state.inflight += 1
     progress = _Progress(arrival)
-    try:
-        first = await _first_output(run)
-    except BaseException:
-        state.inflight -= 1
-        run.abort()
-        raise
-    progress.saw(first)
-    # A cascade knows who answers only once its first output arrives: engine, headers and metrics are read now.
-    for key in run.attributes.keys() - decided:
-        span.set_attribute(key, run.attributes[key])
-    escalated = run.attributes.get(ESCALATED)
-    if not route.direct:
-        telemetry.router_decisions.labels(route.name, run.engine.name).inc()
-    if escalated:
-        telemetry.cascade_escalations.labels(route.name).inc()
-    span.set_attribute("gen_ai.response.model", run.engine.name)
-    headers = {"x-request-id": request_id, "x-tandem-route": route.name, "x-tandem-model": run.engine.name}
-    if run.score is not None:
-        headers["x-tandem-router-score"] = f"{run.score:.4f}"
-    if escalated is not None:
-        headers["x-tandem-escalated"] = "true" if escalated else "false"
-    response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + request_id
-    created = int(time.time())
-    fmt = _Formatter(operation, response_id, created, data.model, run.engine.tokenizer, data, params.logprobs)
     finish = _Finisher(state, route, run, progress, span, request.scope["state"].get("api_key"), operation,
                        data.model)
+    try:
+        first = await _first_output(run)
+        progress.saw(first)
+        # A cascade knows who answers only once its first output arrives: engine, headers and metrics are read
+        # now.
+        for key in run.attributes.keys() - decided:
+            span.set_attribute(key, run.attributes[key])
+        escalated = run.attributes.get(ESCALATED)
+        if not route.direct:
+            telemetry.router_decisions.labels(route.name, run.engine.name).inc()
+        if escalated:
+            telemetry.cascade_escalations.labels(route.name).inc()
+        span.set_attribute("gen_ai.response.model", run.engine.name)
+        headers = {"x-request-id": request_id, "x-tandem-route": route.name, "x-tandem-model": run.engine.name}
+        if run.score is not None:
+            headers["x-tandem-router-score"] = f"{run.score:.4f}"
+        if escalated is not None:
+            headers["x-tandem-escalated"] = "true" if escalated else "false"
+        response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + request_id
+        fmt = _Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
+                         params.logprobs)
+    except BaseException:
+        finish.close()  # rejected, failed or cancelled before a byte went out: abort and release the slot
+        raise
 
     if not data.stream:
         # A client that hangs up on a long non-streamed request must not keep its KV pages busy.
@@ -325,8 +325,13 @@ async def _serve(request: Request, state: GatewayState, route: Route,
 
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     events = _stream_events(first, run, progress, fmt, finish, include_usage)
+
+    async def after() -> None:
+        await events.aclose()  # runs the stream's `finally` even if the client left while it sat at a yield
+        finish.close()  # and releases the request if the stream never started
+
     return Stream(events, media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"},
-                  background=BackgroundTask(events.aclose))
+                  background=BackgroundTask(after))
 
 
 async def _until_disconnect(request: Request) -> None:
