@@ -25,11 +25,13 @@ class AsyncEngine:
         self.generation_defaults = engine.generation_defaults
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
-                       priority: int = 0, draft_token_ids: list[int] | None = None
+                       priority: int = 0, draft_token_ids: list[int] | None = None,
+                       ttft_s: float | None = None, tpot_s: float | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs (with deltas) until one has finished=True. Raises RequestRejected before
         the first output for a request that can never be served; an engine failure arrives as an output
-        with `error` set. Cancelling the iteration aborts the request and frees its KV."""
+        with `error` set. Cancelling the iteration aborts the request and frees its KV. `ttft_s`/`tpot_s` are the
+        route's SLO targets in seconds: they order the waiting queue and cap the batch (SLO scheduling)."""
         self._core.check_alive()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -41,7 +43,8 @@ class AsyncEngine:
                 pass
 
         req = self._engine.add_request(prompt, params, request_id, priority=priority,
-                                       draft_token_ids=draft_token_ids, emit=emit, stream=True)
+                                       draft_token_ids=draft_token_ids, emit=emit, stream=True,
+                                       ttft_s=ttft_s, tpot_s=tpot_s)
         self._core.wake()
         finished = False
         try:

@@ -28,6 +28,7 @@ from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler
 from engines.sequence import Request, SeqStatus, Sequence
 from engines.speculative import Drafter, SpeculativeDecoder
+from engines.step_model import BatchCapController
 
 if TYPE_CHECKING:
     from engines.async_engine import AsyncEngine
@@ -54,6 +55,9 @@ class EngineSpec:
     attention_backend: str = "auto"
     quantization_group_size: int = 64  # int4 only: 32, 64 or 128
     cuda_graphs: bool = True  # CUDA + Triton attention: decode steps replay graphs captured per batch bucket
+    # waiting requests by priority then TTFT deadline, batch caps from the running TPOT targets; False: plain
+    # (priority, arrival) order under the configured limits only
+    slo_scheduling: bool = True
 
 
 @dataclass
@@ -117,8 +121,12 @@ class ModelEngine:
         self.model_id = model_id
         limit = self.config.max_position_embeddings
         self.max_model_len = min(spec.max_model_len or limit, limit)
+        self.cap_controller = BatchCapController(max_num_seqs=spec.max_num_seqs,
+                                                 max_num_batched_tokens=spec.max_num_batched_tokens)
         self.scheduler = Scheduler(pool, model_id, max_num_seqs=spec.max_num_seqs,
-                                   max_num_batched_tokens=spec.max_num_batched_tokens)
+                                   max_num_batched_tokens=spec.max_num_batched_tokens,
+                                   slo_scheduling=spec.slo_scheduling, cap_controller=self.cap_controller)
+        self.busy_s = 0.0  # cumulative seconds spent stepping this engine (device time, for cost accounting)
         self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device,
                                   spec.attention_backend, pool.scales(model_id))
         if spec.cuda_graphs and device.type == "cuda" and self.runner.use_kernel:
@@ -134,9 +142,11 @@ class ModelEngine:
     # ---- caller side (any thread) --------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
                     priority: int = 0, draft_token_ids: list[int] | None = None,
-                    emit: Callable[[RequestOutput], None] | None = None, stream: bool = True) -> Request:
+                    emit: Callable[[RequestOutput], None] | None = None, stream: bool = True,
+                    ttft_s: float | None = None, tpot_s: float | None = None) -> Request:
         """Validate and queue a request; raises RequestRejected if it can never be served."""
-        req = self.make_request(prompt, params, request_id, priority=priority, draft_token_ids=draft_token_ids)
+        req = self.make_request(prompt, params, request_id, priority=priority, draft_token_ids=draft_token_ids,
+                                ttft_s=ttft_s, tpot_s=tpot_s)
         self.submit(req, emit, stream)
         return req
 
@@ -148,7 +158,9 @@ class ModelEngine:
         self._inbox.append(("add", req))
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
-                     priority: int = 0, draft_token_ids: list[int] | None = None) -> Request:
+                     priority: int = 0, draft_token_ids: list[int] | None = None, ttft_s: float | None = None,
+                     tpot_s: float | None = None) -> Request:
+        """Validate a request (RequestRejected if it can never be served); ttft_s/tpot_s are its SLO targets."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected(f"engine {self.name!r} has no tokenizer: pass the prompt as token ids")
@@ -179,7 +191,7 @@ class ModelEngine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self._live_ids:
             raise RequestRejected(f"request_id {rid!r} is already in use")
-        req = Request(rid, text, ids, params, priority=priority)
+        req = Request(rid, text, ids, params, priority=priority, ttft_s=ttft_s, tpot_s=tpot_s)
         req.metrics = RequestMetrics(arrival_time=req.arrival_time)
         for i in range(params.n):
             seq = Sequence(req, i, list(ids), len(ids), len(ids) + max_tokens)
@@ -228,6 +240,8 @@ class ModelEngine:
         if not sched:
             return 0
         t0 = self.speculator.adaptive.target.clock()
+        busy0 = time.perf_counter()
+        self.cap_controller.step_started()
         self.num_steps += 1
         now = time.monotonic()
         for seq in sched.seqs:
@@ -248,11 +262,14 @@ class ModelEngine:
             log.exception("engine %s: batch forward failed", self.name)
             for req in {id(s.request): s.request for s in sched.seqs}.values():
                 self._fail(req, f"engine error during forward: {type(e).__name__}: {e}")
+            self.busy_s += time.perf_counter() - busy0
             return 0
         if drafts:
             self.speculator.verify(logits, batch, drafts)
         elif sample_seqs:
             self._sample_and_append(logits, sample_seqs)
+        self.cap_controller.step_finished(sched.num_decode_seqs, sched.num_prefill_tokens)
+        self.busy_s += time.perf_counter() - busy0
         self.speculator.adaptive.target.observe(sched.total_tokens, self.speculator.adaptive.target.clock() - t0)
         return sched.total_tokens
 
@@ -398,7 +415,19 @@ class ModelEngine:
                 "prefix_cache_hits": self.scheduler.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
                 "used_blocks": pool["used_pages"], "engine_used_blocks": len(pages),
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
-                "max_model_len": self.max_model_len, **self.speculator.stats()}
+                "max_model_len": self.max_model_len, "busy_s": self.busy_s, **self._cap_stats(),
+                **self.speculator.stats()}
+
+    def _cap_stats(self) -> dict:
+        """The SLO batch caps as the next step would see them, and the fitted step-time model."""
+        ctl = self.cap_controller
+        if not self.spec.slo_scheduling:
+            return {"slo_scheduling": False}
+        a, b, c = ctl.model.coefficients()
+        caps = ctl.caps(self.scheduler.num_running)
+        return {"slo_scheduling": True, "batch_cap_decode_seqs": caps.max_decode_seqs,
+                "batch_cap_prefill_tokens": caps.max_prefill_tokens, "batch_cap_limited_by": caps.limited_by,
+                "tpot_target_s": caps.target_s, "step_model_s": [a, b, c]}
 
 
 def _pool_bytes(pool: PoolSpec, engines_: list[tuple[EngineSpec, LoadedModel]], page_bytes: int,

@@ -1,19 +1,26 @@
 """The scheduler decides what runs each step, in one language: `{seq_id: num_tokens}`.
 
 Running sequences first (decodes and unfinished prefill chunks, oldest admission first), then waiting ones by
-(priority, arrival) within a token budget; chunked prefill rides in the same step as decodes. When pages run
-out it preempts (by recompute) the lowest-priority, latest-admitted sequence and admits nobody that step.
+priority class, then earliest TTFT deadline, with aging (`WaitingQueue`), within a token budget; chunked
+prefill rides in the same step as decodes. With SLO scheduling on, a `BatchCapController` caps the running
+batch and the step's prefill tokens so the predicted step stays inside the tightest running TPOT target
+(decodes always run). When pages run out it preempts (by recompute) the lowest-priority, latest-admitted
+sequence and admits nobody that step. `slo_scheduling=False` gives the plain (priority, arrival) order.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engines.kv_pool import KVPool
 from engines.sequence import SeqStatus, Sequence
+from engines.step_model import BatchCapController, BatchCaps
+from engines.waiting_queue import WaitingQueue
+
+DEFAULT_TTFT_DEADLINE_S = 60.0  # a request without a TTFT target is due this long after arrival
 
 
 @dataclass
@@ -24,6 +31,9 @@ class SchedulerOutput:
     # are included in num_tokens (1 + k for a decode) and have pages, but only a verifier commits them
     num_draft_tokens: dict[int, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
+    num_decode_seqs: int = 0  # sequences scheduled for one decode token (plus drafts): the step model's inputs
+    num_prefill_tokens: int = 0  # prompt (or recompute) tokens scheduled
+    caps: BatchCaps | None = None  # the SLO caps this step ran under (None: SLO scheduling off)
 
     def as_dict(self) -> dict[int, int]:
         return {s.seq_id: n for s, n in zip(self.seqs, self.num_tokens)}
@@ -39,14 +49,19 @@ class SchedulerOutput:
 class Scheduler:
     """One per engine; draws pages for `model_id` from the shared pool."""
 
-    def __init__(self, pool: KVPool, model_id: int, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: KVPool, model_id: int, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 slo_scheduling: bool = True, cap_controller: BatchCapController | None = None):
         self.pool = pool
         self.model_id = model_id
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = pool.block_size
         self.running: list[Sequence] = []  # in admission order
-        self._waiting: list[tuple[tuple, Sequence]] = []  # heap on (priority, arrival, index)
+        self.slo_scheduling = slo_scheduling
+        # SLO on: priority class, then earliest TTFT deadline, with aging; off: strict (priority, arrival)
+        self._waiting: WaitingQueue[Sequence] = (
+            WaitingQueue(_deadline_key) if slo_scheduling else WaitingQueue(_arrival_key, aging_s=math.inf))
+        self.cap_controller = cap_controller if slo_scheduling else None
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up at admission (every admission, every choice)
@@ -56,24 +71,26 @@ class Scheduler:
     # ---- queue management --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        heapq.heappush(self._waiting, (seq.priority_key, seq))
+        self._waiting.push(seq)
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for _, s in self._waiting if not s.finished)
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.running) or any(not s.finished for _, s in self._waiting)
+        return bool(self.running) or len(self._waiting) > 0
 
     def finish(self, seq: Sequence) -> None:
         """Take a sequence out of scheduling (finished, aborted or failed) and free its pages."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-        # a waiting sequence stays in the heap, marked finished, and is dropped lazily when it surfaces
+            self._left_running(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self._waiting.remove(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         self._free_pages(seq)
 
@@ -88,11 +105,16 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV (its hashed blocks stay cached), keep the generated tokens."""
         self.running.remove(seq)
+        self._left_running(seq)
         seq.spec_token_ids.clear()
         self._free_pages(seq)
         seq.num_computed = 0
         self.num_preemptions += 1
         self.add(seq)
+
+    def _left_running(self, seq: Sequence) -> None:
+        if self.cap_controller is not None:
+            self.cap_controller.targets.remove(seq.request.tpot_s)
 
     def _pages_needed(self, seq: Sequence, num_new: int) -> int:
         total = -(-(seq.num_computed + num_new) // self.block_size)
@@ -110,6 +132,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # seq_id -> position in out.seqs
+        max_running = self.max_num_seqs
+        prefill_budget = budget  # tokens of prompt chunks (running and newly admitted) this step may carry
+        if self.cap_controller is not None:
+            decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed <= 1)
+            out.caps = caps = self.cap_controller.caps(decoding)
+            max_running = min(max_running, caps.max_decode_seqs)
+            prefill_budget = caps.max_prefill_tokens
 
         for seq in list(self.running):
             if budget == 0:
@@ -117,8 +146,10 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = seq.num_tokens - seq.num_computed
-            drafts = self._fit_drafts(seq, num_new, budget)
-            num_new = min(num_new + drafts, budget)
+            prefilling = num_new > 1  # decodes always run; prompt chunks share the step's prefill budget
+            room = min(budget, prefill_budget) if prefilling else budget
+            drafts = self._fit_drafts(seq, num_new, room)
+            num_new = min(num_new + drafts, room)
             if num_new <= 0:
                 continue
             need = self._pages_needed(seq, num_new)
@@ -143,32 +174,34 @@ class Scheduler:
             if drafts:
                 out.num_draft_tokens[seq.seq_id] = drafts
             budget -= num_new
+            if prefilling:
+                prefill_budget -= num_new
 
         if out.preempted:  # drop entries zeroed by a later preemption
             keep = [(s, n) for s, n in zip(out.seqs, out.num_tokens) if n > 0]
             out.seqs = [s for s, _ in keep]
             out.num_tokens = [n for _, n in keep]
-            return out  # no admissions in a step that preempted
+            return self._tally(out)  # no admissions in a step that preempted
 
-        deferred: list[tuple[tuple, Sequence]] = []
-        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            key, seq = self._waiting[0]
-            if seq.finished:
-                heapq.heappop(self._waiting)
-                continue
+        deferred: list[Sequence] = []
+        while budget > 0 and prefill_budget > 0 and len(self.running) < max_running:
+            seq = self._waiting.peek()
+            if seq is None:
+                break
             if self._blocked(seq):
-                deferred.append(heapq.heappop(self._waiting))
+                deferred.append(self._waiting.pop())
                 continue
             cached_pages, cached_hashes = self.pool.match_prefix(
                 self.model_id, seq.token_ids, self._extra_keys(seq))
             num_cached = len(cached_pages) * self.block_size
-            drafts = self._fit_drafts(seq, seq.num_tokens - num_cached, budget)
-            num_new = min(seq.num_tokens - num_cached + drafts, budget)
+            room = min(budget, prefill_budget)
+            drafts = self._fit_drafts(seq, seq.num_tokens - num_cached, room)
+            num_new = min(seq.num_tokens - num_cached + drafts, room)
             total_pages = -(-(num_cached + num_new) // self.block_size)
             reclaim = sum(1 for p in cached_pages if self.pool.ref_count[p] == 0)
             if total_pages - len(cached_pages) + reclaim > self.pool.num_free:
                 break  # head of line waits for memory; lower-priority requests must not overtake it
-            heapq.heappop(self._waiting)
+            self._waiting.pop()
             self.pool.record_query(seq.num_tokens, num_cached)
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_cached
@@ -180,13 +213,27 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             seq.admit_order = next(self._admit_counter)
             self.running.append(seq)
+            if self.cap_controller is not None:
+                self.cap_controller.targets.add(seq.request.tpot_s)
             out.seqs.append(seq)
             out.num_tokens.append(num_new)
             if drafts:
                 out.num_draft_tokens[seq.seq_id] = drafts
             budget -= num_new
+            prefill_budget -= num_new
         for item in deferred:
-            heapq.heappush(self._waiting, item)
+            self._waiting.push(item)
+        return self._tally(out)
+
+    @staticmethod
+    def _tally(out: SchedulerOutput) -> SchedulerOutput:
+        """Decode sequences vs prefill tokens of the step (what the step-time model is fitted on)."""
+        for seq, n in zip(out.seqs, out.num_tokens):
+            drafts = out.num_draft_tokens.get(seq.seq_id, 0)
+            if seq.num_computed + n - drafts >= seq.num_tokens and n - drafts == 1:
+                out.num_decode_seqs += 1
+            else:
+                out.num_prefill_tokens += n
         return out
 
     @staticmethod
@@ -213,3 +260,13 @@ class Scheduler:
             parent = self.pool.commit_block(self.model_id, seq.pages[i], parent,
                                             tuple(seq.token_ids[i * bs:(i + 1) * bs]), self._extra_keys(seq))
             seq.block_hashes.append(parent)
+
+
+def _deadline_key(seq: Sequence) -> tuple[int, int, float]:
+    req = seq.request
+    ttft = req.ttft_s if req.ttft_s is not None else DEFAULT_TTFT_DEADLINE_S
+    return seq.seq_id, req.priority, req.arrival_time + ttft
+
+
+def _arrival_key(seq: Sequence) -> tuple[int, int, float]:
+    return seq.seq_id, seq.request.priority, seq.request.arrival_time

@@ -32,6 +32,8 @@ class Request:
     params: SamplingParams
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    ttft_s: float | None = None  # the route's SLO targets (relative seconds): deadline order and batch caps
+    tpot_s: float | None = None
     emit: Callable[[RequestOutput], None] | None = None  # called on the engine thread with each output
     stream: bool = True  # False: emit only the final output (offline use)
     seqs: list[Sequence] = field(default_factory=list)
