@@ -43,6 +43,8 @@ class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     draft: str | None = None  # name of another engine used as this engine's speculative drafter
     num_speculative_tokens: Annotated[int, Meta(ge=0, le=16)] = 0
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # priority + TTFT-deadline admission order and TPOT batch caps; false: plain (priority, arrival) order
+    slo_scheduling: bool = True
 
 
 class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -77,6 +79,7 @@ class RouteConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     priority: int = 0  # lower runs first, as in vLLM
     max_tokens: PositiveInt | None = None  # cap on a request's max_tokens for this route
     allow_downgrade: bool = False  # under SLO pressure a large choice may be served by the small engine
+    max_waiting: PositiveInt | None = None  # admitted requests still before their first token; None: [admission]
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     cascade: CascadeConfig = msgspec.field(default_factory=CascadeConfig)
     description: str = ""
@@ -122,6 +125,37 @@ class TelemetryConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     slo_window_s: Annotated[float, Meta(gt=0)] = 300.0  # sliding window for live SLO attainment
 
 
+class AdmissionConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Admission control (gateway/admission.py): shed or downgrade requests whose predicted TTFT misses."""
+
+    enabled: bool = True  # false: every request is admitted (up to server.max_inflight_requests)
+    ttft_slack: Annotated[float, Meta(gt=0)] = 1.0  # admit while predicted TTFT <= slack x the route's target
+    max_waiting_per_route: PositiveInt = 256  # default for routes without max_waiting
+    rate_halflife_s: Annotated[float, Meta(gt=0)] = 10.0  # how fast the measured prefill rate forgets
+    min_rate_observations: PositiveInt = 3  # first tokens seen on an engine before predictions are trusted
+    min_retry_after_s: NonNegativeFloat = 1.0
+    max_retry_after_s: NonNegativeFloat = 60.0
+
+
+class CostConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    price_per_device_hour: NonNegativeFloat | None = None  # currency per device-hour; None: no cost gauges
+
+
+class AutoscaleConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Targets and hysteresis of `GET /v1/autoscale` (gateway/autoscale.py AutoscaleSettings)."""
+
+    min_replicas: PositiveInt = 1
+    max_replicas: PositiveInt = 8
+    target_waiting_per_replica: Annotated[float, Meta(gt=0)] = 8.0
+    target_kv_usage: Fraction = 0.8
+    tolerance: NonNegativeFloat = 0.1
+    max_scale_up_step: PositiveInt = 4
+    slo_up_cooldown_s: NonNegativeFloat = 60.0
+    down_stabilization_s: NonNegativeFloat = 300.0
+    down_cooldown_s: NonNegativeFloat = 120.0
+    max_scale_down_step: PositiveInt = 1
+
+
 class TandemConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     engines: dict[str, EngineConfig]
     routes: dict[str, RouteConfig] = msgspec.field(default_factory=dict)
@@ -129,6 +163,9 @@ class TandemConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    cost: CostConfig = msgspec.field(default_factory=CostConfig)
+    autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
     source: str = "<memory>"  # where it was loaded from, for messages; not a TOML key users set
 
     @property
@@ -267,6 +304,14 @@ def _cross_check(cfg: TandemConfig) -> None:
         if route.allow_downgrade and route.strategy == "fixed":
             raise ConfigError(f"{src}: {where}.allow_downgrade = true is invalid for strategy 'fixed': a "
                               f"fixed route has one engine to fall back to")
+    scale = cfg.autoscale
+    if scale.min_replicas > scale.max_replicas:
+        raise ConfigError(f"{src}: autoscale.min_replicas = {scale.min_replicas} is above autoscale.max_replicas "
+                          f"= {scale.max_replicas}; raise max_replicas or lower min_replicas")
+    adm = cfg.admission
+    if adm.min_retry_after_s > adm.max_retry_after_s:
+        raise ConfigError(f"{src}: admission.min_retry_after_s = {adm.min_retry_after_s:g} is above "
+                          f"admission.max_retry_after_s = {adm.max_retry_after_s:g}")
 
 
 def _valid_device(device: str) -> bool:
@@ -452,7 +497,7 @@ def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], Any, str]:
         name=name, model=e.checkpoint, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len, draft=e.draft,
         num_speculative_tokens=e.num_speculative_tokens, quantization=e.quantization,
-        attention_backend=e.attention_backend) for name, e in ((n, cfg.engines[n]) for n in order)]
+        attention_backend=e.attention_backend, slo_scheduling=e.slo_scheduling) for name, e in ((n, cfg.engines[n]) for n in order)]
     pool = PoolSpec(memory_bytes=cfg.kv_pool.memory_bytes, memory_fraction=cfg.kv_pool.memory_fraction,
                     block_size=cfg.kv_pool.block_size, enable_prefix_caching=cfg.kv_pool.enable_prefix_caching,
                     kv_cache_dtype=cfg.kv_pool.kv_cache_dtype)
