@@ -469,6 +469,7 @@ class _Formatter:
         self.echo = (not self.chat) and data.echo
         self.finished: set[int] = set()
         self.offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
+        self.started: set[int] = set()  # completion choices that have sent their first chunk
 
     # ---- chat
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
@@ -496,13 +497,13 @@ class _Formatter:
                                                            finish_reason=_finish_reason(c))]))
             elif has_delta or c.finished:
                 text = c.delta_text
-                if self.echo and c.index not in self.offsets:
-                    text = self._prompt_text(out) + text
+                if self.echo and c.index not in self.started:
+                    text = self._echo(out, c.index) + text
+                self.started.add(c.index)
                 lp = self._completion_logprobs(c.index, c.delta_token_ids, c.delta_logprobs)
                 events.append(sse(Completion(id=self.id, created=self.created, model=self.model, usage=None,
                                              choices=[CompletionChoice(index=c.index, text=text, logprobs=lp,
                                                                        finish_reason=_finish_reason(c))])))
-                self.offsets.setdefault(c.index, 0)
             if c.finished:
                 self.finished.add(c.index)
         return events
@@ -518,14 +519,17 @@ class _Formatter:
                 ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                            logprobs=self._chat_logprobs(c.token_ids, c.logprobs), finish_reason=_finish_reason(c))
                 for c in out.outputs])
-        prefix = self._prompt_text(out) if self.echo else ""
         return Completion(id=self.id, created=self.created, model=self.model, usage=_usage(out), choices=[
-            CompletionChoice(index=c.index, text=prefix + c.text, finish_reason=_finish_reason(c),
+            CompletionChoice(index=c.index, text=(self._echo(out, c.index) if self.echo else "") + c.text,
+                             finish_reason=_finish_reason(c),
                              logprobs=self._completion_logprobs(c.index, c.token_ids, c.logprobs))
             for c in out.outputs])
 
-    def _prompt_text(self, out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+    def _echo(self, out: RequestOutput, index: int) -> str:
+        """The prompt text an `echo` completion starts with; its token offsets then count from its end."""
+        prompt = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+        self.offsets[index] = len(prompt)
+        return prompt
 
     # ---- logprobs
     def _chat_logprobs(self, ids: list[int], positions: list[PositionLogprobs] | None) -> ChoiceLogprobs | None:

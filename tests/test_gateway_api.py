@@ -251,6 +251,19 @@ def test_legacy_completion_logprobs_format(client):
         assert len(top) <= 2 and token in top and max(top.values()) == pytest.approx(token_lp, abs=1e-5)
 
 
+def test_echo_prepends_the_prompt_and_offsets_count_from_its_end(client):
+    prompt = "Hello world"
+    for stream in (False, True):
+        resp = client.completions.create(model="fast", prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                                         echo=True, stream=stream, extra_body={"ignore_eos": True})
+        choices = [c.choices[0] for c in resp if c.choices] if stream else resp.choices
+        text = "".join(c.text for c in choices)
+        offsets = [o for c in choices if c.logprobs for o in c.logprobs.text_offset]
+        tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+        assert text.startswith(prompt) and text == prompt + "".join(tokens)
+        assert offsets == [len(prompt) + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
 def test_legacy_completion_stream_and_token_id_prompt(client, server):
     chunks = list(client.completions.create(model="tandem-large", prompt=[5, 6, 7, 8], max_tokens=4,
                                             temperature=0, stream=True, stream_options={"include_usage": True},
