@@ -497,14 +497,14 @@ class SpeculativeDecoder:
         if not seqs:
             return
         k = self.adaptive.choose(len(seqs))
-        if self.adaptive.exploring:  # a measurement, not a bet: a few sequences (their draft KV may lag)
-            seqs = seqs[:EXPLORE_SEQS]
+        # exploring is a measurement, not a bet: a few sequences draft (their draft KV may lag far behind)
+        num_k = EXPLORE_SEQS if self.adaptive.exploring else len(seqs)
         chosen, states, ks = [], [], []
         spare = len(self.engine.scheduler.running) + 1
-        for s in seqs:
+        for i, s in enumerate(seqs):
             p = s.request.params
-            # a seeded sampling row always drafts k_max so its random draws do not depend on timing
-            k_s = self.k_max if s.generator is not None and not p.greedy else k
+            # a seeded sampling row always drafts k_max so its random draws do not depend on timing or batch
+            k_s = self.k_max if s.generator is not None and not p.greedy else (k if i < num_k else 0)
             k_s = min(k_s, s.max_len - s.num_tokens)
             if k_s <= 0:
                 continue
