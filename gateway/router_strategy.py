@@ -13,6 +13,7 @@ from gateway.routing import Route, RoutedRun, RoutingContext, register_strategy,
 from router_model import Router, RouterArtifactError
 from router_model.features import Conversation
 
+
 def route_threshold(router: Router, route: RouteConfig) -> tuple[float, str]:
     """(threshold, where it came from): the route's explicit threshold, else its target large fraction turned
     into a threshold through the artifact's held-out score quantiles, else the artifact's own threshold."""
