@@ -70,8 +70,8 @@ class FakeEngine:
         self.tokenizer = _FakeTokenizer()
         self.max_model_len = 4096
 
-    async def generate(self, prompt, params, request_id=None, *, priority=0, draft_token_ids=None
-                       ) -> AsyncIterator:
+    async def generate(self, prompt, params, request_id=None, *, priority=0, draft_token_ids=None, ttft_s=None,
+                       tpot_s=None) -> AsyncIterator:
         from engines.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

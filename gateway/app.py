@@ -9,11 +9,12 @@ import asyncio
 import gc
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -21,7 +22,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
-from litestar.params import JSONBody
+from litestar.params import JSONBody, QueryParameter
 from litestar.response import Stream
 from opentelemetry import trace
 from opentelemetry.metrics import MeterProvider
@@ -30,7 +31,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.errors import EngineDeadError, RequestRejected
 from engines.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from gateway.admission import AdmissionController, AdmissionDecision, AdmissionSettings
 from gateway.auth import AuthMiddleware, KeyRing
+from gateway.autoscale import Autoscaler, AutoscaleSettings, signals_from
 from gateway.config import TandemConfig, engine_core_args
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.protocol import (
@@ -58,7 +61,8 @@ from gateway.protocol import (
     sampling_params,
     sse,
 )
-from gateway.routing import Route, RoutedRun, Routes, RoutingContext
+from gateway.routing import Route, RoutedRun, Routes, RoutingContext, start_on
+from gateway.slo import SLOAccounting
 from gateway.telemetry import (
     Telemetry,
     add_engine_spans,
@@ -97,6 +101,9 @@ class GatewayState:
     routes: Routes
     keyring: KeyRing
     telemetry: Telemetry
+    slo: SLOAccounting
+    autoscaler: Autoscaler
+    admission: AdmissionController | None = None  # None: [admission] enabled = false
     host: EngineHost | None = None
     engines: dict[str, Any] = field(default_factory=dict)
     load_error: str | None = None
@@ -106,6 +113,14 @@ class GatewayState:
     @property
     def ready(self) -> bool:
         return self.host is not None and bool(self.engines)
+
+    def engine_stats(self) -> dict[str, dict]:
+        """Every engine's stats, with its busy seconds fed to the cost accounting on the way."""
+        stats = {name: engine.stats() for name, engine in self.engines.items()}
+        for name, s in stats.items():
+            if "busy_s" in s:
+                self.slo.observe_engine_busy(name, float(s["busy_s"]))
+        return stats
 
 
 # ------------------------------------------------------------------------------------------ handlers
@@ -151,15 +166,26 @@ async def list_models(request: Request) -> ModelList:
 @get("/v1/routes")
 async def list_routes(request: Request) -> dict[str, Any]:
     state = _state(request)
+    state.engine_stats()  # busy time for the cost columns
+    reports = state.slo.reports()
     out = []
     for name, route in state.cfg.routes.items():
-        window = state.telemetry.windows[name]
         out.append({"name": name, "description": route.description, "strategy": route.strategy,
                     "engines": route.engines, "available": name not in state.routes.unavailable,
                     "priority": route.priority, "max_tokens": route.max_tokens,
                     "allow_downgrade": route.allow_downgrade, "slo": msgspec.to_builtins(route.slo),
-                    "attainment": window.attainment()})
+                    "max_waiting": route.max_waiting,
+                    "waiting": state.admission.num_waiting(name) if state.admission is not None else None,
+                    "attainment": msgspec.to_builtins(reports[name])})
     return {"object": "list", "data": out}
+
+
+@get("/v1/autoscale")
+async def autoscale(request: Request, replicas: Annotated[int, QueryParameter(ge=1)] = 1) -> dict[str, Any]:
+    """The desired replica count for this deployment and why (KEDA / Ray Serve poll it; `replicas`: now)."""
+    state = _state(request)
+    signals = signals_from(state.engine_stats(), state.slo.reports(), max(1, replicas))
+    return msgspec.to_builtins(state.autoscaler.evaluate(signals))
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -262,11 +288,23 @@ async def _serve(request: Request, state: GatewayState, route: Route,
     if state.cfg.telemetry.record_content:
         span.set_attribute("gen_ai.input.messages", json.dumps(
             ctx_kwargs.get("conversation") or [{"role": "user", "content": ctx_kwargs.get("prompt_text")}]))
+    slo = route.config.slo
     ctx = RoutingContext(request_id=request_id, params=params, priority=route.config.priority, render=render,
-                         **ctx_kwargs)
+                         ttft_s=slo.ttft_ms / 1000.0 if slo.ttft_ms is not None else None,
+                         tpot_s=slo.tpot_ms / 1000.0 if slo.tpot_ms is not None else None, **ctx_kwargs)
+    admitted = _admission(state, route, ctx, span)  # sheds with 503 + Retry-After
     parent = trace.set_span_in_context(span)
     with telemetry.tracer.start_as_current_span("route", context=parent) as route_span:
-        run = state.routes.start(route, ctx, state.engines)
+        try:
+            if admitted is not None and admitted.action == "downgrade":  # SLO pressure: the small engine
+                run = start_on(state.engines[admitted.engine], ctx)
+                run.attributes["tandem.admission.downgraded"] = True
+            else:
+                run = state.routes.start(route, ctx, state.engines)
+        except BaseException:
+            if state.admission is not None:
+                state.admission.release(request_id)
+            raise
         decision = {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy,
                     "tandem.route.engine": run.engine.name, **run.attributes}
         if run.score is not None:
@@ -277,9 +315,11 @@ async def _serve(request: Request, state: GatewayState, route: Route,
     state.inflight += 1
     progress = _Progress(arrival)
     finish = _Finisher(state, route, run, progress, span, request.scope["state"].get("api_key"), operation,
-                       data.model)
+                       data.model, request_id)
     try:
         first = await _first_output(run)
+        if state.admission is not None:  # its prefill is done: the backlog shrinks, the drain rate learns
+            state.admission.first_token(request_id) if not first.error else state.admission.release(request_id)
         progress.saw(first)
         # A cascade knows who answers only once its first output arrives: engine, headers and metrics are read
         # now.
@@ -299,7 +339,8 @@ async def _serve(request: Request, state: GatewayState, route: Route,
         response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + request_id
         fmt = _Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
                          params.logprobs)
-    except BaseException:
+    except BaseException as exc:
+        finish.failed = isinstance(exc, APIError) and exc.status >= 500
         finish.close()  # rejected, failed or cancelled before a byte went out: abort and release the slot
         raise
 
@@ -332,6 +373,34 @@ async def _serve(request: Request, state: GatewayState, route: Route,
 
     return Stream(events, media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"},
                   background=BackgroundTask(after))
+
+
+def _admission(state: GatewayState, route: Route, ctx: RoutingContext, span: Any) -> AdmissionDecision | None:
+    """Admit, downgrade or shed (APIError 503 + Retry-After) on the engine the route would start on."""
+    if state.admission is None:
+        return None
+    names = route.config.engines
+    engine_name = names[0] if len(names) == 1 else names[-1]  # router/cascade: judged on the large engine
+    engine = state.engines[engine_name]
+    prompt = ctx.render(engine)
+    tokens = len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
+    d = state.admission.admit(ctx.request_id, route.name, engine_name, tokens)
+    attrs: dict[str, Any] = {"tandem.admission.action": d.action, "tandem.admission.reason": d.reason,
+                             "tandem.admission.prompt_tokens": tokens}
+    if d.predicted_ttft_s is not None:
+        attrs["tandem.admission.predicted_ttft_ms"] = round(d.predicted_ttft_s * 1000.0, 3)
+    if d.retry_after_s is not None:
+        attrs["tandem.admission.retry_after_s"] = d.retry_after_s
+    span.set_attributes(attrs)
+    if d.admitted:
+        return d
+    state.slo.observe_shed(route.name)
+    wait = max(1, math.ceil(d.retry_after_s or 1.0))
+    why = ("its waiting queue is full" if d.reason == "queue_full" else
+           f"the predicted time to first token ({d.predicted_ttft_s or 0.0:.2f} s) misses its "
+           f"{(d.target_ttft_s or 0.0) * 1000:.0f} ms target")
+    raise APIError(d.status or 503, f"Route {route.name!r} is overloaded: {why}; retry in {wait} s",
+                   code="overloaded", retry_after=wait)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -405,11 +474,12 @@ class _Finisher:
     """The end of a request, whichever way it ends: abort if unfinished, charge tokens, record telemetry."""
 
     def __init__(self, state: GatewayState, route: Route, run: RoutedRun, progress: _Progress, span: Any,
-                 api_key: str | None, operation: str, request_model: str):
+                 api_key: str | None, operation: str, request_model: str, request_id: str = ""):
         self.state, self.route, self.run, self.progress, self.span, self.api_key = (
             state, route, run, progress, span, api_key)
-        self.operation, self.request_model = operation, request_model
+        self.operation, self.request_model, self.request_id = operation, request_model, request_id
         self.finished_ok = False
+        self.failed = False  # ended by an engine or server error (a miss in the SLO accounting)
         self.closed = False
 
     def done(self, out: RequestOutput) -> None:
@@ -423,6 +493,10 @@ class _Finisher:
         out = self.progress.last
         if not self.finished_ok:
             self.run.abort()  # a dropped client or a failure: free the engine's KV pages now
+        if self.state.admission is not None:
+            self.state.admission.release(self.request_id)  # no-op once its first token was counted
+        if self.failed or (not self.finished_ok and out is not None and out.error):
+            self.state.slo.observe_failure(self.route.name)
         if out is None:
             return
         prompt_tokens = len(out.prompt_token_ids)
@@ -441,6 +515,11 @@ class _Finisher:
                                   e2e_s=now - p.arrival, itls=p.itls, output_tokens=output_tokens,
                                   prompt_tokens=prompt_tokens, finish_reason=reasons[0], queue_s=queue,
                                   operation=self.operation, request_model=self.request_model)
+        if self.finished_ok:
+            tpot = ((p.last_token - p.first_token) / (output_tokens - 1)
+                    if p.first_token is not None and p.last_token is not None and output_tokens > 1 else None)
+            self.state.slo.observe_request(self.route.name, self.run.engine.name, ttft_s=ttft, tpot_s=tpot,
+                                           prompt_tokens=prompt_tokens, output_tokens=output_tokens)
         span = self.span
         span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": output_tokens,
                              "gen_ai.response.finish_reasons": reasons,
@@ -622,8 +701,19 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     telemetry = Telemetry(cfg.telemetry, cfg.routes, provider,
                           meter_provider or build_meter_provider(cfg.telemetry))
     keyring = KeyRing(cfg.auth)
-    state = GatewayState(cfg=cfg, routes=Routes(cfg), keyring=keyring, telemetry=telemetry)
+    adm = cfg.admission
+    admission = AdmissionController(cfg.routes, AdmissionSettings(
+        max_waiting_per_route=adm.max_waiting_per_route, ttft_slack=adm.ttft_slack,
+        route_max_waiting={n: r.max_waiting for n, r in cfg.routes.items() if r.max_waiting is not None},
+        rate_halflife_s=adm.rate_halflife_s, min_rate_observations=adm.min_rate_observations,
+        min_retry_after_s=adm.min_retry_after_s, max_retry_after_s=adm.max_retry_after_s)) if adm.enabled else None
+    slo = SLOAccounting(cfg.routes, window_s=cfg.telemetry.slo_window_s,
+                        price_per_device_hour=cfg.cost.price_per_device_hour)
+    autoscaler = Autoscaler(AutoscaleSettings(**msgspec.to_builtins(cfg.autoscale)))
+    state = GatewayState(cfg=cfg, routes=Routes(cfg), keyring=keyring, telemetry=telemetry, slo=slo,
+                         autoscaler=autoscaler, admission=admission)
     telemetry.bind_engines(lambda: state.engines)
+    telemetry.bind_slo(slo)
     for why in state.routes.unavailable.values():
         log.warning("%s; requests for it get 501 until a strategy is registered", why)
     build = host_factory or default_host_factory(cfg)
@@ -660,7 +750,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         gc.unfreeze()  # let interpreter shutdown collect them (extension types report leaks otherwise)
 
     app = Litestar(
-        route_handlers=[health, ready, metrics, list_models, list_routes, chat_completions, completions],
+        route_handlers=[health, ready, metrics, list_models, list_routes, autoscale, chat_completions, completions],
         on_startup=[start_loading], on_shutdown=[stop],
         middleware=[AuthMiddleware(keyring)],
         plugins=[otel_plugin(provider)],

@@ -36,6 +36,8 @@ class RoutingContext:
     render: Callable[[Any], str | list[int]]  # engine -> the prompt for that engine (its chat template)
     conversation: list[dict[str, Any]] | None = None  # chat messages (the router scores the whole conversation)
     prompt_text: str | None = None  # the raw prompt of /v1/completions
+    ttft_s: float | None = None  # the route's SLO targets in seconds (the engine's deadline order and caps)
+    tpot_s: float | None = None
 
 
 @dataclass
@@ -73,6 +75,10 @@ def register_strategy(name: str, factory: StrategyFactory) -> None:
 
 def start_on(engine: Any, ctx: RoutingContext, **kwargs: Any) -> RoutedRun:
     """Start ctx's request on one engine (the building block every strategy uses)."""
+    if ctx.ttft_s is not None:  # passed only when set: engines without SLO scheduling need not know the names
+        kwargs.setdefault("ttft_s", ctx.ttft_s)
+    if ctx.tpot_s is not None:
+        kwargs.setdefault("tpot_s", ctx.tpot_s)
     outputs = engine.generate(ctx.render(engine), ctx.params, ctx.request_id, priority=ctx.priority, **kwargs)
     return RoutedRun(engine=engine, outputs=outputs, request_ids=[(engine, ctx.request_id)])
 

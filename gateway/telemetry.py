@@ -179,9 +179,11 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 class _EngineStatsCollector(Collector):
     """Gauges and counters read from each engine's `stats()` when Prometheus scrapes, not on every step."""
 
-    def __init__(self, engines: Callable[[], Mapping[str, Any]], windows: Mapping[str, SLOWindow]):
+    def __init__(self, engines: Callable[[], Mapping[str, Any]], windows: Mapping[str, SLOWindow],
+                 slo: Callable[[], Any] = lambda: None):
         self.engines = engines
         self.windows = windows
+        self.slo = slo  # the gateway's SLOAccounting once bound (attainment, busy time and cost)
 
     def collect(self) -> Iterable[Any]:
         gauges = {"num_requests_running": ("num_running", "Requests in the running batch."),
@@ -208,6 +210,21 @@ class _EngineStatsCollector(Collector):
             yield family
         slo = GaugeMetricFamily(PREFIX + "slo_attainment", "Share of requests meeting the route's SLO over the "
                                 "sliding window.", labels=["route", "kind"])
+        accounting = self.slo()
+        if accounting is not None:  # kinds ttft, tpot and combined (every target met), plus live cost
+            for name, s in stats.items():
+                if "busy_s" in s:
+                    accounting.observe_engine_busy(name, float(s["busy_s"]))
+            for route, kind, value in accounting.attainment_gauges():
+                slo.add_metric([route, kind], value)
+            yield slo
+            cost = GaugeMetricFamily(PREFIX + "cost_per_1k_tokens", "Device cost per 1,000 tokens (prompt + "
+                                     "completion) over the sliding window, from [cost] price_per_device_hour.",
+                                     labels=["route"])
+            for route, value in accounting.cost_gauges():
+                cost.add_metric([route], value)
+            yield cost
+            return
         for route, window in self.windows.items():
             att = window.attainment()
             for kind in ("ttft", "tpot"):
@@ -250,7 +267,8 @@ class Telemetry:
                                         ["route", "choice"], registry=reg)
         self.cascade_escalations = Counter(PREFIX + "cascade_escalations", "Cascade escalations to the large "
                                            "engine.", ["route"], registry=reg)
-        reg.register(_EngineStatsCollector(lambda: self._engines(), self.windows))
+        self.slo: Any = None  # gateway.slo.SLOAccounting, bound by the app (`bind_slo`)
+        reg.register(_EngineStatsCollector(lambda: self._engines(), self.windows, lambda: self.slo))
         meter = (meter_provider or metrics.get_meter_provider()).get_meter("tandem.gateway")
         self.genai_ttft = meter.create_histogram(
             "gen_ai.server.time_to_first_token", unit="s", description="Time to generate the first token.",
@@ -261,6 +279,10 @@ class Telemetry:
         self.genai_duration = meter.create_histogram(
             "gen_ai.server.request.duration", unit="s", description="Generative AI server request duration.",
             explicit_bucket_boundaries_advisory=GENAI_DURATION_BUCKETS)
+
+    def bind_slo(self, accounting: Any) -> None:
+        """Export `tandem:slo_attainment` and `tandem:cost_per_1k_tokens` from this SLOAccounting."""
+        self.slo = accounting
 
     def bind_engines(self, engines: Callable[[], Mapping[str, Any]]) -> None:
         """Where the scrape-time collector finds the engines (they load after the app starts)."""
