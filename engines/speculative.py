@@ -328,7 +328,7 @@ class DraftState:
     """The drafter's view of one sequence, shaped like a `Sequence` for the runner: its own token list
     (a prefix of the sequence's, then this step's drafts) and its own pages in the small model's geometry."""
 
-    __slots__ = ("token_ids", "pages", "num_computed", "block_hashes", "spec_token_ids", "num_hashed")
+    __slots__ = ("token_ids", "pages", "num_computed", "block_hashes", "spec_token_ids")
 
     def __init__(self, token_ids: list[int], pages: list[int], num_computed: int, block_hashes: list[int]):
         self.token_ids = token_ids
@@ -453,6 +453,7 @@ class _Window:
     drafts: list[int]
     q: torch.Tensor | None  # [k, V] or None (one-hot: supplied or greedy drafts)
     drafted: bool  # by the drafter (counts toward its measured acceptance), not supplied
+    base: int  # the sequence's length when drafted: the draft state's tokens past it are unverified
 
 
 def _stop_ids(engine: ModelEngine, seq: Sequence) -> set[int]:
@@ -525,16 +526,17 @@ class SpeculativeDecoder:
                 self.engine._fail(req, f"engine error while drafting: {type(e).__name__}: {e}")
             return
         for s, q in zip(chosen, qs):
-            self._windows[s.seq_id] = _Window(s, list(s.spec_token_ids), q, True)
+            self._windows[s.seq_id] = _Window(s, list(s.spec_token_ids), q, True, s.num_tokens)
 
     def _drop_unverified(self) -> None:
-        """Drafts of the previous step that were not verified (not scheduled, preempted, finished) go away."""
+        """Drafts of the previous step that were not verified (trimmed by the budget, preempted, finished) go
+        away; the sequence may have advanced by a plain token, so the draft state keeps only what it had."""
         for w in self._windows.values():
             seq = w.seq
             seq.spec_token_ids.clear()
             ds = seq.draft_state
-            if ds is not None and ds.num_tokens > seq.num_tokens:
-                self.drafter.rollback(ds, seq.num_tokens)
+            if ds is not None and ds.num_tokens > w.base:
+                self.drafter.rollback(ds, w.base)
         self._windows.clear()
 
     def _propose_supplied(self) -> None:
@@ -547,7 +549,7 @@ class SpeculativeDecoder:
                 continue
             # the scheduler attaches them once the sequence's chunk reaches its last known token
             seq.spec_token_ids = sup[out:out + SUPPLIED_CHUNK]
-            self._windows[seq.seq_id] = _Window(seq, list(seq.spec_token_ids), None, False)
+            self._windows[seq.seq_id] = _Window(seq, list(seq.spec_token_ids), None, False, seq.num_tokens)
 
     # ---- after the forward ----------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, batch: StepBatch, num_draft_tokens: dict[int, int]) -> None:
@@ -579,7 +581,7 @@ class SpeculativeDecoder:
             req = seq.request
             if req.error is not None or seq.finished:
                 continue
-            w = self._windows.get(seq.seq_id)
+            w = self._windows.pop(seq.seq_id, None)  # verified: not for _drop_unverified
             self._record(k, num_acc, w is not None and w.drafted)
             seq.spec_token_ids.clear()
             base = seq.num_tokens
