@@ -378,3 +378,19 @@ def test_lean_draft_forward_equals_the_models_forward_over_the_pool(pair):
     a.num_computed, b.num_computed = 21, 8
     want, _ = eng.runner.execute_batch([a, b], [2, 1])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_penalties_and_min_tokens_see_each_draft_position_as_plain_decoding_would(pair):
+    """Every verified position's distribution includes the drafts before it in its history."""
+    _, target, _ = pair
+    plain = LLM(target, block_size=BLOCK)
+    spec = spec_llm(pair, k=4)
+    params = [SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.5, frequency_penalty=0.5,
+                             presence_penalty=0.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, min_tokens=12, stop_token_ids=[7, 9, 11])]
+    for prompt in random_prompts(3, 4, 20, seed=10):
+        for sp in params:
+            want = plain.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0]
+            got = spec.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0]
+            assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    assert spec.stats()["engine_spec_num_accepted_tokens"] > 20
