@@ -13,7 +13,9 @@ import argparse
 import copy
 import json
 import math
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,11 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/quant_quality.json"))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model, dtype="float32")
+    # every variant loads the model again: work on a snapshot, so a checkpoint re-saved meanwhile (the default
+    # models are trained in the background) cannot mix two models into one table
+    snapshot = Path(tempfile.mkdtemp(prefix="quant_quality_")) / "model"
+    shutil.copytree(args.model, snapshot)
+    meta_path = snapshot / "training_meta.json"
+    training = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    ckpt = load_checkpoint(snapshot, dtype="float32")
     model = ckpt.model
-    chunks = heldout_chunks(Tokenizer.from_pretrained(args.model), args.seq_len, args.chunks)
+    chunks = heldout_chunks(Tokenizer.from_pretrained(snapshot), args.seq_len, args.chunks)
     g = args.group_size
-    engine = lambda **o: lambda: engine_perplexity(args.model, chunks, **o)  # noqa: E731
+    engine = lambda **o: lambda: engine_perplexity(str(snapshot), chunks, **o)  # noqa: E731
     variants = [
         ("float32", engine()),
         ("float32 dense forward (no engine, no pool)", lambda: perplexity(model, chunks)),
@@ -139,14 +147,17 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"variant": name, "perplexity": round(ppl, 4), "increase": round(inc, 5),
                      "limit": limit, "within_limit": None if limit is None else inc <= limit})
     tokens = sum(len(c) - 1 for c in chunks)
-    print(f"model {args.model} ({ckpt.config.num_params / 1e6:.1f}M params), {len(chunks)} held-out chunks, "
+    print(f"model {args.model} ({ckpt.config.num_params / 1e6:.1f}M params, training step "
+          f"{training.get('steps')}), {len(chunks)} held-out chunks, "
           f"{tokens} tokens, {time.perf_counter() - t0:.0f} s")
     print(f"\n{'variant':<42} {'ppl':>9} {'increase':>9} {'limit':>6}  ok")
     for r in rows:
         lim = "" if r["limit"] is None else f"{100 * r['limit']:.0f}%"
         ok = "" if r["within_limit"] is None else ("yes" if r["within_limit"] else "NO")
         print(f"{r['variant']:<42} {r['perplexity']:>9.3f} {100 * r['increase']:>8.2f}% {lim:>6}  {ok}")
-    result = {"bench": "quant_quality", "model": str(args.model), "params": ckpt.config.num_params,
+    shutil.rmtree(snapshot.parent, ignore_errors=True)
+    result = {"bench": "quant_quality", "model": str(args.model), "training_steps": training.get("steps"),
+              "params": ckpt.config.num_params,
               "chunks": len(chunks), "tokens": tokens, "seq_len": args.seq_len, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
