@@ -61,8 +61,9 @@ def make_chunks(modules: list[tuple[str, list[int]]], num_prompts: int, continua
 
 
 def score_chunks(model, chunks: list[Chunk], batch_size: int = 32,
-                 pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(mean continuation log-prob, mean prompt log-prob) per chunk, teacher-forced with `dense_logits`.
+                 pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean continuation log-prob, mean prompt log-prob, continuation top-1 accuracy) per chunk, teacher-forced
+    with `dense_logits`; top-1 accuracy is the share of continuation tokens the model's argmax gets right.
 
     Rows are right-padded to the batch's longest; causal attention means padding never affects real positions.
     """
@@ -70,6 +71,7 @@ def score_chunks(model, chunks: list[Chunk], batch_size: int = 32,
 
     cont_lp = np.zeros(len(chunks))
     prompt_lp = np.zeros(len(chunks))
+    cont_acc = np.zeros(len(chunks))
     order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].prompt_ids) + len(chunks[i].continuation_ids))
     with torch.inference_mode():
         for b in range(0, len(order), batch_size):
@@ -82,18 +84,22 @@ def score_chunks(model, chunks: list[Chunk], batch_size: int = 32,
             logits = model.dense_logits(ids).float()
             # log p(token t+1 | tokens <= t) for every position t
             lp = (logits[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(logits[:, :-1], -1))
+            hit = (logits[:, :-1].argmax(-1) == ids[:, 1:]).numpy()
             lp = lp.numpy()
             for r, i in enumerate(rows):
                 p = len(chunks[i].prompt_ids)
                 n = len(chunks[i].continuation_ids)
                 cont_lp[i] = lp[r, p - 1:p - 1 + n].mean()
                 prompt_lp[i] = lp[r, :p - 1].mean() if p > 1 else 0.0
-    return cont_lp, prompt_lp
+                cont_acc[i] = hit[r, p - 1:p - 1 + n].mean()
+    return cont_lp, prompt_lp, cont_acc
 
 
 def build(small_dir: Path, large_dir: Path, out_dir: Path, num_prompts: int, continuation: int,
           min_prompt: int, max_prompt: int, per_module_cap: int, test_fraction: float, batch_size: int,
-          seed: int, splits: tuple[str, ...] = ("heldout",), log=print) -> dict:
+          seed: int, splits: tuple[str, ...] = ("heldout",), score: str = "logprob", log=print) -> dict:
+    """Write train.jsonl / test.jsonl (split by module) and summary.json; `score` picks what small_score and
+    large_score hold ("logprob": mean continuation log-prob; "accuracy": top-1 accuracy); both are kept."""
     from engines.corpus import load_corpus_split
     from engines.loader import load_checkpoint
     from engines.tokenizer import Tokenizer
@@ -117,7 +123,7 @@ def build(small_dir: Path, large_dir: Path, out_dir: Path, num_prompts: int, con
         scores[role] = score_chunks(ckpt.model, chunks, batch_size, pad)
         del ckpt
         log(f"scored {role} ({folder}) in {time.perf_counter() - t:.1f}s: "
-            f"mean continuation log-prob {scores[role][0].mean():.4f}")
+            f"mean continuation log-prob {scores[role][0].mean():.4f}, top-1 accuracy {scores[role][2].mean():.3f}")
 
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {side: open(out_dir / f"{side}.jsonl", "w", encoding="utf-8") for side in ("train", "test")}
@@ -125,10 +131,15 @@ def build(small_dir: Path, large_dir: Path, out_dir: Path, num_prompts: int, con
     try:
         for i, c in enumerate(chunks):
             side = module_side(c.module, test_fraction)
+            pick = 0 if score == "logprob" else 2
             row = {
                 "prompt": tok.decode(c.prompt_ids, skip_special_tokens=False),
-                "small_score": round(float(scores["small"][0][i]), 6),
-                "large_score": round(float(scores["large"][0][i]), 6),
+                "small_score": round(float(scores["small"][pick][i]), 6),
+                "large_score": round(float(scores["large"][pick][i]), 6),
+                "small_logprob": round(float(scores["small"][0][i]), 6),
+                "large_logprob": round(float(scores["large"][0][i]), 6),
+                "small_accuracy": round(float(scores["small"][2][i]), 6),
+                "large_accuracy": round(float(scores["large"][2][i]), 6),
                 "group": c.module,
                 "extras": {"small_prompt_logprob": round(float(scores["small"][1][i]), 6)},
                 "prompt_tokens": len(c.prompt_ids),
@@ -143,7 +154,10 @@ def build(small_dir: Path, large_dir: Path, out_dir: Path, num_prompts: int, con
         "small": str(small_dir), "large": str(large_dir), "splits": list(splits), "prompts": len(chunks),
         "train": counts["train"], "test": counts["test"], "continuation_tokens": continuation,
         "prompt_tokens": [min_prompt, max_prompt], "seed": seed, "test_fraction": test_fraction,
-        "mean_small_score": float(scores["small"][0].mean()), "mean_large_score": float(scores["large"][0].mean()),
+        "score": score,
+        "mean_small_logprob": float(scores["small"][0].mean()), "mean_large_logprob": float(scores["large"][0].mean()),
+        "mean_small_accuracy": float(scores["small"][2].mean()),
+        "mean_large_accuracy": float(scores["large"][2].mean()),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -164,6 +178,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-prompt", type=int, default=208, help="prompt + continuation stays within training length")
     p.add_argument("--per-module-cap", type=int, default=400)
     p.add_argument("--test-fraction", type=float, default=0.35, help="share of modules held out as the test set")
+    p.add_argument("--score", choices=("logprob", "accuracy"), default="logprob",
+                   help="quality written as small_score/large_score: mean continuation log-prob (default) or top-1 "
+                        "accuracy on the continuation; both are always kept in the rows")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
@@ -175,7 +192,7 @@ def main(argv: list[str]) -> int:
     try:
         build(Path(args.small), Path(args.large), Path(args.out_dir), args.num_prompts, args.continuation,
               args.min_prompt, args.max_prompt, args.per_module_cap, args.test_fraction, args.batch_size,
-              args.seed, tuple(args.splits))
+              args.seed, tuple(args.splits), args.score)
     except (OSError, ValueError) as e:
         print(f"tandem router label: error: {e}", file=sys.stderr)
         return 2

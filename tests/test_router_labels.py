@@ -72,7 +72,7 @@ def test_batched_scores_equal_direct_unpadded_log_likelihood(checkpoints):
     rng = np.random.default_rng(0)
     chunks = [Chunk("m", 0, rng.integers(5, 380, size=p).tolist(), rng.integers(5, 380, size=6).tolist())
               for p in (3, 17, 9, 30)]
-    cont, prompt = score_chunks(model, chunks, batch_size=3)
+    cont, prompt, acc = score_chunks(model, chunks, batch_size=3)
     for i, c in enumerate(chunks):
         ids = torch.tensor([c.prompt_ids + c.continuation_ids])
         with torch.no_grad():
@@ -81,6 +81,7 @@ def test_batched_scores_equal_direct_unpadded_log_likelihood(checkpoints):
         p = len(c.prompt_ids)
         assert cont[i] == pytest.approx(tok_lp[p - 1:].mean(), abs=1e-5)
         assert prompt[i] == pytest.approx(tok_lp[:p - 1].mean(), abs=1e-5)
+        assert acc[i] == pytest.approx((lp.argmax(-1) == ids[0, 1:]).numpy()[p - 1:].mean())
 
 
 def test_build_writes_train_and_test_split_by_module(checkpoints, tmp_path):
@@ -95,3 +96,4 @@ def test_build_writes_train_and_test_split_by_module(checkpoints, tmp_path):
     for r in rows["train"] + rows["test"]:
         assert r["prompt"] and r["small_score"] < 0 and r["large_score"] < 0
         assert "small_prompt_logprob" in r["extras"]
+        assert r["small_score"] == r["small_logprob"] and 0 <= r["large_accuracy"] <= 1
