@@ -240,3 +240,36 @@ def test_cuda_graph_replay_gives_the_eager_greedy_tokens(options):
             assert sorted(runner.decode_graphs.graphs) == [1, 2, 4, 8] and 5 in served
     assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
     assert compare(outs[False], outs[True], 1e-3) == 60
+
+
+def test_two_models_share_an_int8_pool_each_with_its_own_scale_offsets(llama, tiny_checkpoint):
+    """Different geometries place their scales at different offsets inside the shared pages; a page reused by
+    the other model (zeroed on the hand-over) must serve it exactly as a pool of its own would."""
+    large = tiny_checkpoint("qwen3", num_layers=3, num_heads=4, num_kv_heads=1, head_dim=32, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompt = prompts(1, seed=9)[0]
+    alone = {name: LLM(path, block_size=BLOCK, kv_cache_dtype="int8").generate(prompt, params)[0].outputs[0]
+             for name, path in (("small", llama), ("large", large))}
+    core = EngineCore([EngineSpec("small", llama), EngineSpec("large", large)],
+                      PoolSpec(memory_bytes=12 * 1024, block_size=BLOCK, kv_cache_dtype="int8",
+                               enable_prefix_caching=False))
+    # the larger page: qwen3's 3 layers x 1 head x (32 int8 + one float32 scale) x 4 tokens x K/V = 864 bytes,
+    # rounded up to 64
+    assert core.pool.page_bytes == 896 and core.pool.num_pages == 13
+    shared, owners = {}, []
+    for name in ("small", "large", "small"):  # each run takes over pages the previous model wrote
+        eng = core.engines[name]
+        emitted = []
+        eng.add_request(prompt["prompt_token_ids"], params, f"{name}{len(shared)}", emit=emitted.append)
+        while eng.has_work():
+            eng.step()
+        assert emitted[-1].finished
+        shared[f"{name}{len(shared)}"] = emitted[-1].outputs[0]
+        owners.append(list(core.pool.owner))
+    large_pages = {p for p, o in enumerate(owners[1]) if o == 1}
+    assert len(large_pages) >= 5 and all(owners[0][p] == 0 for p in large_pages)
+    assert all(owners[2][p] == 0 for p in large_pages)
+    for rid, got in shared.items():
+        want = alone[rid.rstrip("0123456789")]
+        assert got.token_ids == want.token_ids
+        assert compare([want], [got], 1e-5) == 12
