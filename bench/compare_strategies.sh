@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Compare serving strategies on one workload: large-only (best), small-only (fast), router (auto), cascade,
+# and for the large model speculation off and prefix caching off. One fresh `tandem serve` per variant and
+# rate (a warm prefix cache from the previous run would flatter the next one), the same prompts everywhere
+# (fixed --seed and --prompt-seed), one table at the end (docs/benchmarks.md, "Strategies compared").
+#
+#   bench/compare_strategies.sh                 # ~6-8 minutes on 2 shared CPU cores
+#   RATES="4" DURATION=20 bench/compare_strategies.sh
+#
+# Environment: TANDEM_VENV (default .venv), RATES (default "4 12" req/s), DURATION (s of arrivals, 25),
+# WARMUP (4), COOLDOWN (2), SEED (0), PROMPT_SEED (1234), PRICE_PER_HOUR (USD per device-hour, 0.10),
+# SLO (one SLO for every variant so goodput compares, "ttft=1000,tpot=50"), WORKLOAD (chat),
+# RUNS_DIR (runs/compare_strategies), VARIANTS (space-separated subset of the names below), TABLE_ALL (see below).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${TANDEM_VENV:-.venv}
+TANDEM="$VENV/bin/tandem"
+PY="$VENV/bin/python"
+RATES=${RATES:-"4 12"}
+DURATION=${DURATION:-25}
+WARMUP=${WARMUP:-4}
+COOLDOWN=${COOLDOWN:-2}
+SEED=${SEED:-0}
+PROMPT_SEED=${PROMPT_SEED:-1234}
+PRICE_PER_HOUR=${PRICE_PER_HOUR:-0.10}
+SLO=${SLO:-"ttft=1000,tpot=50"}
+WORKLOAD=${WORKLOAD:-chat}
+RUNS_DIR=${RUNS_DIR:-runs/compare_strategies}
+OUT_JSON=${OUT_JSON:-bench/results/compare_strategies.json}
+IMG_DIR=${IMG_DIR:-docs/img}
+
+# variant:config:route (config = bench/configs/<config>.toml). Order = table order.
+ALL_VARIANTS="best:baseline:best fast:baseline:fast auto:auto:auto cascade:baseline:cascade
+best_nospec:large_nospec:best best_noprefix:large_noprefix:best"
+if [[ -n "${VARIANTS:-}" ]]; then
+    selected=""
+    for v in $VARIANTS; do
+        match=$(tr ' ' '\n' <<<"$ALL_VARIANTS" | grep "^$v:" || true)
+        [[ -n "$match" ]] || { echo "unknown variant $v (known: best fast auto cascade best_nospec best_noprefix)" >&2; exit 2; }
+        selected+="$match "
+    done
+    ALL_VARIANTS=$selected
+fi
+
+[[ -x "$TANDEM" ]] || { echo "no $TANDEM (set TANDEM_VENV)" >&2; exit 2; }
+"$PY" bench/compare_strategies.py configs >/dev/null
+mkdir -p "$RUNS_DIR"
+
+SERVER_PID=""
+stop_server() {
+    if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+        kill -TERM "$SERVER_PID"
+        wait "$SERVER_PID" 2>/dev/null || true
+    fi
+    SERVER_PID=""
+}
+trap stop_server EXIT
+
+free_port() {
+    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}
+
+wait_ready() {  # $1 = url, $2 = server log; up to 90 s (model loading on a busy machine)
+    for _ in $(seq 180); do
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+            echo "server exited during start-up; log: $2" >&2; tail -5 "$2" >&2; return 1
+        fi
+        curl -sf "$1/ready" >/dev/null 2>&1 && return 0
+        sleep 0.5
+    done
+    echo "server not ready after 90 s; log: $2" >&2
+    return 1
+}
+
+PLAN=()
+start=$(date +%s)
+for rate in $RATES; do
+    for item in $ALL_VARIANTS; do
+        IFS=: read -r variant config route <<<"$item"
+        PLAN+=("$variant:$config:$route:$rate")
+        out="$RUNS_DIR/${variant}_r${rate}"
+        rm -rf "$out" "$out.skipped"
+        if [[ "$config" == auto && ! -d models/router ]]; then
+            echo "models/router does not exist (the auto route cannot load)" >"$out.skipped"
+            echo "== $variant @ $rate req/s: skipped, $(cat "$out.skipped")"
+            continue
+        fi
+        port=$(free_port)
+        url="http://127.0.0.1:$port"
+        log="$RUNS_DIR/${variant}_r${rate}.serve.log"
+        echo "== $variant (config $config, route $route) @ $rate req/s on $url"
+        "$TANDEM" serve --config "bench/configs/$config.toml" --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
+        SERVER_PID=$!
+        if wait_ready "$url" "$log"; then
+            "$TANDEM" loadtest --url "$url" --workload "$WORKLOAD" --rate "$rate" --duration "$DURATION" \
+                --warmup "$WARMUP" --cooldown "$COOLDOWN" --seed "$SEED" --prompt-seed "$PROMPT_SEED" \
+                --model "$route" --tokenizer models/tandem-tiny-l --slo "$SLO" \
+                --price-per-hour "$PRICE_PER_HOUR" --no-plots --quiet --out "$out" >"$out.loadtest.log" 2>&1 \
+                || echo "loadtest failed (exit $?), see $out.loadtest.log" | tee "$out.skipped" >&2
+        else
+            echo "server did not start, see $log" >"$out.skipped"
+        fi
+        stop_server
+    done
+done
+elapsed=$(( $(date +%s) - start ))
+
+# TABLE_ALL=1: the table covers every variant at every rate with a report in RUNS_DIR, e.g. after
+# `VARIANTS=auto TABLE_ALL=1 bench/compare_strategies.sh` adds a late variant to an earlier full run.
+if [[ "${TABLE_ALL:-0}" == 1 ]]; then
+    PLAN=()
+    for rate in $RATES; do
+        for item in best:baseline:best fast:baseline:fast auto:auto:auto cascade:baseline:cascade \
+                    best_nospec:large_nospec:best best_noprefix:large_noprefix:best; do
+            PLAN+=("$item:$rate")
+        done
+    done
+fi
+
+meta=$("$PY" - "$elapsed" <<PYEOF
+import json, os, platform, subprocess, sys
+git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
+print(json.dumps({
+    "command": "bench/compare_strategies.sh",
+    "settings": {"rates": "$RATES".split(), "duration_s": $DURATION, "warmup_s": $WARMUP, "cooldown_s": $COOLDOWN,
+                 "seed": $SEED, "prompt_seed": $PROMPT_SEED, "price_per_hour_usd": $PRICE_PER_HOUR,
+                 "slo": "$SLO", "workload": "$WORKLOAD"},
+    "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), load average {os.getloadavg()[0]:.1f}",
+    "git_commit": git("rev-parse", "HEAD"),
+    "models_dirty": git("status", "--porcelain", "models/").splitlines(),
+    "elapsed_s": int(sys.argv[1]),
+}))
+PYEOF
+)
+"$PY" bench/compare_strategies.py table --runs "$RUNS_DIR" --plan "${PLAN[@]}" --json "$OUT_JSON" \
+    --img-dir "$IMG_DIR" --meta "$meta"
+echo "wall time ${elapsed}s; JSON: $OUT_JSON; per-run reports: $RUNS_DIR/"
