@@ -382,6 +382,14 @@ def _admission(state: GatewayState, route: Route, ctx: RoutingContext, span: Any
     names = route.config.engines
     engine_name = names[0] if len(names) == 1 else names[-1]  # router/cascade: judged on the large engine
     engine = state.engines[engine_name]
+    render, rendered = ctx.render, {}
+
+    def render_once(e: Any) -> str | list[int]:  # the strategy renders the same engine's prompt again
+        if e.name not in rendered:
+            rendered[e.name] = render(e)
+        return rendered[e.name]
+
+    ctx.render = render_once
     prompt = ctx.render(engine)
     tokens = len(prompt) if isinstance(prompt, list) else len(engine.tokenizer.encode(prompt))
     d = state.admission.admit(ctx.request_id, route.name, engine_name, tokens)
