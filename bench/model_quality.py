@@ -27,7 +27,9 @@ from engines.loader import load_checkpoint  # noqa: E402
 from engines.model import Transformer  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
 
-SAMPLE_PROMPTS = ["def read_config(path):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef "]
+# No trailing newline or space: byte-level BPE merges "\n" with the next line's indentation (and " " with the
+# next word), so a prompt that stops on one would tell the model the next line starts at column 0.
+SAMPLE_PROMPTS = ["def read_config(path):", "class Stack:\n    def __init__(self):", "import os\n\n\ndef"]
 
 
 def heldout_token_chunks(tokenizer: Tokenizer, seq_len: int = 256, limit: int | None = None) -> list[list[int]]:
@@ -59,7 +61,8 @@ def mean_loss(model: Transformer, chunks: list[list[int]], batch_size: int = 8) 
 
 
 def heldout_prompts(tokenizer: Tokenizer, n: int, context_tokens: int = 96) -> list[list[int]]:
-    """Prompts ending right after a `def ...:` line of a held-out module, with up to `context_tokens` of context.
+    """Prompts ending right after the colon of a `def ...:` line of a held-out module (not after its newline,
+    which BPE would merge with the next line's indentation), with up to `context_tokens` of context.
 
     Taken evenly across the held-out functions so no one module dominates.
     """
@@ -70,7 +73,7 @@ def heldout_prompts(tokenizer: Tokenizer, n: int, context_tokens: int = 96) -> l
         for line in lines:
             offset += len(line)
             if line.lstrip().startswith("def ") and line.rstrip().endswith(":"):
-                candidates.append(text[:offset])
+                candidates.append(text[:offset].rstrip("\r\n"))
     if not candidates:
         raise RuntimeError("no held-out function definitions found")
     step = len(candidates) / n
