@@ -174,13 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router", default=str(ROOT / "models/router"))
     ap.add_argument("--data", default=str(ROOT / "models/router/labels/test.jsonl"))
     ap.add_argument("--small", default=str(ROOT / "models/tandem-tiny-s"), help="the cascade's small model")
-    ap.add_argument("--continuation", type=int, default=32, help="continuation tokens scored per prompt")
+    ap.add_argument("--continuation", type=int, default=None,
+                    help="continuation tokens scored per prompt (default: the labels' summary.json, else 32)")
     ap.add_argument("--max-prompts", type=int, default=600, help="first N held-out prompts (0: all)")
     ap.add_argument("--mode", choices=("mean", "min"), default="mean", help="cascade confidence for the table")
     ap.add_argument("--out", default=str(ROOT / "bench/results/routing.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs/img/routing_quality_cost.png"))
     args = ap.parse_args(argv)
 
+    if args.continuation is None:
+        summary = Path(args.data).parent / "summary.json"
+        args.continuation = json.loads(summary.read_text()).get("continuation_tokens", 32) if summary.is_file() else 32
     prompts = load_prompts(Path(args.data), args.continuation)
     if args.max_prompts and len(prompts.rows) > args.max_prompts:
         n = args.max_prompts
