@@ -40,8 +40,11 @@ def _replace_line(text: str, old: str, new: str) -> str:
     return out
 
 
-def render_config(name: str, default_text: str) -> str:
-    """The TOML of one variant; paths re-rooted from the project root to bench/configs/."""
+def render_config(name: str, default_text: str, price_per_hour: float, slo: tuple[float, float]) -> str:
+    """The TOML of one variant; paths re-rooted from the project root to bench/configs/. Every variant also
+    gets a device price, so the server's own busy-time cost per 1,000 tokens can be read from /v1/routes, and
+    one SLO on every route (the shipped routes differ: fast 500 ms TTFT, best 2000 ms), so admission control
+    sheds by the same target on every variant and goodput compares."""
     text = re.sub(r'= "models/', '= "../../models/', default_text)
     if not CONFIGS[name][1]:
         text = _drop_table(text, "routes.auto")
@@ -50,12 +53,17 @@ def render_config(name: str, default_text: str) -> str:
         text = _replace_line(text, "num_speculative_tokens = 4", "num_speculative_tokens = 0")
     elif name == "large_noprefix":
         text = _replace_line(text, "enable_prefix_caching = true", "enable_prefix_caching = false")
+    slo_line = f"slo = {{ ttft_ms = {slo[0]:g}, tpot_ms = {slo[1]:g}, percentile = 99 }}"
+    text, n = re.subn(r"^slo = \{.*\}$", slo_line, text, flags=re.MULTILINE)
+    if n < 3:
+        raise SystemExit(f"gateway/default.toml: expected an slo line per route, found {n}")
+    text = text.rstrip("\n") + f"\n\n[cost]\nprice_per_device_hour = {price_per_hour}\n"
     head = (f"# bench/compare_strategies.py variant `{name}`: {CONFIGS[name][0]}.\n"
             "# Generated from gateway/default.toml by `python bench/compare_strategies.py configs`; do not edit.\n")
     return head + text
 
 
-def write_configs(out_dir: Path) -> list[Path]:
+def write_configs(out_dir: Path, price_per_hour: float, slo: tuple[float, float]) -> list[Path]:
     from gateway.config import load_config  # validates every variant exactly as `tandem serve` will
 
     default_text = DEFAULT_TOML.read_text()
@@ -63,7 +71,7 @@ def write_configs(out_dir: Path) -> list[Path]:
     written = []
     for name, (_, needs_router) in CONFIGS.items():
         path = out_dir / f"{name}.toml"
-        path.write_text(render_config(name, default_text))
+        path.write_text(render_config(name, default_text, price_per_hour, slo))
         tomllib.loads(path.read_text())
         if not needs_router or (ROOT / "models" / "router").is_dir():
             load_config(path)
@@ -76,8 +84,18 @@ def _pct(summary: dict[str, Any], metric: str, q: str) -> float | None:
     return None if value is None else float(value)
 
 
-def run_row(variant: str, config: str, route: str, report: dict[str, Any]) -> dict[str, Any]:
-    """One table row from one `tandem loadtest` report.json."""
+def server_cost(routes: dict[str, Any] | None, route: str) -> float | None:
+    """The gateway's own cost per 1,000 (prompt + completion) tokens for the route, from GET /v1/routes:
+    each engine's busy (stepping) seconds times the price, shared among the tokens it finished."""
+    for entry in (routes or {}).get("data", []):
+        if entry.get("name") == route and entry.get("attainment"):
+            return entry["attainment"].get("cost_per_1k_tokens")
+    return None
+
+
+def run_row(variant: str, config: str, route: str, report: dict[str, Any],
+            routes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One table row from one `tandem loadtest` report.json (and the server's /v1/routes at the end)."""
     s, meta, server = report["summary"], report["metadata"], report.get("server_metrics") or {}
     return {
         "variant": variant, "config": config, "route": route,
@@ -89,6 +107,7 @@ def run_row(variant: str, config: str, route: str, report: dict[str, Any]) -> di
         "output_tok_s": s["output_token_throughput_tps"],
         "slo_attainment": s["slo_attainment"], "goodput_rps": s["goodput_rps"],
         "usd_per_1k_output_tokens": s["cost"]["usd_per_1k_output_tokens"] if s.get("cost") else None,
+        "server_usd_per_1k_tokens": server_cost(routes, route),
         "routing_split": s["routing_split"], "escalation_rate": s["escalation_rate"],
         "prefix_cache_hit_rate": server.get("prefix_cache_hit_rate"),
         "spec_acceptance_rate": server.get("spec_acceptance_rate"),
@@ -108,19 +127,20 @@ def _split(split: dict[str, float]) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| variant | route | rate req/s | done/sent | TTFT p50 / p99 ms | TPOT p50 / p99 ms | SLO met | "
-             "goodput req/s | $ per 1k out tok | split (S/L) | escalated | prefix hits | spec accept |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | route | workload | rate req/s | done/sent | TTFT p50 / p99 ms | TPOT p50 / p99 ms | SLO met | "
+             "goodput req/s | $/1k out tok (window) | $/1k tok (busy) | split (S/L) | escalated | prefix hits | spec accept |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         esc = "-" if r["escalation_rate"] is None else f"{r['escalation_rate'] * 100:.0f}%"
         pfx = "-" if r["prefix_cache_hit_rate"] is None else f"{r['prefix_cache_hit_rate'] * 100:.0f}%"
         acc = "-" if r["spec_acceptance_rate"] is None else f"{r['spec_acceptance_rate'] * 100:.0f}%"
         lines.append(
-            f"| {r['variant']} | {r['route']} | {r['rate_rps']:g} | {r['completed']}/{r['sent']} | "
+            f"| {r['variant']} | {r['route']} | {r['workload']} | {r['rate_rps']:g} | {r['completed']}/{r['sent']} | "
             f"{_fmt(r['ttft_p50_ms'], '.0f')} / {_fmt(r['ttft_p99_ms'], '.0f')} | "
             f"{_fmt(r['tpot_p50_ms'], '.1f')} / {_fmt(r['tpot_p99_ms'], '.1f')} | "
             f"{r['slo_attainment'] * 100:.1f}% | {r['goodput_rps']:.2f} | "
-            f"{_fmt(r['usd_per_1k_output_tokens'], '.6f')} | {_split(r['routing_split'])} | {esc} | {pfx} | {acc} |")
+            f"{_fmt(r['usd_per_1k_output_tokens'], '.6f')} | {_fmt(r.get('server_usd_per_1k_tokens'), '.6f')} | "
+            f"{_split(r['routing_split'])} | {esc} | {pfx} | {acc} |")
     return "\n".join(lines)
 
 
@@ -156,7 +176,7 @@ def plot(rows: list[dict[str, Any]], reports: dict[str, dict[str, Any]], img_dir
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
-    fig.suptitle("tandem strategies on the chat workload (tiny models, 2 shared CPU cores)")
+    fig.suptitle("tandem strategies, chat workload (*_mt: long_context_multiturn); tiny models, 2 shared CPU cores")
     fig.tight_layout()
     bars = img_dir / "compare_strategies.png"
     fig.savefig(bars, dpi=110)
@@ -191,7 +211,7 @@ def build_table(runs_dir: Path, plan: list[str], out_json: Path, img_dir: Path |
                 extra: dict[str, Any]) -> str:
     rows, reports, skipped = [], {}, []
     for item in plan:
-        variant, config, route, rate = item.split(":")
+        variant, config, route, workload, rate = item.split(":")
         report_path = runs_dir / f"{variant}_r{rate}" / "report.json"
         if not report_path.is_file():
             reason_file = runs_dir / f"{variant}_r{rate}.skipped"
@@ -199,7 +219,9 @@ def build_table(runs_dir: Path, plan: list[str], out_json: Path, img_dir: Path |
             skipped.append({"variant": variant, "rate": float(rate), "reason": reason})
             continue
         report = json.loads(report_path.read_text())
-        rows.append(run_row(variant, config, route, report))
+        routes_path = report_path.parent / "routes.json"
+        routes = json.loads(routes_path.read_text()) if routes_path.is_file() else None
+        rows.append({"workload": workload, **run_row(variant, config, route, report, routes)})
         reports[(variant, float(report["metadata"]["rate"]))] = report
     table = markdown_table(rows)
     plots = [_show(p) for p in plot(rows, reports, img_dir)] if img_dir and rows else []
@@ -208,6 +230,11 @@ def build_table(runs_dir: Path, plan: list[str], out_json: Path, img_dir: Path |
                                     "table_md": table}, indent=2))
     notes = [f"- skipped {s['variant']} at {s['rate']:g} req/s: {s['reason']}" for s in skipped]
     return "\n".join([table, *notes])
+
+
+def _parse_slo(text: str) -> tuple[float, float]:
+    parts = dict(item.split("=", 1) for item in text.split(","))
+    return float(parts["ttft"]), float(parts["tpot"])
 
 
 def _show(path: Path) -> str:
@@ -220,15 +247,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("configs", help="write bench/configs/*.toml from gateway/default.toml")
     c.add_argument("--out", type=Path, default=ROOT / "bench" / "configs")
+    c.add_argument("--price-per-hour", type=float, default=0.10, help="USD per device-hour, as [cost]")
+    c.add_argument("--slo", default="ttft=1000,tpot=100", help="every route's SLO: ttft=MS,tpot=MS")
     t = sub.add_parser("table", help="fold the run reports into one table, JSON and plots")
     t.add_argument("--runs", type=Path, required=True)
-    t.add_argument("--plan", nargs="+", required=True, help="VARIANT:CONFIG:ROUTE:RATE, in table order")
+    t.add_argument("--plan", nargs="+", required=True, help="VARIANT:CONFIG:ROUTE:WORKLOAD:RATE, in table order")
     t.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "compare_strategies.json")
     t.add_argument("--img-dir", type=Path, default=None)
     t.add_argument("--meta", default="{}", help="JSON object stored with the rows (command, machine, ...)")
     args = parser.parse_args(argv)
     if args.cmd == "configs":
-        for path in write_configs(args.out):
+        for path in write_configs(args.out, args.price_per_hour, _parse_slo(args.slo)):
             print(_show(path))
         return 0
     print(build_table(args.runs, args.plan, args.json, args.img_dir, json.loads(args.meta)))

@@ -4,12 +4,16 @@
 # rate (a warm prefix cache from the previous run would flatter the next one), the same prompts everywhere
 # (fixed --seed and --prompt-seed), one table at the end (docs/benchmarks.md, "Strategies compared").
 #
-#   bench/compare_strategies.sh                 # ~6-8 minutes on 2 shared CPU cores
+# The prefix-caching knob is also run on a workload with shared prefixes (long_context_multiturn, variants
+# *_mt), because chat prompts share none and the knob cannot show there.
+#
+#   bench/compare_strategies.sh                 # ~9-10 minutes on 2 shared CPU cores
 #   RATES="4" DURATION=20 bench/compare_strategies.sh
 #
 # Environment: TANDEM_VENV (default .venv), RATES (default "4 12" req/s), DURATION (s of arrivals, 25),
 # WARMUP (4), COOLDOWN (2), SEED (0), PROMPT_SEED (1234), PRICE_PER_HOUR (USD per device-hour, 0.10),
-# SLO (one SLO for every variant so goodput compares, "ttft=1000,tpot=50"), WORKLOAD (chat),
+# SLO (one SLO for every route of every variant, server admission and client alike, "ttft=1000,tpot=100"),
+# WORKLOAD (chat), PREFIX_WORKLOAD (long_context_multiturn, "" for none) and PREFIX_RATE (first of RATES),
 # RUNS_DIR (runs/compare_strategies), VARIANTS (space-separated subset of the names below), TABLE_ALL (see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,27 +28,36 @@ COOLDOWN=${COOLDOWN:-2}
 SEED=${SEED:-0}
 PROMPT_SEED=${PROMPT_SEED:-1234}
 PRICE_PER_HOUR=${PRICE_PER_HOUR:-0.10}
-SLO=${SLO:-"ttft=1000,tpot=50"}
+SLO=${SLO:-"ttft=1000,tpot=100"}
 WORKLOAD=${WORKLOAD:-chat}
+PREFIX_WORKLOAD=${PREFIX_WORKLOAD-long_context_multiturn}
+PREFIX_RATE=${PREFIX_RATE:-${RATES%% *}}
 RUNS_DIR=${RUNS_DIR:-runs/compare_strategies}
 OUT_JSON=${OUT_JSON:-bench/results/compare_strategies.json}
 IMG_DIR=${IMG_DIR:-docs/img}
 
-# variant:config:route (config = bench/configs/<config>.toml). Order = table order.
-ALL_VARIANTS="best:baseline:best fast:baseline:fast auto:auto:auto cascade:baseline:cascade
-best_nospec:large_nospec:best best_noprefix:large_noprefix:best"
+# variant:config:route:workload (config = bench/configs/<config>.toml), run at every rate in RATES, then the
+# *_mt pair at PREFIX_RATE only. Order = table order.
+ALL_VARIANTS="best:baseline:best:$WORKLOAD fast:baseline:fast:$WORKLOAD auto:auto:auto:$WORKLOAD
+cascade:baseline:cascade:$WORKLOAD best_nospec:large_nospec:best:$WORKLOAD
+best_noprefix:large_noprefix:best:$WORKLOAD"
+MT_VARIANTS=""
+[[ -n "$PREFIX_WORKLOAD" ]] && MT_VARIANTS="best_mt:baseline:best:$PREFIX_WORKLOAD best_noprefix_mt:large_noprefix:best:$PREFIX_WORKLOAD"
+KNOWN="best fast auto cascade best_nospec best_noprefix best_mt best_noprefix_mt"
+FULL_VARIANTS=$ALL_VARIANTS
+FULL_MT=$MT_VARIANTS
 if [[ -n "${VARIANTS:-}" ]]; then
-    selected=""
+    selected="" selected_mt=""
     for v in $VARIANTS; do
-        match=$(tr ' ' '\n' <<<"$ALL_VARIANTS" | grep "^$v:" || true)
-        [[ -n "$match" ]] || { echo "unknown variant $v (known: best fast auto cascade best_nospec best_noprefix)" >&2; exit 2; }
-        selected+="$match "
+        match=$(tr ' ' '\n' <<<"$ALL_VARIANTS $MT_VARIANTS" | grep "^$v:" || true)
+        [[ -n "$match" ]] || { echo "unknown variant $v (known: $KNOWN)" >&2; exit 2; }
+        if [[ "$v" == *_mt ]]; then selected_mt+="$match "; else selected+="$match "; fi
     done
-    ALL_VARIANTS=$selected
+    ALL_VARIANTS=$selected MT_VARIANTS=$selected_mt
 fi
 
 [[ -x "$TANDEM" ]] || { echo "no $TANDEM (set TANDEM_VENV)" >&2; exit 2; }
-"$PY" bench/compare_strategies.py configs >/dev/null
+"$PY" bench/compare_strategies.py configs --price-per-hour "$PRICE_PER_HOUR" --slo "$SLO" >/dev/null
 mkdir -p "$RUNS_DIR"
 
 SERVER_PID=""
@@ -75,34 +88,40 @@ wait_ready() {  # $1 = url, $2 = server log; up to 90 s (model loading on a busy
 
 PLAN=()
 start=$(date +%s)
+JOBS=()
 for rate in $RATES; do
-    for item in $ALL_VARIANTS; do
-        IFS=: read -r variant config route <<<"$item"
-        PLAN+=("$variant:$config:$route:$rate")
-        out="$RUNS_DIR/${variant}_r${rate}"
-        rm -rf "$out" "$out.skipped"
-        if [[ "$config" == auto && ! -d models/router ]]; then
-            echo "models/router does not exist (the auto route cannot load)" >"$out.skipped"
-            echo "== $variant @ $rate req/s: skipped, $(cat "$out.skipped")"
-            continue
-        fi
-        port=$(free_port)
-        url="http://127.0.0.1:$port"
-        log="$RUNS_DIR/${variant}_r${rate}.serve.log"
-        echo "== $variant (config $config, route $route) @ $rate req/s on $url"
-        "$TANDEM" serve --config "bench/configs/$config.toml" --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
-        SERVER_PID=$!
-        if wait_ready "$url" "$log"; then
-            "$TANDEM" loadtest --url "$url" --workload "$WORKLOAD" --rate "$rate" --duration "$DURATION" \
-                --warmup "$WARMUP" --cooldown "$COOLDOWN" --seed "$SEED" --prompt-seed "$PROMPT_SEED" \
-                --model "$route" --tokenizer models/tandem-tiny-l --slo "$SLO" \
-                --price-per-hour "$PRICE_PER_HOUR" --no-plots --quiet --out "$out" >"$out.loadtest.log" 2>&1 \
-                || echo "loadtest failed (exit $?), see $out.loadtest.log" | tee "$out.skipped" >&2
-        else
-            echo "server did not start, see $log" >"$out.skipped"
-        fi
-        stop_server
-    done
+    for item in $ALL_VARIANTS; do JOBS+=("$item:$rate"); done
+done
+for item in $MT_VARIANTS; do JOBS+=("$item:$PREFIX_RATE"); done
+
+for job in "${JOBS[@]}"; do
+    IFS=: read -r variant config route workload rate <<<"$job"
+    PLAN+=("$job")
+    out="$RUNS_DIR/${variant}_r${rate}"
+    rm -rf "$out" "$out.skipped"
+    if [[ "$config" == auto && ! -d models/router ]]; then
+        echo "models/router does not exist (the auto route cannot load)" >"$out.skipped"
+        echo "== $variant @ $rate req/s: skipped, $(cat "$out.skipped")"
+        continue
+    fi
+    port=$(free_port)
+    url="http://127.0.0.1:$port"
+    log="$RUNS_DIR/${variant}_r${rate}.serve.log"
+    echo "== $variant (config $config, route $route, $workload) @ $rate req/s on $url"
+    "$TANDEM" serve --config "bench/configs/$config.toml" --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
+    SERVER_PID=$!
+    if wait_ready "$url" "$log"; then
+        "$TANDEM" loadtest --url "$url" --workload "$workload" --rate "$rate" --duration "$DURATION" \
+            --warmup "$WARMUP" --cooldown "$COOLDOWN" --seed "$SEED" --prompt-seed "$PROMPT_SEED" \
+            --model "$route" --tokenizer models/tandem-tiny-l --slo "$SLO" \
+            --price-per-hour "$PRICE_PER_HOUR" --no-plots --quiet --out "$out" >"$out.loadtest.log" 2>&1 \
+            || echo "loadtest failed (exit $?), see $out.loadtest.log" | tee "$out.skipped" >&2
+        # the gateway's own view at the end: busy-time cost per 1,000 tokens and SLO attainment per route
+        [[ -d "$out" ]] && { curl -sf "$url/v1/routes" >"$out/routes.json" || rm -f "$out/routes.json"; }
+    else
+        echo "server did not start, see $log" >"$out.skipped"
+    fi
+    stop_server
 done
 elapsed=$(( $(date +%s) - start ))
 
@@ -111,11 +130,9 @@ elapsed=$(( $(date +%s) - start ))
 if [[ "${TABLE_ALL:-0}" == 1 ]]; then
     PLAN=()
     for rate in $RATES; do
-        for item in best:baseline:best fast:baseline:fast auto:auto:auto cascade:baseline:cascade \
-                    best_nospec:large_nospec:best best_noprefix:large_noprefix:best; do
-            PLAN+=("$item:$rate")
-        done
+        for item in $FULL_VARIANTS; do PLAN+=("$item:$rate"); done
     done
+    for item in $FULL_MT; do PLAN+=("$item:$PREFIX_RATE"); done
 fi
 
 meta=$("$PY" - "$elapsed" <<PYEOF
@@ -125,7 +142,8 @@ print(json.dumps({
     "command": "bench/compare_strategies.sh",
     "settings": {"rates": "$RATES".split(), "duration_s": $DURATION, "warmup_s": $WARMUP, "cooldown_s": $COOLDOWN,
                  "seed": $SEED, "prompt_seed": $PROMPT_SEED, "price_per_hour_usd": $PRICE_PER_HOUR,
-                 "slo": "$SLO", "workload": "$WORKLOAD"},
+                 "slo": "$SLO", "workload": "$WORKLOAD",
+                 "prefix_workload": "$PREFIX_WORKLOAD", "prefix_rate": "$PREFIX_RATE"},
     "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared), load average {os.getloadavg()[0]:.1f}",
     "git_commit": git("rev-parse", "HEAD"),
     "models_dirty": git("status", "--porcelain", "models/").splitlines(),
