@@ -1,0 +1,236 @@
+"""SLO-aware serving vs plain first-come-first-served: goodput on the Azure conversation mix at rising rates.
+
+Starts a real tandem server (a subprocess on 127.0.0.1, default tiny model) twice: once with SLO scheduling
+(deadline order + TPOT batch caps) and admission control on, once with both off (plain FCFS in
+(priority, arrival) order, every request admitted). Drives each with the load tester (`traces`, the `chat`
+mix from the Azure 2023 conversation trace) split over an `interactive` route (tight SLO, high priority) and a
+`batch` route (loose SLO), and compares goodput (requests meeting every SLO of their route per second; shed
+and failed requests are misses). Target: >= 1.5x goodput at the knee (the first rate where FCFS attainment
+drops below 90%). Prints a table, writes bench/results/slo.json and docs/img/slo_goodput.png.
+
+    .venv/bin/python bench/slo.py [--rates 10,20,30,40,60] [--duration 10] [--engine models/tandem-tiny-l]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from traces.loadtest import LoadTestConfig, run_sweep  # noqa: E402
+from traces.metrics import Slo  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "slo.json"
+PLOT = ROOT / "docs" / "img" / "slo_goodput.png"
+SLOS = {"interactive": Slo(ttft_ms=1000, tpot_ms=200), "batch": Slo(ttft_ms=5000, tpot_ms=400)}
+MODES = {"slo": True, "fcfs": False}
+
+
+def _config_toml(engine: Path, slo_on: bool) -> str:
+    flag = "true" if slo_on else "false"
+    i, b = SLOS["interactive"], SLOS["batch"]
+    return f"""
+[server]
+max_inflight_requests = 4096
+log_level = "warning"
+
+[kv_pool]
+memory_bytes = "256MiB"
+enable_prefix_caching = true
+
+[engines.tandem]
+checkpoint = "{engine}"
+max_num_seqs = 64
+max_num_batched_tokens = 512
+slo_scheduling = {flag}
+
+[admission]
+enabled = {flag}
+rate_halflife_s = 3.0
+ttft_slack = 0.8  # aim under the target: predictions are means, the SLO is a p99
+
+[routes.interactive]
+engines = ["tandem"]
+priority = -1
+max_waiting = 32
+slo = {{ ttft_ms = {i.ttft_ms:g}, tpot_ms = {i.tpot_ms:g} }}
+
+[routes.batch]
+engines = ["tandem"]
+priority = 1
+max_waiting = 64
+slo = {{ ttft_ms = {b.ttft_ms:g}, tpot_ms = {b.tpot_ms:g} }}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`tandem serve` in a subprocess (its own interpreter: the load generator does not share its GIL)."""
+
+    def __init__(self, config: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        code = "import sys; from gateway.server import main; sys.exit(main(sys.argv[1:]))"
+        self.proc = subprocess.Popen([sys.executable, "-c", code, "--config", str(config), "--port", str(self.port)],
+                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env=os.environ | {"OTEL_TRACES_SAMPLER": "always_off"})
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("server not ready in time")
+
+    def warm(self) -> None:
+        """A few sequential requests: the engine's step model and the admission's prefill rate get data."""
+        for i in range(8):
+            httpx.post(self.url + "/v1/completions", timeout=60, json={
+                "model": "interactive", "prompt": "warm up " * (20 + 20 * i), "max_tokens": 16, "ignore_eos": True})
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run_mode(mode: str, engine: Path, rates: list[float], duration_s: float, out: Path) -> list[dict]:
+    config = out / f"{mode}.toml"
+    config.write_text(_config_toml(engine, MODES[mode]))
+    server = Server(config)
+    try:
+        server.wait_ready()
+        server.warm()
+        cfg = LoadTestConfig(url=server.url, out=out / mode, workload="chat", duration_s=duration_s,
+                             models=["interactive", "batch"], slos=SLOS, tokenizer=str(engine), warmup_s=2.0,
+                             seed=0, prompt_seed=0, timeout_s=60.0, plots=False, scrape_interval_s=2.0)
+        sweep = asyncio.run(run_sweep(cfg, rates))
+    finally:
+        server.stop()
+    points = []
+    for p in sweep["points"]:
+        report = json.loads((out / mode / f"rate_{p['rate']:g}" / "report.json").read_text())["summary"]
+        routes = report["per_route"]
+        points.append({
+            "rate": p["rate"], "offered_rps": round(p["offered_rate_rps"], 3), "sent": p["sent"],
+            "completed": p["completed"], "shed": p["shed"], "failed": p["failed"],
+            "goodput_rps": round(p["goodput_rps"] or 0.0, 3), "slo_attainment": round(p["slo_attainment"] or 0, 4),
+            "throughput_rps": round(p["request_throughput_rps"], 3),
+            "ttft_p99_ms": p["ttft_p99_ms"], "tpot_p99_ms": p["tpot_p99_ms"],
+            "per_route": {name: {"completed": r["completed"], "shed": r["shed"], "failed": r["failed"],
+                                 "attainment": r.get("slo", {}).get("attainment", {}).get("combined"),
+                                 "ttft_p99_ms": r["ttft_ms"]["p99"]} for name, r in routes.items()}})
+    return points
+
+
+def knee(fcfs: list[dict]) -> float | None:
+    """The first rate at which plain FCFS stops meeting the SLOs (attainment under 90%)."""
+    for p in fcfs:
+        if p["slo_attainment"] < 0.90:
+            return p["rate"]
+    return None
+
+
+def plot(results: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib missing: plot skipped"
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for mode, label in (("slo", "SLO-aware (deadlines + caps + admission)"), ("fcfs", "plain FCFS")):
+        pts = results["modes"][mode]
+        ax.plot([p["offered_rps"] for p in pts], [p["goodput_rps"] for p in pts], marker="o", label=label)
+    if results["knee_rate"] is not None:
+        ax.axvline(results["knee_rate"], color="grey", ls=":", lw=1)
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("goodput (requests/s meeting every SLO)")
+    ax.set_title("tandem: goodput, Azure conversation mix, tiny model on CPU")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="10,20,30,40,60", help="offered rates, requests/s")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate")
+    parser.add_argument("--engine", type=Path, default=ROOT / "models" / "tandem-tiny-l")
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    started = time.monotonic()
+    results: dict = {"workload": "chat (Azure LLM inference trace 2023, conversation)", "engine": str(args.engine),
+                     "rates": rates, "duration_s": args.duration,
+                     "slos": {k: vars(v) for k, v in SLOS.items()}, "modes": {},
+                     "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), torch CPU",
+                     "command": "bench/slo.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in MODES:
+            results["modes"][mode] = run_mode(mode, args.engine.resolve(), rates, args.duration, Path(tmp))
+    k = knee(results["modes"]["fcfs"])
+    results["knee_rate"] = k
+    ratios = {}
+    for s, f in zip(results["modes"]["slo"], results["modes"]["fcfs"]):
+        ratios[f"{s['rate']:g}"] = round(s["goodput_rps"] / f["goodput_rps"], 3) if f["goodput_rps"] else None
+    results["goodput_ratio"] = ratios
+    results["ratio_at_knee"] = ratios.get(f"{k:g}") if k is not None else None
+    results["target_met"] = results["ratio_at_knee"] is not None and results["ratio_at_knee"] >= 1.5
+    results["elapsed_s"] = round(time.monotonic() - started, 1)
+    warning = plot(results, PLOT)
+    if warning:
+        results["plot_warning"] = warning
+
+    print(f"{'rate':>5} | {'mode':>4} | {'offered':>7} | {'goodput':>7} | {'attain':>6} | {'done':>4} | "
+          f"{'shed':>4} | {'fail':>4} | {'TTFT p99 ms':>11} | {'TPOT p99 ms':>11} | int. TTFT p99")
+    for i, rate in enumerate(rates):
+        for mode in MODES:
+            p = results["modes"][mode][i]
+            inter = p["per_route"].get("interactive", {}).get("ttft_p99_ms")
+            print(f"{rate:>5g} | {mode:>4} | {p['offered_rps']:>7.2f} | {p['goodput_rps']:>7.2f} | "
+                  f"{p['slo_attainment']:>6.1%} | {p['completed']:>4} | {p['shed']:>4} | {p['failed']:>4} | "
+                  f"{_num(p['ttft_p99_ms']):>11} | {_num(p['tpot_p99_ms']):>11} | {_num(inter)}")
+    print(f"knee (FCFS attainment < 90%): {k} req/s; goodput ratio there: {results['ratio_at_knee']} "
+          f"(target >= 1.5: {'met' if results['target_met'] else 'NOT met'}); ratios {ratios}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {RESULTS.relative_to(ROOT)} and {PLOT.relative_to(ROOT)} in {results['elapsed_s']} s")
+    return 0
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
