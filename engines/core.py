@@ -58,6 +58,10 @@ class EngineSpec:
     # waiting requests by priority then TTFT deadline, batch caps from the running TPOT targets; False: plain
     # (priority, arrival) order under the configured limits only
     slo_scheduling: bool = True
+    # seconds of TTFT deadline one priority class is worth (waiting_queue.py): small is close to earliest-
+    # deadline-first, which meets the most deadlines when admission keeps them feasible; large starves lower
+    # classes for that long under sustained load
+    priority_aging_s: float = 30.0
 
 
 @dataclass
@@ -125,7 +129,8 @@ class ModelEngine:
                                                  max_num_batched_tokens=spec.max_num_batched_tokens)
         self.scheduler = Scheduler(pool, model_id, max_num_seqs=spec.max_num_seqs,
                                    max_num_batched_tokens=spec.max_num_batched_tokens,
-                                   slo_scheduling=spec.slo_scheduling, cap_controller=self.cap_controller)
+                                   slo_scheduling=spec.slo_scheduling, cap_controller=self.cap_controller,
+                                   priority_aging_s=spec.priority_aging_s)
         self.busy_s = 0.0  # cumulative seconds spent stepping this engine (device time, for cost accounting)
         self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device,
                                   spec.attention_backend, pool.scales(model_id))

@@ -50,7 +50,8 @@ class Scheduler:
     """One per engine; draws pages for `model_id` from the shared pool."""
 
     def __init__(self, pool: KVPool, model_id: int, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 slo_scheduling: bool = True, cap_controller: BatchCapController | None = None):
+                 slo_scheduling: bool = True, cap_controller: BatchCapController | None = None,
+                 priority_aging_s: float = 30.0):
         self.pool = pool
         self.model_id = model_id
         self.max_num_seqs = max_num_seqs
@@ -60,7 +61,7 @@ class Scheduler:
         self.slo_scheduling = slo_scheduling
         # SLO on: priority class, then earliest TTFT deadline, with aging; off: strict (priority, arrival)
         self._waiting: WaitingQueue[Sequence] = (
-            WaitingQueue(_deadline_key) if slo_scheduling else WaitingQueue(_arrival_key, aging_s=math.inf))
+            WaitingQueue(_deadline_key, aging_s=priority_aging_s) if slo_scheduling else WaitingQueue(_arrival_key, aging_s=math.inf))
         self.cap_controller = cap_controller if slo_scheduling else None
         self._admit_counter = itertools.count()
         self.num_preemptions = 0

@@ -45,6 +45,7 @@ class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # priority + TTFT-deadline admission order and TPOT batch caps; false: plain (priority, arrival) order
     slo_scheduling: bool = True
+    priority_aging_s: Annotated[float, Meta(gt=0)] = 30.0  # seconds of TTFT deadline one priority class is worth
 
 
 class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -497,7 +498,8 @@ def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], Any, str]:
         name=name, model=e.checkpoint, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len, draft=e.draft,
         num_speculative_tokens=e.num_speculative_tokens, quantization=e.quantization,
-        attention_backend=e.attention_backend, slo_scheduling=e.slo_scheduling) for name, e in ((n, cfg.engines[n]) for n in order)]
+        attention_backend=e.attention_backend, slo_scheduling=e.slo_scheduling,
+        priority_aging_s=e.priority_aging_s) for name, e in ((n, cfg.engines[n]) for n in order)]
     pool = PoolSpec(memory_bytes=cfg.kv_pool.memory_bytes, memory_fraction=cfg.kv_pool.memory_fraction,
                     block_size=cfg.kv_pool.block_size, enable_prefix_caching=cfg.kv_pool.enable_prefix_caching,
                     kv_cache_dtype=cfg.kv_pool.kv_cache_dtype)
