@@ -20,9 +20,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from engines.outputs import CompletionOutput, Logprob
-from gateway.cascade import confidence
-from gateway.config import ConfigError, config_from_dict
+from gateway.cascade import CascadeStrategy, confidence
+from gateway.config import ConfigError, config_from_dict, load_config
 from gateway.router_strategy import RouterStrategy, load_route_router, route_threshold
+from gateway.routing import Routes
 from gateway.server import ServerThread
 from router_model.data import read_examples
 from router_model.features import FeatureConfig
@@ -188,6 +189,17 @@ def test_route_threshold_comes_from_the_route_or_the_artifact(router_dir):
     strategy = RouterStrategy("auto", explicit, router)
     assert strategy.decide("alpha beta prove the theorem gamma")[0] == "large"
     assert strategy.decide("quiet garden music light window")[0] == "small"
+
+
+def test_default_config_routes_build_with_the_shipped_router():
+    routes = Routes(load_config(env={}))
+    assert not routes.unavailable
+    auto = routes.strategies["auto"]
+    assert isinstance(auto, RouterStrategy) and not auto.router.required_extras
+    assert auto.threshold == pytest.approx(auto.router.threshold_for_fraction(0.3))
+    assert (auto.small, auto.large) == ("tandem-small", "tandem-large")
+    cascade = routes.strategies["cascade"]
+    assert isinstance(cascade, CascadeStrategy) and cascade.mode == "mean" and cascade.threshold < 0
 
 
 def test_broken_router_artifact_fails_at_start_up_naming_the_setting(router_dir, tmp_path):
