@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from traces.loadtest import LoadTestConfig, run_sweep  # noqa: E402
+from traces.loadtest import LoadTestConfig, run_once, sweep_point  # noqa: E402
 from traces.metrics import Slo  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "slo.json"
@@ -56,6 +56,7 @@ checkpoint = "{engine}"
 max_num_seqs = 64
 max_num_batched_tokens = 512
 slo_scheduling = {flag}
+priority_aging_s = 1.0  # near earliest-deadline-first: batch requests are not starved past their 5 s target
 
 [admission]
 enabled = {flag}
@@ -120,33 +121,48 @@ class Server:
             self.proc.kill()
 
 
-def run_mode(mode: str, engine: Path, rates: list[float], duration_s: float, out: Path) -> list[dict]:
-    config = out / f"{mode}.toml"
-    config.write_text(_config_toml(engine, MODES[mode]))
-    server = Server(config)
+def _point(rate: float, report: dict) -> dict:
+    s = report["summary"]
+    p = sweep_point(rate, report)
+    return {
+        "rate": rate, "offered_rps": round(p["offered_rate_rps"], 3), "sent": p["sent"],
+        "completed": p["completed"], "shed": p["shed"], "failed": p["failed"],
+        "goodput_rps": round(p["goodput_rps"] or 0.0, 3), "slo_attainment": round(p["slo_attainment"] or 0, 4),
+        "throughput_rps": round(p["request_throughput_rps"], 3),
+        "ttft_p99_ms": p["ttft_p99_ms"], "tpot_p99_ms": p["tpot_p99_ms"],
+        "per_route": {name: {"completed": r["completed"], "shed": r["shed"], "failed": r["failed"],
+                             "attainment": r.get("slo", {}).get("attainment", {}).get("combined"),
+                             "ttft_p99_ms": r["ttft_ms"]["p99"], "tpot_p99_ms": r["tpot_ms"]["p99"]}
+                      for name, r in s["per_route"].items()}}
+
+
+def run_modes(engine: Path, rates: list[float], duration_s: float, out: Path) -> dict[str, list[dict]]:
+    """Both servers up at once (an idle engine thread sleeps); per rate the modes run back to back, in
+    alternating order, so a change in the shared machine's load hits both alike."""
+    servers = {}
     try:
-        server.wait_ready()
-        server.warm()
-        cfg = LoadTestConfig(url=server.url, out=out / mode, workload="chat", duration_s=duration_s,
-                             models=["interactive", "batch"], slos=SLOS, tokenizer=str(engine), warmup_s=2.0,
-                             seed=0, prompt_seed=0, timeout_s=60.0, plots=False, scrape_interval_s=2.0)
-        sweep = asyncio.run(run_sweep(cfg, rates))
+        for mode, on in MODES.items():
+            config = out / f"{mode}.toml"
+            config.write_text(_config_toml(engine, on))
+            servers[mode] = Server(config)
+        for server in servers.values():
+            server.wait_ready()
+            server.warm()
+        points: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for i, rate in enumerate(sorted(rates)):
+            order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+            for mode in order:
+                cfg = LoadTestConfig(url=servers[mode].url, out=out / mode, workload="chat", duration_s=duration_s,
+                                     models=["interactive", "batch"], slos=SLOS, tokenizer=str(engine),
+                                     warmup_s=2.0, seed=0, prompt_seed=0, timeout_s=60.0, plots=False,
+                                     scrape_interval_s=2.0)
+                report = asyncio.run(run_once(cfg, rate, out / mode / f"rate_{rate:g}", 512, i))
+                points[mode].append(_point(rate, report))
+                print(f"rate {rate:g} {mode}: goodput {points[mode][-1]['goodput_rps']:.2f}", file=sys.stderr)
+        return points
     finally:
-        server.stop()
-    points = []
-    for p in sweep["points"]:
-        report = json.loads((out / mode / f"rate_{p['rate']:g}" / "report.json").read_text())["summary"]
-        routes = report["per_route"]
-        points.append({
-            "rate": p["rate"], "offered_rps": round(p["offered_rate_rps"], 3), "sent": p["sent"],
-            "completed": p["completed"], "shed": p["shed"], "failed": p["failed"],
-            "goodput_rps": round(p["goodput_rps"] or 0.0, 3), "slo_attainment": round(p["slo_attainment"] or 0, 4),
-            "throughput_rps": round(p["request_throughput_rps"], 3),
-            "ttft_p99_ms": p["ttft_p99_ms"], "tpot_p99_ms": p["tpot_p99_ms"],
-            "per_route": {name: {"completed": r["completed"], "shed": r["shed"], "failed": r["failed"],
-                                 "attainment": r.get("slo", {}).get("attainment", {}).get("combined"),
-                                 "ttft_p99_ms": r["ttft_ms"]["p99"]} for name, r in routes.items()}})
-    return points
+        for server in servers.values():
+            server.stop()
 
 
 def knee(fcfs: list[dict]) -> float | None:
@@ -169,8 +185,9 @@ def plot(results: dict, path: Path) -> str | None:
     for mode, label in (("slo", "SLO-aware (deadlines + caps + admission)"), ("fcfs", "plain FCFS")):
         pts = results["modes"][mode]
         ax.plot([p["offered_rps"] for p in pts], [p["goodput_rps"] for p in pts], marker="o", label=label)
-    if results["knee_rate"] is not None:
-        ax.axvline(results["knee_rate"], color="grey", ls=":", lw=1)
+    knee_at = [p["offered_rps"] for p in results["modes"]["fcfs"] if p["rate"] == results["knee_rate"]]
+    if knee_at:
+        ax.axvline(knee_at[0], color="grey", ls=":", lw=1, label="knee (FCFS attainment < 90%)")
     ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("goodput (requests/s meeting every SLO)")
     ax.set_title("tandem: goodput, Azure conversation mix, tiny model on CPU")
@@ -195,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                      "slos": {k: vars(v) for k, v in SLOS.items()}, "modes": {},
                      "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), torch CPU",
                      "command": "bench/slo.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    rates = sorted(rates)
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
-            results["modes"][mode] = run_mode(mode, args.engine.resolve(), rates, args.duration, Path(tmp))
+        results["modes"] = run_modes(args.engine.resolve(), rates, args.duration, Path(tmp))
     k = knee(results["modes"]["fcfs"])
     results["knee_rate"] = k
     ratios = {}
