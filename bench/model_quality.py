@@ -81,24 +81,29 @@ def heldout_prompts(tokenizer: Tokenizer, n: int, context_tokens: int = 96) -> l
     return [tokenizer.encode(p)[-context_tokens:] for p in picked]
 
 
+@torch.inference_mode()
 def greedy_acceptance(small: Transformer, large: Transformer, prompts: list[list[int]], k: int = 4,
                       max_tokens: int = 48, eos_ids: frozenset[int] = frozenset()) -> dict:
     """Greedy speculative decoding, simulated exactly.
 
     The verified output of greedy speculative decoding is the large model's greedy continuation, so it is
-    computed once; then each round the small model greedily drafts up to k tokens from the accepted prefix,
-    the drafts matching the large continuation up to the first mismatch are accepted, and the large model's
-    own token follows (the correction, or the bonus token after a full accept). acceptance = accepted/drafted.
+    computed once. Each round the small model drafts up to k tokens greedily from the accepted prefix; drafts
+    count as accepted up to the first mismatch with the large continuation, then the large model's own token
+    follows (the correction, or the bonus token after a full accept). acceptance = accepted / drafted.
+    A draft token is only accepted when every draft before it matched, i.e. when its prefix *is* the large
+    continuation; so one forward of the small model over prompt + continuation decides every round.
     """
     accepted = drafted = rounds = 0
     for prompt in prompts:
         target = generate_tokens(large, prompt, max_tokens, eos_ids=eos_ids)
+        ids = torch.tensor([prompt + target], dtype=torch.long)
+        guesses = small.dense_logits(ids)[0, len(prompt) - 1:-1].argmax(-1).tolist()
+        match = [g == t for g, t in zip(guesses, target)]
         pos = 0
         while pos < len(target):
             n_draft = min(k, len(target) - pos)
-            draft = generate_tokens(small, prompt + target[:pos], n_draft)
             good = 0
-            while good < n_draft and draft[good] == target[pos + good]:
+            while good < n_draft and match[pos + good]:
                 good += 1
             accepted += good
             drafted += n_draft
