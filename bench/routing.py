@@ -155,10 +155,10 @@ def plot(points: list[Point], path: Path) -> None:
         ax.annotate(pt.policy, (pt.cost * 100, pt.relative_quality * 100), fontsize=7,
                     textcoords="offset points", xytext=(4, 4))
     ends = {pt.policy: pt for pt in points if pt.policy.startswith("always")}
-    if len(ends) == 2:  # random routing at every cost lies on the straight line between the two models
-        small, large = ends["always-small"], ends["always-large"]
-        ax.plot([small.cost * 100, large.cost * 100], [small.relative_quality * 100, large.relative_quality * 100],
-                ls=":", lw=0.8, color="grey", label="random routing")
+    if len(ends) == 2:  # random routing: mean log-prob linear in the share sent large, so exp() of it curves
+        f = np.linspace(0.0, 1.0, 50)
+        gap = math.log(ends["always-small"].relative_quality)  # q_small - q_large
+        ax.plot(f * 100, np.exp((1.0 - f) * gap) * 100, ls=":", lw=0.8, color="grey", label="random routing")
         ax.legend(loc="lower right", fontsize=7)
     ax.axhline(95, ls="--", lw=0.8, color="grey")
     ax.axvline(50, ls="--", lw=0.8, color="grey")
