@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m bench
+	PY=$(PY) bash bench/run_all.sh $(BENCH)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
