@@ -37,6 +37,8 @@ class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every engine shares one device)
     quantization: Literal["none", "int8", "int4"] = "none"
+    quantization_group_size: Literal[32, 64, 128] = 64  # int4 only: weights per scale/zero-point group
+    cuda_graphs: bool = True  # capture decode batch-size buckets on CUDA (ignored on the CPU)
     max_num_seqs: PositiveInt = 64
     max_num_batched_tokens: PositiveInt = 512
     max_model_len: PositiveInt | None = None
@@ -498,6 +500,7 @@ def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], Any, str]:
         name=name, model=e.checkpoint, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len, draft=e.draft,
         num_speculative_tokens=e.num_speculative_tokens, quantization=e.quantization,
+        quantization_group_size=e.quantization_group_size, cuda_graphs=e.cuda_graphs,
         attention_backend=e.attention_backend, slo_scheduling=e.slo_scheduling,
         priority_aging_s=e.priority_aging_s) for name, e in ((n, cfg.engines[n]) for n in order)]
     pool = PoolSpec(memory_bytes=cfg.kv_pool.memory_bytes, memory_fraction=cfg.kv_pool.memory_fraction,
