@@ -583,6 +583,9 @@ class SpeculativeDecoder:
                 continue
             w = self._windows.pop(seq.seq_id, None)  # verified: not for _drop_unverified
             self._record(k, num_acc, w is not None and w.drafted)
+            if req.metrics is not None:  # per request, for the decode span and escalation accounting
+                req.metrics.num_draft_tokens += k
+                req.metrics.num_accepted_tokens += num_acc
             seq.spec_token_ids.clear()
             base = seq.num_tokens
             lp_rows = (torch.log_softmax(logits[start:start + len(tokens)], -1)

@@ -269,8 +269,11 @@ def test_supplied_drafts_of_the_models_own_greedy_output_are_all_accepted(pair):
     plain = LLM(target, block_size=BLOCK)
     greedy = plain.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
     verifier = LLM(target, block_size=BLOCK)  # no drafter: supplied drafts need only the verifier
-    out = verifier.generate({"prompt_token_ids": prompt}, params, draft_token_ids=greedy)[0].outputs[0]
+    result = verifier.generate({"prompt_token_ids": prompt}, params, draft_token_ids=greedy)[0]
+    out = result.outputs[0]
     assert out.token_ids == greedy
+    # the request's own metrics count the verified drafts (the decode span and escalations read them)
+    assert result.metrics.num_accepted_tokens == result.metrics.num_draft_tokens >= 37
     stats = verifier.stats()
     assert stats["engine_spec_acceptance_rate"] == 1.0
     # 40 tokens in 3 target passes (chunks of 16 drafts, each adds a bonus token); plain needs 40
