@@ -69,13 +69,14 @@ def apply_top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     return x
 
 
-def sample(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]] | None = None) -> SamplerOutput:
-    """logits: fp32 [R, V], one row per entry of `rows`. `stop_ids[i]` are the ids that min_tokens bans."""
+def processed_logits(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]] | None = None
+                     ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """What a row samples from, in one place for the sampler and the speculative verifier: penalties and
+    min_tokens bans on every row (the argmax of the result is the greedy choice), then temperature and
+    top-k / top-p / min-p on the rows that sample. Returns (penalised logits [R, V], indices of the sampling
+    rows, their filtered logits [len(indices), V] or None when every row is greedy)."""
     num_rows, vocab = logits.shape
     device = logits.device
-    want = [r.params.logprobs for r in rows]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want) else None
-
     needs_penalty = any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty
                         or r.params.presence_penalty for r in rows)
     needs_ban = stop_ids is not None and any(
@@ -88,23 +89,33 @@ def sample(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]] 
         for i, r in enumerate(rows):
             if len(r.output_token_ids) < r.params.min_tokens and stop_ids[i]:
                 logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
-
-    tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not random_rows:
+        return logits, random_rows, None
+    x = logits if len(random_rows) == num_rows else logits[torch.tensor(random_rows, device=device)]
+    params = [rows[i].params for i in random_rows]
+    x = x / torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)[:, None]
+    top_k = top_p = min_p = None
+    if any(0 < p.top_k < vocab for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=device)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device)
+    return logits, random_rows, apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
+
+
+def sample(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]] | None = None) -> SamplerOutput:
+    """logits: fp32 [R, V], one row per entry of `rows`. `stop_ids[i]` are the ids that min_tokens bans."""
+    num_rows = logits.shape[0]
+    device = logits.device
+    want = [r.params.logprobs for r in rows]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want) else None
+
+    logits, random_rows, x = processed_logits(logits, rows, stop_ids)
+    tokens = logits.argmax(dim=-1)
     if random_rows:
         idx = torch.tensor(random_rows, device=device) if len(random_rows) < num_rows else None
-        x = logits if idx is None else logits[idx]
-        params = [rows[i].params for i in random_rows]
-        temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)
-        x = x / temps[:, None]
-        top_k = top_p = min_p = None
-        if any(0 < p.top_k < vocab for p in params):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=device)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device)
-        x = apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
         probs = x.softmax(dim=-1)
         # exponential race: argmax(p / E), E ~ Exp(1), draws from p; a seeded row uses only its own RNG so
         # its draws do not depend on which other requests share the batch

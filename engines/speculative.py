@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.outputs import Logprob, PositionLogprobs
-from engines.sampler import SamplerRow, apply_penalties, apply_top_k_top_p_min_p
+from engines.sampler import SamplerRow, processed_logits
 from engines.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -43,37 +43,15 @@ def sampler_row(seq: Sequence, extra: Seq[int] = ()) -> SamplerRow:
 
 def processed_distributions(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]]
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What `sampler.sample` would draw from: (argmax of the penalised logits [R] — the greedy choice,
-    probabilities [R, V] after penalties, min_tokens bans, temperature, top-k/top-p/min-p — rows of greedy
-    params hold zeros; None when every row is greedy)."""
-    num_rows, vocab = logits.shape
-    needs_penalty = any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty
-                        or r.params.presence_penalty for r in rows)
-    needs_ban = any(r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens for r in rows)
-    if needs_penalty or needs_ban:
-        logits = logits.clone()
-    if needs_penalty:
-        logits = apply_penalties(logits, rows)
-    if needs_ban:
-        for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens and stop_ids[i]:
-                logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
+    """What `sampler.sample` would draw from: (the greedy choice [R], probabilities [R, V] after penalties,
+    min_tokens bans, temperature, top-k/top-p/min-p — rows of greedy params hold zeros; None when every row
+    is greedy)."""
+    logits, random_rows, x = processed_logits(logits, rows, stop_ids)
     greedy = logits.argmax(dim=-1)
-    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if not random_rows:
+    if x is None:
         return greedy, None
-    params = [rows[i].params for i in random_rows]
-    idx = torch.tensor(random_rows, device=logits.device)
-    x = logits[idx] / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)[:, None]
-    top_k = top_p = min_p = None
-    if any(0 < p.top_k < vocab for p in params):
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=x.device)
-    if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=x.device)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=x.device)
     probs = torch.zeros_like(logits)
-    probs[idx] = apply_top_k_top_p_min_p(x, top_k, top_p, min_p).softmax(-1)
+    probs[torch.tensor(random_rows, device=logits.device)] = x.softmax(-1)
     return greedy, probs
 
 
