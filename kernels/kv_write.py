@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.launch import kernel, next_pow2, require_triton, tl
-from kernels.paged_attention import KV_FP8, KV_INT8, KV_NONE, kv_quant_mode
+from kernels.paged_attention import KV_FP8, KV_INT8, KV_NONE, kv_quant_mode, kv_scale_args
 
 FP8_MAX = 448.0
 INT8_EPS = 1e-6  # smallest amax used for a scale, so an all-zero row stores zeros instead of NaN
@@ -104,7 +104,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     require_triton()
     t, hkv, d = k.shape
     mode = kv_quant_mode(k_cache)
-    k_scale, v_scale = _scale_args(mode, k_scale, v_scale, k.device)
+    k_scale, v_scale = kv_scale_args(mode, k_scale, v_scale, k.device)
     rope = cos is not None
     if q is not None and not rope:
         raise ValueError("q is only rotated here; pass cos/sin with it")
@@ -129,18 +129,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         BLOCK_D=next_pow2(d), ROPE=rope, QUANT=mode, HAS_Q=q is not None, on_cuda=on_cuda,
     )
     return q_out
-
-
-def _scale_args(mode: int, k_scale, v_scale, device):
-    if mode == KV_INT8:
-        if k_scale is None or v_scale is None:
-            raise ValueError("an int8 KV cache needs k_scale and v_scale [num_blocks, block_size, Hkv] to fill")
-        return k_scale, v_scale
-    if mode == KV_FP8:
-        one = torch.ones(1, dtype=torch.float32, device=device)
-        return (one if k_scale is None else k_scale.float()), (one if v_scale is None else v_scale.float())
-    dummy = torch.empty(1, dtype=torch.float32, device=device)
-    return dummy, dummy
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if d_k != d or hq % hkv:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}")
     mode = kv_quant_mode(k_cache)
-    k_scale, v_scale = _scales(mode, k_scale, v_scale, q.device)
+    k_scale, v_scale = kv_scale_args(mode, k_scale, v_scale, q.device)
     on_cuda = q.is_cuda
     b = block_tables.shape[0]
     if max_query_len is None:
@@ -223,7 +223,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _scales(mode: int, k_scale, v_scale, device) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_scale_args(mode: int, k_scale, v_scale, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale tensors a kernel takes for a KV mode: int8 per token-head, fp8 per tensor (default 1), none."""
     if mode == KV_INT8:
         if k_scale is None or v_scale is None:
             raise ValueError("an int8 KV cache needs k_scale and v_scale [num_blocks, block_size, Hkv]")
