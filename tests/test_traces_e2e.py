@@ -93,8 +93,12 @@ def test_loadtest_against_a_real_tandem_server(gateway, tmp_path):
     assert (out / "summary.md").is_file() and (out / "latency_cdf.png").is_file()
 
     # Client TTFT is never below the server's for the same request.
-    time.sleep(0.2)  # the last spans end just after the last byte is sent
+    # the last spans end just after the last byte is sent: wait for every request's span (bounded)
+    deadline = time.monotonic() + 5
     server_ttft = _server_ttft_by_request_id(spans)
+    while any(r["request_id"] not in server_ttft for r in recs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        server_ttft = _server_ttft_by_request_id(spans)
     matched = [(r["ttft_s"], server_ttft[r["request_id"]]) for r in recs if r["request_id"] in server_ttft]
     assert len(matched) == len(recs)
     for client_ttft, srv_ttft in matched:
