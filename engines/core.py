@@ -25,7 +25,7 @@ from engines.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engines.runner import ModelRunner
 from engines.sampler import SamplerRow, sample
 from engines.sampling_params import SamplingParams
-from engines.scheduler import Scheduler
+from engines.scheduler import TTFT_EXPIRED, Scheduler
 from engines.sequence import Request, SeqStatus, Sequence
 from engines.speculative import Drafter, SpeculativeDecoder
 from engines.step_model import BatchCapController
@@ -62,6 +62,9 @@ class EngineSpec:
     # deadline-first, which meets the most deadlines when admission keeps them feasible; large starves lower
     # classes for that long under sustained load
     priority_aging_s: float = 30.0
+    # a waiting request past its TTFT deadline (before any token) ends with TTFT_EXPIRED instead of being
+    # served late: it can no longer count as goodput, and serving it delays requests that still can
+    drop_expired_requests: bool = False
 
 
 @dataclass
@@ -130,7 +133,8 @@ class ModelEngine:
         self.scheduler = Scheduler(pool, model_id, max_num_seqs=spec.max_num_seqs,
                                    max_num_batched_tokens=spec.max_num_batched_tokens,
                                    slo_scheduling=spec.slo_scheduling, cap_controller=self.cap_controller,
-                                   priority_aging_s=spec.priority_aging_s)
+                                   priority_aging_s=spec.priority_aging_s,
+                                   drop_expired=spec.drop_expired_requests)
         self.busy_s = 0.0  # cumulative seconds spent stepping this engine (device time, for cost accounting)
         self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device,
                                   spec.attention_backend, pool.scales(model_id))
@@ -242,6 +246,8 @@ class ModelEngine:
         self._drain_inbox()
         self.speculator.propose()  # sets Sequence.spec_token_ids (supplied drafts, the drafter's k)
         sched = self.scheduler.schedule()
+        for req in {id(s.request): s.request for s in sched.expired}.values():
+            self._fail(req, f"{TTFT_EXPIRED}: waited past its {req.ttft_s:g} s time-to-first-token target")
         if not sched:
             return 0
         t0 = self.speculator.adaptive.target.clock()
@@ -418,6 +424,7 @@ class ModelEngine:
                 "num_waiting": self.scheduler.num_waiting,
                 "prefix_cache_queries": self.scheduler.prefix_queries,
                 "prefix_cache_hits": self.scheduler.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
+                "num_expired": self.scheduler.num_expired,
                 "used_blocks": pool["used_pages"], "engine_used_blocks": len(pages),
                 "num_steps": self.num_steps, "num_generated_tokens": self.num_generated_tokens,
                 "max_model_len": self.max_model_len, "busy_s": self.busy_s, **self._cap_stats(),

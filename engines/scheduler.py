@@ -6,12 +6,15 @@ prefill rides in the same step as decodes. With SLO scheduling on, a `BatchCapCo
 batch and the step's prefill tokens so the predicted step stays inside the tightest running TPOT target
 (decodes always run). When pages run out it preempts (by recompute) the lowest-priority, latest-admitted
 sequence and admits nobody that step. `slo_scheduling=False` gives the plain (priority, arrival) order.
+With `drop_expired`, a waiting request that has passed its TTFT deadline before producing a token is handed
+back in `SchedulerOutput.expired` (the engine answers it with `TTFT_EXPIRED`) instead of being served late.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +24,8 @@ from engines.step_model import BatchCapController, BatchCaps
 from engines.waiting_queue import WaitingQueue
 
 DEFAULT_TTFT_DEADLINE_S = 60.0  # a request without a TTFT target is due this long after arrival
+# The error an expired request ends with (the gateway answers it 503 + Retry-After, as a shed request).
+TTFT_EXPIRED = "ttft_deadline_exceeded"
 
 
 @dataclass
@@ -34,6 +39,7 @@ class SchedulerOutput:
     num_decode_seqs: int = 0  # sequences scheduled for one decode token (plus drafts): the step model's inputs
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens scheduled
     caps: BatchCaps | None = None  # the SLO caps this step ran under (None: SLO scheduling off)
+    expired: list[Sequence] = field(default_factory=list)  # dropped from the waiting queue: past TTFT deadline
 
     def as_dict(self) -> dict[int, int]:
         return {s.seq_id: n for s, n in zip(self.seqs, self.num_tokens)}
@@ -51,7 +57,8 @@ class Scheduler:
 
     def __init__(self, pool: KVPool, model_id: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  slo_scheduling: bool = True, cap_controller: BatchCapController | None = None,
-                 priority_aging_s: float = 30.0):
+                 priority_aging_s: float = 30.0, drop_expired: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         self.pool = pool
         self.model_id = model_id
         self.max_num_seqs = max_num_seqs
@@ -60,8 +67,13 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.slo_scheduling = slo_scheduling
         # SLO on: priority class, then earliest TTFT deadline, with aging; off: strict (priority, arrival)
+        expires = _ttft_deadline if drop_expired else None
         self._waiting: WaitingQueue[Sequence] = (
-            WaitingQueue(_deadline_key, aging_s=priority_aging_s) if slo_scheduling else WaitingQueue(_arrival_key, aging_s=math.inf))
+            WaitingQueue(_deadline_key, aging_s=priority_aging_s, expires=expires) if slo_scheduling
+            else WaitingQueue(_arrival_key, aging_s=math.inf, expires=expires))
+        self.drop_expired = drop_expired
+        self.clock = clock  # the clock of Request.arrival_time
+        self.num_expired = 0
         self.cap_controller = cap_controller if slo_scheduling else None
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
@@ -131,6 +143,9 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.drop_expired and len(self._waiting):
+            out.expired = self._waiting.pop_expired(self.clock(), _not_started)
+            self.num_expired += len(out.expired)
         budget = self.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # seq_id -> position in out.seqs
         max_running = self.max_num_seqs
@@ -267,6 +282,17 @@ def _deadline_key(seq: Sequence) -> tuple[int, int, float]:
     req = seq.request
     ttft = req.ttft_s if req.ttft_s is not None else DEFAULT_TTFT_DEADLINE_S
     return seq.seq_id, req.priority, req.arrival_time + ttft
+
+
+def _ttft_deadline(seq: Sequence) -> float | None:
+    req = seq.request
+    return None if req.ttft_s is None else req.arrival_time + req.ttft_s
+
+
+def _not_started(seq: Sequence) -> bool:
+    """Only a request that has not produced a token may be dropped (a preempted one keeps its place)."""
+    m = seq.request.metrics
+    return (m is None or m.first_token_time is None) and not any(s.num_output_tokens for s in seq.request.seqs)
 
 
 def _arrival_key(seq: Sequence) -> tuple[int, int, float]:

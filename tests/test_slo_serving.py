@@ -33,10 +33,11 @@ class FakeClock:
 
 
 def make(*, budget: int = 256, max_seqs: int = 16, slo: bool = True,
-         ctl: BatchCapController | None = None) -> Scheduler:
+         ctl: BatchCapController | None = None, drop_expired: bool = False,
+         clock: FakeClock | None = None) -> Scheduler:
     pool = KVPool([GEOM], memory_bytes=256 * GEOM.page_bytes(4), block_size=4, enable_prefix_caching=False)
     return Scheduler(pool, 0, max_num_seqs=max_seqs, max_num_batched_tokens=budget, slo_scheduling=slo,
-                     cap_controller=ctl)
+                     cap_controller=ctl, drop_expired=drop_expired, clock=clock or FakeClock())
 
 
 def seq(prompt_len: int, *, priority: int = 0, arrival: float = 0.0, ttft_s: float | None = None,
@@ -162,6 +163,39 @@ def test_preemption_and_finish_drop_the_running_targets():
     sched.finish(a)
     sched.finish(b)
     assert len(ctl.targets) == 0 and ctl.targets.tightest is None
+
+
+@pytest.mark.parametrize("slo", [True, False])
+def test_waiting_requests_past_their_ttft_deadline_are_dropped_only_when_asked(slo):
+    clock = FakeClock()
+    for drop in (True, False):
+        sched = make(max_seqs=1, slo=slo, drop_expired=drop, clock=clock)
+        clock.now = 0.0
+        running = seq(4, priority=-1, arrival=0.0, ttft_s=1.0)
+        tight, loose, none = seq(4, arrival=0.1, ttft_s=0.5), seq(4, arrival=0.2, ttft_s=5.0), seq(4, arrival=0.3)
+        for s in (running, tight, loose, none):
+            sched.add(s)
+        assert set(run_step(sched)) == {running.seq_id}  # one slot: the others wait
+        clock.now = 0.6  # tight is past 0.1 + 0.5; loose and the one without a target are not
+        out = sched.schedule()
+        assert [s.seq_id for s in out.expired] == ([tight.seq_id] if drop else [])
+        assert sched.num_waiting == (2 if drop else 3) and sched.num_expired == len(out.expired)
+        clock.now = 100.0  # a request without a TTFT target is never dropped; loose now is
+        assert [s.seq_id for s in sched.schedule().expired] == ([loose.seq_id] if drop else [])
+        assert none.status is SeqStatus.WAITING
+
+
+def test_a_preempted_request_that_already_streamed_tokens_is_not_dropped():
+    clock = FakeClock()
+    sched = make(drop_expired=True, clock=clock)
+    a = seq(4, arrival=0.0, ttft_s=0.5)
+    sched.add(a)
+    run_step(sched)  # prefill + first token
+    assert a.num_output_tokens == 1
+    sched._preempt(a)
+    clock.now = 10.0
+    out = sched.schedule()
+    assert out.expired == [] and a.status is SeqStatus.RUNNING  # admitted again, recomputed
 
 
 def test_engine_reports_busy_time_and_its_caps(tiny_checkpoint):
