@@ -48,6 +48,8 @@ class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # priority + TTFT-deadline admission order and TPOT batch caps; false: plain (priority, arrival) order
     slo_scheduling: bool = True
     priority_aging_s: Annotated[float, Meta(gt=0)] = 30.0  # seconds of TTFT deadline one priority class is worth
+    # drop a waiting request once its TTFT deadline has passed (503 + Retry-After) instead of serving it late
+    drop_expired_requests: bool = False
 
 
 class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -502,7 +504,8 @@ def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], Any, str]:
         num_speculative_tokens=e.num_speculative_tokens, quantization=e.quantization,
         quantization_group_size=e.quantization_group_size, cuda_graphs=e.cuda_graphs,
         attention_backend=e.attention_backend, slo_scheduling=e.slo_scheduling,
-        priority_aging_s=e.priority_aging_s) for name, e in ((n, cfg.engines[n]) for n in order)]
+        priority_aging_s=e.priority_aging_s, drop_expired_requests=e.drop_expired_requests)
+        for name, e in ((n, cfg.engines[n]) for n in order)]
     pool = PoolSpec(memory_bytes=cfg.kv_pool.memory_bytes, memory_fraction=cfg.kv_pool.memory_fraction,
                     block_size=cfg.kv_pool.block_size, enable_prefix_caching=cfg.kv_pool.enable_prefix_caching,
                     kv_cache_dtype=cfg.kv_pool.kv_cache_dtype)
