@@ -1,10 +1,14 @@
-"""Admission control: predict a new request's TTFT from the prompt tokens queued ahead of it on its engine and
-the engine's measured prefill drain rate, then admit it, downgrade it to the route's small engine, or shed it
-with 503 and a Retry-After taken from the queue's drain time. Queues are bounded per route.
+"""Admission control: predict a new request's TTFT from the work queued ahead of it on its engine (prompt
+tokens at the measured prefill drain rate; requests waiting for a decode slot at the measured slot turnover;
+both stretched by the share of the engine that higher-priority arrivals take), corrected by the recent error
+of such predictions, then admit it, downgrade it to the route's small engine, or shed it with 503 and a
+Retry-After taken from the queue. Queues are bounded per route. Predicted vs actual TTFT is kept per engine
+and priority (`prediction_stats`), so the predictor's error is measured, not assumed.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -42,10 +46,46 @@ class AdmissionSettings:
     max_waiting_per_route: int = 256  # requests admitted and still waiting for their first token
     route_max_waiting: dict[str, int] = field(default_factory=dict)  # per-route overrides
     ttft_slack: float = 1.0  # admit while predicted TTFT <= slack * target
-    rate_halflife_s: float = 10.0  # how fast the prefill-rate estimate forgets
+    rate_halflife_s: float = 10.0  # how fast the measured rates, slot times and prediction errors forget
     min_rate_observations: int = 3  # first tokens seen before predictions are trusted
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 60.0
+    # decode slots per engine (its max_num_seqs): a request waits for one when they are all taken
+    engine_slots: dict[str, int] = field(default_factory=dict)
+    calibrate: bool = True  # add the recent mean error of past predictions (per engine and priority)
+
+
+class _Decayed:
+    """Exponentially forgetting sums of (weight, weight * value) in wall time: a recent mean and a rate."""
+
+    __slots__ = ("weight", "total", "_last")
+
+    def __init__(self, now: float):
+        self.weight = 0.0
+        self.total = 0.0
+        self._last = now
+
+    def _decay(self, now: float, halflife_s: float) -> None:
+        dt = now - self._last
+        if dt > 0:
+            f = 0.5 ** (dt / halflife_s)
+            self.weight *= f
+            self.total *= f
+            self._last = now
+
+    def add(self, now: float, halflife_s: float, value: float = 1.0) -> None:
+        self._decay(now, halflife_s)
+        self.weight += 1.0
+        self.total += value
+
+    def mean(self, now: float, halflife_s: float) -> float | None:
+        self._decay(now, halflife_s)
+        return self.total / self.weight if self.weight > 1e-9 else None
+
+    def rate(self, now: float, halflife_s: float) -> float:
+        """Events per second over the recent past (the decayed count over the window's length)."""
+        self._decay(now, halflife_s)
+        return self.weight * math.log(2) / halflife_s
 
 
 class _EngineBacklog:
@@ -56,15 +96,21 @@ class _EngineBacklog:
     aggregate prefill throughput under its current decode load, whatever the batching.
     """
 
-    __slots__ = ("tokens_by_priority", "num_waiting", "credited_tokens", "backlog_s", "observations", "_last")
+    __slots__ = ("tokens_by_priority", "count_by_priority", "num_waiting", "num_running", "credited_tokens",
+                 "backlog_s", "observations", "_last", "decode_s", "arrivals", "errors")
 
     def __init__(self, now: float):
         self.tokens_by_priority: dict[int, int] = {}
+        self.count_by_priority: dict[int, int] = {}
         self.num_waiting = 0
+        self.num_running = 0  # first token seen, not yet ended: holding a decode slot
         self.credited_tokens = 0.0
         self.backlog_s = 0.0
         self.observations = 0
         self._last = now
+        self.decode_s = _Decayed(now)  # how long a request holds its slot after its first token
+        self.arrivals: dict[int, _Decayed] = {}  # admissions per priority (for the share higher classes take)
+        self.errors: dict[int, _PredictionErrors] = {}  # per priority
 
     def advance(self, now: float, halflife_s: float) -> None:
         dt = now - self._last
@@ -87,8 +133,12 @@ class _EngineBacklog:
         # lower numbers run first: equal-class work queued earlier is ahead too (deadline order is close to FIFO)
         return sum(t for p, t in self.tokens_by_priority.items() if p <= priority)
 
+    def requests_ahead(self, priority: int) -> int:
+        return sum(n for p, n in self.count_by_priority.items() if p <= priority)
+
     def add(self, priority: int, tokens: int) -> None:
         self.tokens_by_priority[priority] = self.tokens_by_priority.get(priority, 0) + tokens
+        self.count_by_priority[priority] = self.count_by_priority.get(priority, 0) + 1
         self.num_waiting += 1
 
     def drop(self, priority: int, tokens: int) -> None:
@@ -97,7 +147,43 @@ class _EngineBacklog:
             self.tokens_by_priority[priority] = left
         else:
             self.tokens_by_priority.pop(priority, None)
+        n = self.count_by_priority.get(priority, 0) - 1
+        if n > 0:
+            self.count_by_priority[priority] = n
+        else:
+            self.count_by_priority.pop(priority, None)
         self.num_waiting -= 1
+
+
+class _PredictionErrors:
+    """Predicted vs actual TTFT of one engine and priority: the recent mean error (the correction) and totals."""
+
+    __slots__ = ("recent", "count", "sum_error", "sum_abs_error", "sum_abs_raw_error", "within_20pct", "pairs")
+
+    def __init__(self, now: float):
+        self.recent = _Decayed(now)  # actual - raw prediction, recent mean: added to later predictions
+        self.count = 0
+        self.sum_error = 0.0  # of the corrected prediction (actual - predicted): > 0 means optimistic
+        self.sum_abs_error = 0.0
+        self.sum_abs_raw_error = 0.0
+        self.within_20pct = 0  # |error| <= max(20% of actual, 50 ms)
+        self.pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=512)  # (predicted, actual)
+
+    def observe(self, now: float, halflife_s: float, raw: float, predicted: float, actual: float) -> None:
+        self.recent.add(now, halflife_s, actual - raw)
+        err = actual - predicted
+        self.count += 1
+        self.sum_error += err
+        self.sum_abs_error += abs(err)
+        self.sum_abs_raw_error += abs(actual - raw)
+        self.within_20pct += abs(err) <= max(0.2 * actual, 0.05)
+        self.pairs.append((predicted, actual))
+
+    def summary(self) -> dict[str, float | int]:
+        n = max(1, self.count)
+        return {"count": self.count, "mean_error_s": self.sum_error / n, "mean_abs_error_s": self.sum_abs_error / n,
+                "mean_abs_error_uncorrected_s": self.sum_abs_raw_error / n,
+                "within_20pct": self.within_20pct / n}
 
 
 @dataclass(slots=True)
@@ -106,13 +192,17 @@ class _Waiting:
     engine: str
     priority: int
     tokens: int
+    admitted_at: float = 0.0
+    raw_s: float | None = None  # the prediction before the error correction (None: none was made)
+    predicted_s: float | None = None
 
 
 class AdmissionController:
     """Decides admit / downgrade / shed per request and keeps the per-engine backlog ledger.
 
     Call it from the event loop only (no locks). Per request: `admit()` before starting the engine, then
-    exactly one of `first_token()` (prefill done) or `release()` (ended or failed before its first token).
+    `first_token()` when its prefill is done (if it gets that far), and `release()` when it ends, whichever way
+    (idempotent; after `first_token()` it frees the request's decode slot in the ledger).
     """
 
     def __init__(self, routes: Mapping[str, RouteConfig], settings: AdmissionSettings | None = None, *,
@@ -122,6 +212,7 @@ class AdmissionController:
         self.clock = clock
         self._engines: dict[str, _EngineBacklog] = {}
         self._waiting: dict[str, _Waiting] = {}
+        self._running: dict[str, tuple[str, float]] = {}  # request id -> (engine, first token time)
         self._route_waiting: dict[str, int] = {}
 
     # ---- reading the state -------------------------------------------------------------------------------
@@ -137,12 +228,49 @@ class AdmissionController:
         backlog.advance(self.clock(), self.settings.rate_halflife_s)
         return backlog.rate(self.settings.min_rate_observations)
 
-    def predicted_ttft(self, engine: str, priority: int, prompt_tokens: int) -> float | None:
-        """Seconds until a new request's first token: the tokens ahead of it plus its own, at the drain rate."""
+    def _slot_wait(self, engine: str, backlog: _EngineBacklog, priority: int, now: float) -> float:
+        """Seconds until a decode slot frees for a new request: the requests of its class or better that wait
+        ahead of it each need one first; slots turn over at slots / (mean time a request holds one)."""
+        slots = self.settings.engine_slots.get(engine)
+        if not slots:
+            return 0.0
+        hold = backlog.decode_s.mean(now, self.settings.rate_halflife_s)
+        if hold is None:
+            return 0.0
+        to_free = backlog.num_running + backlog.requests_ahead(priority) + 1 - slots
+        return max(0, to_free) * hold / slots
+
+    def _higher_share(self, engine: str, backlog: _EngineBacklog, priority: int, now: float) -> float:
+        """The share of the engine's slot time that higher-priority arrivals take (they overtake this request
+        while it waits): its wait stretches by 1 / (1 - share), as in a priority queue."""
+        slots = self.settings.engine_slots.get(engine)
+        hold = backlog.decode_s.mean(now, self.settings.rate_halflife_s) if slots else None
+        if hold is None:
+            return 0.0
+        h = self.settings.rate_halflife_s
+        rate = sum(d.rate(now, h) for p, d in backlog.arrivals.items() if p < priority)
+        return rate * hold / slots
+
+    def _predict(self, engine: str, priority: int, prompt_tokens: int) -> tuple[float, float] | None:
+        """(raw, corrected) TTFT prediction in seconds, or None while the engine's rates are unmeasured."""
         rate = self.prefill_rate(engine)
         if rate is None:
             return None
-        return (self._backlog(engine).tokens_ahead(priority) + prompt_tokens) / rate
+        now = self.clock()
+        backlog = self._backlog(engine)
+        wait = max((backlog.tokens_ahead(priority) + prompt_tokens) / rate,
+                   self._slot_wait(engine, backlog, priority, now))
+        share = self._higher_share(engine, backlog, priority, now)
+        raw = wait / (1.0 - share) if share < 0.95 else math.inf
+        errors = backlog.errors.get(priority)
+        correction = errors.recent.mean(now, self.settings.rate_halflife_s) if errors and self.settings.calibrate \
+            else None
+        return raw, max(0.0, raw + (correction or 0.0))
+
+    def predicted_ttft(self, engine: str, priority: int, prompt_tokens: int) -> float | None:
+        """Seconds until a new request's first token on `engine` (None while warming up)."""
+        pred = self._predict(engine, priority, prompt_tokens)
+        return None if pred is None else pred[1]
 
     def num_waiting(self, route: str | None = None) -> int:
         """Requests admitted and still waiting for their first token (one route, or all)."""
@@ -150,6 +278,26 @@ class AdmissionController:
 
     def waiting_by_engine(self) -> dict[str, int]:
         return {name: b.num_waiting for name, b in self._engines.items()}
+
+    def prediction_stats(self) -> dict[str, dict[str, dict[str, float | int]]]:
+        """Predicted vs actual TTFT per engine and priority since start: count, mean error (actual - predicted),
+        mean absolute error with and without the correction, share within max(20%, 50 ms)."""
+        return {name: {str(p): e.summary() for p, e in sorted(b.errors.items())} for name, b in self._engines.items()}
+
+    def prediction_pairs(self, engine: str, priority: int) -> list[tuple[float, float]]:
+        """The latest (predicted, actual) TTFT pairs of one engine and priority, oldest first."""
+        errors = self._backlog(engine).errors.get(priority)
+        return list(errors.pairs) if errors else []
+
+    def stats(self) -> dict[str, object]:
+        """The ledger and the measurements behind the predictions (for `GET /v1/routes` and benchmarks)."""
+        now, h = self.clock(), self.settings.rate_halflife_s
+        engines = {}
+        for name, b in self._engines.items():
+            engines[name] = {"waiting": b.num_waiting, "running": b.num_running,
+                             "prefill_rate_tok_s": self.prefill_rate(name), "slot_hold_s": b.decode_s.mean(now, h),
+                             "slots": self.settings.engine_slots.get(name)}
+        return {"engines": engines, "prediction": self.prediction_stats()}
 
     # ---- deciding ----------------------------------------------------------------------------------------
     def decide(self, route: str, engine: str, prompt_tokens: int) -> AdmissionDecision:
@@ -163,7 +311,7 @@ class AdmissionController:
         predicted = self.predicted_ttft(engine, priority, prompt_tokens)
 
         if self._route_waiting.get(route, 0) >= limit:
-            return self._shed("queue_full", engine, priority, prompt_tokens, predicted, target, 0.0)
+            return self._shed("queue_full", engine, priority, predicted, target, 0.0)
         if target is None:
             return AdmissionDecision(action="admit", engine=engine, reason="no_slo", predicted_ttft_s=predicted)
         if predicted is None:
@@ -178,54 +326,102 @@ class AdmissionController:
             if on_small is not None and on_small <= budget:
                 return AdmissionDecision(action="downgrade", engine=small, reason="small_meets_slo",
                                          predicted_ttft_s=on_small, target_ttft_s=target)
-        if self._backlog(engine).tokens_ahead(priority) == 0:
-            # Nothing of its class is ahead: shedding cannot make it faster later, so serve it late.
+        if self._nothing_ahead(engine, priority):
+            # Nothing of its class is ahead and a slot is free: shedding cannot make it faster later.
             return AdmissionDecision(action="admit", engine=engine, reason="slo_unreachable",
                                      predicted_ttft_s=predicted, target_ttft_s=target)
-        return self._shed("slo_miss", engine, priority, prompt_tokens, predicted, target, budget)
+        return self._shed("slo_miss", engine, priority, predicted, target, budget)
 
-    def _shed(self, reason: str, engine: str, priority: int, prompt_tokens: int, predicted: float | None,
-              target: float | None, budget_s: float) -> AdmissionDecision:
-        """503 with Retry-After: the time for the queue ahead to drain until this request would fit."""
+    def _nothing_ahead(self, engine: str, priority: int) -> bool:
+        backlog = self._backlog(engine)
+        if backlog.tokens_ahead(priority) > 0:
+            return False
+        slots = self.settings.engine_slots.get(engine)
+        return not slots or backlog.num_running < slots
+
+    def retry_after_s(self, route: str, engine: str) -> float:
+        """Retry-After for a request of `route` on `engine` that is answered 503 now (shed, or dropped late)."""
+        cfg = self.routes.get(route)
+        priority = cfg.priority if cfg is not None else 0
+        target = cfg.slo.ttft_ms / 1000.0 if cfg is not None and cfg.slo.ttft_ms is not None else 0.0
+        return self._retry_after(self.predicted_ttft(engine, priority, 0), self.settings.ttft_slack * target)
+
+    def _retry_after(self, predicted: float | None, budget_s: float) -> float:
+        """Seconds until the queue ahead should have drained enough for a new request to fit its budget."""
         s = self.settings
-        rate = self.prefill_rate(engine)
-        wait = s.min_retry_after_s
-        if rate is not None:
-            excess = self._backlog(engine).tokens_ahead(priority) + prompt_tokens - budget_s * rate
-            wait = excess / rate
-        wait = min(s.max_retry_after_s, max(s.min_retry_after_s, wait))
+        if predicted is None:
+            wait = s.min_retry_after_s
+        elif math.isinf(predicted):
+            wait = s.max_retry_after_s
+        else:
+            wait = predicted - budget_s
+        return float(math.ceil(min(s.max_retry_after_s, max(s.min_retry_after_s, wait))))
+
+    def _shed(self, reason: str, engine: str, priority: int, predicted: float | None, target: float | None,
+              budget_s: float) -> AdmissionDecision:
+        """503 with Retry-After: the time for the queue ahead to drain until this request would fit."""
         return AdmissionDecision(action="shed", engine=None, reason=reason, predicted_ttft_s=predicted,
-                                 target_ttft_s=target, retry_after_s=float(math.ceil(wait)), status=503)
+                                 target_ttft_s=target, retry_after_s=self._retry_after(predicted, budget_s),
+                                 status=503)
 
     # ---- the ledger --------------------------------------------------------------------------------------
     def admit(self, request_id: str, route: str, engine: str, prompt_tokens: int) -> AdmissionDecision:
         """`decide`, and when admitted (or downgraded) enter the request into its engine's backlog."""
-        if request_id in self._waiting:
+        if request_id in self._waiting or request_id in self._running:
             raise ValueError(f"request {request_id!r} was already admitted")
         decision = self.decide(route, engine, prompt_tokens)
         if decision.admitted:
             cfg = self.routes.get(route)
             priority = cfg.priority if cfg is not None else 0
             chosen = decision.engine or engine
+            now = self.clock()
+            pred = self._predict(chosen, priority, prompt_tokens)
             backlog = self._backlog(chosen)
-            backlog.advance(self.clock(), self.settings.rate_halflife_s)
+            backlog.advance(now, self.settings.rate_halflife_s)
             backlog.add(priority, prompt_tokens)
-            self._waiting[request_id] = _Waiting(route, chosen, priority, prompt_tokens)
+            arrivals = backlog.arrivals.get(priority)
+            if arrivals is None:
+                arrivals = backlog.arrivals[priority] = _Decayed(now)
+            arrivals.add(now, self.settings.rate_halflife_s)
+            self._waiting[request_id] = _Waiting(route, chosen, priority, prompt_tokens, now,
+                                                 *(pred if pred is not None else (None, None)))
             self._route_waiting[route] = self._route_waiting.get(route, 0) + 1
         return decision
 
     def first_token(self, request_id: str) -> None:
-        """The request's prefill is done: its tokens leave the backlog and count toward the drain rate."""
-        self._leave(request_id, credit=True)
-
-    def release(self, request_id: str) -> None:
-        """The request ended before its first token (abort, error, disconnect); idempotent."""
-        self._leave(request_id, credit=False)
-
-    def _leave(self, request_id: str, *, credit: bool) -> None:
-        entry = self._waiting.pop(request_id, None)
+        """The request's prefill is done: its tokens leave the backlog and count toward the drain rate, its
+        TTFT is checked against the prediction made at admission, and it holds a decode slot until released."""
+        entry = self._leave(request_id, credit=True)
         if entry is None:
             return
+        now = self.clock()
+        backlog = self._engines[entry.engine]
+        backlog.num_running += 1
+        self._running[request_id] = (entry.engine, now)
+        if entry.raw_s is not None and not math.isinf(entry.raw_s):
+            errors = backlog.errors.get(entry.priority)
+            if errors is None:
+                errors = backlog.errors[entry.priority] = _PredictionErrors(now)
+            errors.observe(now, self.settings.rate_halflife_s, entry.raw_s, entry.predicted_s,
+                           now - entry.admitted_at)
+
+    def release(self, request_id: str) -> None:
+        """The request ended (finished, aborted, failed, dropped), before or after its first token; idempotent."""
+        if self._leave(request_id, credit=False) is not None:
+            return
+        held = self._running.pop(request_id, None)
+        if held is None:
+            return
+        engine, since = held
+        backlog = self._engines[engine]
+        backlog.num_running -= 1
+        now = self.clock()
+        backlog.decode_s.add(now, self.settings.rate_halflife_s, now - since)
+
+    def _leave(self, request_id: str, *, credit: bool) -> _Waiting | None:
+        entry = self._waiting.pop(request_id, None)
+        if entry is None:
+            return None
         backlog = self._engines[entry.engine]
         backlog.advance(self.clock(), self.settings.rate_halflife_s)
         backlog.drop(entry.priority, entry.tokens)
@@ -237,3 +433,4 @@ class AdmissionController:
             self._route_waiting[entry.route] = left
         else:
             del self._route_waiting[entry.route]
+        return entry

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.errors import EngineDeadError, RequestRejected
 from engines.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from engines.scheduler import TTFT_EXPIRED
 from gateway.admission import AdmissionController, AdmissionDecision, AdmissionSettings
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.autoscale import Autoscaler, AutoscaleSettings, signals_from
@@ -177,7 +178,8 @@ async def list_routes(request: Request) -> dict[str, Any]:
                     "max_waiting": route.max_waiting,
                     "waiting": state.admission.num_waiting(name) if state.admission is not None else None,
                     "attainment": msgspec.to_builtins(reports[name])})
-    return {"object": "list", "data": out}
+    return {"object": "list", "data": out,
+            "admission": state.admission.stats() if state.admission is not None else None}
 
 
 @get("/v1/autoscale")
@@ -340,7 +342,11 @@ async def _serve(request: Request, state: GatewayState, route: Route,
         fmt = _Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
                          params.logprobs)
     except BaseException as exc:
-        finish.failed = isinstance(exc, APIError) and exc.status >= 500
+        if isinstance(exc, APIError) and exc.code == TTFT_EXPIRED:  # dropped late by the engine: a shed
+            state.slo.observe_shed(route.name)
+            if state.admission is not None:
+                exc.retry_after = state.admission.retry_after_s(route.name, run.engine.name)
+        finish.failed = isinstance(exc, APIError) and exc.status >= 500 and exc.code != TTFT_EXPIRED
         finish.close()  # rejected, failed or cancelled before a byte went out: abort and release the slot
         raise
 
@@ -429,6 +435,9 @@ async def _first_output(run: RoutedRun) -> RequestOutput:
         raise APIError(503, f"The engine is not running: {exc}", code="engine_dead", retry_after=5) from None
     except StopAsyncIteration:
         raise APIError(500, "The engine ended the request without any output", code="engine_error") from None
+    if first.error and first.error.startswith(TTFT_EXPIRED):
+        raise APIError(503, f"The request was dropped: it {first.error.partition(': ')[2]}; retry later",
+                       code=TTFT_EXPIRED, retry_after=1)
     if first.error and first.finished and not any(c.token_ids for c in first.outputs):
         raise APIError(500, f"The engine failed this request: {first.error}", code="engine_error")
     return first
@@ -714,7 +723,8 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         max_waiting_per_route=adm.max_waiting_per_route, ttft_slack=adm.ttft_slack,
         route_max_waiting={n: r.max_waiting for n, r in cfg.routes.items() if r.max_waiting is not None},
         rate_halflife_s=adm.rate_halflife_s, min_rate_observations=adm.min_rate_observations,
-        min_retry_after_s=adm.min_retry_after_s, max_retry_after_s=adm.max_retry_after_s)) if adm.enabled else None
+        min_retry_after_s=adm.min_retry_after_s, max_retry_after_s=adm.max_retry_after_s,
+        engine_slots={n: e.max_num_seqs for n, e in cfg.engines.items()})) if adm.enabled else None
     slo = SLOAccounting(cfg.routes, window_s=cfg.telemetry.slo_window_s,
                         price_per_device_hour=cfg.cost.price_per_device_hour)
     autoscaler = Autoscaler(AutoscaleSettings(**msgspec.to_builtins(cfg.autoscale)))
