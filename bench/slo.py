@@ -1,14 +1,19 @@
 """SLO-aware serving vs plain first-come-first-served: goodput on the Azure conversation mix at rising rates.
 
-Starts a real tandem server (a subprocess on 127.0.0.1, default tiny model) twice: once with SLO scheduling
-(deadline order + TPOT batch caps) and admission control on, once with both off (plain FCFS in
-(priority, arrival) order, every request admitted). Drives each with the load tester (`traces`, the `chat`
-mix from the Azure 2023 conversation trace) split over an `interactive` route (tight SLO, high priority) and a
-`batch` route (loose SLO), and compares goodput (requests meeting every SLO of their route per second; shed
-and failed requests are misses). Target: >= 1.5x goodput at the knee (the first rate where FCFS attainment
-drops below 90%). Prints a table, writes bench/results/slo.json and docs/img/slo_goodput.png.
+Starts real tandem servers (subprocesses on 127.0.0.1, default tiny model), one per mode:
+- `slo`: priority + TTFT-deadline order, TPOT batch caps, admission control (predict TTFT, shed 503) and
+  deadline-aware dropping of waiting requests that already missed their TTFT;
+- `fcfs`: plain first-come-first-served (vLLM's default policy): arrival order, no priorities, every request
+  admitted and served however late;
+- `priority` (a stronger reference baseline): the route priorities, then arrival order, every request admitted.
+Drives each with the load tester (`traces`, the `chat` mix from the Azure 2023 conversation trace) split over
+an `interactive` route (tight SLO, high priority) and a `batch` route (loose SLO), and compares goodput
+(requests meeting every SLO of their route per second; shed and failed requests are misses). Target: >= 1.5x
+goodput vs FCFS at the knee (the first rate where FCFS attainment drops below 90%). Also reports the admission
+predictor's error (predicted vs actual TTFT of admitted requests). Prints a table, writes
+bench/results/slo.json and docs/img/slo_goodput.png.
 
-    .venv/bin/python bench/slo.py [--rates 10,20,30,40,60] [--duration 10] [--engine models/tandem-tiny-l]
+    .venv/bin/python bench/slo.py [--rates 30,40,50,60,80] [--duration 10] [--modes slo,fcfs,priority]
 """
 
 from __future__ import annotations
@@ -36,12 +41,16 @@ from traces.metrics import Slo  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "slo.json"
 PLOT = ROOT / "docs" / "img" / "slo_goodput.png"
 SLOS = {"interactive": Slo(ttft_ms=1000, tpot_ms=200), "batch": Slo(ttft_ms=5000, tpot_ms=400)}
-MODES = {"slo": True, "fcfs": False}
+MODES = ("slo", "fcfs", "priority")
+LABELS = {"slo": "SLO-aware (deadlines + caps + admission + dropping)", "fcfs": "plain FCFS (arrival order)",
+          "priority": "priority FCFS (route priority, then arrival)"}
 
 
-def _config_toml(engine: Path, slo_on: bool) -> str:
+def config_for(mode: str, engine: Path) -> str:
+    slo_on = mode == "slo"
     flag = "true" if slo_on else "false"
     i, b = SLOS["interactive"], SLOS["batch"]
+    prio_i, prio_b = (0, 0) if mode == "fcfs" else (-1, 1)
     return f"""
 [server]
 max_inflight_requests = 4096
@@ -57,21 +66,22 @@ max_num_seqs = 64
 max_num_batched_tokens = 512
 slo_scheduling = {flag}
 priority_aging_s = 1.0  # near earliest-deadline-first: batch requests are not starved past their 5 s target
+drop_expired_requests = {flag}
 
 [admission]
 enabled = {flag}
 rate_halflife_s = 3.0
-ttft_slack = 0.8  # aim under the target: predictions are means, the SLO is a p99
+ttft_slack = 0.9  # aim a little under the target: the prediction is a corrected mean
 
 [routes.interactive]
 engines = ["tandem"]
-priority = -1
+priority = {prio_i}
 max_waiting = 32
 slo = {{ ttft_ms = {i.ttft_ms:g}, tpot_ms = {i.tpot_ms:g} }}
 
 [routes.batch]
 engines = ["tandem"]
-priority = 1
+priority = {prio_b}
 max_waiting = 64
 slo = {{ ttft_ms = {b.ttft_ms:g}, tpot_ms = {b.tpot_ms:g} }}
 """
@@ -136,28 +146,57 @@ def _point(rate: float, report: dict) -> dict:
                       for name, r in s["per_route"].items()}}
 
 
-def run_modes(engine: Path, rates: list[float], duration_s: float, out: Path) -> dict[str, list[dict]]:
-    """Both servers up at once (an idle engine thread sleeps); per rate the modes run back to back, in
-    alternating order, so a change in the shared machine's load hits both alike."""
+def _admission_stats(url: str) -> dict | None:
+    try:
+        return httpx.get(url + "/v1/routes", timeout=10).json().get("admission")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def prediction_delta(before: dict | None, after: dict | None) -> dict[str, dict]:
+    """Predicted vs actual TTFT of the requests admitted between two `/v1/routes` snapshots, per priority."""
+    out: dict[str, dict] = {}
+    if not after:
+        return out
+    prev = (before or {}).get("prediction", {})
+    for engine, by_prio in after.get("prediction", {}).items():
+        for prio, a in by_prio.items():
+            b = prev.get(engine, {}).get(prio, {"count": 0, "mean_error_s": 0.0, "mean_abs_error_s": 0.0,
+                                                   "within_20pct": 0.0, "late": 0.0})
+            n = a["count"] - b["count"]
+            if n > 0:  # the totals are means over all requests so far: take the new requests' share
+                out[f"{engine}/{prio}"] = {"count": n, **{
+                    key: round((a[key] * a["count"] - b[key] * b["count"]) / n, 4)
+                    for key in ("mean_error_s", "mean_abs_error_s", "within_20pct", "late")}}
+    return out
+
+
+def run_modes(engine: Path, rates: list[float], duration_s: float, out: Path,
+              modes: list[str]) -> dict[str, list[dict]]:
+    """Every server up at once (an idle engine thread sleeps); per rate the modes run back to back, in
+    rotating order, so a change in the shared machine's load hits them alike."""
     servers = {}
     try:
-        for mode, on in MODES.items():
+        for mode in modes:
             config = out / f"{mode}.toml"
-            config.write_text(_config_toml(engine, on))
+            config.write_text(config_for(mode, engine))
             servers[mode] = Server(config)
         for server in servers.values():
             server.wait_ready()
             server.warm()
-        points: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        points: dict[str, list[dict]] = {mode: [] for mode in modes}
         for i, rate in enumerate(sorted(rates)):
-            order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+            order = modes[i % len(modes):] + modes[:i % len(modes)]
             for mode in order:
+                before = _admission_stats(servers[mode].url) if mode == "slo" else None
                 cfg = LoadTestConfig(url=servers[mode].url, out=out / mode, workload="chat", duration_s=duration_s,
                                      models=["interactive", "batch"], slos=SLOS, tokenizer=str(engine),
                                      warmup_s=2.0, seed=0, prompt_seed=0, timeout_s=60.0, plots=False,
                                      scrape_interval_s=2.0)
                 report = asyncio.run(run_once(cfg, rate, out / mode / f"rate_{rate:g}", 512, i))
                 points[mode].append(_point(rate, report))
+                if mode == "slo":
+                    points[mode][-1]["ttft_prediction"] = prediction_delta(before, _admission_stats(servers[mode].url))
                 print(f"rate {rate:g} {mode}: goodput {points[mode][-1]['goodput_rps']:.2f}", file=sys.stderr)
         return points
     finally:
@@ -182,8 +221,8 @@ def plot(results: dict, path: Path) -> str | None:
     except ImportError:
         return "matplotlib missing: plot skipped"
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for mode, label in (("slo", "SLO-aware (deadlines + caps + admission)"), ("fcfs", "plain FCFS")):
-        pts = results["modes"][mode]
+    for mode, pts in results["modes"].items():
+        label = LABELS[mode]
         ax.plot([p["offered_rps"] for p in pts], [p["goodput_rps"] for p in pts], marker="o", label=label)
     knee_at = [p["offered_rps"] for p in results["modes"]["fcfs"] if p["rate"] == results["knee_rate"]]
     if knee_at:
@@ -201,11 +240,15 @@ def plot(results: dict, path: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="10,20,30,40,60", help="offered rates, requests/s")
+    parser.add_argument("--rates", default="30,40,50,60,80", help="offered rates, requests/s")
+    parser.add_argument("--modes", default=",".join(MODES), help="which of slo,fcfs,priority to run")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate")
     parser.add_argument("--engine", type=Path, default=ROOT / "models" / "tandem-tiny-l")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if "slo" not in modes or "fcfs" not in modes or set(modes) - set(MODES):
+        parser.error(f"--modes must include slo and fcfs and name only {MODES}")
     started = time.monotonic()
     results: dict = {"workload": "chat (Azure LLM inference trace 2023, conversation)", "engine": str(args.engine),
                      "rates": rates, "duration_s": args.duration,
@@ -214,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                      "command": "bench/slo.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     rates = sorted(rates)
     with tempfile.TemporaryDirectory() as tmp:
-        results["modes"] = run_modes(args.engine.resolve(), rates, args.duration, Path(tmp))
+        results["modes"] = run_modes(args.engine.resolve(), rates, args.duration, Path(tmp), modes)
     k = knee(results["modes"]["fcfs"])
     results["knee_rate"] = k
     ratios = {}
@@ -222,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         ratios[f"{s['rate']:g}"] = round(s["goodput_rps"] / f["goodput_rps"], 3) if f["goodput_rps"] else None
     results["goodput_ratio"] = ratios
     results["ratio_at_knee"] = ratios.get(f"{k:g}") if k is not None else None
+    if "priority" in results["modes"]:
+        results["goodput_ratio_vs_priority"] = {
+            f"{s['rate']:g}": round(s["goodput_rps"] / q["goodput_rps"], 3) if q["goodput_rps"] else None
+            for s, q in zip(results["modes"]["slo"], results["modes"]["priority"])}
     results["target_met"] = results["ratio_at_knee"] is not None and results["ratio_at_knee"] >= 1.5
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     warning = plot(results, PLOT)
@@ -231,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'rate':>5} | {'mode':>4} | {'offered':>7} | {'goodput':>7} | {'attain':>6} | {'done':>4} | "
           f"{'shed':>4} | {'fail':>4} | {'TTFT p99 ms':>11} | {'TPOT p99 ms':>11} | int. TTFT p99")
     for i, rate in enumerate(rates):
-        for mode in MODES:
+        for mode in modes:
             p = results["modes"][mode][i]
             inter = p["per_route"].get("interactive", {}).get("ttft_p99_ms")
             print(f"{rate:>5g} | {mode:>4} | {p['offered_rps']:>7.2f} | {p['goodput_rps']:>7.2f} | "
@@ -239,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_num(p['ttft_p99_ms']):>11} | {_num(p['tpot_p99_ms']):>11} | {_num(inter)}")
     print(f"knee (FCFS attainment < 90%): {k} req/s; goodput ratio there: {results['ratio_at_knee']} "
           f"(target >= 1.5: {'met' if results['target_met'] else 'NOT met'}); ratios {ratios}")
+    if "goodput_ratio_vs_priority" in results:
+        print(f"SLO-aware vs priority FCFS: {results['goodput_ratio_vs_priority']}")
+    print("admission TTFT prediction (admitted requests; error = actual - predicted):")
+    for p in results["modes"]["slo"]:
+        for key, e in p.get("ttft_prediction", {}).items():
+            print(f"  rate {p['rate']:g} {key}: n={e['count']} mean error {e['mean_error_s'] * 1000:+.0f} ms, "
+                  f"mean |error| {e['mean_abs_error_s'] * 1000:.0f} ms, within max(20%, 50 ms): "
+                  f"{e['within_20pct']:.0%}, TTFT over target: {e['late']:.0%}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)} and {PLOT.relative_to(ROOT)} in {results['elapsed_s']} s")

@@ -1,9 +1,9 @@
 """Admission control: predict a new request's TTFT from the work queued ahead of it on its engine (prompt
 tokens at the measured prefill drain rate; requests waiting for a decode slot at the measured slot turnover;
-both stretched by the share of the engine that higher-priority arrivals take), corrected by the recent error
-of such predictions, then admit it, downgrade it to the route's small engine, or shed it with 503 and a
-Retry-After taken from the queue. Queues are bounded per route. Predicted vs actual TTFT is kept per engine
-and priority (`prediction_stats`), so the predictor's error is measured, not assumed.
+both stretched by the share of the engine that higher-priority arrivals take), then admit it, downgrade it to
+the route's small engine, or shed it with 503 and a Retry-After taken from the queue. Queues are bounded per
+route. Predicted vs actual TTFT is kept per engine and priority (`prediction_stats`): the predictor's error
+is measured, not assumed.
 """
 
 from __future__ import annotations
@@ -52,38 +52,36 @@ class AdmissionSettings:
     max_retry_after_s: float = 60.0
     # decode slots per engine (its max_num_seqs): a request waits for one when they are all taken
     engine_slots: dict[str, int] = field(default_factory=dict)
-    calibrate: bool = True  # add the recent mean error of past predictions (per engine and priority)
 
 
 class _Decayed:
-    """Exponentially forgetting sums of (weight, weight * value) in wall time: a recent mean and a rate."""
+    """Exponential forgetting in wall time: a recent mean (it keeps its value through idle time, when no new
+    samples come) and a recent event rate (the decayed count over the window's length)."""
 
-    __slots__ = ("weight", "total", "_last")
+    __slots__ = ("weight", "value", "seen", "_last")
 
     def __init__(self, now: float):
         self.weight = 0.0
-        self.total = 0.0
+        self.value = 0.0
+        self.seen = False
         self._last = now
 
     def _decay(self, now: float, halflife_s: float) -> None:
         dt = now - self._last
         if dt > 0:
-            f = 0.5 ** (dt / halflife_s)
-            self.weight *= f
-            self.total *= f
+            self.weight *= 0.5 ** (dt / halflife_s)
             self._last = now
 
     def add(self, now: float, halflife_s: float, value: float = 1.0) -> None:
         self._decay(now, halflife_s)
         self.weight += 1.0
-        self.total += value
+        self.value += (value - self.value) / self.weight
+        self.seen = True
 
     def mean(self, now: float, halflife_s: float) -> float | None:
-        self._decay(now, halflife_s)
-        return self.total / self.weight if self.weight > 1e-9 else None
+        return self.value if self.seen else None
 
     def rate(self, now: float, halflife_s: float) -> float:
-        """Events per second over the recent past (the decayed count over the window's length)."""
         self._decay(now, halflife_s)
         return self.weight * math.log(2) / halflife_s
 
@@ -156,34 +154,31 @@ class _EngineBacklog:
 
 
 class _PredictionErrors:
-    """Predicted vs actual TTFT of one engine and priority: the recent mean error (the correction) and totals."""
+    """Predicted vs actual TTFT of one engine and priority: running totals and the latest pairs."""
 
-    __slots__ = ("recent", "count", "sum_error", "sum_abs_error", "sum_abs_raw_error", "within_20pct", "pairs")
+    __slots__ = ("count", "sum_error", "sum_abs_error", "within_20pct", "late", "pairs")
 
-    def __init__(self, now: float):
-        self.recent = _Decayed(now)  # actual - raw prediction, recent mean: added to later predictions
+    def __init__(self) -> None:
         self.count = 0
-        self.sum_error = 0.0  # of the corrected prediction (actual - predicted): > 0 means optimistic
+        self.sum_error = 0.0  # actual - predicted: > 0 means the prediction was optimistic
         self.sum_abs_error = 0.0
-        self.sum_abs_raw_error = 0.0
         self.within_20pct = 0  # |error| <= max(20% of actual, 50 ms)
+        self.late = 0  # actual TTFT above its target
         self.pairs: collections.deque[tuple[float, float]] = collections.deque(maxlen=512)  # (predicted, actual)
 
-    def observe(self, now: float, halflife_s: float, raw: float, predicted: float, actual: float) -> None:
-        self.recent.add(now, halflife_s, actual - raw)
+    def observe(self, predicted: float, actual: float, target: float | None) -> None:
         err = actual - predicted
         self.count += 1
         self.sum_error += err
         self.sum_abs_error += abs(err)
-        self.sum_abs_raw_error += abs(actual - raw)
         self.within_20pct += abs(err) <= max(0.2 * actual, 0.05)
+        self.late += target is not None and actual > target
         self.pairs.append((predicted, actual))
 
     def summary(self) -> dict[str, float | int]:
         n = max(1, self.count)
         return {"count": self.count, "mean_error_s": self.sum_error / n, "mean_abs_error_s": self.sum_abs_error / n,
-                "mean_abs_error_uncorrected_s": self.sum_abs_raw_error / n,
-                "within_20pct": self.within_20pct / n}
+                "within_20pct": self.within_20pct / n, "late": self.late / n}
 
 
 @dataclass(slots=True)
@@ -193,8 +188,8 @@ class _Waiting:
     priority: int
     tokens: int
     admitted_at: float = 0.0
-    raw_s: float | None = None  # the prediction before the error correction (None: none was made)
-    predicted_s: float | None = None
+    predicted_s: float | None = None  # None: none was made (warming up)
+    target_s: float | None = None
 
 
 class AdmissionController:
@@ -251,8 +246,8 @@ class AdmissionController:
         rate = sum(d.rate(now, h) for p, d in backlog.arrivals.items() if p < priority)
         return rate * hold / slots
 
-    def _predict(self, engine: str, priority: int, prompt_tokens: int) -> tuple[float, float] | None:
-        """(raw, corrected) TTFT prediction in seconds, or None while the engine's rates are unmeasured."""
+    def predicted_ttft(self, engine: str, priority: int, prompt_tokens: int) -> float | None:
+        """Seconds until a new request's first token on `engine` (None while its rates are unmeasured)."""
         rate = self.prefill_rate(engine)
         if rate is None:
             return None
@@ -261,16 +256,7 @@ class AdmissionController:
         wait = max((backlog.tokens_ahead(priority) + prompt_tokens) / rate,
                    self._slot_wait(engine, backlog, priority, now))
         share = self._higher_share(engine, backlog, priority, now)
-        raw = wait / (1.0 - share) if share < 0.95 else math.inf
-        errors = backlog.errors.get(priority)
-        correction = errors.recent.mean(now, self.settings.rate_halflife_s) if errors and self.settings.calibrate \
-            else None
-        return raw, max(0.0, raw + (correction or 0.0))
-
-    def predicted_ttft(self, engine: str, priority: int, prompt_tokens: int) -> float | None:
-        """Seconds until a new request's first token on `engine` (None while warming up)."""
-        pred = self._predict(engine, priority, prompt_tokens)
-        return None if pred is None else pred[1]
+        return wait / (1.0 - share) if share < 0.95 else math.inf
 
     def num_waiting(self, route: str | None = None) -> int:
         """Requests admitted and still waiting for their first token (one route, or all)."""
@@ -281,7 +267,7 @@ class AdmissionController:
 
     def prediction_stats(self) -> dict[str, dict[str, dict[str, float | int]]]:
         """Predicted vs actual TTFT per engine and priority since start: count, mean error (actual - predicted),
-        mean absolute error with and without the correction, share within max(20%, 50 ms)."""
+        mean absolute error, share within max(20%, 50 ms), share whose actual TTFT missed its target."""
         return {name: {str(p): e.summary() for p, e in sorted(b.errors.items())} for name, b in self._engines.items()}
 
     def prediction_pairs(self, engine: str, priority: int) -> list[tuple[float, float]]:
@@ -375,7 +361,6 @@ class AdmissionController:
             priority = cfg.priority if cfg is not None else 0
             chosen = decision.engine or engine
             now = self.clock()
-            pred = self._predict(chosen, priority, prompt_tokens)
             backlog = self._backlog(chosen)
             backlog.advance(now, self.settings.rate_halflife_s)
             backlog.add(priority, prompt_tokens)
@@ -384,7 +369,7 @@ class AdmissionController:
                 arrivals = backlog.arrivals[priority] = _Decayed(now)
             arrivals.add(now, self.settings.rate_halflife_s)
             self._waiting[request_id] = _Waiting(route, chosen, priority, prompt_tokens, now,
-                                                 *(pred if pred is not None else (None, None)))
+                                                 decision.predicted_ttft_s, decision.target_ttft_s)
             self._route_waiting[route] = self._route_waiting.get(route, 0) + 1
         return decision
 
@@ -398,12 +383,11 @@ class AdmissionController:
         backlog = self._engines[entry.engine]
         backlog.num_running += 1
         self._running[request_id] = (entry.engine, now)
-        if entry.raw_s is not None and not math.isinf(entry.raw_s):
+        if entry.predicted_s is not None and not math.isinf(entry.predicted_s):
             errors = backlog.errors.get(entry.priority)
             if errors is None:
-                errors = backlog.errors[entry.priority] = _PredictionErrors(now)
-            errors.observe(now, self.settings.rate_halflife_s, entry.raw_s, entry.predicted_s,
-                           now - entry.admitted_at)
+                errors = backlog.errors[entry.priority] = _PredictionErrors()
+            errors.observe(entry.predicted_s, now - entry.admitted_at, entry.target_s)
 
     def release(self, request_id: str) -> None:
         """The request ended (finished, aborted, failed, dropped), before or after its first token; idempotent."""

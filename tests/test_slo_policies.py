@@ -244,6 +244,27 @@ def test_waiting_queue_matches_a_sorted_reference_under_random_operations():
     assert len(q._heap) <= max(64, 2 * len(ref)) + 1  # removed entries are compacted away
 
 
+def test_waiting_queue_pops_expired_items_earliest_first_and_only_those_allowed():
+    q = WaitingQueue(lambda item: (item[0], item[1], item[2]), aging_s=30.0,
+                     expires=lambda item: item[3])  # (id, priority, deadline, expiry or None)
+    for item in [("late", 0, 5.0, 5.0), ("early", 1, 2.0, 2.0), ("keep", 0, 1.0, 1.5), ("never", 0, 0.5, None),
+                 ("gone", 0, 3.0, 3.0), ("popped", -5, 0.1, 0.1)]:
+        q.push(item)
+    assert q.pop()[0] == "popped"  # popped normally: its expiry entry is stale
+    q.remove("gone")
+    assert q.pop_expired(1.0) == []
+    # "keep" may not be dropped (say it already streamed a token): it stays queued and is not offered again
+    assert [x[0] for x in q.pop_expired(4.0, may_drop=lambda x: x[0] != "keep")] == ["early"]
+    assert "keep" in q and "early" not in q and len(q) == 3
+    assert q.pop_expired(4.5) == []
+    assert [x[0] for x in q.pop_expired(100.0)] == ["late"]
+    assert [q.pop()[0] for _ in range(2)] == ["never", "keep"]
+    q.push(("again", 0, 1.0, 9.0))  # pushed again after a pop (a preempted request): its new expiry counts
+    assert q.pop()[0] == "again"
+    q.push(("again", 0, 1.0, 9.0))
+    assert [x[0] for x in q.pop_expired(10.0)] == ["again"] and len(q) == 0
+
+
 # ------------------------------------------------------------------------------------------- admission
 
 
@@ -537,3 +558,106 @@ def test_autoscale_signals_from_engine_stats_and_slo_reports():
     assert signals.slo_attainment == {"interactive": 0.75} and signals.slo_targets == {"interactive": 0.99}
     decision = Autoscaler(clock=clock).evaluate(signals)
     assert decision.recommended_replicas == 3 and decision.utilization == 1.5  # 12 waiting / 8 target
+
+
+def _slot_routes() -> dict[str, RouteConfig]:
+    return {"interactive": RouteConfig(engines=["e"], priority=-1, slo=SLOConfig(ttft_ms=1000)),
+            "batch": RouteConfig(engines=["e"], priority=1, slo=SLOConfig(ttft_ms=5000))}
+
+
+def _serve(adm: AdmissionController, clock: Clock, rid: str, route: str, *, prefill_s: float, hold_s: float,
+           tokens: int = 100) -> None:
+    """One request alone on the engine: admitted, first token after prefill_s, released after hold_s more."""
+    assert adm.admit(rid, route, "e", tokens).admitted
+    clock.advance(prefill_s)
+    adm.first_token(rid)
+    clock.advance(hold_s)
+    adm.release(rid)
+
+
+def test_admission_predicts_the_wait_for_a_decode_slot_when_every_slot_is_taken():
+    clock = Clock()
+    adm = AdmissionController(_slot_routes(), AdmissionSettings(engine_slots={"e": 4}),
+                              clock=clock)
+    for i in range(3):  # 100 tokens in 0.01 s: 10,000 tok/s; each request then holds its slot 2 s
+        _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.01, hold_s=2.0)
+    assert adm.predicted_ttft("e", -1, 100) == pytest.approx(0.01)  # slots free: prefill only
+    for i in range(4):  # fill the 4 slots
+        adm.admit(f"r{i}", "interactive", "e", 100)
+        adm.first_token(f"r{i}")
+    assert adm.stats()["engines"]["e"]["running"] == 4
+    # all 4 slots taken: one must free; they turn over at 4 slots / 2 s = one per 0.5 s
+    assert adm.predicted_ttft("e", -1, 100) == pytest.approx(0.5)
+    adm.admit("q1", "interactive", "e", 100)  # one of its class waits ahead: two slots must free
+    assert adm.predicted_ttft("e", -1, 100) == pytest.approx(1.0)
+    assert adm.decide("interactive", "e", 100).action == "admit"  # 1.0 s: just within 1 s x ttft_slack 1.0
+    adm.admit("q2", "interactive", "e", 100)
+    late = adm.decide("interactive", "e", 100)  # 1.5 s > 1 s, and work of its class is ahead
+    assert (late.action, late.reason, late.predicted_ttft_s) == ("shed", "slo_miss", pytest.approx(1.5))
+    assert late.retry_after_s == 1  # 0.5 s over its budget, rounded up to the 1 s minimum
+    clock.advance(2.0)
+    adm.release("r0")  # a slot frees after 2 s: the ledger follows, and the hold time is measured
+    assert adm.stats()["engines"]["e"]["running"] == 3 and adm.stats()["engines"]["e"]["slot_hold_s"] == 2.0
+    # two slots must still free (1.0 s); the token drain rate fell too, as q1 and q2 waited 2 s unserved
+    assert adm.predicted_ttft("e", -1, 100) > 1.0
+
+
+def test_admission_stretches_a_lower_class_wait_by_the_share_higher_classes_take():
+    clock = Clock()
+    adm = AdmissionController(_slot_routes(), AdmissionSettings(engine_slots={"e": 4}, rate_halflife_s=10.0),
+                              clock=clock)
+    for i in range(3):
+        _serve(adm, clock, f"w{i}", "batch", prefill_s=0.01, hold_s=2.0)
+    clock.advance(1000.0)  # the warm-up arrivals are long forgotten
+    for i in range(4):
+        adm.admit(f"r{i}", "batch", "e", 100)
+        adm.first_token(f"r{i}")
+    alone = adm.predicted_ttft("e", 1, 100)
+    assert alone == pytest.approx(0.5)
+    # interactive requests now arrive at 1 per second: each holds a slot 2 s, so they take 1 x 2 / 4 = half
+    # the engine, and a batch request waits twice as long (they keep overtaking it)
+    for i in range(200):
+        adm.admit(f"i{i}", "interactive", "e", 1)
+        adm.release(f"i{i}")  # (ended at once: only the arrival rate matters here)
+        clock.advance(1.0)
+    assert adm.predicted_ttft("e", 1, 100) == pytest.approx(1.0, rel=0.05)
+    assert adm.predicted_ttft("e", -1, 100) == pytest.approx(0.5)  # nothing overtakes the top class
+
+
+def test_admission_checks_each_prediction_against_the_actual_ttft():
+    clock = Clock()
+    adm = AdmissionController(_slot_routes(), AdmissionSettings(engine_slots={"e": 1}), clock=clock)
+    for i in range(3):
+        _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.1, hold_s=1.0, tokens=1000)  # 10,000 tok/s
+    assert adm.prediction_stats()["e"] == {}  # warming up: nothing was predicted
+    adm.admit("r", "interactive", "e", 1000)
+    adm.first_token("r")  # the one slot is taken for 1 s
+    d = adm.admit("q", "interactive", "e", 1000)
+    assert d.predicted_ttft_s == pytest.approx(1.0)  # max(0.1 s of prefill, 1 s until the slot frees)
+    clock.advance(1.0)
+    adm.release("r")
+    clock.advance(0.2)  # the slot turned over as predicted, but prefill took 0.2 s, not 0.1 s
+    adm.first_token("q")
+    stats = adm.prediction_stats()["e"]["-1"]
+    assert stats["count"] == 2  # r (predicted 0.1 s, took 0) and q
+    assert stats["mean_error_s"] == pytest.approx(((0.0 - 0.1) + (1.2 - 1.0)) / 2)
+    assert stats["mean_abs_error_s"] == pytest.approx((0.1 + 0.2) / 2)
+    # r missed by 0.1 s (over 50 ms), q by 0.2 s (within 20% of 1.2 s); q's 1.2 s missed its 1 s target
+    assert stats["within_20pct"] == 0.5 and stats["late"] == 0.5
+    assert adm.prediction_pairs("e", -1) == [(pytest.approx(0.1), 0.0), (pytest.approx(1.0), pytest.approx(1.2))]
+
+
+def test_admission_retry_after_for_a_request_dropped_late():
+    clock = Clock()
+    adm = AdmissionController(_slot_routes(), AdmissionSettings(engine_slots={"e": 1}),
+                              clock=clock)
+    for i in range(3):
+        _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.01, hold_s=4.0)
+    assert adm.retry_after_s("interactive", "e") == 1  # nothing ahead: the minimum
+    adm.admit("r", "interactive", "e", 100)
+    adm.first_token("r")
+    # the one slot is held for 4 s: a new request would wait 4 s, 3 s over its 1 s target; one admitted now
+    # is shed with the same advice
+    assert adm.retry_after_s("interactive", "e") == 3
+    shed = adm.admit("q", "interactive", "e", 100)
+    assert (shed.action, shed.predicted_ttft_s, shed.retry_after_s) == ("shed", pytest.approx(4.0), 3)
