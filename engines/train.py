@@ -203,6 +203,53 @@ def export(model, cfg: dict, tok_dir: Path, out_dir: Path, meta: dict) -> None:
 
 # ---------------------------------------------------------------- training loop
 
+def teacher_data(args: argparse.Namespace) -> None:
+    """Sequence-level distillation data: train-split prompts (16..seq_len-64 tokens, cut at line starts)
+    continued greedily by the teacher to `seq_len` tokens. A draft model trained on these trajectories learns
+    what the teacher actually generates, which is what speculative decoding accepts (cf. DistillSpec)."""
+    import torch
+
+    from engines.llm import LLM
+    from engines.sampling_params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    train = token_cache(Path(args.tokenizer), "train")
+    newline_ids = _newline_token_ids(Path(args.tokenizer))
+    rng = np.random.default_rng(args.seed)
+    seq = args.seq_len + 1  # rows hold inputs and the label of the last position
+    llm = LLM(args.teacher, name="teacher", max_num_seqs=args.batch_size, max_model_len=seq + 8)
+    rows = np.zeros((args.num, seq), dtype=np.uint16)
+    prompt_lens = np.zeros(args.num, dtype=np.int32)
+    start = time.monotonic()
+    for lo in range(0, args.num, args.batch_size):
+        prompts, params = [], []
+        for _ in range(min(args.batch_size, args.num - lo)):
+            plen = int(rng.integers(16, seq - 64 + 1))
+            s = int(rng.integers(0, len(train) - seq - 1))
+            # cut the prompt right after a newline token when one is close, like the held-out prompts
+            while s < len(train) - seq - 1 and int(train[s + plen - 1]) not in newline_ids and plen > 16:
+                s += 1
+            prompts.append({"prompt_token_ids": train[s:s + plen].astype(np.int64).tolist()})
+            params.append(SamplingParams(temperature=0.0, max_tokens=seq - plen, ignore_eos=True))
+        outs = llm.generate(prompts, params)
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            ids = p["prompt_token_ids"] + list(o.outputs[0].token_ids)
+            rows[lo + i] = np.asarray(ids[:seq], dtype=np.uint16)
+            prompt_lens[lo + i] = len(p["prompt_token_ids"])
+        print(f"teacher-data {lo + len(prompts)}/{args.num} elapsed={time.monotonic() - start:.0f}s", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(out, tokens=rows, prompt_lens=prompt_lens)
+    print(f"wrote {out}: {rows.shape}", flush=True)
+
+
+def _newline_token_ids(tok_dir: Path) -> set[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    return {i for i in range(tok.get_vocab_size()) if (tok.decode([i]) or "").endswith("\n")}
+
+
 def lr_at(progress: float, step: int, peak: float, warmup: int, floor: float = 0.1) -> float:
     """Linear warmup over `warmup` steps, then cosine from `peak` to `floor * peak` as progress goes 0 -> 1."""
     if step < warmup:
@@ -251,6 +298,15 @@ def fit(args: argparse.Namespace) -> None:
 
         teacher = load_checkpoint(args.teacher, dtype="float32").model.eval()
         print(f"distilling from {args.teacher} with weight {args.distill_weight}", flush=True)
+    gen = None
+    if args.teacher_data:
+        if teacher is None:
+            raise SystemExit("--teacher-data needs --teacher (the loss on those rows is the KL to it)")
+        gen = np.load(args.teacher_data, allow_pickle=False)["tokens"]
+        if gen.shape[1] != args.seq_len + 1:
+            raise SystemExit(f"--teacher-data rows are {gen.shape[1]} tokens, need --seq-len + 1 = {args.seq_len + 1}")
+        print(f"teacher data {args.teacher_data}: {gen.shape[0]} rows, {args.teacher_data_frac:.0%} of each batch",
+              flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     train = token_cache(tok_dir, "train")
     val = token_cache(tok_dir, "validation")
@@ -277,8 +333,16 @@ def fit(args: argparse.Namespace) -> None:
         lr = lr_at(progress, step, args.lr, args.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = rng.integers(0, len(train) - seq - 1, size=bsz)
-        batch = torch.from_numpy(np.stack([train[s:s + seq + 1] for s in starts]).astype(np.int64))
+        if gen is not None:
+            # a share of each batch from the teacher's own greedy trajectories (seq_len tokens each)
+            n_gen = int(round(bsz * args.teacher_data_frac))
+            rows = gen[rng.integers(0, len(gen), size=n_gen)]
+            starts = rng.integers(0, len(train) - seq - 1, size=bsz - n_gen)
+            windows = [train[s:s + seq + 1] for s in starts] + list(rows)
+            batch = torch.from_numpy(np.stack(windows).astype(np.int64))
+        else:
+            starts = rng.integers(0, len(train) - seq - 1, size=bsz)
+            batch = torch.from_numpy(np.stack([train[s:s + seq + 1] for s in starts]).astype(np.int64))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
             logits = model.dense_logits(batch[:, :-1])
         flat = logits.float().reshape(-1, vocab_size)
@@ -354,9 +418,23 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--init-from", default=None, help="checkpoint folder to continue from (fresh optimizer)")
     m.add_argument("--teacher", default=None, help="checkpoint folder to distil from (same tokenizer)")
     m.add_argument("--distill-weight", type=float, default=0.8, help="share of the KL term when distilling")
+    m.add_argument("--teacher-data", default=None, help="npz from `teacher-data`: the teacher's greedy trajectories")
+    m.add_argument("--teacher-data-frac", type=float, default=0.5, help="share of each batch from --teacher-data")
     m.add_argument("--log-every", type=int, default=20)
     m.add_argument("--save-every", type=float, default=300.0, help="seconds between checkpoint exports")
+    g = sub.add_parser("teacher-data", help="greedy continuations of train-split prompts by a teacher model")
+    g.add_argument("--teacher", required=True)
+    g.add_argument("--tokenizer", required=True)
+    g.add_argument("--out", required=True, help=".npz with tokens [num, seq_len + 1] and prompt_lens")
+    g.add_argument("--num", type=int, default=2048)
+    g.add_argument("--seq-len", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=64)
+    g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.cmd == "teacher-data":
+        teacher_data(args)
+        return 0
     if args.cmd == "tokenizer":
         out = Path(args.out)
         train_tokenizer(out, args.vocab_size)
