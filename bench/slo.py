@@ -11,9 +11,9 @@ an `interactive` route (tight SLO, high priority) and a `batch` route (loose SLO
 (requests meeting every SLO of their route per second; shed and failed requests are misses). Target: >= 1.5x
 goodput vs FCFS at the knee (the first rate where FCFS attainment drops below 90%). Also reports the admission
 predictor's error (predicted vs actual TTFT of admitted requests). Prints a table, writes
-bench/results/slo.json and docs/img/slo_goodput.png.
+bench/results/slo.json and docs/img/slo_goodput.png (`--name` changes the stem).
 
-    .venv/bin/python bench/slo.py [--rates 30,40,50,60,80] [--duration 10] [--modes slo,fcfs,priority]
+    .venv/bin/python bench/slo.py [--rates 20,30,40,50,60,80] [--duration 10] [--modes slo,fcfs,priority]
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import httpx  # noqa: E402
 from traces.loadtest import LoadTestConfig, run_once, sweep_point  # noqa: E402
 from traces.metrics import Slo  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results" / "slo.json"
-PLOT = ROOT / "docs" / "img" / "slo_goodput.png"
+RESULTS_DIR = ROOT / "bench" / "results"
+PLOT_DIR = ROOT / "docs" / "img"
 SLOS = {"interactive": Slo(ttft_ms=1000, tpot_ms=200), "batch": Slo(ttft_ms=5000, tpot_ms=400)}
 MODES = ("slo", "fcfs", "priority")
 LABELS = {"slo": "SLO-aware (deadlines + caps + admission + dropping)", "fcfs": "plain FCFS (arrival order)",
@@ -76,13 +76,13 @@ ttft_slack = 0.9  # aim a little under the target: the prediction is a corrected
 [routes.interactive]
 engines = ["tandem"]
 priority = {prio_i}
-max_waiting = 32
+max_waiting = 64  # about what 1 s of interactive arrivals at the top rate fill
 slo = {{ ttft_ms = {i.ttft_ms:g}, tpot_ms = {i.tpot_ms:g} }}
 
 [routes.batch]
 engines = ["tandem"]
 priority = {prio_b}
-max_waiting = 64
+max_waiting = 256  # about what 5 s of batch arrivals at the top rate fill
 slo = {{ ttft_ms = {b.ttft_ms:g}, tpot_ms = {b.tpot_ms:g} }}
 """
 
@@ -196,7 +196,12 @@ def run_modes(engine: Path, rates: list[float], duration_s: float, out: Path,
                 report = asyncio.run(run_once(cfg, rate, out / mode / f"rate_{rate:g}", 512, i))
                 points[mode].append(_point(rate, report))
                 if mode == "slo":
-                    points[mode][-1]["ttft_prediction"] = prediction_delta(before, _admission_stats(servers[mode].url))
+                    after = _admission_stats(servers[mode].url)
+                    points[mode][-1]["ttft_prediction"] = prediction_delta(before, after)
+                    old = (before or {}).get("decisions", {})
+                    points[mode][-1]["admission_decisions"] = {
+                        k: n - old.get(k, 0) for k, n in sorted((after or {}).get("decisions", {}).items())
+                        if n - old.get(k, 0)}
                 print(f"rate {rate:g} {mode}: goodput {points[mode][-1]['goodput_rps']:.2f}", file=sys.stderr)
         return points
     finally:
@@ -240,8 +245,9 @@ def plot(results: dict, path: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="30,40,50,60,80", help="offered rates, requests/s")
+    parser.add_argument("--rates", default="20,30,40,50,60,80", help="offered rates, requests/s")
     parser.add_argument("--modes", default=",".join(MODES), help="which of slo,fcfs,priority to run")
+    parser.add_argument("--name", default="slo", help="writes bench/results/NAME.json, docs/img/NAME_goodput.png")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate")
     parser.add_argument("--engine", type=Path, default=ROOT / "models" / "tandem-tiny-l")
     args = parser.parse_args(argv)
@@ -271,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             for s, q in zip(results["modes"]["slo"], results["modes"]["priority"])}
     results["target_met"] = results["ratio_at_knee"] is not None and results["ratio_at_knee"] >= 1.5
     results["elapsed_s"] = round(time.monotonic() - started, 1)
-    warning = plot(results, PLOT)
+    results_path, plot_path = RESULTS_DIR / f"{args.name}.json", PLOT_DIR / f"{args.name}_goodput.png"
+    warning = plot(results, plot_path)
     if warning:
         results["plot_warning"] = warning
 
@@ -288,15 +295,18 @@ def main(argv: list[str] | None = None) -> int:
           f"(target >= 1.5: {'met' if results['target_met'] else 'NOT met'}); ratios {ratios}")
     if "goodput_ratio_vs_priority" in results:
         print(f"SLO-aware vs priority FCFS: {results['goodput_ratio_vs_priority']}")
+    print("admission decisions (route/action/reason: count):")
+    for p in results["modes"]["slo"]:
+        print(f"  rate {p['rate']:g}: {p.get('admission_decisions', {})}")
     print("admission TTFT prediction (admitted requests; error = actual - predicted):")
     for p in results["modes"]["slo"]:
         for key, e in p.get("ttft_prediction", {}).items():
             print(f"  rate {p['rate']:g} {key}: n={e['count']} mean error {e['mean_error_s'] * 1000:+.0f} ms, "
                   f"mean |error| {e['mean_abs_error_s'] * 1000:.0f} ms, within max(20%, 50 ms): "
                   f"{e['within_20pct']:.0%}, TTFT over target: {e['late']:.0%}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {PLOT.relative_to(ROOT)} in {results['elapsed_s']} s")
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {results_path.relative_to(ROOT)} and {plot_path.relative_to(ROOT)} in {results['elapsed_s']} s")
     return 0
 
 

@@ -209,6 +209,7 @@ class AdmissionController:
         self._waiting: dict[str, _Waiting] = {}
         self._running: dict[str, tuple[str, float]] = {}  # request id -> (engine, first token time)
         self._route_waiting: dict[str, int] = {}
+        self.decisions: collections.Counter[str] = collections.Counter()  # "route/action/reason" -> count
 
     # ---- reading the state -------------------------------------------------------------------------------
     def _backlog(self, engine: str) -> _EngineBacklog:
@@ -283,7 +284,7 @@ class AdmissionController:
             engines[name] = {"waiting": b.num_waiting, "running": b.num_running,
                              "prefill_rate_tok_s": self.prefill_rate(name), "slot_hold_s": b.decode_s.mean(now, h),
                              "slots": self.settings.engine_slots.get(name)}
-        return {"engines": engines, "prediction": self.prediction_stats()}
+        return {"engines": engines, "prediction": self.prediction_stats(), "decisions": dict(self.decisions)}
 
     # ---- deciding ----------------------------------------------------------------------------------------
     def decide(self, route: str, engine: str, prompt_tokens: int) -> AdmissionDecision:
@@ -356,6 +357,7 @@ class AdmissionController:
         if request_id in self._waiting or request_id in self._running:
             raise ValueError(f"request {request_id!r} was already admitted")
         decision = self.decide(route, engine, prompt_tokens)
+        self.decisions[f"{route}/{decision.action}/{decision.reason}"] += 1
         if decision.admitted:
             cfg = self.routes.get(route)
             priority = cfg.priority if cfg is not None else 0
