@@ -366,7 +366,7 @@ def test_admission_bounds_each_route_queue():
     full = adm.admit("c", "batch", "large", 1000)
     assert (full.action, full.reason, full.status) == ("shed", "queue_full", 503)
     assert full.retry_after_s == 3  # the 3000 tokens ahead and its own drain in 3 s
-    assert adm.stats()["decisions"] == {"open/admit/warming_up": 3, "batch/admit/within_slo": 2,
+    assert adm.stats()["decisions"] == {"open/admit/no_slo": 3, "batch/admit/within_slo": 2,
                                         "batch/shed/queue_full": 1}
     assert adm.admit("x", "interactive", "large", 10).admitted  # other routes keep their own bound
     adm.release("a")  # ended before its first token
