@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import time
-import uuid
 
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
@@ -65,7 +65,7 @@ class AuthMiddleware(ASGIMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         state = scope.setdefault("state", {})
-        state["request_id"] = uuid.uuid4().hex
+        state["request_id"] = os.urandom(16).hex()  # as random as uuid4().hex, a third of its cost
         state["arrival"] = time.monotonic()  # TTFT and E2E count from here, before the body is parsed
         if scope["path"].startswith("/v1/"):
             authorization = None

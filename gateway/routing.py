@@ -54,6 +54,13 @@ class RoutedRun:
         for engine, request_id in self.request_ids:
             engine.abort(request_id)
 
+    async def close(self) -> None:
+        """End the outputs generator now: left to the garbage collector, it is closed by a task the event
+        loop schedules through its self-pipe, one wake-up per request."""
+        aclose = getattr(self.outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
 
 class Strategy(Protocol):
     """A route strategy: given the route's engines, start the request and say who answers."""
