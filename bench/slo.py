@@ -236,7 +236,9 @@ def plot(results: dict, path: Path) -> str | None:
     ax.set_ylabel("goodput (requests/s meeting every SLO)")
     ax.set_title("tandem: goodput, Azure conversation mix, tiny model on CPU")
     ax.grid(alpha=0.3)
-    ax.legend()
+    top = max(p["goodput_rps"] for pts in results["modes"].values() for p in pts)
+    ax.set_ylim(0, top * 1.5)  # room for the legend above the curves
+    ax.legend(fontsize=8, loc="upper right")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
