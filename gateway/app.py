@@ -401,9 +401,12 @@ class _EventStreamResponse(ASGIStreamingResponse):
         watcher = asyncio.create_task(_until_disconnect(receive))
         watcher.add_done_callback(client_left)
         try:
+            done = False
             async for chunk in self.iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                done = chunk.endswith(SSE_DONE)  # the last event: end the body in the same write
+                await send({"type": "http.response.body", "body": chunk, "more_body": not done})
+            if not done:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not watcher.done() or watcher.cancelled():
                 raise  # cancelled from elsewhere (server shutdown): not ours to swallow

@@ -454,6 +454,29 @@ def test_request_span_has_genai_attributes_and_engine_children(client, spans):
     assert not any(s.name.endswith(("http send", "http receive")) for s in finished)
 
 
+def test_request_span_is_a_server_span_joining_the_callers_trace(client, server, spans):
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    spans.clear()
+    client.chat.completions.create(model="fast", messages=MESSAGES, max_tokens=2,
+                                   extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-route", messages=MESSAGES, max_tokens=2)
+    deadline = time.monotonic() + 5
+    while len([s for s in spans.get_finished_spans() if s.kind.name == "SERVER"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    served, missing = sorted((s for s in spans.get_finished_spans() if s.kind.name == "SERVER"),
+                             key=lambda s: s.start_time)
+    assert served.name == "chat fast"
+    assert f"{served.context.trace_id:032x}" == trace_id and f"{served.parent.span_id:016x}" == parent_id
+    assert served.attributes["http.method"] == "POST" and served.attributes["http.status_code"] == 200
+    assert served.attributes["http.route"] == "POST /v1/chat/completions"
+    assert served.attributes["net.peer.ip"] == "127.0.0.1"
+    assert served.attributes["http.url"] == f"{server.url}/v1/chat/completions"
+    assert served.attributes["http.user_agent"].startswith("OpenAI/Python")
+    assert missing.parent is None and missing.attributes["http.status_code"] == 404
+    assert missing.status.status_code.name == "UNSET"  # a 4xx is the client's error, not the server's
+
+
 def test_prompt_and_completion_enter_spans_only_with_record_content(client, server, spans):
     telemetry = server.app.state.gateway.cfg.telemetry
     telemetry.record_content = True
