@@ -333,9 +333,9 @@ async def _serve(request: Request, state: GatewayState, route: Route,
             span.set_attribute(key, run.attributes[key])
         escalated = run.attributes.get(ESCALATED)
         if not route.direct:
-            telemetry.router_decisions.labels(route.name, run.engine.name).inc()
+            telemetry.labelled(telemetry.router_decisions, route.name, run.engine.name).inc()
         if escalated:
-            telemetry.cascade_escalations.labels(route.name).inc()
+            telemetry.labelled(telemetry.cascade_escalations, route.name).inc()
         span.set_attribute("gen_ai.response.model", run.engine.name)
         headers = {"x-request-id": request_id, "x-tandem-route": route.name, "x-tandem-model": run.engine.name}
         if run.score is not None:
@@ -367,13 +367,22 @@ async def _serve(request: Request, state: GatewayState, route: Route,
             if out.error:
                 raise APIError(500, f"The engine failed this request (request id {request_id}): {out.error}",
                                code="engine_error")
-            finish.done(out)
-            return Response(content=encode(fmt.full(out)), media_type="application/json", headers=headers)
+            body = encode(fmt.full(out))
+        except BaseException:
+            finish.close()
+            await run.close()
+            raise
         finally:
             if watcher is not None:
                 watcher.cancel()
+        finish.done(out)
+
+        async def after_body() -> None:  # metrics, spans and accounting once the answer is out, not before
             finish.close()
             await run.close()
+
+        return Response(content=body, media_type="application/json", headers=headers,
+                        background=BackgroundTask(after_body))
 
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     events = _stream_events(first, run, progress, fmt, finish, include_usage)
@@ -566,7 +575,7 @@ class _Finisher:
             return
         prompt_tokens = len(out.prompt_token_ids)
         output_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if self.api_key is not None:
+        if self.api_key is not None and self.state.keyring.limiter.active:
             self.state.keyring.limiter.charge_tokens(self.api_key, prompt_tokens + output_tokens)
         now = time.monotonic()
         reasons = [c.finish_reason or "abort" for c in out.outputs]

@@ -322,7 +322,7 @@ class Telemetry:
         self.registry = CollectorRegistry(auto_describe=True)
         self.windows = {name: SLOWindow(route, cfg.slo_window_s) for name, route in routes.items()}
         self._engines: Callable[[], Mapping[str, Any]] = dict
-        self._children: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self._children: dict[tuple[Any, ...], Any] = {}
         labels = ["model_name", "route"]
         reg = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (gateway view).",
@@ -375,6 +375,13 @@ class Telemetry:
                 self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens))
         return bound
 
+    def labelled(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, cached like `_bound`."""
+        child = self._children.get((metric, labels))
+        if child is None:
+            child = self._children[(metric, labels)] = metric.labels(*labels)
+        return child
+
     def observe_request(self, *, route: str, model: str, ttft_s: float | None, e2e_s: float,
                         itls: list[float], output_tokens: int, prompt_tokens: int, finish_reason: str,
                         queue_s: float | None, operation: str = "chat", request_model: str = "") -> None:
@@ -389,7 +396,7 @@ class Telemetry:
         e2e_m.observe(e2e_s)
         if queue_s is not None:
             queue_m.observe(max(0.0, queue_s))
-        self.requests.labels(model, route, finish_reason).inc()
+        self.labelled(self.requests, model, route, finish_reason).inc()
         prompt_m.inc(prompt_tokens)
         generation_m.inc(output_tokens)
         window = self.windows.get(route)
