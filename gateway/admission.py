@@ -1,7 +1,9 @@
 """Admission control: predict a new request's TTFT from the work queued ahead of it on its engine (prompt
-tokens at the measured prefill drain rate; requests waiting for a decode slot at the measured slot turnover;
-both stretched by the share of the engine that higher-priority arrivals take), then admit it, downgrade it to
-the route's small engine, or shed it with 503 and a Retry-After taken from the queue. Queues are bounded per
+tokens at the measured prefill drain rate; requests waiting for a decode slot at the measured slot turnover),
+then admit it, downgrade it to the route's small engine, or shed it with 503 and a Retry-After taken from the
+queue. Only work already queued counts: a forecast of higher-priority arrivals overtaking a waiting request
+shed lower-class work that was served in time (bench/slo.py); a request that does fall behind its deadline
+is the engine's to drop (`drop_expired_requests`). Queues are bounded per
 route. Predicted vs actual TTFT is kept per engine and priority (`prediction_stats`): the predictor's error
 is measured, not assumed.
 """
@@ -55,8 +57,7 @@ class AdmissionSettings:
 
 
 class _Decayed:
-    """Exponential forgetting in wall time: a recent mean (it keeps its value through idle time, when no new
-    samples come) and a recent event rate (the decayed count over the window's length)."""
+    """A mean that forgets exponentially in wall time and keeps its value through idle time (no new samples)."""
 
     __slots__ = ("weight", "value", "seen", "_last")
 
@@ -66,24 +67,18 @@ class _Decayed:
         self.seen = False
         self._last = now
 
-    def _decay(self, now: float, halflife_s: float) -> None:
+    def add(self, now: float, halflife_s: float, value: float) -> None:
         dt = now - self._last
         if dt > 0:
             self.weight *= 0.5 ** (dt / halflife_s)
             self._last = now
-
-    def add(self, now: float, halflife_s: float, value: float = 1.0) -> None:
-        self._decay(now, halflife_s)
         self.weight += 1.0
         self.value += (value - self.value) / self.weight
         self.seen = True
 
-    def mean(self, now: float, halflife_s: float) -> float | None:
+    @property
+    def mean(self) -> float | None:
         return self.value if self.seen else None
-
-    def rate(self, now: float, halflife_s: float) -> float:
-        self._decay(now, halflife_s)
-        return self.weight * math.log(2) / halflife_s
 
 
 class _EngineBacklog:
@@ -95,7 +90,7 @@ class _EngineBacklog:
     """
 
     __slots__ = ("tokens_by_priority", "count_by_priority", "num_waiting", "num_running", "credited_tokens",
-                 "backlog_s", "observations", "_last", "decode_s", "arrivals", "errors")
+                 "backlog_s", "observations", "_last", "decode_s", "errors")
 
     def __init__(self, now: float):
         self.tokens_by_priority: dict[int, int] = {}
@@ -107,7 +102,6 @@ class _EngineBacklog:
         self.observations = 0
         self._last = now
         self.decode_s = _Decayed(now)  # how long a request holds its slot after its first token
-        self.arrivals: dict[int, _Decayed] = {}  # admissions per priority (for the share higher classes take)
         self.errors: dict[int, _PredictionErrors] = {}  # per priority
 
     def advance(self, now: float, halflife_s: float) -> None:
@@ -224,40 +218,25 @@ class AdmissionController:
         backlog.advance(self.clock(), self.settings.rate_halflife_s)
         return backlog.rate(self.settings.min_rate_observations)
 
-    def _slot_wait(self, engine: str, backlog: _EngineBacklog, priority: int, now: float) -> float:
+    def _slot_wait(self, engine: str, backlog: _EngineBacklog, priority: int) -> float:
         """Seconds until a decode slot frees for a new request: the requests of its class or better that wait
         ahead of it each need one first; slots turn over at slots / (mean time a request holds one)."""
         slots = self.settings.engine_slots.get(engine)
         if not slots:
             return 0.0
-        hold = backlog.decode_s.mean(now, self.settings.rate_halflife_s)
+        hold = backlog.decode_s.mean
         if hold is None:
             return 0.0
         to_free = backlog.num_running + backlog.requests_ahead(priority) + 1 - slots
         return max(0, to_free) * hold / slots
-
-    def _higher_share(self, engine: str, backlog: _EngineBacklog, priority: int, now: float) -> float:
-        """The share of the engine's slot time that higher-priority arrivals take (they overtake this request
-        while it waits): its wait stretches by 1 / (1 - share), as in a priority queue."""
-        slots = self.settings.engine_slots.get(engine)
-        hold = backlog.decode_s.mean(now, self.settings.rate_halflife_s) if slots else None
-        if hold is None:
-            return 0.0
-        h = self.settings.rate_halflife_s
-        rate = sum(d.rate(now, h) for p, d in backlog.arrivals.items() if p < priority)
-        return rate * hold / slots
 
     def predicted_ttft(self, engine: str, priority: int, prompt_tokens: int) -> float | None:
         """Seconds until a new request's first token on `engine` (None while its rates are unmeasured)."""
         rate = self.prefill_rate(engine)
         if rate is None:
             return None
-        now = self.clock()
         backlog = self._backlog(engine)
-        wait = max((backlog.tokens_ahead(priority) + prompt_tokens) / rate,
-                   self._slot_wait(engine, backlog, priority, now))
-        share = self._higher_share(engine, backlog, priority, now)
-        return wait / (1.0 - share) if share < 0.95 else math.inf
+        return max((backlog.tokens_ahead(priority) + prompt_tokens) / rate, self._slot_wait(engine, backlog, priority))
 
     def num_waiting(self, route: str | None = None) -> int:
         """Requests admitted and still waiting for their first token (one route, or all)."""
@@ -278,11 +257,10 @@ class AdmissionController:
 
     def stats(self) -> dict[str, object]:
         """The ledger and the measurements behind the predictions (for `GET /v1/routes` and benchmarks)."""
-        now, h = self.clock(), self.settings.rate_halflife_s
         engines = {}
         for name, b in self._engines.items():
             engines[name] = {"waiting": b.num_waiting, "running": b.num_running,
-                             "prefill_rate_tok_s": self.prefill_rate(name), "slot_hold_s": b.decode_s.mean(now, h),
+                             "prefill_rate_tok_s": self.prefill_rate(name), "slot_hold_s": b.decode_s.mean,
                              "slots": self.settings.engine_slots.get(name)}
         return {"engines": engines, "prediction": self.prediction_stats(), "decisions": dict(self.decisions)}
 
@@ -366,10 +344,6 @@ class AdmissionController:
             backlog = self._backlog(chosen)
             backlog.advance(now, self.settings.rate_halflife_s)
             backlog.add(priority, prompt_tokens)
-            arrivals = backlog.arrivals.get(priority)
-            if arrivals is None:
-                arrivals = backlog.arrivals[priority] = _Decayed(now)
-            arrivals.add(now, self.settings.rate_halflife_s)
             self._waiting[request_id] = _Waiting(route, chosen, priority, prompt_tokens, now,
                                                  decision.predicted_ttft_s, decision.target_ttft_s)
             self._route_waiting[route] = self._route_waiting.get(route, 0) + 1

@@ -604,28 +604,6 @@ def test_admission_predicts_the_wait_for_a_decode_slot_when_every_slot_is_taken(
     assert adm.predicted_ttft("e", -1, 100) > 1.0
 
 
-def test_admission_stretches_a_lower_class_wait_by_the_share_higher_classes_take():
-    clock = Clock()
-    adm = AdmissionController(_slot_routes(), AdmissionSettings(engine_slots={"e": 4}, rate_halflife_s=10.0),
-                              clock=clock)
-    for i in range(3):
-        _serve(adm, clock, f"w{i}", "batch", prefill_s=0.01, hold_s=2.0)
-    clock.advance(1000.0)  # the warm-up arrivals are long forgotten
-    for i in range(4):
-        adm.admit(f"r{i}", "batch", "e", 100)
-        adm.first_token(f"r{i}")
-    alone = adm.predicted_ttft("e", 1, 100)
-    assert alone == pytest.approx(0.5)
-    # interactive requests now arrive at 1 per second: each holds a slot 2 s, so they take 1 x 2 / 4 = half
-    # the engine, and a batch request waits twice as long (they keep overtaking it)
-    for i in range(200):
-        adm.admit(f"i{i}", "interactive", "e", 1)
-        adm.release(f"i{i}")  # (ended at once: only the arrival rate matters here)
-        clock.advance(1.0)
-    assert adm.predicted_ttft("e", 1, 100) == pytest.approx(1.0, rel=0.05)
-    assert adm.predicted_ttft("e", -1, 100) == pytest.approx(0.5)  # nothing overtakes the top class
-
-
 def test_admission_checks_each_prediction_against_the_actual_ttft():
     clock = Clock()
     adm = AdmissionController(_slot_routes(), AdmissionSettings(engine_slots={"e": 1}), clock=clock)
