@@ -306,22 +306,27 @@ async def _serve(request: Request, state: GatewayState, route: Route,
             run.attributes["tandem.admission.downgraded"] = True
         else:
             run = state.routes.start(route, ctx, state.engines)
-    except BaseException:
+    except BaseException as exc:
         if state.admission is not None:
             state.admission.release(request_id)
+        if span.is_recording():
+            add_child_span(telemetry.tracer, span, "route", route_start, time.time_ns(),
+                           {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy}, error=exc)
         raise
+    # The route span is written with the others once the answer is out: spans cost CPU, not before the answer.
+    route_span = None
     if span.is_recording():
         decision = {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy,
                     "tandem.route.engine": run.engine.name, **run.attributes}
         if run.score is not None:
             decision["tandem.router.score"] = run.score
-        add_child_span(telemetry.tracer, span, "route", route_start, time.time_ns(), decision)
+        route_span = (route_start, time.time_ns(), decision)
     decided = set(run.attributes)
 
     state.inflight += 1
     progress = _Progress(arrival)
     finish = _Finisher(state, route, run, progress, span, request.scope["state"].get("api_key"), operation,
-                       data.model, request_id)
+                       data.model, request_id, route_span)
     try:
         first = await _first_output(run)
         if state.admission is not None:  # its prefill is done: the backlog shrinks, the drain rate learns
@@ -548,10 +553,12 @@ class _Finisher:
     """The end of a request, whichever way it ends: abort if unfinished, charge tokens, record telemetry."""
 
     def __init__(self, state: GatewayState, route: Route, run: RoutedRun, progress: _Progress, span: Any,
-                 api_key: str | None, operation: str, request_model: str, request_id: str = ""):
+                 api_key: str | None, operation: str, request_model: str, request_id: str = "",
+                 route_span: tuple[int, int, dict[str, Any]] | None = None):
         self.state, self.route, self.run, self.progress, self.span, self.api_key = (
             state, route, run, progress, span, api_key)
         self.operation, self.request_model, self.request_id = operation, request_model, request_id
+        self.route_span = route_span  # (start ns, end ns, attributes) of the routing decision
         self.finished_ok = False
         self.failed = False  # ended by an engine or server error (a miss in the SLO accounting)
         self.closed = False
@@ -571,6 +578,8 @@ class _Finisher:
             self.state.admission.release(self.request_id)  # no-op once its first token was counted
         if self.failed or (not self.finished_ok and out is not None and out.error):
             self.state.slo.observe_failure(self.route.name)
+        if self.route_span is not None:
+            add_child_span(self.state.telemetry.tracer, self.span, "route", *self.route_span)
         if out is None:
             return
         prompt_tokens = len(out.prompt_token_ids)
