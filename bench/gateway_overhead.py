@@ -12,6 +12,7 @@ of CPU per request, more than what is measured here. Added latency = gateway per
 Target: p50 <= 1 ms, p99 <= 5 ms added at 200 req/s.
 
     .venv/bin/python bench/gateway_overhead.py [--duration 10] [--rates 200,300,400,600,800] [--nice -5]
+    .venv/bin/python bench/gateway_overhead.py --sequential 3000   # CPU per request, one at a time
 """
 
 from __future__ import annotations
@@ -242,6 +243,25 @@ def start_server(kind: str, nice: int = 0) -> tuple[subprocess.Popen, int]:
 # ------------------------------------------------------------------------------------------------ client
 
 
+def _complete(buf: bytes | bytearray) -> bool:
+    """Whether `buf` holds one whole HTTP response (chunked or with a content-length)."""
+    head_end = buf.find(b"\r\n\r\n")
+    if head_end < 0:
+        return False
+    head = bytes(buf[:head_end]).lower()
+    if b"transfer-encoding: chunked" in head:
+        return buf.endswith(b"\r\n0\r\n\r\n")
+    start = head.find(b"content-length:")
+    end = head.find(b"\r\n", start)
+    return len(buf) >= head_end + 4 + int(head[start + 15:end if end > 0 else None])
+
+
+def _payload(mode: str) -> bytes:
+    body = json.dumps(REQUEST | (STREAM_OPTIONS if mode == "stream" else {})).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)) + body
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection: write a request, resolve when the whole response has arrived."""
 
@@ -261,19 +281,7 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        if self.waiter is None or self.waiter.done():
-            return
-        head_end = self.buf.find(b"\r\n\r\n")
-        if head_end < 0:
-            return
-        head = bytes(self.buf[:head_end]).lower()
-        if b"transfer-encoding: chunked" in head:
-            complete = self.buf.endswith(b"\r\n0\r\n\r\n")
-        else:
-            start = head.find(b"content-length:")
-            length = int(head[start + 15:head.find(b"\r\n", start) if head.find(b"\r\n", start) > 0 else None])
-            complete = len(self.buf) >= head_end + 4 + length
-        if complete:
+        if self.waiter is not None and not self.waiter.done() and _complete(self.buf):
             self.waiter.set_result(bytes(self.buf))
             self.buf.clear()
 
@@ -284,9 +292,7 @@ class _Conn(asyncio.Protocol):
 
 
 async def drive(port: int, mode: str, rate: float, duration: float, seed: int = 0) -> dict:
-    body = json.dumps(REQUEST | (STREAM_OPTIONS if mode == "stream" else {})).encode()
-    payload = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-               b"content-length: %d\r\n\r\n" % len(body)) + body
+    payload = _payload(mode)
     loop = asyncio.get_running_loop()
     idle: list[_Conn] = []
     rng = random.Random(seed)
@@ -385,6 +391,40 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _roundtrip(conn: socket.socket, payload: bytes) -> None:
+    conn.sendall(payload)
+    buf = b""
+    while not _complete(buf):
+        buf += conn.recv(65536)
+    if not buf.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"unexpected answer: {buf[:80]!r}")
+
+
+def sequential(requests: int, nice: int = 0) -> dict[str, dict[str, dict]]:
+    """Server CPU and wall time per request, one request at a time on one warm keep-alive connection: what a
+    request costs with queueing out of the picture (the shared machine's load still slows every row alike)."""
+    out: dict[str, dict[str, dict]] = {mode: {} for mode in MODES}
+    for kind in ("asgi", "gateway", "untraced"):
+        proc, port = start_server(kind, nice)
+        try:
+            for mode in MODES:
+                payload = _payload(mode)
+                with socket.create_connection(("127.0.0.1", port)) as conn:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    for _ in range(300):  # warm-up
+                        _roundtrip(conn, payload)
+                    cpu0, t0 = _cpu_seconds(proc.pid), time.perf_counter()
+                    for _ in range(requests):
+                        _roundtrip(conn, payload)
+                    cpu_s, wall_s = _cpu_seconds(proc.pid) - cpu0, time.perf_counter() - t0
+                out[mode][kind] = {"server_cpu_ms_per_request": 1000 * cpu_s / requests,
+                                   "wall_ms_per_request": 1000 * wall_s / requests}
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    return out
+
+
 def measure(kind: str, mode: str, rates: list[float], duration: float, nice: int = 0) -> list[dict]:
     """Rates in order on a fresh server process; stops after the first rate with errors."""
     proc, port = start_server(kind, nice)
@@ -418,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nice", type=int, default=0,
                     help="niceness for the servers and the client (e.g. -5 on a machine shared with a training "
                          "job; needs root); the same for every server")
+    ap.add_argument("--sequential", type=int, default=0, metavar="N",
+                    help="instead of the load test: N requests one at a time per server and mode, server CPU per "
+                         "request (robust to the machine's load; prints only)")
     ap.add_argument("--serve", choices=list(SERVERS), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -427,6 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     if args.nice:
         os.nice(args.nice)
+    if args.sequential:
+        print(f"{args.sequential} sequential requests per server and mode on one connection; load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        print(f"{'mode':<8}{'server':<10}{'CPU ms/req':>12}{'wall ms/req':>13}")
+        for mode, rows in sequential(args.sequential, args.nice).items():
+            for kind, row in rows.items():
+                print(f"{mode:<8}{kind:<10}{row['server_cpu_ms_per_request']:>12.3f}{row['wall_ms_per_request']:>13.3f}")
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
+        return 0
     print(f"chat completions of {TOKENS} tokens, streamed (SSE) and not (JSON); {args.duration:g} s per rate, "
           f"timeout {TIMEOUT_S:g} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     at200 = interleaved_at(200.0, args.duration, args.rounds, args.nice)
