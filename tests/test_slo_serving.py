@@ -210,6 +210,35 @@ def test_engine_reports_busy_time_and_its_caps(tiny_checkpoint):
     assert engine["batch_cap_limited_by"] == "no_target" and engine["batch_cap_decode_seqs"] == 8
 
 
+async def test_a_request_dropped_past_its_ttft_deadline_gets_503_with_retry_after(tiny_checkpoint):
+    # one decode slot, held by a long request; a request with a 1 ms TTFT target behind it can only expire
+    cfg = config_from_dict({
+        "engines": {"tiny": {"checkpoint": str(tiny_checkpoint("llama")), "max_num_seqs": 1,
+                             "drop_expired_requests": True}},
+        "kv_pool": {"memory_bytes": 8 << 20},
+        "admission": {"enabled": False},  # the engine's drop, not admission, is under test
+        "routes": {"slow": {"engines": ["tiny"]},
+                   "urgent": {"engines": ["tiny"], "slo": {"ttft_ms": 1}}}})
+    server = ServerThread(cfg).start(timeout=120)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            long = asyncio.create_task(client.post("/v1/completions", json={
+                "model": "slow", "prompt": "hello", "max_tokens": 200, "ignore_eos": True}))
+            while not server.app.state.gateway.host.stats()["engines"]["tiny"]["num_running"]:
+                await asyncio.sleep(0.005)
+            late = await client.post("/v1/completions", json={"model": "urgent", "prompt": "hi", "max_tokens": 4})
+            assert (await long).status_code == 200
+            routes = {r["name"]: r for r in (await client.get("/v1/routes")).json()["data"]}
+        assert late.status_code == 503 and int(late.headers["retry-after"]) >= 1
+        assert late.json()["error"]["code"] == "ttft_deadline_exceeded"
+        assert "time-to-first-token target" in late.json()["error"]["message"]
+        assert routes["urgent"]["attainment"]["shed"] == 1 and routes["urgent"]["attainment"]["failed"] == 0
+        stats = server.app.state.gateway.host.stats()
+        assert stats["engines"]["tiny"]["num_expired"] == 1 and stats["pool"]["used_pages"] == 0
+    finally:
+        server.stop()
+
+
 # ------------------------------------------------------------------------------------- overload burst
 
 INTERACTIVE_TTFT_MS = 1000.0
