@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 from engines.step_model import BatchCapController, StepTimeModel  # noqa: E402
 from engines.waiting_queue import WaitingQueue  # noqa: E402
-from gateway.admission import AdmissionController  # noqa: E402
+from gateway.admission import AdmissionController, AdmissionSettings  # noqa: E402
 from gateway.autoscale import Autoscaler, ScaleSignals  # noqa: E402
 from gateway.config import RouteConfig, SLOConfig  # noqa: E402
 from gateway.slo import SLOAccounting  # noqa: E402
@@ -83,18 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     rows["batch caps"] = best_us(caps, args.n, args.rounds)
 
     clock_t = [0.0]
-    adm = AdmissionController(ROUTES, clock=lambda: clock_t[0])
+    adm = AdmissionController(ROUTES, AdmissionSettings(engine_slots={"large": 64}), clock=lambda: clock_t[0])
 
-    def admission(n: int) -> None:
+    def admission(n: int) -> None:  # a request's whole life: admit, first token, release (8 waiting, 8 running)
         for i in range(n):
             rid = str(i)
             clock_t[0] += 0.001
             adm.admit(rid, "interactive" if i & 1 else "batch", "large", 100 + (i & 255))
             if i >= 8:
                 adm.first_token(str(i - 8))
+            if i >= 16:
+                adm.release(str(i - 16))
         for i in range(max(0, n - 8), n):
             adm.first_token(str(i))
-    rows["admission admit + first_token (8 in flight)"] = best_us(admission, args.n, args.rounds)
+        for i in range(max(0, n - 16), n):
+            adm.release(str(i))
+    rows["admission admit + first_token + release (8 waiting, 8 running)"] = best_us(admission, args.n, args.rounds)
 
     acc = SLOAccounting(ROUTES, window_s=300, price_per_device_hour=3.0, clock=lambda: clock_t[0])
 
