@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 _MIN_COEF = 1e-9  # seconds; a fitted cost never reaches zero, so caps stay finite
+_CHANGE_INFLATION = 10.0  # covariance widening when a run of outliers says the step time really changed
 
 
 class StepTimeModel:
@@ -54,6 +55,11 @@ class StepTimeModel:
             self._outliers += 1
             if self._outliers < 3:  # one or two odd steps must not swing the caps; three in a row are news
                 return
+            # News: the machine changed (another job took the CPU, a clock dropped). After a long steady run
+            # the covariance has shrunk and forgetting alone takes ~100 steps to follow; widening it makes the
+            # fit (and so the caps) follow within about ten steps.
+            for i in range(9):
+                self.p[i] *= _CHANGE_INFLATION
         self._outliers = 0
         self._resid_scale = abs(err) if self.num_samples == 0 else 0.95 * self._resid_scale + 0.05 * abs(err)
         th[0] += k0 * err

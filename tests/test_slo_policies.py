@@ -93,6 +93,19 @@ def _run_steps(ctl: BatchCapController, clock: Clock, a: float, b: float, c: flo
         ctl.step_finished(d, p)
 
 
+def test_step_model_follows_a_sudden_slowdown_within_a_few_dozen_steps():
+    rng = random.Random(5)
+    model = StepTimeModel()
+    for _ in range(2000):  # a long steady run: the fit is confident
+        d, p = rng.randint(30, 64), rng.choice([0, 0, 50, 200, 400])
+        model.observe(_true_step(0.02, 0.0012, 0.00008, d, p) * rng.uniform(0.95, 1.05), d, p)
+    assert model.predict(64, 0) == pytest.approx(_true_step(0.02, 0.0012, 0.00008, 64, 0), rel=0.03)
+    for _ in range(20):  # another job takes the CPU: every step is 2.5x slower
+        d, p = rng.randint(30, 64), rng.choice([0, 0, 50, 200, 400])
+        model.observe(2.5 * _true_step(0.02, 0.0012, 0.00008, d, p) * rng.uniform(0.95, 1.05), d, p)
+    assert model.predict(64, 0) == pytest.approx(2.5 * _true_step(0.02, 0.0012, 0.00008, 64, 0), rel=0.05)
+
+
 def test_batch_caps_follow_a_changed_step_time_model():
     clock = Clock()
     ctl = BatchCapController(max_num_seqs=128, max_num_batched_tokens=2048, headroom=0.85, clock=clock)
