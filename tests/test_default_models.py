@@ -91,14 +91,14 @@ def test_large_heldout_loss_is_at_least_0_3_nats_below_small(loaded, tokenizer):
     assert small - large >= 0.3, f"small {small:.3f} vs large {large:.3f}"
 
 
-def test_small_drafts_for_large_with_greedy_acceptance_near_half_on_8_heldout_prompts(loaded, tokenizer):
-    # A regression guard on a fixed subset (0.51 when committed). The full measurement, bench/model_quality.py
-    # over 32 prompts x 48 tokens, is 0.41: below the 0.5 target of issue 4 (see models/README.md).
+def test_small_drafts_for_large_with_greedy_acceptance_above_half_on_8_heldout_prompts(loaded, tokenizer):
+    # A fixed subset (0.61 when committed); the full measurement, bench/model_quality.py over 32 prompts x 48
+    # tokens, is 0.628 against issue 4's target of 0.5 (see models/README.md).
     prompts = heldout_prompts(tokenizer, 8)
     stats = greedy_acceptance(loaded["s"].model, loaded["l"].model, prompts, k=4, max_tokens=32,
                               eos_ids=frozenset(tokenizer.eos_token_ids))
     assert stats["drafted"] >= 8 * 8
-    assert stats["acceptance"] >= 0.45, stats
+    assert stats["acceptance"] >= 0.55, stats
 
 
 def test_corpus_split_is_disjoint_deterministic_and_holds_out_about_5_percent():
