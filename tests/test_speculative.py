@@ -381,6 +381,13 @@ def test_lean_draft_forward_equals_the_models_forward_over_the_pool(pair):
     a.num_computed, b.num_computed = 21, 8
     want, _ = eng.runner.execute_batch([a, b], [2, 1])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for n in (23, 24, 25):  # the batch-1 one-token path, across a page boundary (BLOCK = 8)
+        a.token_ids.append(n)
+        a.num_computed = n
+        got = lean([a], [1])
+        a.num_computed = n
+        want, _ = eng.runner.execute_batch([a], [1])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_penalties_and_min_tokens_see_each_draft_position_as_plain_decoding_would(pair):
