@@ -29,7 +29,9 @@ class PagedAttentionPlan:
     verify windows) one by one, so nobody pads to the longest query."""
 
     decode_groups: list[DecodeGroup]
-    prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, context_len, pages)
+    # (q_start, q_len, context_len, pages, causal mask [q_len, context_len] when the queries are the last
+    # q_len of context_len positions, else None: built once per step, not per layer)
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
 
 
 def plan_paged_attention(block_tables: torch.Tensor, seq_lens: Seq[int], query_start_loc: Seq[int],
@@ -43,7 +45,12 @@ def plan_paged_attention(block_tables: torch.Tensor, seq_lens: Seq[int], query_s
             dec.append(i)
         else:
             nb = -(-seq_lens[i] // block_size)
-            pre.append((query_start_loc[i], q_len, seq_lens[i], block_tables[i, :nb]))
+            ctx = seq_lens[i]
+            mask = None
+            if q_len != ctx:
+                qpos = torch.arange(ctx - q_len, ctx, device=block_tables.device)[:, None]
+                mask = torch.arange(ctx, device=block_tables.device)[None, :] <= qpos
+            pre.append((query_start_loc[i], q_len, ctx, block_tables[i, :nb], mask))
     dev = block_tables.device
     groups: list[DecodeGroup] = []
     dec.sort(key=lambda i: seq_lens[i])
@@ -104,16 +111,14 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         qd = q[g.rows].view(sd, num_kv, num_heads // num_kv, head_dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=g.mask, scale=scale)
         out[g.rows] = o.reshape(sd, num_heads, head_dim)
-    for start, q_len, ctx_len, pages in plan.prefills:
+    for start, q_len, ctx_len, pages, mask in plan.prefills:
         k = _gather_pages(k_cache, k_scale, pages, q.dtype)[:ctx_len].transpose(0, 1)
         v = _gather_pages(v_cache, v_scale, pages, q.dtype)[:ctx_len].transpose(0, 1)
         # 4-D inputs: torch's CPU flash kernel takes them (3-D ones fall back to the ~4x slower math path)
         qs, k, v = q[start:start + q_len].transpose(0, 1)[None], k[None], v[None]
-        if q_len == ctx_len:
+        if mask is None:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # the queries are the last q_len of ctx_len positions
-            qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-            mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:start + q_len] = o[0].transpose(0, 1)
     return out

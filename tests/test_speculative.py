@@ -385,12 +385,13 @@ def test_lean_draft_forward_equals_the_models_forward_over_the_pool(pair):
     a.num_computed, b.num_computed = 21, 8
     want, _ = eng.runner.execute_batch([a, b], [2, 1])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    for n in (23, 24, 25):  # the batch-1 one-token path, across a page boundary (BLOCK = 8)
-        a.token_ids.append(n)
-        a.num_computed = n
-        got = lean([a], [1])
-        a.num_computed = n
-        want, _ = eng.runner.execute_batch([a], [1])
+    ids = a.token_ids + list(range(23, 28))
+    for start, n in ((23, 1), (24, 2), (26, 2), (25, 3)):  # the batch-1 path (BLOCK = 4: page boundaries)
+        a.token_ids = ids[:start + n]  # the runner returns logits of a sequence's last token only
+        a.num_computed = start
+        got = lean([a], [n])
+        a.num_computed = start
+        want, _ = eng.runner.execute_batch([a], [n])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
