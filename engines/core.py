@@ -281,7 +281,12 @@ class ModelEngine:
             self._sample_and_append(logits, sample_seqs)
         self.cap_controller.step_finished(sched.num_decode_seqs, sched.num_prefill_tokens)
         self.busy_s += time.perf_counter() - busy0
-        self.speculator.adaptive.target.observe(sched.total_tokens, self.speculator.adaptive.target.clock() - t0)
+        seconds = self.speculator.adaptive.target.clock() - t0
+        self.speculator.adaptive.target.observe(sched.total_tokens, seconds)
+        if sched.num_prefill_tokens == 0 and sched.num_decode_seqs and self.speculator.drafter is not None:
+            ks = set(drafts.values()) if drafts else {0}
+            if len(ks) == 1 and (not drafts or len(drafts) == sched.num_decode_seqs):  # every sequence alike
+                self.speculator.adaptive.observe_step(sched.num_decode_seqs, ks.pop(), seconds)
         return sched.total_tokens
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -142,7 +142,8 @@ class CostModel:
 class AdaptiveK:
     """Per engine: picks k in 0..k_max maximising expected tokens per second,
     B * E(k) / (T(B * (k + 1)) + k * D(B)), E(k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al.), from the
-    measured acceptance a and the measured target (T) and draft (D) pass costs. k = 0 is plain decoding;
+    measured acceptance a and the measured target (T, per k once measured) and draft (D) pass costs. k = 0
+    is plain decoding;
     every `explore_every` choices it takes the other side once (k = 1 instead of 0, 0 instead of k) so both
     cost estimates stay measured and a stale acceptance estimate can recover. While plain decoding keeps
     winning, the interval doubles up to `explore_max` (each exploration costs the drafter a catch-up over the
@@ -155,6 +156,10 @@ class AdaptiveK:
         self.explore_max = max(explore_max, explore_every)
         self._interval = explore_every
         self._next_explore = explore_every
+        # the target step's cost by k, keyed by the number of decoding sequences: a verify step over k + 1
+        # tokens per sequence costs more than plain decodes of as many tokens (rejection sampling,
+        # per-window work), which a model keyed by tokens per step cannot tell apart
+        self.step_cost: dict[int, CostModel] = {}
         self.decay = decay
         self.target = CostModel()
         self.draft = CostModel()
@@ -177,6 +182,18 @@ class AdaptiveK:
         self._accepted = self.decay * self._accepted + num_accepted
         self._rejected = self.decay * self._rejected + (1 if num_accepted < num_drafts else 0)
 
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """A decode-only target step (forward, verification, sampling) where every sequence drafted k."""
+        self.step_cost.setdefault(k, CostModel()).observe(batch, seconds)
+
+    def target_cost(self, batch: int, k: int) -> float:
+        """Seconds of a target step with k drafts for each of `batch` sequences: measured at this batch size
+        and k when it has been, else from the tokens-per-step model."""
+        m = self.step_cost.get(k)
+        if m is not None and max(1, batch).bit_length() in m.points:
+            return m.estimate(batch)
+        return self.target.estimate(batch * (k + 1))
+
     @staticmethod
     def expected_tokens(a: float, k: int) -> float:
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
@@ -198,9 +215,9 @@ class AdaptiveK:
             self.k = min(2, self.k_max)  # nothing drafted yet: draft a little to learn
             self.exploring = True
             return self.k
-        best, best_rate = 0, batch / self.target.estimate(batch)
+        best, best_rate = 0, batch / self.target_cost(batch, 0)
         for k in range(1, self.k_max + 1):
-            rate = batch * self.expected_tokens(a, k) / (self.target.estimate(batch * (k + 1)) + k * d)
+            rate = batch * self.expected_tokens(a, k) / (self.target_cost(batch, k) + k * d)
             if rate > best_rate:
                 best, best_rate = k, rate
         if self._steps >= self._next_explore:  # keep both sides measured: the other choice, once

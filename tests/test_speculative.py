@@ -353,6 +353,18 @@ def test_adaptive_k_drafts_when_it_pays_and_stops_when_it_does_not():
     assert AdaptiveK.expected_tokens(0.5, 3) == pytest.approx(1.875)
 
 
+def test_adaptive_k_prefers_measured_verify_steps_over_the_tokens_per_step_model():
+    ak = AdaptiveK(4, explore_every=1000)
+    feed(ak, 4, plain=0.010, per_token=0.0002, draft=0.0005, a=0.8)
+    assert ak.choose(4) > 0  # from tokens per step, a 4 x 5-token verify looks as cheap as 20 decodes
+    for _ in range(30):  # measured: plain steps of 4 sequences 10 ms, verify steps with any k 40 ms
+        ak.observe_step(4, 0, 0.010)
+        for k in range(1, 5):
+            ak.observe_step(4, k, 0.040)
+    assert ak.target_cost(4, 3) == pytest.approx(0.040) and ak.choose(4) == 0
+    assert ak.target_cost(1, 3) == pytest.approx(ak.target.estimate(4))  # unmeasured batch size: the model
+
+
 def test_stop_strings_with_speculation_stop_where_plain_decoding_stops(pair):
     path, _, draft = pair
     plain = LLM(path, block_size=BLOCK)
