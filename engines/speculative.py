@@ -320,7 +320,7 @@ class LeanDraftForward:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         x = self.embed[torch.tensor(ids, device=dev)]
-        nq, ni = hq + hkv, cfg.intermediate_size
+        nq = hq + hkv
         for i, (ln1, wqkv, wo_, ln2, wgu, wd) in enumerate(self.layers):
             hs = F.rms_norm(x, (x.shape[-1],), ln1, eps)
             qkv = F.linear(hs, wqkv).view(t, nq + hkv, d)
@@ -333,11 +333,17 @@ class LeanDraftForward:
             vals = vc.flatten(1).index_select(0, flat).view(t, nb * bs, hkv, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(q.reshape(t, hkv, hq // hkv, d), keys, vals, attn_mask=mask)
             x = x + F.linear(o.reshape(t, hq * d), wo_)
-            hs = F.rms_norm(x, (x.shape[-1],), ln2, eps)
-            gu = F.linear(hs, wgu)
-            x = x + F.linear(F.silu(gu[:, :ni]) * gu[:, ni:], wd)
-        x = F.rms_norm(x[torch.tensor(last, device=dev)], (x.shape[-1],), self.norm, eps)
-        return F.linear(x, self.lm_head).float()
+            x = self._mlp(x, ln2, wgu, wd)
+        return self._logits(x[torch.tensor(last, device=dev)])
+
+    def _mlp(self, x: torch.Tensor, ln2: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+        """The residual SwiGLU block of one layer (gate and up fused in `wgu`)."""
+        ni = self.cfg.intermediate_size
+        gu = F.linear(F.rms_norm(x, (x.shape[-1],), ln2, self.cfg.rms_norm_eps), wgu)
+        return x + F.linear(F.silu(gu[:, :ni]) * gu[:, ni:], wd)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
     def _single(self, s: DraftState, n: int) -> torch.Tensor:
         """The next n (1-4) tokens of one sequence (a batch-1 draft step, the case speculation is for; n > 1
@@ -351,7 +357,7 @@ class LeanDraftForward:
         slots = [(s.pages[p // bs], p % bs) for p in range(p0, p0 + n)]
         flat = torch.tensor(s.pages[:nb], device=self.embed.device)
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        g, nq, ni, eps, length = hq // hkv, hq + hkv, cfg.intermediate_size, cfg.rms_norm_eps, last + 1
+        g, nq, eps, length = hq // hkv, hq + hkv, cfg.rms_norm_eps, last + 1
         scale = d ** -0.5
         dev = self.embed.device
         if n == 1:
@@ -383,11 +389,8 @@ class LeanDraftForward:
             o = torch.bmm(torch.softmax(scores, -1), vals)  # [hkv, n * g, d]
             o = o.view(hkv, n, g, d).transpose(0, 1).reshape(n, hq * d)
             x = x + F.linear(o, wo_)
-            hs = F.rms_norm(x, (x.shape[-1],), ln2, eps)
-            gu = F.linear(hs, wgu)
-            x = x + F.linear(F.silu(gu[:, :ni]) * gu[:, ni:], wd)
-        x = F.rms_norm(x[-1:], (x.shape[-1],), self.norm, eps)
-        return F.linear(x, self.lm_head).float()
+            x = self._mlp(x, ln2, wgu, wd)
+        return self._logits(x[-1:])
 
 
 
