@@ -28,3 +28,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box they stall (~50x). Modules
+    that run engines take it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -13,14 +13,7 @@ import torch
 from engines import EngineCore, EngineSpec, PoolSpec, RequestRejected, SamplingParams
 from engines.errors import EngineDeadError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box they stall (~50x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,7 @@ BLOCK = 4
 LLAMA = dict(num_heads=4, num_kv_heads=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box they stall (~50x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def page_bytes(num_layers: int = 2, kv_heads: int = 2, head_dim: int = 16) -> int:

@@ -23,12 +23,7 @@ from kernels.quant_matmul import QuantLinear  # noqa: E402
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

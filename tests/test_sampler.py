@@ -14,13 +14,7 @@ from engines.sampling_params import SamplingParams
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box they stall (~50x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def rows(params: SamplingParams, n: int, seed: int | None = None) -> list[SamplerRow]:

@@ -5,6 +5,7 @@ admissions in that step, and lazy removal of aborted waiting sequences."""
 from __future__ import annotations
 
 import torch
+from scheduler_steps import run_step  # tests/ is on sys.path (conftest.py)
 
 from engines.kv_pool import KVGeometry, KVPool
 from engines.sampling_params import SamplingParams
@@ -27,15 +28,6 @@ def seq(prompt_len: int, priority: int = 0, arrival: float = 0.0, first_token: i
     req.seqs.append(s)
     return s
 
-
-def run_step(sched: Scheduler) -> dict[int, int]:
-    """Pretend the model ran: commit the scheduled tokens and append a token where a row samples."""
-    out = sched.schedule()
-    for s, n in zip(out.seqs, out.num_tokens):
-        sched.commit_computed(s, n)
-        if s.num_computed == s.num_tokens:
-            s.token_ids.append(7)
-    return out.as_dict()
 
 
 def test_chunked_prefill_respects_the_budget_and_rides_with_decodes():

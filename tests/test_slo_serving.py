@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 import torch
+from scheduler_steps import run_step  # tests/ is on sys.path (conftest.py)
 
 from engines.kv_pool import KVGeometry, KVPool
 from engines.sampling_params import SamplingParams
@@ -49,14 +50,6 @@ def seq(prompt_len: int, *, priority: int = 0, arrival: float = 0.0, ttft_s: flo
     req.seqs.append(s)
     return s
 
-
-def run_step(sched: Scheduler) -> dict[int, int]:
-    out = sched.schedule()
-    for s, n in zip(out.seqs, out.num_tokens):
-        sched.commit_computed(s, n)
-        if s.num_computed == s.num_tokens:
-            s.token_ids.append(7)
-    return out.as_dict()
 
 
 # ------------------------------------------------------------------------------------------- scheduler

@@ -22,12 +22,7 @@ from kernels.fused import rejection_sample_ref
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 0) -> torch.nn.Module:
