@@ -6,8 +6,9 @@ prefill rides in the same step as decodes. With SLO scheduling on, a `BatchCapCo
 batch and the step's prefill tokens so the predicted step stays inside the tightest running TPOT target
 (decodes always run). When pages run out it preempts (by recompute) the lowest-priority, latest-admitted
 sequence and admits nobody that step. `slo_scheduling=False` gives the plain (priority, arrival) order.
-With `drop_expired`, a waiting request that has passed its TTFT deadline before producing a token is handed
-back in `SchedulerOutput.expired` (the engine answers it with `TTFT_EXPIRED`) instead of being served late.
+With `drop_expired`, a waiting request that can no longer make its TTFT deadline before producing a token (the
+deadline is nearer than the measured lead from a prefill's first step to its first token) is handed back in
+`SchedulerOutput.expired` (the engine answers it with `TTFT_EXPIRED`) instead of being served late.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 from engines.kv_pool import KVPool
 from engines.sequence import SeqStatus, Sequence
-from engines.step_model import BatchCapController, BatchCaps
+from engines.step_model import BatchCapController, BatchCaps, FirstTokenLead
 from engines.waiting_queue import WaitingQueue
 
 DEFAULT_TTFT_DEADLINE_S = 60.0  # a request without a TTFT target is due this long after arrival
@@ -74,6 +75,9 @@ class Scheduler:
         self.drop_expired = drop_expired
         self.clock = clock  # the clock of Request.arrival_time
         self.num_expired = 0
+        # started late, a request misses its deadline anyway and takes the capacity another one needed
+        self.first_token_lead = FirstTokenLead()
+        self._prefill_started: dict[int, float] = {}  # seq_id -> when its prefill was first scheduled
         self.cap_controller = cap_controller if slo_scheduling else None
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
@@ -105,6 +109,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self._waiting.remove(seq.seq_id)
         seq.status = SeqStatus.FINISHED
+        self._prefill_started.pop(seq.seq_id, None)
         self._free_pages(seq)
 
     def _free_pages(self, seq: Sequence) -> None:
@@ -122,6 +127,7 @@ class Scheduler:
         seq.spec_token_ids.clear()
         self._free_pages(seq)
         seq.num_computed = 0
+        self._prefill_started.pop(seq.seq_id, None)
         self.num_preemptions += 1
         self.add(seq)
 
@@ -144,7 +150,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.drop_expired and len(self._waiting):
-            out.expired = self._waiting.pop_expired(self.clock(), _not_started)
+            out.expired = self._waiting.pop_expired(self.clock() + self.first_token_lead.estimate_s, _not_started)
             self.num_expired += len(out.expired)
         budget = self.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # seq_id -> position in out.seqs
@@ -228,6 +234,8 @@ class Scheduler:
             seq.num_cached_tokens = num_cached
             seq.status = SeqStatus.RUNNING
             seq.admit_order = next(self._admit_counter)
+            if self.drop_expired and seq.num_output_tokens == 0:
+                self._prefill_started[seq.seq_id] = self.clock()
             self.running.append(seq)
             if self.cap_controller is not None:
                 self.cap_controller.targets.add(seq.request.tpot_s)
@@ -269,6 +277,8 @@ class Scheduler:
     def commit_computed(self, seq: Sequence, num_new: int) -> None:
         """After a forward pass: `num_new` more tokens have K/V; hash the blocks that just became full."""
         seq.num_computed += num_new
+        if self._prefill_started and seq.num_computed >= seq.num_tokens and seq.seq_id in self._prefill_started:
+            self.first_token_lead.observe(self.clock() - self._prefill_started.pop(seq.seq_id))
         bs = self.block_size
         full = min(seq.num_computed, seq.num_tokens) // bs
         parent = seq.block_hashes[-1] if seq.block_hashes else None

@@ -1,6 +1,7 @@
 """Per-engine step-time model and the batch caps it implies: an online, forgetting least-squares fit of
 `step_s = a + b * decode_seqs + c * prefill_tokens`, and the decode-batch cap and per-step prefill budget
-that keep the predicted step time (one decode token's latency) inside the tightest running TPOT target.
+that keep the predicted step time (one decode token's latency) inside the tightest running TPOT target; and
+the measured lead from a request's first scheduled step to its first token (`FirstTokenLead`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,35 @@ class StepTimeModel:
         """Predicted seconds for a step with this many decode sequences and prefill tokens."""
         a, b, c = self.coefficients()
         return a + b * num_decode_seqs + c * num_prefill_tokens
+
+
+class FirstTokenLead:
+    """How long a request takes from the step that starts its prefill to its first token (its prompt's chunks
+    and the step that samples), measured per request with forgetting; `estimate_s` is mean + 2 x mean absolute
+    deviation, so a request started that late before its TTFT deadline is expected to miss it."""
+
+    __slots__ = ("forgetting", "mean_s", "dev_s", "count")
+
+    def __init__(self, *, forgetting: float = 0.95):
+        self.forgetting = forgetting  # per observation: about the last 20 requests count
+        self.mean_s = 0.0
+        self.dev_s = 0.0
+        self.count = 0
+
+    def observe(self, lead_s: float) -> None:
+        if lead_s < 0:
+            return
+        if self.count == 0:
+            self.mean_s = lead_s
+        else:
+            w = 1.0 - self.forgetting
+            self.dev_s += w * (abs(lead_s - self.mean_s) - self.dev_s)
+            self.mean_s += w * (lead_s - self.mean_s)
+        self.count += 1
+
+    @property
+    def estimate_s(self) -> float:
+        return self.mean_s + 2.0 * self.dev_s if self.count else 0.0
 
 
 class RunningTargets:

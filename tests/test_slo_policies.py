@@ -9,7 +9,13 @@ import random
 
 import pytest
 
-from engines.step_model import BatchCapController, RunningTargets, StepTimeModel, caps_for_target
+from engines.step_model import (
+    BatchCapController,
+    FirstTokenLead,
+    RunningTargets,
+    StepTimeModel,
+    caps_for_target,
+)
 from engines.waiting_queue import WaitingQueue
 from gateway.admission import AdmissionController, AdmissionSettings
 from gateway.autoscale import Autoscaler, AutoscaleSettings, ScaleSignals, signals_from, slo_targets
@@ -152,6 +158,20 @@ def test_batch_caps_keep_a_minimum_prefill_when_decodes_fill_the_budget():
                            max_num_batched_tokens=512, min_prefill_tokens=16)
     assert caps.max_decode_seqs == 28  # floor((0.030 - 0.002) / 0.001)
     assert caps.max_prefill_tokens == 16  # waiting requests still make progress: TTFT never starves
+
+
+def test_first_token_lead_is_mean_plus_two_deviations_and_forgets_old_requests():
+    lead = FirstTokenLead(forgetting=0.9)
+    assert lead.estimate_s == 0.0  # nothing measured: drop nothing early
+    for _ in range(50):
+        lead.observe(0.2)
+    assert lead.estimate_s == pytest.approx(0.2)
+    for i in range(200):  # the machine slowed down: leads of 0.4 +- 0.1
+        lead.observe(0.3 if i % 2 else 0.5)
+    assert lead.mean_s == pytest.approx(0.4, abs=0.02)
+    assert lead.estimate_s == pytest.approx(0.4 + 2 * 0.1, abs=0.03)
+    lead.observe(-1.0)  # a clock glitch is ignored
+    assert lead.count == 250
 
 
 def test_running_targets_track_the_tightest():

@@ -178,6 +178,33 @@ def test_waiting_requests_past_their_ttft_deadline_are_dropped_only_when_asked(s
         assert none.status is SeqStatus.WAITING
 
 
+def test_a_waiting_request_is_dropped_when_its_deadline_is_nearer_than_the_measured_first_token_lead():
+    clock = FakeClock()
+    sched = make(budget=4, drop_expired=True, clock=clock)
+    first = seq(8, arrival=0.0, ttft_s=10.0)  # two 4-token chunks
+    sched.add(first)
+    run_step(sched)
+    clock.now = 0.25
+    run_step(sched)  # its prefill ends 0.25 s after it started: that is the measured lead
+    assert first.num_output_tokens == 1 and sched.first_token_lead.estimate_s == pytest.approx(0.25)
+    clock.now = 1.0
+    doomed, fine = seq(4, arrival=0.0, ttft_s=1.1), seq(4, arrival=0.1, ttft_s=1.5)  # due in 0.1 s and 0.6 s
+    sched.add(doomed)
+    sched.add(fine)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.expired] == [doomed.seq_id]  # started now, it would answer 0.15 s late
+    assert fine.status is SeqStatus.RUNNING and sched.num_expired == 1
+
+
+def test_without_a_measured_lead_only_requests_past_their_deadline_are_dropped():
+    clock = FakeClock()
+    sched = make(drop_expired=True, clock=clock)
+    clock.now = 1.0
+    due_soon = seq(4, arrival=0.0, ttft_s=1.01)
+    sched.add(due_soon)
+    assert sched.schedule().expired == [] and due_soon.status is SeqStatus.RUNNING
+
+
 def test_a_preempted_request_that_already_streamed_tokens_is_not_dropped():
     clock = FakeClock()
     sched = make(drop_expired=True, clock=clock)
