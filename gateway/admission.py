@@ -1,11 +1,12 @@
 """Admission control: predict a new request's TTFT from the work queued ahead of it on its engine (prompt
 tokens at the measured prefill drain rate; requests waiting for a decode slot at the measured slot turnover),
-then admit it, downgrade it to the route's small engine, or shed it with 503 and a Retry-After taken from the
-queue. Only work already queued counts: a forecast of higher-priority arrivals overtaking a waiting request
-shed lower-class work that was served in time (bench/slo.py); a request that does fall behind its deadline
-is the engine's to drop (`drop_expired_requests`). Queues are bounded per
-route. Predicted vs actual TTFT is kept per engine and priority (`prediction_stats`): the predictor's error
-is measured, not assumed.
+stretched by how much later than such predictions its class's recent first tokens came (higher-priority work
+that arrived later ran first), then admit it, downgrade it to the route's small engine, or shed it with 503
+and a Retry-After taken from the queue. The stretch is measured per engine and priority, never below 1: a
+modelled forecast of overtaking arrivals (1 / (1 - their share of the slots)) shed work that was served in time
+(bench/slo.py). A request that still falls behind its deadline is the engine's to drop
+(`drop_expired_requests`). Queues are bounded per route. Predicted vs actual TTFT is kept per engine and
+priority (`prediction_stats`): the predictor's error is measured, not assumed.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class _EngineBacklog:
     """
 
     __slots__ = ("tokens_by_priority", "count_by_priority", "num_waiting", "num_running", "credited_tokens",
-                 "backlog_s", "observations", "_last", "decode_s", "errors")
+                 "backlog_s", "observations", "_last", "decode_s", "errors", "actual_s", "queued_s")
 
     def __init__(self, now: float):
         self.tokens_by_priority: dict[int, int] = {}
@@ -103,6 +104,10 @@ class _EngineBacklog:
         self._last = now
         self.decode_s = _Decayed(now)  # how long a request holds its slot after its first token
         self.errors: dict[int, _PredictionErrors] = {}  # per priority
+        # per priority, recent actual TTFTs and what the queue ahead predicted for them (same weights: their
+        # ratio is the measured stretch, e.g. higher-priority arrivals overtaking a waiting request)
+        self.actual_s: dict[int, _Decayed] = {}
+        self.queued_s: dict[int, _Decayed] = {}
 
     def advance(self, now: float, halflife_s: float) -> None:
         dt = now - self._last
@@ -120,6 +125,14 @@ class _EngineBacklog:
         if self.observations < min_observations or self.backlog_s <= 0 or self.credited_tokens <= 0:
             return None
         return self.credited_tokens / self.backlog_s
+
+    def stretch(self, priority: int, min_observations: int) -> float:
+        """Measured actual / queue-predicted TTFT of recent first tokens of this class, at least 1."""
+        actual, queued = self.actual_s.get(priority), self.queued_s.get(priority)
+        errors = self.errors.get(priority)
+        if actual is None or queued is None or errors is None or errors.count < min_observations or queued.value <= 0:
+            return 1.0
+        return max(1.0, actual.value / queued.value)
 
     def tokens_ahead(self, priority: int) -> int:
         # lower numbers run first: equal-class work queued earlier is ahead too (deadline order is close to FIFO)
@@ -184,6 +197,7 @@ class _Waiting:
     admitted_at: float = 0.0
     predicted_s: float | None = None  # None: none was made (warming up)
     target_s: float | None = None
+    queued_s: float | None = None  # the prediction from the queue ahead alone, before the measured stretch
 
 
 class AdmissionController:
@@ -230,13 +244,22 @@ class AdmissionController:
         to_free = backlog.num_running + backlog.requests_ahead(priority) + 1 - slots
         return max(0, to_free) * hold / slots
 
-    def predicted_ttft(self, engine: str, priority: int, prompt_tokens: int) -> float | None:
-        """Seconds until a new request's first token on `engine` (None while its rates are unmeasured)."""
+    def queued_ttft(self, engine: str, priority: int, prompt_tokens: int) -> float | None:
+        """Seconds until a new request's first token on `engine` if only the work queued ahead of it now ran
+        first (None while its rates are unmeasured)."""
         rate = self.prefill_rate(engine)
         if rate is None:
             return None
         backlog = self._backlog(engine)
         return max((backlog.tokens_ahead(priority) + prompt_tokens) / rate, self._slot_wait(engine, backlog, priority))
+
+    def predicted_ttft(self, engine: str, priority: int, prompt_tokens: int) -> float | None:
+        """`queued_ttft` times the measured stretch of the class: how much longer its recent first tokens took
+        than their queue predicted (work that arrived later with a higher priority ran first)."""
+        queued = self.queued_ttft(engine, priority, prompt_tokens)
+        if queued is None:
+            return None
+        return queued * self._backlog(engine).stretch(priority, self.settings.min_rate_observations)
 
     def num_waiting(self, route: str | None = None) -> int:
         """Requests admitted and still waiting for their first token (one route, or all)."""
@@ -340,12 +363,13 @@ class AdmissionController:
             cfg = self.routes.get(route)
             priority = cfg.priority if cfg is not None else 0
             chosen = decision.engine or engine
+            queued = self.queued_ttft(chosen, priority, prompt_tokens)  # before it joins the ledger
             now = self.clock()
             backlog = self._backlog(chosen)
             backlog.advance(now, self.settings.rate_halflife_s)
             backlog.add(priority, prompt_tokens)
             self._waiting[request_id] = _Waiting(route, chosen, priority, prompt_tokens, now,
-                                                 decision.predicted_ttft_s, decision.target_ttft_s)
+                                                 decision.predicted_ttft_s, decision.target_ttft_s, queued_s=queued)
             self._route_waiting[route] = self._route_waiting.get(route, 0) + 1
         return decision
 
@@ -359,11 +383,16 @@ class AdmissionController:
         backlog = self._engines[entry.engine]
         backlog.num_running += 1
         self._running[request_id] = (entry.engine, now)
+        actual = now - entry.admitted_at
         if entry.predicted_s is not None and not math.isinf(entry.predicted_s):
             errors = backlog.errors.get(entry.priority)
             if errors is None:
                 errors = backlog.errors[entry.priority] = _PredictionErrors()
-            errors.observe(entry.predicted_s, now - entry.admitted_at, entry.target_s)
+            errors.observe(entry.predicted_s, actual, entry.target_s)
+        if entry.queued_s is not None and not math.isinf(entry.queued_s):
+            halflife = self.settings.rate_halflife_s
+            backlog.actual_s.setdefault(entry.priority, _Decayed(now)).add(now, halflife, actual)
+            backlog.queued_s.setdefault(entry.priority, _Decayed(now)).add(now, halflife, entry.queued_s)
 
     def release(self, request_id: str) -> None:
         """The request ended (finished, aborted, failed, dropped), before or after its first token; idempotent."""

@@ -674,3 +674,51 @@ def test_admission_retry_after_for_a_request_dropped_late():
     assert adm.retry_after_s("interactive", "e") == 3
     shed = adm.admit("q", "interactive", "e", 100)
     assert (shed.action, shed.predicted_ttft_s, shed.retry_after_s) == ("shed", pytest.approx(4.0), 3)
+
+
+def test_admission_stretches_a_class_prediction_by_how_much_later_its_first_tokens_came():
+    clock = Clock()
+    adm = AdmissionController(_slot_routes(), AdmissionSettings(rate_halflife_s=5.0, ttft_slack=0.9), clock=clock)
+    for i in range(3):
+        _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.1, hold_s=0.0, tokens=1000)  # 10,000 tok/s
+    for i in range(3):  # each batch request is overtaken by an interactive one admitted after it
+        assert adm.admit(f"b{i}", "batch", "e", 1000).predicted_ttft_s == pytest.approx(0.1)
+        adm.admit(f"i{i}", "interactive", "e", 1000)
+        clock.advance(0.1)
+        adm.first_token(f"i{i}")
+        clock.advance(0.1)
+        adm.first_token(f"b{i}")  # 0.2 s where its queue said 0.1 s
+        adm.release(f"i{i}")
+        adm.release(f"b{i}")
+    assert adm.prefill_rate("e") == pytest.approx(10_000)
+    assert adm.queued_ttft("e", 1, 1000) == pytest.approx(0.1)
+    assert adm.predicted_ttft("e", 1, 1000) == pytest.approx(0.2)  # stretched x2
+    assert adm.predicted_ttft("e", -1, 1000) == pytest.approx(0.1)  # interactive came when predicted: no stretch
+    admitted = 0
+    while adm.admit(f"q{admitted}", "batch", "e", 1000).admitted:
+        admitted += 1
+    assert admitted == 22  # 22 x 0.1 s x 2 = 4.4 s fits 4.5 s (5 s target, slack 0.9); a 23rd would take 4.6 s
+    assert adm.decisions["batch/shed/slo_miss"] == 1
+
+
+def test_admission_stretch_forgets_and_never_shrinks_a_prediction():
+    clock = Clock()
+    adm = AdmissionController(_slot_routes(), AdmissionSettings(rate_halflife_s=1.0), clock=clock)
+    for i in range(3):
+        _serve(adm, clock, f"w{i}", "batch", prefill_s=0.1, hold_s=0.0, tokens=1000)
+    adm.admit("slow", "batch", "e", 1000)
+    adm.admit("fast", "batch", "e", 1000)  # queued behind slow: predicted 0.2 s
+    clock.advance(0.5)
+    adm.first_token("slow")  # 0.5 s for a 0.1 s prediction
+    adm.first_token("fast")  # 0.5 s for 0.2 s
+    adm.release("slow")
+    adm.release("fast")
+    # only two observations of this class with a prediction (warm-up made none): too few to stretch yet
+    assert adm.predicted_ttft("e", 1, 1000) == pytest.approx(adm.queued_ttft("e", 1, 1000))
+    for i in range(20):  # then a long run where every first token came 10x earlier than its queue said
+        assert adm.admit(f"n{i}", "batch", "e", 1000).admitted
+        clock.advance(0.01)
+        adm.first_token(f"n{i}")
+        adm.release(f"n{i}")
+        clock.advance(1.0)
+    assert adm.predicted_ttft("e", 1, 1000) == pytest.approx(adm.queued_ttft("e", 1, 1000))  # never below 1x
