@@ -20,7 +20,7 @@ import torch
 
 from engines.errors import EngineDeadError, RequestRejected
 from engines.kv_pool import KVGeometry, KVPool
-from engines.model import Transformer
+from engines.model import Transformer, cpu_weight_layout
 from engines.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engines.runner import ModelRunner
 from engines.sampler import SamplerRow, sample
@@ -88,7 +88,7 @@ def load_model(spec: EngineSpec, device: torch.device) -> LoadedModel:
     if isinstance(spec.model, Transformer):
         # quantising swaps modules in place: never do that to the caller's model
         model = copy.deepcopy(spec.model) if spec.quantization != "none" else spec.model
-        model = _quantize(model.to(device).eval(), spec)
+        model = cpu_weight_layout(_quantize(model.to(device).eval(), spec))
         return LoadedModel(model, None, set(model.config.eos_token_ids), None)
     from engines.loader import load_checkpoint
     from engines.tokenizer import Tokenizer
@@ -96,7 +96,7 @@ def load_model(spec: EngineSpec, device: torch.device) -> LoadedModel:
     ckpt = load_checkpoint(spec.model, dtype=spec.dtype, device=device)
     tokenizer = Tokenizer.from_pretrained(spec.model)
     eos = set(ckpt.eos_token_ids) | set(tokenizer.eos_token_ids)
-    return LoadedModel(_quantize(ckpt.model, spec), tokenizer, eos, ckpt.generation)
+    return LoadedModel(cpu_weight_layout(_quantize(ckpt.model, spec)), tokenizer, eos, ckpt.generation)
 
 
 def _quantize(model: Transformer, spec: EngineSpec) -> Transformer:

@@ -204,6 +204,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.use_kernel = resolve_attention_backend(attention_backend, self.device)
         layers = kv_view.shape[2]
+        self.kv_view = kv_view
         self.k_caches = [kv_view[:, 0, i] for i in range(layers)]
         self.v_caches = [kv_view[:, 1, i] for i in range(layers)]
         self.k_scales = self.v_scales = None

@@ -244,20 +244,47 @@ class LeanDraftForward:
     MAX_WEIGHT_BYTES = 256 << 20
 
     def __init__(self, model: torch.nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 block_size: int):
+                 block_size: int, kv_view: torch.Tensor | None = None):
+        """kv_view: the model's whole pool view ([pages, 2, layers, block, kv_heads, head_dim]); with it the
+        batch-1 path writes a new position's K/V of every layer in one copy."""
         cfg = model.config
         self.cfg, self.block_size = cfg, block_size
         self.k_caches, self.v_caches = k_caches, v_caches
+        self.kv_view = kv_view
         # fused weights (one copy made at start-up; the draft model is tiny): q/k/v as one matmul, gate/up as
         # one, so a layer is 4 matmuls instead of 7 (each op costs ~5-20 us of dispatch on the CPU)
+        def like(w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:  # the model's weight layout (model.py)
+            return w if ref.is_contiguous() else w.t().contiguous().t()
+
         with torch.no_grad():
             self.layers = [(lay.input_layernorm.weight,
-                            torch.cat([lay.self_attn.q_proj.weight, lay.self_attn.k_proj.weight,
-                                       lay.self_attn.v_proj.weight]),
+                            like(torch.cat([lay.self_attn.q_proj.weight, lay.self_attn.k_proj.weight,
+                                            lay.self_attn.v_proj.weight]), lay.self_attn.q_proj.weight),
                             lay.self_attn.o_proj.weight, lay.post_attention_layernorm.weight,
-                            torch.cat([lay.mlp.gate_proj.weight, lay.mlp.up_proj.weight]),
+                            like(torch.cat([lay.mlp.gate_proj.weight, lay.mlp.up_proj.weight]),
+                                 lay.mlp.gate_proj.weight),
                             lay.mlp.down_proj.weight)
                            for lay in model.model.layers]
+        # the batch-1 path's copies, shaped for the fewest and cheapest ops (each op costs ~1-10 us of dispatch
+        # here, more than its arithmetic): weights transposed for `torch.mm` (about twice as fast as
+        # `F.linear` at one row), each RMSNorm weight and sqrt(hidden) folded into the matmul after it (the
+        # norm is then x / sqrt(sum(x^2) + hidden * eps), under half of `F.rms_norm`'s cost at one row),
+        # and 1/sqrt(head_dim) folded into the q rows (RoPE is linear: scaling q before it scales the scores)
+        hq_rows, root = cfg.num_heads * cfg.head_dim, cfg.hidden_size ** 0.5
+        with torch.no_grad():
+            def fold(w: torch.Tensor, norm_w: torch.Tensor | None = None) -> torch.Tensor:
+                w = w.float() if norm_w is None else w.float() * (norm_w.float() * root)[None, :]
+                return w.t().contiguous().to(self.embed_dtype)
+
+            self.embed_dtype = model.model.embed_tokens.weight.dtype
+            self.single_layers = []
+            for ln1, wqkv, wo_, ln2, wgu, wd in self.layers:
+                w = wqkv.float().clone()
+                w[:hq_rows] *= cfg.head_dim ** -0.5
+                self.single_layers.append((fold(w, ln1), fold(wo_), fold(wgu, ln2), fold(wd)))
+            self.single_head = fold(model.lm_head.weight, model.model.norm.weight)
+            self.norm_eps = torch.full((1, 1), cfg.hidden_size * cfg.rms_norm_eps, dtype=self.embed_dtype,
+                                       device=model.model.embed_tokens.weight.device)
         self.embed = model.model.embed_tokens.weight
         self.norm = model.model.norm.weight
         self.lm_head = model.lm_head.weight
@@ -302,6 +329,7 @@ class LeanDraftForward:
         last: list[int] = []
         for s, n in zip(states, num_new):
             c = s.num_computed
+            s.shadow_len = min(s.shadow_len, c)  # this path writes only the pages
             ids.extend(s.token_ids[c:c + n])
             pos.extend(range(c, c + n))
             tables.extend([s.pages] * n)
@@ -345,20 +373,52 @@ class LeanDraftForward:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
+    def _shadow(self, s: DraftState, length: int) -> list[torch.Tensor]:
+        """The state's dense K/V copy ([2, layers, kv_heads, capacity, head_dim], per-layer K and V views),
+        grown to hold `length` positions and filled from its pages where it is stale."""
+        cfg, bs = self.cfg, self.block_size
+        sh = s.shadow
+        if sh is None or sh[0].shape[3] < length:
+            cap = max(256, 1 << (length - 1).bit_length())
+            new = torch.empty(2, cfg.num_layers, cfg.num_kv_heads, cap, cfg.head_dim,
+                              dtype=self.embed.dtype, device=self.embed.device)
+            if sh is not None and s.shadow_len:
+                new[:, :, :, :s.shadow_len] = sh[0][:, :, :, :s.shadow_len]
+            else:
+                s.shadow_len = 0
+            sh = s.shadow = [new] + [new[j, i] for i in range(cfg.num_layers) for j in (0, 1)]
+        a, p0 = s.shadow_len, s.num_computed
+        if a < p0:  # positions computed by the batched path (or the prefix cache): copy them in once
+            b0, b1 = a // bs, (p0 - 1) // bs + 1
+            pages = torch.tensor(s.pages[b0:b1], device=self.embed.device)
+            if self.kv_view is not None:
+                got = self.kv_view.index_select(0, pages)  # [nb, 2, layers, bs, hkv, d]
+            else:
+                got = torch.stack([torch.stack([c.index_select(0, pages) for c in self.k_caches], 1),
+                                   torch.stack([c.index_select(0, pages) for c in self.v_caches], 1)], 1)
+            got = got.permute(1, 2, 4, 0, 3, 5).flatten(3, 4)  # [2, layers, hkv, nb * bs, d]
+            sh[0][:, :, :, a:p0] = got[:, :, :, a - b0 * bs:p0 - b0 * bs]
+            s.shadow_len = p0
+        return sh
+
+    def _unit(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm without its weight, over sqrt(hidden) (both folded into the next matmul)."""
+        if x.shape[0] == 1:  # the sum of squares as one addmm: the fewest ops at one row
+            return x * torch.addmm(self.norm_eps, x, x.t()).rsqrt_()
+        return x * x.square().sum(-1, keepdim=True).add_(self.norm_eps).rsqrt_()
+
     def _single(self, s: DraftState, n: int) -> torch.Tensor:
         """The next n (1-4) tokens of one sequence (a batch-1 draft step, the case speculation is for; n > 1
-        when the step's catch-up feeds the last draft and the bonus token): positions and pages as Python
-        ints, so K/V writes are plain copies, and attention runs over exactly the sequence's keys (a causal
-        mask only among the n new tokens) as two bmm's; about a third fewer ops than the general path."""
+        when the step's catch-up feeds the last draft and the bonus token). K/V live in a dense per-sequence
+        copy (`DraftState.shadow`): each layer appends its new K/V there and attends over exactly the
+        sequence's keys as two bmm's (a causal mask only among the n new tokens), with no gather from the
+        pages; the new positions go to the pages once per call (one copy per position for all layers)."""
         cfg, bs = self.cfg, self.block_size
         p0 = s.num_computed
-        last = p0 + n - 1
-        nb = last // bs + 1
-        slots = [(s.pages[p // bs], p % bs) for p in range(p0, p0 + n)]
-        flat = torch.tensor(s.pages[:nb], device=self.embed.device)
+        length = p0 + n
+        sh = self._shadow(s, length)
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        g, nq, eps, length = hq // hkv, hq + hkv, cfg.rms_norm_eps, last + 1
-        scale = d ** -0.5
+        g, nq = hq // hkv, hq + hkv
         dev = self.embed.device
         if n == 1:
             rot = self.rot[p0]
@@ -366,39 +426,49 @@ class LeanDraftForward:
             x = self.embed[tok:tok + 1]
             mask = None
         else:
-            rot = self.rot[p0:p0 + n]
-            x = self.embed[torch.tensor(s.token_ids[p0:p0 + n], device=dev)]
+            rot = self.rot[p0:length]
+            x = self.embed[torch.tensor(s.token_ids[p0:length], device=dev)]
             # query row r = token i (r // g) of head j: it sees keys up to position p0 + i
-            qpos = torch.arange(p0, p0 + n, device=dev).repeat_interleave(g)
+            qpos = torch.arange(p0, length, device=dev).repeat_interleave(g)
             mask = torch.arange(length, device=dev)[None, :] > qpos[:, None]
-        for i, (ln1, wqkv, wo_, ln2, wgu, wd) in enumerate(self.layers):
-            hs = F.rms_norm(x, (x.shape[-1],), ln1, eps)
-            qkv = F.linear(hs, wqkv).view(n, nq + hkv, d)
-            qk = torch.matmul(qkv[:, :nq], rot)  # [n, nq, d] @ [d, d] or [n, d, d]
-            kc, vc = self.k_caches[i], self.v_caches[i]
-            for j, (wp, wo) in enumerate(slots):
-                kc[wp, wo] = qk[j, hq:]
-                vc[wp, wo] = qkv[j, nq:]
-            keys = kc.flatten(1).index_select(0, flat).view(nb * bs, hkv, d)[:length].transpose(0, 1)
-            vals = vc.flatten(1).index_select(0, flat).view(nb * bs, hkv, d)[:length].transpose(0, 1)
+        ni = cfg.intermediate_size
+        for i, (wqkv, wo_, wgu, wd) in enumerate(self.single_layers):
+            qkv = torch.mm(self._unit(x), wqkv).view(n, nq + hkv, d)
+            qk = torch.matmul(qkv[:, :nq], rot)  # [n, nq, d] @ [d, d] or [n, d, d]; q is pre-scaled
+            kc, vc = sh[1 + 2 * i], sh[2 + 2 * i]  # [hkv, capacity, d]
+            if n == 1:
+                kc[:, p0] = qk[0, hq:]
+                vc[:, p0] = qkv[0, nq:]
+            else:
+                kc[:, p0:length] = qk[:, hq:].transpose(0, 1)
+                vc[:, p0:length] = qkv[:, nq:].transpose(0, 1)
             # per KV head: its n * g query rows (GQA without copying K/V); SDPA's dispatch costs more here
             q = qk[:, :hq].reshape(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d)
-            scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
+            scores = torch.bmm(q, kc[:, :length].transpose(1, 2))
             if mask is not None:
                 scores.masked_fill_(mask, float("-inf"))
-            o = torch.bmm(torch.softmax(scores, -1), vals)  # [hkv, n * g, d]
-            o = o.view(hkv, n, g, d).transpose(0, 1).reshape(n, hq * d)
-            x = x + F.linear(o, wo_)
-            x = self._mlp(x, ln2, wgu, wd)
-        return self._logits(x[-1:])
-
+            o = torch.bmm(torch.softmax(scores, -1), vc[:, :length])  # [hkv, n * g, d]
+            x = x + torch.mm(o.view(hkv, n, g, d).transpose(0, 1).reshape(n, hq * d), wo_)
+            gu = torch.mm(self._unit(x), wgu)
+            x = x + torch.mm(F.silu(gu[:, :ni]).mul_(gu[:, ni:]), wd)
+        for p in range(p0, length):  # the pool keeps the draft KV too (prefix cache, the batched path)
+            page, off = s.pages[p // bs], p % bs
+            if self.kv_view is not None:
+                self.kv_view[page, :, :, off] = sh[0][:, :, :, p]
+            else:
+                for i in range(cfg.num_layers):
+                    self.k_caches[i][page, off] = sh[0][0, i, :, p]
+                    self.v_caches[i][page, off] = sh[0][1, i, :, p]
+        s.shadow_len = length
+        x = x[-1:]
+        return torch.mm(self._unit(x), self.single_head).float()
 
 
 class DraftState:
     """The drafter's view of one sequence, shaped like a `Sequence` for the runner: its own token list
     (a prefix of the sequence's, then this step's drafts) and its own pages in the small model's geometry."""
 
-    __slots__ = ("token_ids", "pages", "num_computed", "block_hashes", "spec_token_ids")
+    __slots__ = ("token_ids", "pages", "num_computed", "block_hashes", "spec_token_ids", "shadow", "shadow_len")
 
     def __init__(self, token_ids: list[int], pages: list[int], num_computed: int, block_hashes: list[int]):
         self.token_ids = token_ids
@@ -406,6 +476,10 @@ class DraftState:
         self.num_computed = num_computed
         self.block_hashes = block_hashes
         self.spec_token_ids: list[int] = []  # the runner's field: a draft state never verifies anything
+        # the batch-1 draft path's dense K/V copy (LeanDraftForward._shadow) and how many positions of it
+        # hold this state's current tokens; the batched paths write only the pages, so they lower it
+        self.shadow: list[torch.Tensor] | None = None
+        self.shadow_len = 0
 
     @property
     def num_tokens(self) -> int:
@@ -422,7 +496,8 @@ class Drafter:
         self.pool = engine.pool
         self.model_id = engine.model_id
         self.block_size = engine.pool.block_size
-        self.lean = (LeanDraftForward(engine.model, engine.runner.k_caches, engine.runner.v_caches, self.block_size)
+        self.lean = (LeanDraftForward(engine.model, engine.runner.k_caches, engine.runner.v_caches, self.block_size,
+                                      getattr(engine.runner, "kv_view", None))
                      if LeanDraftForward.supported(engine.model, engine.runner) else None)
         self.num_prefix_hit_tokens = 0  # draft KV found in the prefix cache (e.g. the small engine's prompts)
 
@@ -459,6 +534,7 @@ class Drafter:
         """Keep the first `num_valid` tokens (verified: the sequence has them too); hash their full blocks."""
         del ds.token_ids[num_valid:]
         ds.num_computed = min(ds.num_computed, num_valid)
+        ds.shadow_len = min(ds.shadow_len, ds.num_computed)
         bs = self.block_size
         parent = ds.block_hashes[-1] if ds.block_hashes else None
         for i in range(len(ds.block_hashes), ds.num_computed // bs):
@@ -483,6 +559,8 @@ class Drafter:
             if self.lean is not None and sum(num_new) <= 4 * len(num_new):  # few tokens each: the lean forward
                 logits = self.lean(act_states, num_new)
             else:  # catch-up (a prompt, or many tokens since the last draft): the runner's varlen prefill
+                for s in act_states:  # it writes only the pages: the batch-1 path's dense copy is stale there
+                    s.shadow_len = min(s.shadow_len, s.num_computed)
                 logits, _ = self.runner.execute_batch(act_states, num_new)
             for s, n in zip(act_states, num_new):
                 s.num_computed += n
