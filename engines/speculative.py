@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.outputs import Logprob, PositionLogprobs
-from engines.sampler import SamplerRow, processed_logits
+from engines.sampler import SamplerRow, draw, processed_logits
 from engines.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -568,11 +568,8 @@ class Drafter:
             greedy, probs = processed_distributions(logits, rows, [stop_ids[i] for i in active])
             tokens = greedy
             if probs is not None:
-                noise = torch.empty_like(probs).exponential_()
-                for j, i in enumerate(active):
-                    if seqs[i].generator is not None and not rows[j].params.greedy:
-                        noise[j].exponential_(generator=seqs[i].generator)
-                sampled = (probs / noise).argmax(-1)
+                sampled = draw(probs, [seqs[i].generator if not rows[j].params.greedy else None
+                                       for j, i in enumerate(active)])
                 is_random = [not r.params.greedy for r in rows]
                 tokens = sampled if all(is_random) else torch.where(
                     torch.tensor(is_random, device=tokens.device), sampled, greedy)
