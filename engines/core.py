@@ -244,6 +244,7 @@ class ModelEngine:
     def step(self) -> int:
         """One scheduling step; returns the number of tokens the model processed."""
         self._drain_inbox()
+        step0 = self.speculator.adaptive.target.clock()  # a whole step's cost includes drafting
         self.speculator.propose()  # sets Sequence.spec_token_ids (supplied drafts, the drafter's k)
         sched = self.scheduler.schedule()
         for req in {id(s.request): s.request for s in sched.expired}.values():
@@ -286,7 +287,8 @@ class ModelEngine:
         if sched.num_prefill_tokens == 0 and sched.num_decode_seqs and self.speculator.drafter is not None:
             ks = set(drafts.values()) if drafts else {0}
             if len(ks) == 1 and (not drafts or len(drafts) == sched.num_decode_seqs):  # every sequence alike
-                self.speculator.adaptive.observe_step(sched.num_decode_seqs, ks.pop(), seconds)
+                self.speculator.adaptive.observe_step(sched.num_decode_seqs, ks.pop(),
+                                                      self.speculator.adaptive.target.clock() - step0)
         return sched.total_tokens
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -86,6 +86,34 @@ def test_vectorised_rejection_sampler_equals_the_kernel_reference(with_q):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
 
 
+@pytest.mark.parametrize("with_q", [True, False])
+def test_the_batch_1_rejection_path_equals_the_vectorised_sampler(with_q):
+    from engines.speculative import SpeculativeDecoder
+
+    gen = torch.Generator().manual_seed(1)
+    b, k, v = 16, 4, 10
+    target = torch.rand(b, k + 1, v, generator=gen).pow(3)
+    target[:, :, 7] = 0.0  # a token no row can draw
+    target /= target.sum(-1, keepdim=True)
+    draft = torch.rand(b, k, v, generator=gen).pow(3)
+    draft /= draft.sum(-1, keepdim=True)
+    ids = torch.where(torch.rand(b, k, generator=gen) < 0.6, target[:, :k].argmax(-1),
+                      torch.randint(0, v, (b, k), generator=gen))
+    seen_acc = set()
+    for trial in range(20):
+        u = torch.rand(b, k + 1, generator=gen)
+        q = draft if with_q else None
+        tokens, num_acc = rejection_sample_batched(ids, q, target, u[:, :k].contiguous(), u[:, k].contiguous())
+        for row in range(b):
+            got = SpeculativeDecoder._rejection_one(ids[row], None if q is None else q[row:row + 1], target[row],
+                                                     u[row])
+            acc = int(num_acc[row])
+            assert got == (tokens[row, :acc + 1].tolist(), acc), (trial, row)
+            assert 7 not in got[0][acc:]
+            seen_acc.add(acc)
+    assert {0, k} <= seen_acc  # rejections at the first draft and full acceptance (the bonus) both occur
+
+
 # ---- greedy: exactly plain decoding ------------------------------------------------------------------------------
 
 def test_greedy_single_requests_are_token_for_token_plain_greedy(pair):
@@ -344,7 +372,7 @@ def test_adaptive_k_drafts_when_it_pays_and_stops_when_it_does_not():
     assert explored == [32, 96, 224, 480, 992] and choices.count(0) == 995
     # drafting that pays explores plain decoding every explore_every steps
     choices = [fast.choose(1) for _ in range(96)]
-    assert choices.count(0) == 3 and choices.count(4) == 93
+    assert choices.count(0) == 6 and choices.count(4) == 90  # two explorations, 3 plain steps each
     assert AdaptiveK.expected_tokens(0.5, 3) == pytest.approx(1.875)
 
 
@@ -353,11 +381,20 @@ def test_adaptive_k_prefers_measured_verify_steps_over_the_tokens_per_step_model
     feed(ak, 4, plain=0.010, per_token=0.0002, draft=0.0005, a=0.8)
     assert ak.choose(4) > 0  # from tokens per step, a 4 x 5-token verify looks as cheap as 20 decodes
     for _ in range(30):  # measured: plain steps of 4 sequences 10 ms, verify steps with any k 40 ms
-        ak.observe_step(4, 0, 0.010)
-        for k in range(1, 5):
-            ak.observe_step(4, k, 0.040)
-    assert ak.target_cost(4, 3) == pytest.approx(0.040) and ak.choose(4) == 0
-    assert ak.target_cost(1, 3) == pytest.approx(ak.target.estimate(4))  # unmeasured batch size: the model
+        for k in range(5):
+            ak.observe_step(4, k, 0.100)  # the first step after a switch of k pays for it: not counted
+            ak.observe_step(4, k, 0.010 if k == 0 else 0.040)
+    assert ak.step_seconds(4, 3, 0.0005) == pytest.approx(0.040) and ak.choose(4) == 0
+    # unmeasured batch size: the target pass by tokens per step plus k draft passes
+    assert ak.step_seconds(1, 3, 0.0005) == pytest.approx(ak.target.estimate(4) + 3 * 0.0005)
+
+
+def test_adaptive_k_explores_plain_decoding_as_a_short_run():
+    ak = AdaptiveK(4, explore_every=8)
+    feed(ak, 1, plain=0.010, per_token=0.0002, draft=0.0005, a=0.95)
+    choices = [ak.choose(1) for _ in range(24)]
+    # drafting wins; its exploration of plain decoding holds k = 0 for 3 steps (the first pays the switch)
+    assert choices.count(0) == 6 and "4,0,0,0,4" in ",".join(map(str, choices))
 
 
 def test_stop_strings_with_speculation_stop_where_plain_decoding_stops(pair):
