@@ -146,6 +146,7 @@ class ModelEngine:
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._live_ids: set[str] = set()  # ids accepted and not yet finished (guarded by the GIL's atomic ops)
         self.num_steps = 0
+        self._last_step_end: float | None = None  # adaptive k's clock at the end of the last step
         self.num_generated_tokens = 0
 
     # ---- caller side (any thread) --------------------------------------------------------------------------
@@ -243,8 +244,14 @@ class ModelEngine:
 
     def step(self) -> int:
         """One scheduling step; returns the number of tokens the model processed."""
+        clock = self.speculator.adaptive.target.clock
+        step0 = clock()
+        # a whole step's cost: drafting included, and the time since the previous step ended when steps run
+        # back to back (the loop around step(), the inbox): what the choice of k really trades
+        if self._last_step_end is not None and step0 - self._last_step_end < 0.005:
+            step0 = self._last_step_end
+        self._last_step_end = None
         self._drain_inbox()
-        step0 = self.speculator.adaptive.target.clock()  # a whole step's cost includes drafting
         self.speculator.propose()  # sets Sequence.spec_token_ids (supplied drafts, the drafter's k)
         sched = self.scheduler.schedule()
         for req in {id(s.request): s.request for s in sched.expired}.values():
@@ -287,8 +294,8 @@ class ModelEngine:
         if sched.num_prefill_tokens == 0 and sched.num_decode_seqs and self.speculator.drafter is not None:
             ks = set(drafts.values()) if drafts else {0}
             if len(ks) == 1 and (not drafts or len(drafts) == sched.num_decode_seqs):  # every sequence alike
-                self.speculator.adaptive.observe_step(sched.num_decode_seqs, ks.pop(),
-                                                      self.speculator.adaptive.target.clock() - step0)
+                self.speculator.adaptive.observe_step(sched.num_decode_seqs, ks.pop(), clock() - step0)
+        self._last_step_end = clock()
         return sched.total_tokens
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
