@@ -199,11 +199,19 @@ class AdaptiveK:
 
     def step_seconds(self, batch: int, k: int, draft_seconds: float = 0.0) -> float:
         """Seconds of a whole step with k drafts for each of `batch` sequences: measured at this batch size
-        and k when it has been, else the tokens-per-step model of the target pass plus k draft passes."""
+        and k when it has been, else the tokens-per-step model of the target pass plus k draft passes, scaled
+        by the measured / modelled ratio of another k > 0 at this batch size when there is one (so one
+        measured k corrects the others at once instead of each being tried in turn)."""
+        bucket = max(1, batch).bit_length()
         m = self.step_cost.get(k)
-        if m is not None and max(1, batch).bit_length() in m.points:
+        if m is not None and bucket in m.points:
             return m.estimate(batch)
-        return self.target.estimate(batch * (k + 1)) + k * draft_seconds
+        model = self.target.estimate(batch * (k + 1)) + k * draft_seconds
+        if k > 0:  # another k measured at this batch size: scale the model by how far off it was there
+            for j, mj in sorted(self.step_cost.items(), reverse=True):
+                if j > 0 and bucket in mj.points:
+                    return model * mj.estimate(batch) / (self.target.estimate(batch * (j + 1)) + j * draft_seconds)
+        return model
 
     @staticmethod
     def expected_tokens(a: float, k: int) -> float:

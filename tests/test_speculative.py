@@ -389,6 +389,19 @@ def test_adaptive_k_prefers_measured_verify_steps_over_the_tokens_per_step_model
     assert ak.step_seconds(1, 3, 0.0005) == pytest.approx(ak.target.estimate(4) + 3 * 0.0005)
 
 
+def test_one_measured_k_corrects_the_model_for_the_others_at_that_batch_size():
+    ak = AdaptiveK(4, explore_every=1000)
+    feed(ak, 8, plain=0.010, per_token=0.0002, draft=0.0005, a=0.8)
+    modelled = {k: ak.step_seconds(8, k, 0.0005) for k in range(5)}
+    ak.observe_step(8, 3, 0.050)
+    ak.observe_step(8, 3, 0.050)  # steady: measured 50 ms where the model said modelled[3]
+    assert ak.step_seconds(8, 3, 0.0005) == pytest.approx(0.050)
+    ratio = 0.050 / modelled[3]
+    assert ak.step_seconds(8, 2, 0.0005) == pytest.approx(modelled[2] * ratio)
+    assert ak.step_seconds(8, 0, 0.0005) == pytest.approx(modelled[0])  # plain decoding is its own model
+    assert ak.step_seconds(2, 2, 0.0005) == pytest.approx(ak.target.estimate(6) + 2 * 0.0005)  # other sizes
+
+
 def test_adaptive_k_explores_plain_decoding_as_a_short_run():
     ak = AdaptiveK(4, explore_every=8)
     feed(ak, 1, plain=0.010, per_token=0.0002, draft=0.0005, a=0.95)
