@@ -21,6 +21,7 @@ from engines.sequence import Sequence
 if TYPE_CHECKING:
     from engines.core import ModelEngine
     from engines.runner import StepBatch
+    from engines.sampling_params import SamplingParams
 
 log = logging.getLogger("tandem.speculative")
 
@@ -511,6 +512,17 @@ class DraftState:
         return len(self.token_ids)
 
 
+def _plain_params(p: SamplingParams, vocab: int) -> bool:
+    """Sampling by temperature alone: the draft distribution is softmax(logits / T) (or the argmax)."""
+    return (p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+            and not p.min_tokens and not 0 < p.top_k < vocab and p.top_p >= 1.0 and p.min_p <= 0.0)
+
+
+@dataclass
+class _PlainRow:
+    params: SamplingParams
+
+
 class Drafter:
     """Runs the small engine's model (the same weights object and runner) over draft KV kept in the shared
     pool under the small model's id, so the small engine's cached prompt blocks serve as draft KV."""
@@ -589,15 +601,23 @@ class Drafter:
                 logits, _ = self.runner.execute_batch(act_states, num_new)
             for s, n in zip(act_states, num_new):
                 s.num_computed += n
-            rows = [sampler_row(seqs[i], seqs[i].spec_token_ids) for i in active]
-            greedy, probs = processed_distributions(logits, rows, [stop_ids[i] for i in active])
-            tokens = greedy
-            if probs is not None:
-                sampled = draw(probs, [seqs[i].generator if not rows[j].params.greedy else None
-                                       for j, i in enumerate(active)])
-                is_random = [not r.params.greedy for r in rows]
-                tokens = sampled if all(is_random) else torch.where(
-                    torch.tensor(is_random, device=tokens.device), sampled, greedy)
+            if len(active) == 1 and _plain_params(seqs[active[0]].request.params, logits.shape[1]):
+                # one sequence, temperature only (no penalties, bans or top-k/p/min-p): the same q, few ops
+                seq = seqs[active[0]]
+                prm = seq.request.params
+                probs = None if prm.greedy else torch.softmax(logits / prm.temperature, -1)
+                tokens = logits.argmax(-1) if probs is None else draw(probs, [seq.generator])
+                rows = [_PlainRow(prm)]
+            else:
+                rows = [sampler_row(seqs[i], seqs[i].spec_token_ids) for i in active]
+                greedy, probs = processed_distributions(logits, rows, [stop_ids[i] for i in active])
+                tokens = greedy
+                if probs is not None:
+                    sampled = draw(probs, [seqs[i].generator if not rows[j].params.greedy else None
+                                           for j, i in enumerate(active)])
+                    is_random = [not r.params.greedy for r in rows]
+                    tokens = sampled if all(is_random) else torch.where(
+                        torch.tensor(is_random, device=tokens.device), sampled, greedy)
             token_list = tokens.tolist()
             still = []
             for j, i in enumerate(active):
