@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             x, w = torch.randn(m, k), torch.randn(n, k)
             wc = w.t().contiguous().t()
             reps = 2000 if m * n < 50_000 else 300
-            a, b = op_time(lambda: F.linear(x, w), reps), op_time(lambda: F.linear(x, wc), reps)
+            a = op_time(lambda x=x, w=w: F.linear(x, w), reps)
+            b = op_time(lambda x=x, w=wc: F.linear(x, w), reps)
             ops.append({"rows": m, "in": k, "out": n, "row_major_us": round(a, 1), "col_major_us": round(b, 1),
                         "speedup": round(a / b, 2)})
     print("| rows x in -> out | row-major us | column-major us | speedup |\n|---|---|---|---|")

@@ -146,10 +146,11 @@ class AdaptiveK:
     and the step cost S: the measured whole step at this batch size and k once there is one, else the target
     pass (T, by tokens per step) plus k draft passes (D): T(B * (k + 1)) + k * D(B). k = 0
     is plain decoding;
-    every `explore_every` choices it takes the other side once (k = 1 instead of 0, 0 instead of k) so both
-    cost estimates stay measured and a stale acceptance estimate can recover. While plain decoding keeps
-    winning, the interval doubles up to `explore_max` (each exploration costs the drafter a catch-up over the
-    tokens it missed; at batch 8 exploring every 32 steps cost 5-7% of throughput); any k > 0 resets it."""
+    every `explore_every` choices it takes the other side (k = 1 instead of 0 once; plain decoding instead
+    of k for 3 steps) so both cost estimates stay measured and a stale acceptance estimate can recover. While
+    the same side keeps winning, the interval doubles up to `explore_max` (each exploration costs a catch-up
+    or a switch: at batch 8 exploring every 32 steps cost 5-7% of throughput, at batch 1 the plain runs 3%);
+    a change of side resets it."""
 
     def __init__(self, k_max: int, explore_every: int = 32, decay: float = 0.95,
                  device: torch.device | str = "cpu", explore_max: int = 512):
@@ -157,6 +158,7 @@ class AdaptiveK:
         self.explore_every = explore_every
         self.explore_max = max(explore_max, explore_every)
         self._interval = explore_every
+        self._last_best = 0  # the winner at the previous exploration (0: plain decoding)
         self._next_explore = explore_every
         # the target step's cost by k, keyed by the number of decoding sequences: a verify step over k + 1
         # tokens per sequence costs more than plain decodes of as many tokens (rejection sampling,
@@ -245,7 +247,10 @@ class AdaptiveK:
             if rate > best_rate:
                 best, best_rate = k, rate
         if self._steps >= self._next_explore:  # keep both sides measured: the other choice, once
-            self._interval = min(2 * self._interval, self.explore_max) if best == 0 else self.explore_every
+            # while the same side keeps winning, explore ever more rarely; a change of side starts over
+            same = (best > 0) == (self._last_best > 0)
+            self._interval = min(2 * self._interval, self.explore_max) if same else self.explore_every
+            self._last_best = best
             self._next_explore = self._steps + self._interval
             self.exploring = best == 0
             if best > 0:  # plain decoding for 3 steps: the first after drafting pays the switch, the next two
