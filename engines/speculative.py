@@ -159,6 +159,10 @@ class AdaptiveK:
         self.explore_max = max(explore_max, explore_every)
         self._interval = explore_every
         self._last_best = 0  # the winner at the previous exploration (0: plain decoding)
+        # leaving plain decoding for a k not yet measured at this batch size needs this predicted gain: the
+        # switch makes every sequence's drafter catch up on the tokens it missed (batch 32 greedy took a few
+        # such steps, about 36 ms longer each by the run times, and ran at 0.92x in bench/speculative.py)
+        self.switch_margin = 1.2
         self._next_explore = explore_every
         # the target step's cost by k, keyed by the number of decoding sequences: a verify step over k + 1
         # tokens per sequence costs more than plain decodes of as many tokens (rejection sampling,
@@ -241,11 +245,16 @@ class AdaptiveK:
             self.k = min(2, self.k_max)  # nothing drafted yet: draft a little to learn
             self.exploring = True
             return self.k
-        best, best_rate = 0, batch / self.step_seconds(batch, 0)
+        plain_rate = batch / self.step_seconds(batch, 0)
+        best, best_rate = 0, plain_rate
         for k in range(1, self.k_max + 1):
             rate = batch * self.expected_tokens(a, k) / self.step_seconds(batch, k, d)
             if rate > best_rate:
                 best, best_rate = k, rate
+        bucket = max(1, batch).bit_length()
+        if (best > 0 and self.k == 0 and best_rate < self.switch_margin * plain_rate
+                and bucket not in getattr(self.step_cost.get(best), "points", {})):
+            best = 0  # from plain decoding to a k never measured at this batch size: only for a clear gain
         if self._steps >= self._next_explore:  # keep both sides measured: the other choice, once
             # while the same side keeps winning, explore ever more rarely; a change of side starts over
             same = (best > 0) == (self._last_best > 0)

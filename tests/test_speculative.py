@@ -402,6 +402,27 @@ def test_one_measured_k_corrects_the_model_for_the_others_at_that_batch_size():
     assert ak.step_seconds(2, 2, 0.0005) == pytest.approx(ak.target.estimate(6) + 2 * 0.0005)  # other sizes
 
 
+def test_leaving_plain_decoding_for_an_unmeasured_k_needs_a_clear_gain():
+    ak = AdaptiveK(1, explore_every=1000)
+    ak.target.observe(8, 0.010)  # 8 plain decodes: 10 ms; 16 tokens (8 x k = 1 verify): 11 ms
+    ak.target.observe(16, 0.011)
+    ak.draft.observe(8, 0.001)
+    ak.observe_window(10, 9)  # a = 0.9: E(1) = 1.9 tokens per sequence
+    ak.k = 0
+    assert ak.choose(8) == 1  # predicted 8 x 1.9 / 12 ms = 1.27 tokens/ms vs 0.8: far over the margin
+    slow = AdaptiveK(1, explore_every=1000)
+    slow.target.observe(8, 0.010)
+    slow.target.observe(16, 0.016)
+    slow.draft.observe(8, 0.001)
+    slow.observe_window(10, 9)
+    slow.k = 0
+    assert slow.choose(8) == 0  # predicted 8 x 1.9 / 17 ms = 0.89 tokens/ms: +12%, under the 20% margin
+    slow.observe_step(8, 1, 0.017)
+    slow.observe_step(8, 1, 0.017)  # measured at this batch size: the plain comparison decides
+    slow.k = 0
+    assert slow.choose(8) == 1
+
+
 def test_adaptive_k_explores_plain_decoding_as_a_short_run():
     ak = AdaptiveK(4, explore_every=8)
     feed(ak, 1, plain=0.010, per_token=0.0002, draft=0.0005, a=0.95)
