@@ -141,7 +141,9 @@ async def test_client_records_tokens_usage_headers_and_outcomes(server):
     assert ok.ttft_s >= FIRST_TOKEN_DELAY_S
     # Chunks can share a TCP read (gap ~0), but the pooled gaps always span first to last token.
     assert sum(ok.itl_s) == pytest.approx(ok.token_times_s[-1] - ok.token_times_s[0])
-    assert ok.e2e_s >= ok.ttft_s + 4 * TOKEN_DELAY_S
+    # The stream takes at least the server's sleeps; the gap after the first token is not asserted: a client
+    # that reads late under load (another job on the cores) can see the first chunks all at once.
+    assert ok.e2e_s >= max(ok.ttft_s, FIRST_TOKEN_DELAY_S + 4 * TOKEN_DELAY_S)
     assert ok.sent_s >= ok.scheduled_s
     assert recs[2].status_code == 429 and recs[2].retry_after == "1"
     assert "boom" in recs[3].error and "engine failed" in recs[4].error
