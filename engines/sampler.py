@@ -123,7 +123,11 @@ def draw(probs: torch.Tensor, generators: Seq[torch.Generator | None]) -> torch.
     cdf = probs.cumsum(-1)
     # the first token whose cumulative mass exceeds u * total (zero-probability tokens never are)
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
-    return picked.clamp_(max=probs.shape[1] - 1)
+    over = picked >= probs.shape[1]
+    if bool(over.any()):  # u * total rounded up to the total (u within 1e-7 of 1): the last token with mass
+        for j in over.nonzero()[:, 0].tolist():
+            picked[j] = int(torch.nonzero(probs[j])[-1])
+    return picked
 
 
 def sample(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]] | None = None) -> SamplerOutput:

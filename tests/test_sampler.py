@@ -125,3 +125,15 @@ def test_logprobs_are_the_raw_distribution_with_ranks_and_top_k():
     assert set(lp) == set(top3.indices.tolist()) | {tok}
     none = sample(logits, [SamplerRow(SamplingParams(temperature=0), [0], [])])
     assert none.logprobs == [None] and none.sampled_logprobs == [None]
+
+
+def test_the_cpu_draw_never_picks_a_token_without_mass_even_at_the_top_of_the_cdf(monkeypatch):
+    from engines.sampler import draw
+
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0], [0.5, 0.0, 0.5, 0.0]])
+    picks = {tuple(draw(probs, [None, None]).tolist()) for _ in range(300)}
+    assert {a for a, _ in picks} == {1, 2} and {b for _, b in picks} == {0, 2}
+    # u * total can round up to the total when u is within 1e-7 of 1: u = 1 is that case, past the cdf's end
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones_like(real_rand(*a, **k)))
+    assert draw(probs, [None, torch.Generator().manual_seed(0)]).tolist() == [2, 2]  # the last live tokens
