@@ -283,14 +283,14 @@ class LeanDraftForward:
     MAX_TABLE_BYTES = 64 << 20
     MAX_WEIGHT_BYTES = 256 << 20
 
-    def __init__(self, model: torch.nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 block_size: int, kv_view: torch.Tensor | None = None):
-        """kv_view: the model's whole pool view ([pages, 2, layers, block, kv_heads, head_dim]); with it the
-        batch-1 path writes a new position's K/V of every layer in one copy."""
+    def __init__(self, model: torch.nn.Module, kv_view: torch.Tensor, block_size: int):
+        """kv_view: the model's pool view ([pages, 2, layers, block, kv_heads, head_dim], `ModelRunner.kv_view`);
+        the batch-1 path writes a new position's K/V of every layer in one copy through it."""
         cfg = model.config
         self.cfg, self.block_size = cfg, block_size
-        self.k_caches, self.v_caches = k_caches, v_caches
         self.kv_view = kv_view
+        self.k_caches = [kv_view[:, 0, i] for i in range(kv_view.shape[2])]
+        self.v_caches = [kv_view[:, 1, i] for i in range(kv_view.shape[2])]
         # fused weights (one copy made at start-up; the draft model is tiny): q/k/v as one matmul, gate/up as
         # one, so a layer is 4 matmuls instead of 7 (each op costs ~5-20 us of dispatch on the CPU)
         def like(w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:  # the model's weight layout (model.py)
@@ -431,11 +431,7 @@ class LeanDraftForward:
         if a < p0:  # positions computed by the batched path (or the prefix cache): copy them in once
             b0, b1 = a // bs, (p0 - 1) // bs + 1
             pages = torch.tensor(s.pages[b0:b1], device=self.embed.device)
-            if self.kv_view is not None:
-                got = self.kv_view.index_select(0, pages)  # [nb, 2, layers, bs, hkv, d]
-            else:
-                got = torch.stack([torch.stack([c.index_select(0, pages) for c in self.k_caches], 1),
-                                   torch.stack([c.index_select(0, pages) for c in self.v_caches], 1)], 1)
+            got = self.kv_view.index_select(0, pages)  # [nb, 2, layers, bs, hkv, d]
             got = got.permute(1, 2, 4, 0, 3, 5).flatten(3, 4)  # [2, layers, hkv, nb * bs, d]
             sh[0][:, :, :, a:p0] = got[:, :, :, a - b0 * bs:p0 - b0 * bs]
             s.shadow_len = p0
@@ -492,13 +488,7 @@ class LeanDraftForward:
             gu = torch.mm(self._unit(x), wgu)
             x = x + torch.mm(F.silu(gu[:, :ni]).mul_(gu[:, ni:]), wd)
         for p in range(p0, length):  # the pool keeps the draft KV too (prefix cache, the batched path)
-            page, off = s.pages[p // bs], p % bs
-            if self.kv_view is not None:
-                self.kv_view[page, :, :, off] = sh[0][:, :, :, p]
-            else:
-                for i in range(cfg.num_layers):
-                    self.k_caches[i][page, off] = sh[0][0, i, :, p]
-                    self.v_caches[i][page, off] = sh[0][1, i, :, p]
+            self.kv_view[s.pages[p // bs], :, :, p % bs] = sh[0][:, :, :, p]
         s.shadow_len = length
         x = x[-1:]
         return torch.mm(self._unit(x), self.single_head).float()
@@ -532,11 +522,6 @@ def _plain_params(p: SamplingParams, vocab: int) -> bool:
             and not p.min_tokens and not 0 < p.top_k < vocab and p.top_p >= 1.0 and p.min_p <= 0.0)
 
 
-@dataclass
-class _PlainRow:
-    params: SamplingParams
-
-
 class Drafter:
     """Runs the small engine's model (the same weights object and runner) over draft KV kept in the shared
     pool under the small model's id, so the small engine's cached prompt blocks serve as draft KV."""
@@ -547,8 +532,7 @@ class Drafter:
         self.pool = engine.pool
         self.model_id = engine.model_id
         self.block_size = engine.pool.block_size
-        self.lean = (LeanDraftForward(engine.model, engine.runner.k_caches, engine.runner.v_caches, self.block_size,
-                                      getattr(engine.runner, "kv_view", None))
+        self.lean = (LeanDraftForward(engine.model, engine.runner.kv_view, self.block_size)
                      if LeanDraftForward.supported(engine.model, engine.runner) else None)
         self.num_prefix_hit_tokens = 0  # draft KV found in the prefix cache (e.g. the small engine's prompts)
 
@@ -621,23 +605,22 @@ class Drafter:
                 prm = seq.request.params
                 probs = None if prm.greedy else torch.softmax(logits / prm.temperature, -1)
                 tokens = logits.argmax(-1) if probs is None else draw(probs, [seq.generator])
-                rows = [_PlainRow(prm)]
+                is_greedy = [prm.greedy]
             else:
                 rows = [sampler_row(seqs[i], seqs[i].spec_token_ids) for i in active]
+                is_greedy = [r.params.greedy for r in rows]
                 greedy, probs = processed_distributions(logits, rows, [stop_ids[i] for i in active])
                 tokens = greedy
                 if probs is not None:
-                    sampled = draw(probs, [seqs[i].generator if not rows[j].params.greedy else None
-                                           for j, i in enumerate(active)])
-                    is_random = [not r.params.greedy for r in rows]
-                    tokens = sampled if all(is_random) else torch.where(
-                        torch.tensor(is_random, device=tokens.device), sampled, greedy)
+                    sampled = draw(probs, [None if g else seqs[i].generator for g, i in zip(is_greedy, active)])
+                    tokens = sampled if not any(is_greedy) else torch.where(
+                        torch.tensor(is_greedy, device=tokens.device), greedy, sampled)
             token_list = tokens.tolist()
             still = []
             for j, i in enumerate(active):
                 seqs[i].spec_token_ids.append(token_list[j])
                 states[i].token_ids.append(token_list[j])
-                if not rows[j].params.greedy:
+                if not is_greedy[j]:
                     qs[i].append(probs[j])
                 if len(seqs[i].spec_token_ids) < ks[i]:
                     still.append(i)

@@ -244,7 +244,9 @@ async def test_a_request_dropped_past_its_ttft_deadline_gets_503_with_retry_afte
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             long = asyncio.create_task(client.post("/v1/completions", json={
                 "model": "slow", "prompt": "hello", "max_tokens": 200, "ignore_eos": True}))
-            while not server.app.state.gateway.host.stats()["engines"]["tiny"]["num_running"]:
+            deadline = time.monotonic() + 60  # bounded: a long request that failed to start fails below
+            while (not server.app.state.gateway.host.stats()["engines"]["tiny"]["num_running"]
+                   and time.monotonic() < deadline):
                 await asyncio.sleep(0.005)
             late = await client.post("/v1/completions", json={"model": "urgent", "prompt": "hi", "max_tokens": 4})
             assert (await long).status_code == 200

@@ -454,7 +454,7 @@ def test_lean_draft_forward_equals_the_models_forward_over_the_pool(pair):
     llm = LLM(target, block_size=BLOCK)
     eng = llm.engine
     assert LeanDraftForward.supported(eng.model, eng.runner)
-    lean = LeanDraftForward(eng.model, eng.runner.k_caches, eng.runner.v_caches, BLOCK)
+    lean = LeanDraftForward(eng.model, eng.runner.kv_view, BLOCK)
     a = DraftState(list(range(10, 33)), eng.pool.allocate(eng.model_id, 7), 0, [])
     b = DraftState(list(range(40, 49)), eng.pool.allocate(eng.model_id, 3), 0, [])
     eng.runner.execute_batch([a, b], [21, 8])  # a prefix of each through the runner
