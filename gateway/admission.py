@@ -60,19 +60,19 @@ class AdmissionSettings:
 class _Decayed:
     """A mean that forgets exponentially in wall time and keeps its value through idle time (no new samples)."""
 
-    __slots__ = ("weight", "value", "seen", "_last")
+    __slots__ = ("weight", "value", "seen", "last")
 
     def __init__(self, now: float):
         self.weight = 0.0
         self.value = 0.0
         self.seen = False
-        self._last = now
+        self.last = now  # the time of the latest sample
 
     def add(self, now: float, halflife_s: float, value: float) -> None:
-        dt = now - self._last
+        dt = now - self.last
         if dt > 0:
             self.weight *= 0.5 ** (dt / halflife_s)
-            self._last = now
+            self.last = now
         self.weight += 1.0
         self.value += (value - self.value) / self.weight
         self.seen = True
@@ -126,13 +126,16 @@ class _EngineBacklog:
             return None
         return self.credited_tokens / self.backlog_s
 
-    def stretch(self, priority: int, min_observations: int) -> float:
-        """Measured actual / queue-predicted TTFT of recent first tokens of this class, at least 1."""
+    def stretch(self, priority: int, min_observations: int, now: float, halflife_s: float) -> float:
+        """Measured actual / queue-predicted TTFT of recent first tokens of this class, at least 1. Its excess
+        over 1 fades by half per half-life without a new first token of the class: a stretch measured in a
+        burst would otherwise shed every later request of the class, so none could come back to correct it."""
         actual, queued = self.actual_s.get(priority), self.queued_s.get(priority)
         errors = self.errors.get(priority)
         if actual is None or queued is None or errors is None or errors.count < min_observations or queued.value <= 0:
             return 1.0
-        return max(1.0, actual.value / queued.value)
+        excess = max(0.0, actual.value / queued.value - 1.0)
+        return 1.0 + excess * 0.5 ** (max(0.0, now - actual.last) / halflife_s)
 
     def tokens_ahead(self, priority: int) -> int:
         # lower numbers run first: equal-class work queued earlier is ahead too (deadline order is close to FIFO)
@@ -259,7 +262,9 @@ class AdmissionController:
         queued = self.queued_ttft(engine, priority, prompt_tokens)
         if queued is None:
             return None
-        return queued * self._backlog(engine).stretch(priority, self.settings.min_rate_observations)
+        s = self.settings
+        return queued * self._backlog(engine).stretch(priority, s.min_rate_observations, self.clock(),
+                                                      s.rate_halflife_s)
 
     def num_waiting(self, route: str | None = None) -> int:
         """Requests admitted and still waiting for their first token (one route, or all)."""

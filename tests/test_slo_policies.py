@@ -701,6 +701,34 @@ def test_admission_stretches_a_class_prediction_by_how_much_later_its_first_toke
     assert adm.decisions["batch/shed/slo_miss"] == 1
 
 
+def test_admission_stretch_fades_while_no_first_token_of_its_class_comes():
+    """A stretch measured in a burst must not shed the class for good: with every request shed, no first token
+    could come back to correct it. Its excess over 1 halves per half-life without one."""
+    clock = Clock()
+    adm = AdmissionController(_slot_routes(), AdmissionSettings(rate_halflife_s=5.0, ttft_slack=0.9), clock=clock)
+    for i in range(3):
+        _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.1, hold_s=0.0, tokens=1000)
+    for i in range(3):  # a burst: each batch request's first token comes several times later than predicted
+        assert adm.admit(f"b{i}", "batch", "e", 1000).admitted
+        clock.advance(0.4)
+        adm.first_token(f"b{i}")
+        adm.release(f"b{i}")
+
+    def stretch() -> float:
+        return adm.predicted_ttft("e", 1, 1000) / adm.queued_ttft("e", 1, 1000)
+
+    s0 = stretch()
+    assert s0 > 2.0
+    assert adm.predicted_ttft("e", -1, 1000) == pytest.approx(adm.queued_ttft("e", -1, 1000))  # not its class
+    clock.advance(5.0)  # one half-life with nothing of the class served
+    assert stretch() == pytest.approx(1 + (s0 - 1) / 2)
+    clock.advance(10.0)  # three
+    assert stretch() == pytest.approx(1 + (s0 - 1) / 8)
+    assert adm.admit("n", "batch", "e", 1000).admitted  # a first token on time resets the age and the mean
+    adm.first_token("n")
+    assert stretch() < 1 + (s0 - 1) / 8
+
+
 def test_admission_stretch_forgets_and_never_shrinks_a_prediction():
     clock = Clock()
     adm = AdmissionController(_slot_routes(), AdmissionSettings(rate_halflife_s=1.0), clock=clock)
