@@ -136,7 +136,7 @@ class AdmissionConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     enabled: bool = True  # false: every request is admitted (up to server.max_inflight_requests)
     ttft_slack: Annotated[float, Meta(gt=0)] = 1.0  # admit while predicted TTFT <= slack x the route's target
     max_waiting_per_route: PositiveInt = 256  # default for routes without max_waiting
-    rate_halflife_s: Annotated[float, Meta(gt=0)] = 10.0  # how fast the measured prefill rate forgets
+    rate_halflife_s: Annotated[float, Meta(gt=0)] = 10.0  # how fast the measured rates and TTFT stretch forget
     min_rate_observations: PositiveInt = 3  # first tokens seen on an engine before predictions are trusted
     min_retry_after_s: NonNegativeFloat = 1.0
     max_retry_after_s: NonNegativeFloat = 60.0
