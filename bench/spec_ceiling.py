@@ -68,16 +68,16 @@ class DraftTimer:
 
     def __init__(self, lean: object):
         self.seconds: list[float] = []
-        single = lean._single
+        dense = lean._dense
 
-        def timed(state, n):
+        def timed(states, num_new):
             t0 = time.perf_counter()
-            out = single(state, n)
-            if n == 1:
+            out = dense(states, num_new)
+            if list(num_new) == [1]:
                 self.seconds.append(time.perf_counter() - t0)
             return out
 
-        lean._single = timed
+        lean._dense = timed
 
 
 def expected_tokens(conditional: list[float], k: int) -> float:

@@ -146,15 +146,19 @@ class AdaptiveK:
     and the step cost S: the measured whole step at this batch size and k once there is one, else the target
     pass (T, by tokens per step) plus k draft passes (D): T(B * (k + 1)) + k * D(B). k = 0
     is plain decoding;
-    every `explore_every` choices it takes the other side (k = 1 instead of 0 once; plain decoding instead
-    of k for 3 steps) so both cost estimates stay measured and a stale acceptance estimate can recover. While
-    the same side keeps winning, the interval doubles up to `explore_max` (each exploration costs a catch-up
-    or a switch: at batch 8 exploring every 32 steps cost 5-7% of throughput, at batch 1 the plain runs 3%);
-    a change of side resets it."""
+    every `explore_every` choices it takes the other side so both cost estimates stay measured and a stale
+    acceptance estimate can recover: plain decoding instead of k for 3 steps; drafting instead of plain
+    decoding as the best k > 0 for 3 steps at batches of up to `explore_seqs` (every sequence drafts, so the
+    whole step is measured), else k = 1 once for a few sequences (acceptance only), and not at all where
+    drafting would lose even with every draft accepted. While the same side keeps winning, the interval
+    doubles up to `explore_max` (each exploration costs a catch-up or a switch: at batch 8 exploring every 32
+    steps cost 5-7% of throughput, at batch 1 the plain runs 3%); a change of side resets it. Outside
+    explorations a batch size changes side only for a predicted `hysteresis` gain (a switch costs)."""
 
     def __init__(self, k_max: int, explore_every: int = 32, decay: float = 0.95,
-                 device: torch.device | str = "cpu", explore_max: int = 512):
+                 device: torch.device | str = "cpu", explore_max: int = 512, explore_seqs: int = EXPLORE_SEQS):
         self.k_max = k_max
+        self.explore_seqs = explore_seqs  # an exploring step drafts for this many sequences at most
         self.explore_every = explore_every
         self.explore_max = max(explore_max, explore_every)
         self._interval = explore_every
@@ -163,6 +167,8 @@ class AdaptiveK:
         # switch makes every sequence's drafter catch up on the tokens it missed (batch 32 greedy took a few
         # such steps, about 36 ms longer each by the run times, and ran at 0.92x in bench/speculative.py)
         self.switch_margin = 1.2
+        self.hysteresis = 1.1  # the other side must be predicted this much faster to change side
+        self._side: dict[int, bool] = {}  # per batch-size bucket: whether its latest choice drafted
         self._next_explore = explore_every
         # the target step's cost by k, keyed by the number of decoding sequences: a verify step over k + 1
         # tokens per sequence costs more than plain decodes of as many tokens (rejection sampling,
@@ -180,6 +186,7 @@ class AdaptiveK:
         self.k = k_max
         self.exploring = False  # the latest choice only measures: draft for a few sequences, not the batch
         self._hold_plain = 0  # steps left of an exploration of plain decoding (a short run, see observe_step)
+        self._hold_draft = (0, 0)  # steps left of an exploration of drafting, and its k (small batches)
         self._prev_k: int | None = None  # k of the previous observed step
         self.fixed: int | None = None  # pin k (tests, benchmarks); None: adaptive
 
@@ -203,6 +210,11 @@ class AdaptiveK:
         prev, self._prev_k = self._prev_k, k
         if prev == k:
             self.step_cost.setdefault(k, CostModel()).observe(batch, seconds)
+
+    def unsteady(self) -> None:
+        """The coming step pays for more than its k (the drafter caught up on a prompt or on tokens it missed):
+        it is not counted, and the step after it is (if its k is the same)."""
+        self._prev_k = None
 
     def step_seconds(self, batch: int, k: int, draft_seconds: float = 0.0) -> float:
         """Seconds of a whole step with k drafts for each of `batch` sequences: measured at this batch size
@@ -230,6 +242,11 @@ class AdaptiveK:
             self._hold_plain -= 1
             self.k = 0
             return 0
+        if self._hold_draft[0] > 0:  # the rest of a drafting exploration
+            self._hold_draft = (self._hold_draft[0] - 1, self._hold_draft[1])
+            self.k = self._hold_draft[1]
+            self.exploring = True
+            return self.k
         if self.fixed is not None:
             self.k = min(self.fixed, self.k_max)
             return self.k
@@ -247,14 +264,26 @@ class AdaptiveK:
             return self.k
         plain_rate = batch / self.step_seconds(batch, 0)
         best, best_rate = 0, plain_rate
+        best_draft, best_draft_rate = 1, 0.0  # the best k > 0, what an exploration of drafting tries
         for k in range(1, self.k_max + 1):
             rate = batch * self.expected_tokens(a, k) / self.step_seconds(batch, k, d)
             if rate > best_rate:
                 best, best_rate = k, rate
+            if rate > best_draft_rate:
+                best_draft, best_draft_rate = k, rate
         bucket = max(1, batch).bit_length()
         if (best > 0 and self.k == 0 and best_rate < self.switch_margin * plain_rate
                 and bucket not in getattr(self.step_cost.get(best), "points", {})):
             best = 0  # from plain decoding to a k never measured at this batch size: only for a clear gain
+        side = self._side.get(bucket)
+        if side is not None:  # changing side costs a switch (the drafter catches up, caches refill): near
+            # break-even stay on this batch size's current side (batch 4 greedy, where fixed k = 2-3 runs at
+            # 0.95-1.0x, went back and forth on 203 steps and ran at 0.88x)
+            if side and best == 0 and plain_rate < self.hysteresis * best_draft_rate:
+                best = best_draft
+            elif not side and best > 0 and best_rate < self.hysteresis * plain_rate:
+                best = 0
+        self._side[bucket] = best > 0
         if self._steps >= self._next_explore:  # keep both sides measured: the other choice, once
             # while the same side keeps winning, explore ever more rarely; a change of side starts over
             same = (best > 0) == (self._last_best > 0)
@@ -264,7 +293,20 @@ class AdaptiveK:
             self.exploring = best == 0
             if best > 0:  # plain decoding for 3 steps: the first after drafting pays the switch, the next two
                 self._hold_plain = 2  # measure plain decoding (observe_step)
-            best = 1 if best == 0 else 0
+                best = 0
+            elif batch <= self.explore_seqs:
+                # every sequence drafts: the best k > 0 for 3 steps, so two steady ones measure the whole step
+                # at this batch size (a single step pays the switch and is never counted; without a measured
+                # k > 0 here, the tokens-per-step model alone decided: at batch 2 it held plain decoding at
+                # 0.99x where drafting ran at 1.18x, bench/speculative.py)
+                best = best_draft
+                self._hold_draft = (2, best)
+            elif max(batch * (k + 1) / self.step_seconds(batch, k, d)
+                     for k in range(1, self.k_max + 1)) >= self.switch_margin * plain_rate:
+                best = 1  # a few sequences draft k = 1: it measures acceptance, not the cost of a whole step
+            else:  # drafting would lose even if every draft were accepted: measuring acceptance cannot change
+                self.exploring = False  # the choice, and the few sequences' catch-ups cost (batch 32 greedy ran
+                # at 0.93x in a run with 6 exploring steps)
         self.k = best
         return best
 
@@ -285,10 +327,11 @@ class LeanDraftForward:
 
     def __init__(self, model: torch.nn.Module, kv_view: torch.Tensor, block_size: int):
         """kv_view: the model's pool view ([pages, 2, layers, block, kv_heads, head_dim], `ModelRunner.kv_view`);
-        the batch-1 path writes a new position's K/V of every layer in one copy through it."""
+        the dense path (`_dense`) writes a new position's K/V of every layer in one copy through it."""
         cfg = model.config
         self.cfg, self.block_size = cfg, block_size
         self.kv_view = kv_view
+        self.max_dense_seqs = 4  # draft passes of up to this many sequences take `_dense`
         self.k_caches = [kv_view[:, 0, i] for i in range(kv_view.shape[2])]
         self.v_caches = [kv_view[:, 1, i] for i in range(kv_view.shape[2])]
         # fused weights (one copy made at start-up; the draft model is tiny): q/k/v as one matmul, gate/up as
@@ -305,7 +348,7 @@ class LeanDraftForward:
                                  lay.mlp.gate_proj.weight),
                             lay.mlp.down_proj.weight)
                            for lay in model.model.layers]
-        # the batch-1 path's copies, shaped for the fewest and cheapest ops (each op costs ~1-10 us of dispatch
+        # the dense path's copies, shaped for the fewest and cheapest ops (each op costs ~1-10 us of dispatch
         # here, more than its arithmetic): weights transposed for `torch.mm` (about twice as fast as
         # `F.linear` at one row), each RMSNorm weight and sqrt(hidden) folded into the matmul after it (the
         # norm is then x / sqrt(sum(x^2) + hidden * eps), under half of `F.rms_norm`'s cost at one row),
@@ -360,8 +403,8 @@ class LeanDraftForward:
     def __call__(self, states: Seq[DraftState], num_new: Seq[int]) -> torch.Tensor:
         """Forward each state's next `num_new` tokens (K/V written into its pages); logits [S, V] of each
         state's last token."""
-        if len(states) == 1 and num_new[0] <= 4:
-            return self._single(states[0], num_new[0])
+        if len(states) <= self.max_dense_seqs and max(num_new) <= 4:
+            return self._dense(states, num_new)
         cfg, bs = self.cfg, self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -443,54 +486,69 @@ class LeanDraftForward:
             return x * torch.addmm(self.norm_eps, x, x.t()).rsqrt_()
         return x * x.square().sum(-1, keepdim=True).add_(self.norm_eps).rsqrt_()
 
-    def _single(self, s: DraftState, n: int) -> torch.Tensor:
-        """The next n (1-4) tokens of one sequence (a batch-1 draft step, the case speculation is for; n > 1
-        when the step's catch-up feeds the last draft and the bonus token). K/V live in a dense per-sequence
-        copy (`DraftState.shadow`): each layer appends its new K/V there and attends over exactly the
-        sequence's keys as two bmm's (a causal mask only among the n new tokens), with no gather from the
-        pages; the new positions go to the pages once per call (one copy per position for all layers)."""
+    def _dense(self, states: Seq[DraftState], num_new: Seq[int]) -> torch.Tensor:
+        """The next n_i (1-4) tokens of each of a few sequences (a draft step at a small batch, the case
+        speculation is for; n_i > 1 when the step's catch-up feeds the last draft and the bonus token). K/V
+        live in a dense per-sequence copy (`DraftState.shadow`): each layer appends a sequence's new K/V there
+        and attends over exactly its keys as two bmm's (a causal mask only among its new tokens), with no
+        gather from the pages; the matmuls run over all sequences' rows at once. New positions go to the
+        pages once per call (one copy per position for all layers). Logits [S, V] of each last token."""
         cfg, bs = self.cfg, self.block_size
-        p0 = s.num_computed
-        length = p0 + n
-        sh = self._shadow(s, length)
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g, nq = hq // hkv, hq + hkv
         dev = self.embed.device
-        if n == 1:
-            rot = self.rot[p0]
-            tok = s.token_ids[p0]
-            x = self.embed[tok:tok + 1]
-            mask = None
+        # per sequence: its dense copy's per-layer views, first new position, end, rows and causal mask
+        seqs = []
+        if len(states) == 1 and num_new[0] == 1:  # one token of one sequence: the fewest ops
+            st = states[0]
+            p0 = st.num_computed
+            tok = st.token_ids[p0]
+            x, rot = self.embed[tok:tok + 1], self.rot[p0]
+            seqs.append((self._shadow(st, p0 + 1), p0, p0 + 1, 0, 1, None))
         else:
-            rot = self.rot[p0:length]
-            x = self.embed[torch.tensor(s.token_ids[p0:length], device=dev)]
-            # query row r = token i (r // g) of head j: it sees keys up to position p0 + i
-            qpos = torch.arange(p0, length, device=dev).repeat_interleave(g)
-            mask = torch.arange(length, device=dev)[None, :] > qpos[:, None]
+            ids: list[int] = []
+            pos: list[int] = []
+            for st, n in zip(states, num_new):
+                p0, length = st.num_computed, st.num_computed + n
+                mask = None
+                if n > 1:  # query row r = token i (r // g) of head j: it sees keys up to position p0 + i
+                    qpos = torch.arange(p0, length, device=dev).repeat_interleave(g)
+                    mask = torch.arange(length, device=dev)[None, :] > qpos[:, None]
+                seqs.append((self._shadow(st, length), p0, length, len(ids), n, mask))
+                ids.extend(st.token_ids[p0:length])
+                pos.extend(range(p0, length))
+            x = self.embed[torch.tensor(ids, device=dev)]
+            rot = self.rot[torch.tensor(pos, device=dev)] if len(states) > 1 else self.rot[pos[0]:pos[-1] + 1]
+        t = x.shape[0]
         ni = cfg.intermediate_size
         for i, (wqkv, wo_, wgu, wd) in enumerate(self.single_layers):
-            qkv = torch.mm(self._unit(x), wqkv).view(n, nq + hkv, d)
-            qk = torch.matmul(qkv[:, :nq], rot)  # [n, nq, d] @ [d, d] or [n, d, d]; q is pre-scaled
-            kc, vc = sh[1 + 2 * i], sh[2 + 2 * i]  # [hkv, capacity, d]
-            if n == 1:
-                kc[:, p0] = qk[0, hq:]
-                vc[:, p0] = qkv[0, nq:]
-            else:
-                kc[:, p0:length] = qk[:, hq:].transpose(0, 1)
-                vc[:, p0:length] = qkv[:, nq:].transpose(0, 1)
-            # per KV head: its n * g query rows (GQA without copying K/V); SDPA's dispatch costs more here
-            q = qk[:, :hq].reshape(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d)
-            scores = torch.bmm(q, kc[:, :length].transpose(1, 2))
-            if mask is not None:
-                scores.masked_fill_(mask, float("-inf"))
-            o = torch.bmm(torch.softmax(scores, -1), vc[:, :length])  # [hkv, n * g, d]
-            x = x + torch.mm(o.view(hkv, n, g, d).transpose(0, 1).reshape(n, hq * d), wo_)
+            qkv = torch.mm(self._unit(x), wqkv).view(t, nq + hkv, d)
+            qk = torch.matmul(qkv[:, :nq], rot)  # [t, nq, d] @ [d, d] or [t, d, d]; q is pre-scaled
+            outs = []
+            for sh, p0, length, r0, n, mask in seqs:
+                kc, vc = sh[1 + 2 * i], sh[2 + 2 * i]  # [hkv, capacity, d]
+                if n == 1:
+                    kc[:, p0] = qk[r0, hq:]
+                    vc[:, p0] = qkv[r0, nq:]
+                else:
+                    kc[:, p0:length] = qk[r0:r0 + n, hq:].transpose(0, 1)
+                    vc[:, p0:length] = qkv[r0:r0 + n, nq:].transpose(0, 1)
+                # per KV head: its n * g query rows (GQA without copying K/V); SDPA's dispatch costs more here
+                q = qk[r0:r0 + n, :hq].reshape(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d)
+                scores = torch.bmm(q, kc[:, :length].transpose(1, 2))
+                if mask is not None:
+                    scores.masked_fill_(mask, float("-inf"))
+                o = torch.bmm(torch.softmax(scores, -1), vc[:, :length])  # [hkv, n * g, d]
+                outs.append(o.view(hkv, n, g, d).transpose(0, 1).reshape(n, hq * d))
+            x = x + torch.mm(outs[0] if len(outs) == 1 else torch.cat(outs), wo_)
             gu = torch.mm(self._unit(x), wgu)
             x = x + torch.mm(F.silu(gu[:, :ni]).mul_(gu[:, ni:]), wd)
-        for p in range(p0, length):  # the pool keeps the draft KV too (prefix cache, the batched path)
-            self.kv_view[s.pages[p // bs], :, :, p % bs] = sh[0][:, :, :, p]
-        s.shadow_len = length
-        x = x[-1:]
+        for st, (sh, p0, length, _, _, _) in zip(states, seqs):
+            for p in range(p0, length):  # the pool keeps the draft KV too (prefix cache, the batched path)
+                self.kv_view[st.pages[p // bs], :, :, p % bs] = sh[0][:, :, :, p]
+            st.shadow_len = length
+        last = [r0 + n - 1 for _, _, _, r0, n, _ in seqs]
+        x = x[-1:] if len(last) == 1 else x[torch.tensor(last, device=dev)]
         return torch.mm(self._unit(x), self.single_head).float()
 
 
@@ -506,7 +564,7 @@ class DraftState:
         self.num_computed = num_computed
         self.block_hashes = block_hashes
         self.spec_token_ids: list[int] = []  # the runner's field: a draft state never verifies anything
-        # the batch-1 draft path's dense K/V copy (LeanDraftForward._shadow) and how many positions of it
+        # the dense draft path's K/V copy (LeanDraftForward._shadow) and how many positions of it
         # hold this state's current tokens; the batched paths write only the pages, so they lower it
         self.shadow: list[torch.Tensor] | None = None
         self.shadow_len = 0
@@ -535,6 +593,7 @@ class Drafter:
         self.lean = (LeanDraftForward(engine.model, engine.runner.kv_view, self.block_size)
                      if LeanDraftForward.supported(engine.model, engine.runner) else None)
         self.num_prefix_hit_tokens = 0  # draft KV found in the prefix cache (e.g. the small engine's prompts)
+        self.caught_up = False  # the latest `draft` first computed a sequence's missed tokens (not a steady step)
 
     def release(self, seq: Sequence) -> None:
         ds = seq.draft_state
@@ -590,11 +649,13 @@ class Drafter:
             t0 = cost.clock()
             act_states = [states[i] for i in active]
             num_new = [s.num_tokens - s.num_computed for s in act_states]
+            if step == 0:  # more than the last draft and the bonus token: a prompt or tokens missed
+                self.caught_up = max(num_new) > 2
             decode_like = sum(num_new) <= 2 * len(num_new)
             if self.lean is not None and sum(num_new) <= 4 * len(num_new):  # few tokens each: the lean forward
                 logits = self.lean(act_states, num_new)
             else:  # catch-up (a prompt, or many tokens since the last draft): the runner's varlen prefill
-                for s in act_states:  # it writes only the pages: the batch-1 path's dense copy is stale there
+                for s in act_states:  # it writes only the pages: the dense path's copy is stale there
                     s.shadow_len = min(s.shadow_len, s.num_computed)
                 logits, _ = self.runner.execute_batch(act_states, num_new)
             for s, n in zip(act_states, num_new):
@@ -713,6 +774,8 @@ class SpeculativeDecoder:
             for req in {id(s.request): s.request for s in chosen}.values():
                 self.engine._fail(req, f"engine error while drafting: {type(e).__name__}: {e}")
             return
+        if self.drafter.caught_up:  # this step's cost includes a catch-up: no measure of a drafting step
+            self.adaptive.unsteady()
         for s, q in zip(chosen, qs):
             self._windows[s.seq_id] = _Window(s, list(s.spec_token_ids), q, True, s.num_tokens)
 

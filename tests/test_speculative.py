@@ -364,12 +364,17 @@ def test_adaptive_k_drafts_when_it_pays_and_stops_when_it_does_not():
     feed(fast, 1, plain=0.010, per_token=0.0002, draft=0.0005, a=0.95)
     assert fast.choose(1) == 4  # cheap draft, high acceptance: the longest window
     slow = AdaptiveK(4)
-    feed(slow, 32, plain=0.010, per_token=0.0003, draft=0.006, a=0.5)
-    assert slow.choose(32) == 0  # the verify pass scales with the batch: speculation loses
+    feed(slow, 32, plain=0.010, per_token=0.0001, draft=0.002, a=0.5)
+    assert slow.choose(32) == 0  # the verify pass scales with the batch: at this acceptance speculation loses
     # exploration takes the other side once in a while; while plain decoding keeps winning, ever more rarely
     choices = [slow.choose(32) for _ in range(1000)]
     explored = [i + 2 for i, k in enumerate(choices) if k == 1]  # the step count of each exploration
     assert explored == [32, 96, 224, 480, 992] and choices.count(0) == 995
+    # where drafting would lose even with every draft accepted, measuring acceptance cannot change the choice:
+    # no exploration (each costs a few sequences' catch-up)
+    hopeless = AdaptiveK(4)
+    feed(hopeless, 32, plain=0.010, per_token=0.0003, draft=0.006, a=0.5)
+    assert [hopeless.choose(32) for _ in range(1000)] == [0] * 1000
     # drafting that pays explores plain decoding every explore_every steps
     choices = [fast.choose(1) for _ in range(96)]
     assert choices.count(0) == 6 and choices.count(4) == 90  # two explorations, 3 plain steps each
@@ -423,6 +428,70 @@ def test_leaving_plain_decoding_for_an_unmeasured_k_needs_a_clear_gain():
     assert slow.choose(8) == 1
 
 
+def test_adaptive_k_explores_drafting_at_a_small_batch_as_a_short_run_and_keeps_what_it_measured():
+    ak = AdaptiveK(4, explore_every=8)
+    feed(ak, 2, plain=0.004, per_token=0.001, draft=0.002, a=0.9)  # the model: drafting loses at batch 2
+    ak.k = 0
+    for _ in range(2):
+        ak.observe_step(2, 0, 0.004)
+    choices = []
+    for _ in range(10):
+        choices.append(ak.choose(2))
+        ak.observe_step(2, choices[-1], 0.004 if choices[-1] == 0 else 0.006)  # measured: k > 0 costs 6 ms
+    # the exploration (the 8th choice) drafts with the model's best k > 0 (here 1) for 3 steps, two of them
+    # steady, so the whole step at this batch size is measured
+    assert choices == [0] * 7 + [1] * 3
+    assert ak.step_seconds(2, 1, 0.002) == pytest.approx(0.006)
+    # 2 x E(1) / 6 ms = 0.63 tokens/ms beats 2 / 4 ms: it keeps drafting
+    assert [ak.choose(2) for _ in range(4)] == [1] * 4
+    ak.unsteady()  # a step whose drafter caught up on a new prompt: not a measure of k = 1
+    ak.observe_step(2, 1, 0.050)
+    assert ak.step_seconds(2, 1, 0.002) == pytest.approx(0.006)
+    ak.observe_step(2, 1, 0.007)  # the next one with the same k is
+    assert ak.step_seconds(2, 1, 0.002) == pytest.approx(0.9 * 0.006 + 0.1 * 0.007)
+    # at a batch larger than explore_seqs an exploration is one step of k = 1 for a few sequences
+    big = AdaptiveK(4, explore_every=8)
+    feed(big, 16, plain=0.004, per_token=0.0001, draft=0.001, a=0.5)
+    assert [big.choose(16) for _ in range(9)] == [0] * 7 + [1, 0]
+
+
+def test_adaptive_k_changes_side_only_for_a_clear_gain():
+    ak = AdaptiveK(1, explore_every=10_000)
+    ak.target.observe(4, 0.010)
+    ak.draft.observe(4, 0.001)
+    ak.observe_window(10, 9)  # a = 0.9: E(1) = 1.9 tokens per sequence and step
+
+    def measured(k: int, seconds: float) -> None:
+        for _ in range(80):
+            ak.observe_step(4, k, seconds)
+
+    measured(0, 0.010)  # plain decoding: 4 / 10 ms = 0.40 tokens/ms
+    measured(1, 0.018)  # drafting: 4 x 1.9 / 18 ms = 0.42
+    assert ak.choose(4) == 1
+    measured(1, 0.020)  # 0.38: plain decoding 5% faster, within the hysteresis: stay
+    assert ak.choose(4) == 1
+    measured(1, 0.022)  # 0.345: plain decoding 16% faster: change
+    assert ak.choose(4) == 0
+    measured(1, 0.018)  # drafting 5% faster: stay with plain decoding
+    assert ak.choose(4) == 0
+    measured(1, 0.016)  # 0.475, 19% faster: change
+    assert ak.choose(4) == 1
+
+
+def test_a_drafting_step_that_catches_up_on_a_prompt_is_not_measured(pair):
+    spec = spec_llm(pair, k=2)
+    eng, sp = spec.engine, spec.engine.speculator
+    sp.adaptive.fixed = 2
+    eng.add_request(list(range(5, 17)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "r")
+    seen = []
+    while eng.has_work():
+        eng.step()
+        seen.append(sp.drafter.caught_up)
+    # the prefill step drafts nothing; the first decode step's drafter computes the 13-token prompt first
+    assert seen[:3] == [False, True, False] and not any(seen[2:])
+    assert sp.adaptive.step_cost[2].points  # the steady steps after it were measured
+
+
 def test_adaptive_k_explores_plain_decoding_as_a_short_run():
     ak = AdaptiveK(4, explore_every=8)
     feed(ak, 1, plain=0.010, per_token=0.0002, draft=0.0005, a=0.95)
@@ -458,11 +527,24 @@ def test_lean_draft_forward_equals_the_models_forward_over_the_pool(pair):
     a = DraftState(list(range(10, 33)), eng.pool.allocate(eng.model_id, 7), 0, [])
     b = DraftState(list(range(40, 49)), eng.pool.allocate(eng.model_id, 3), 0, [])
     eng.runner.execute_batch([a, b], [21, 8])  # a prefix of each through the runner
-    a.num_computed, b.num_computed = 21, 8
-    got = lean([a, b], [2, 1])  # two new tokens for a, one for b
-    a.num_computed, b.num_computed = 21, 8
-    want, _ = eng.runner.execute_batch([a, b], [2, 1])
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for dense in (0, 4):  # the pages path (gathered per layer), then the dense per-sequence copies
+        lean.max_dense_seqs = dense
+        a.num_computed, b.num_computed = 21, 8
+        got = lean([a, b], [2, 1])  # two new tokens for a, one for b
+        a.num_computed, b.num_computed = 21, 8
+        want, _ = eng.runner.execute_batch([a, b], [2, 1])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    full_a, full_b = a.token_ids + list(range(70, 77)), b.token_ids + list(range(80, 86))
+    a.num_computed, b.num_computed = 23, 9
+    for na, nb in ((1, 1), (2, 1), (1, 1)):  # the dense copies carry on from where the last call left them
+        a.token_ids, b.token_ids = full_a[:a.num_computed + na], full_b[:b.num_computed + nb]
+        base = (a.num_computed, b.num_computed)
+        got = lean([a, b], [na, nb])
+        assert (a.shadow_len, b.shadow_len) == (base[0] + na, base[1] + nb)
+        want, _ = eng.runner.execute_batch([a, b], [na, nb])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        a.num_computed, b.num_computed = base[0] + na, base[1] + nb
+    a.token_ids = a.token_ids[:23]
     ids = a.token_ids + list(range(23, 28))
     for start, n in ((23, 1), (24, 2), (26, 2), (25, 3)):  # the batch-1 path (BLOCK = 4: page boundaries)
         a.token_ids = ids[:start + n]  # the runner returns logits of a sequence's last token only
