@@ -153,7 +153,8 @@ class AdaptiveK:
     drafting would lose even with every draft accepted. While the same side keeps winning, the interval
     doubles up to `explore_max` (each exploration costs a catch-up or a switch: at batch 8 exploring every 32
     steps cost 5-7% of throughput, at batch 1 the plain runs 3%); a change of side resets it. Outside
-    explorations a batch size changes side only for a predicted `hysteresis` gain (a switch costs)."""
+    explorations a batch size leaves plain decoding only for a predicted `hysteresis` gain (the drafters
+    catch up)."""
 
     def __init__(self, k_max: int, explore_every: int = 32, decay: float = 0.95,
                  device: torch.device | str = "cpu", explore_max: int = 512, explore_seqs: int = EXPLORE_SEQS):
@@ -167,7 +168,7 @@ class AdaptiveK:
         # switch makes every sequence's drafter catch up on the tokens it missed (batch 32 greedy took a few
         # such steps, about 36 ms longer each by the run times, and ran at 0.92x in bench/speculative.py)
         self.switch_margin = 1.2
-        self.hysteresis = 1.1  # the other side must be predicted this much faster to change side
+        self.hysteresis = 1.1  # leaving plain decoding for a measured k needs this predicted gain
         self._side: dict[int, bool] = {}  # per batch-size bucket: whether its latest choice drafted
         self._next_explore = explore_every
         # the target step's cost by k, keyed by the number of decoding sequences: a verify step over k + 1
@@ -272,17 +273,17 @@ class AdaptiveK:
             if rate > best_draft_rate:
                 best_draft, best_draft_rate = k, rate
         bucket = max(1, batch).bit_length()
-        if (best > 0 and self.k == 0 and best_rate < self.switch_margin * plain_rate
-                and bucket not in getattr(self.step_cost.get(best), "points", {})):
-            best = 0  # from plain decoding to a k never measured at this batch size: only for a clear gain
         side = self._side.get(bucket)
-        if side is not None:  # changing side costs a switch (the drafter catches up, caches refill): near
-            # break-even stay on this batch size's current side (batch 4 greedy, where fixed k = 2-3 runs at
-            # 0.95-1.0x, went back and forth on 203 steps and ran at 0.88x)
-            if side and best == 0 and plain_rate < self.hysteresis * best_draft_rate:
-                best = best_draft
-            elif not side and best > 0 and best_rate < self.hysteresis * plain_rate:
-                best = 0
+        if (best > 0 and not side and best_rate < self.switch_margin * plain_rate
+                and bucket not in getattr(self.step_cost.get(best), "points", {})):
+            best = 0  # from plain decoding (or nothing yet) to a k never measured at this batch size: only for a
+            # clear gain (batch 4 greedy, starting from batch 2's drafting, drafted on 148 of 151 steps at 0.91x)
+        if side is False and best > 0 and best_rate < self.hysteresis * plain_rate:
+            # from plain decoding to drafting costs a catch-up of every sequence's drafter: near break-even stay
+            # (batch 4 greedy, where fixed k = 2-3 runs at 0.95-1.0x, went back and forth on 203 steps at
+            # 0.88x). The way back costs no catch-up and has no margin: a margin there kept batch 4 at
+            # temperature 0.8 drafting on 188 of 203 steps at 0.84x.
+            best = 0
         self._side[bucket] = best > 0
         if self._steps >= self._next_explore:  # keep both sides measured: the other choice, once
             # while the same side keeps winning, explore ever more rarely; a change of side starts over

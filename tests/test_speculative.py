@@ -455,7 +455,7 @@ def test_adaptive_k_explores_drafting_at_a_small_batch_as_a_short_run_and_keeps_
     assert [big.choose(16) for _ in range(9)] == [0] * 7 + [1, 0]
 
 
-def test_adaptive_k_changes_side_only_for_a_clear_gain():
+def test_adaptive_k_starts_drafting_only_for_a_clear_gain_and_stops_at_once():
     ak = AdaptiveK(1, explore_every=10_000)
     ak.target.observe(4, 0.010)
     ak.draft.observe(4, 0.001)
@@ -466,16 +466,16 @@ def test_adaptive_k_changes_side_only_for_a_clear_gain():
             ak.observe_step(4, k, seconds)
 
     measured(0, 0.010)  # plain decoding: 4 / 10 ms = 0.40 tokens/ms
-    measured(1, 0.018)  # drafting: 4 x 1.9 / 18 ms = 0.42
-    assert ak.choose(4) == 1
-    measured(1, 0.020)  # 0.38: plain decoding 5% faster, within the hysteresis: stay
-    assert ak.choose(4) == 1
-    measured(1, 0.022)  # 0.345: plain decoding 16% faster: change
+    measured(1, 0.025)  # drafting: 4 x 1.9 / 25 ms = 0.30
     assert ak.choose(4) == 0
-    measured(1, 0.018)  # drafting 5% faster: stay with plain decoding
+    measured(1, 0.018)  # 0.42, 5% faster: no reason to start drafting
     assert ak.choose(4) == 0
-    measured(1, 0.016)  # 0.475, 19% faster: change
+    measured(1, 0.016)  # 0.475, 19% faster: drafting
     assert ak.choose(4) == 1
+    measured(1, 0.018)  # 5% faster still: it keeps drafting
+    assert ak.choose(4) == 1
+    measured(1, 0.020)  # 0.38: plain decoding 5% faster: back at once (that way costs no catch-up)
+    assert ak.choose(4) == 0
 
 
 def test_a_drafting_step_that_catches_up_on_a_prompt_is_not_measured(pair):
