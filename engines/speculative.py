@@ -284,6 +284,11 @@ class AdaptiveK:
             # 0.88x). The way back costs no catch-up and has no margin: a margin there kept batch 4 at
             # temperature 0.8 drafting on 188 of 203 steps at 0.84x.
             best = 0
+        if side is not None and side != (best > 0):
+            # a change of side outside explorations came from the estimates of one side only (the other's are
+            # as old as its last use): look at the old side again soon, not after the interval it had earned
+            # (batch 1 at temperature 0.8 held plain decoding for 426 of 1056 steps at 1.19x, against 1.30x)
+            self._next_explore = min(self._next_explore, self._steps + self.explore_every)
         self._side[bucket] = best > 0
         if self._steps >= self._next_explore:  # keep both sides measured: the other choice, once
             # while the same side keeps winning, explore ever more rarely; a change of side starts over

@@ -478,6 +478,17 @@ def test_adaptive_k_starts_drafting_only_for_a_clear_gain_and_stops_at_once():
     assert ak.choose(4) == 0
 
 
+def test_a_choice_that_changes_side_by_itself_is_checked_again_soon():
+    ak = AdaptiveK(4, explore_every=8, explore_max=512)
+    feed(ak, 1, plain=0.010, per_token=0.0002, draft=0.0005, a=0.95)
+    assert [ak.choose(1) for _ in range(600)].count(4) > 550
+    assert ak._interval == 512  # drafting kept winning: explorations of plain decoding became rare
+    for _ in range(60):  # then a draft pass costs 50 ms: plain decoding wins from the next choice on
+        ak.draft.observe(1, 0.050)
+    choices = [ak.choose(1) for _ in range(9)]
+    assert choices[:8] == [0] * 8 and choices[8] > 0  # drafting is tried again 8 steps later, not 512
+
+
 def test_a_drafting_step_that_catches_up_on_a_prompt_is_not_measured(pair):
     spec = spec_llm(pair, k=2)
     eng, sp = spec.engine, spec.engine.speculator
