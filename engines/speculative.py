@@ -255,7 +255,8 @@ class AdaptiveK:
             return 0
         self._steps += 1
         a = self.acceptance
-        if max(1, batch).bit_length() not in self.target.points:
+        bucket = max(1, batch).bit_length()
+        if bucket not in self.target.points:
             self.k = 0  # measure a plain step at this batch size first
             return 0
         d = self.draft.estimate(batch)
@@ -266,13 +267,15 @@ class AdaptiveK:
         plain_rate = batch / self.step_seconds(batch, 0)
         best, best_rate = 0, plain_rate
         best_draft, best_draft_rate = 1, 0.0  # the best k > 0, what an exploration of drafting tries
+        perfect_rate = 0.0  # the best k > 0 if every draft were accepted
         for k in range(1, self.k_max + 1):
-            rate = batch * self.expected_tokens(a, k) / self.step_seconds(batch, k, d)
+            seconds = self.step_seconds(batch, k, d)
+            rate = batch * self.expected_tokens(a, k) / seconds
+            perfect_rate = max(perfect_rate, batch * (k + 1) / seconds)
             if rate > best_rate:
                 best, best_rate = k, rate
             if rate > best_draft_rate:
                 best_draft, best_draft_rate = k, rate
-        bucket = max(1, batch).bit_length()
         side = self._side.get(bucket)
         if (best > 0 and not side and best_rate < self.switch_margin * plain_rate
                 and bucket not in getattr(self.step_cost.get(best), "points", {})):
@@ -307,8 +310,7 @@ class AdaptiveK:
                 # 0.99x where drafting ran at 1.18x, bench/speculative.py)
                 best = best_draft
                 self._hold_draft = (2, best)
-            elif max(batch * (k + 1) / self.step_seconds(batch, k, d)
-                     for k in range(1, self.k_max + 1)) >= self.switch_margin * plain_rate:
+            elif perfect_rate >= self.switch_margin * plain_rate:
                 best = 1  # a few sequences draft k = 1: it measures acceptance, not the cost of a whole step
             else:  # drafting would lose even if every draft were accepted: measuring acceptance cannot change
                 self.exploring = False  # the choice, and the few sequences' catch-ups cost (batch 32 greedy ran
