@@ -652,13 +652,12 @@ class Drafter:
         sequence (None: deterministic drafts, q is one-hot)."""
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
-        step = 0
+        # more than the last draft and the bonus token to compute first: a prompt or tokens missed
+        self.caught_up = max(s.num_tokens - s.num_computed for s in states) > 2
         while active:
             t0 = cost.clock()
             act_states = [states[i] for i in active]
             num_new = [s.num_tokens - s.num_computed for s in act_states]
-            if step == 0:  # more than the last draft and the bonus token: a prompt or tokens missed
-                self.caught_up = max(num_new) > 2
             decode_like = sum(num_new) <= 2 * len(num_new)
             if self.lean is not None and sum(num_new) <= 4 * len(num_new):  # few tokens each: the lean forward
                 logits = self.lean(act_states, num_new)
@@ -696,7 +695,6 @@ class Drafter:
             if decode_like:  # a catch-up pass (a prompt, tokens since the last draft) is not a draft step's cost
                 cost.observe(len(active), cost.clock() - t0)
             active = still
-            step += 1
         return [torch.stack(q) if q else None for q in qs]
 
 
