@@ -677,12 +677,17 @@ class Drafter:
             else:
                 rows = [sampler_row(seqs[i], seqs[i].spec_token_ids) for i in active]
                 is_greedy = [r.params.greedy for r in rows]
-                greedy, probs = processed_distributions(logits, rows, [stop_ids[i] for i in active])
-                tokens = greedy
-                if probs is not None:
-                    sampled = draw(probs, [None if g else seqs[i].generator for g, i in zip(is_greedy, active)])
-                    tokens = sampled if not any(is_greedy) else torch.where(
-                        torch.tensor(is_greedy, device=tokens.device), greedy, sampled)
+                penalised, random_rows, x = processed_logits(logits, rows, [stop_ids[i] for i in active])
+                tokens = penalised.argmax(-1)
+                probs = None
+                if random_rows:  # draw only the sampling rows: a greedy row has no distribution to draw from
+                    probs = x.softmax(-1)
+                    sampled = draw(probs, [seqs[active[j]].generator for j in random_rows])
+                    if len(random_rows) == len(active):
+                        tokens = sampled
+                    else:
+                        tokens[torch.tensor(random_rows, device=tokens.device)] = sampled
+                    probs = dict(zip(random_rows, probs))  # q rows by position in `active`
             token_list = tokens.tolist()
             still = []
             for j, i in enumerate(active):

@@ -24,6 +24,7 @@ from engines.model_config import CheckpointError
 # The named special tokens transformers hands to every chat template (its `special_tokens_map`).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+MAX_CACHED_REQUEST_TEMPLATES = 16  # compiled templates a caller supplied (the checkpoint's are always kept)
 # Tokens of context re-decoded before new ones so merges across the boundary (spaces, bytes) come out right.
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
@@ -120,9 +121,16 @@ class Tokenizer:
         template = self._compiled.get(source)
         if template is None:
             try:
-                template = self._compiled[source] = _environment().from_string(source)
+                template = _environment().from_string(source)
             except jinja2.TemplateSyntaxError as e:
                 raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
+            if len(self._compiled) >= len(self.chat_templates) + MAX_CACHED_REQUEST_TEMPLATES:
+                # a bounded cache: the checkpoint's own templates stay, the oldest request template goes
+                own = set(self.chat_templates.values())
+                oldest = next((k for k in self._compiled if k not in own), None)
+                if oldest is not None:
+                    del self._compiled[oldest]
+            self._compiled[source] = template
         # Keys whose value is None are dropped, as transformers does (OpenAI clients send content=None).
         chat = [{k: v for k, v in _plain(m).items() if v is not None} for m in messages]
         variables = {**self.special_tokens, **_plain(kwargs)}

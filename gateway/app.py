@@ -194,6 +194,10 @@ async def autoscale(request: Request, replicas: Annotated[int, QueryParameter(ge
     return msgspec.to_builtins(state.autoscaler.evaluate(signals))
 
 
+# template variables the gateway itself passes: a request may not override them through chat_template_kwargs
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+
+
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response | Stream:
     state = _state(request)
@@ -202,6 +206,17 @@ async def chat_completions(request: Request, data: JSONBody[ChatCompletionReques
     if not messages:
         raise APIError(400, "messages must contain at least one message", param="messages", code="invalid_value")
     extra = dict(data.chat_template_kwargs or {})
+    reserved = sorted(extra.keys() & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {reserved}: pass them as request fields",
+                       param=f"chat_template_kwargs.{reserved[0]}", code="invalid_value")
+    if "chat_template" in extra and not state.cfg.server.allow_request_chat_template:
+        raise APIError(400, "chat_template_kwargs.chat_template: a request's own chat template is disabled on "
+                       "this server (the operator can allow it with [server] allow_request_chat_template)",
+                       param="chat_template_kwargs.chat_template", code="invalid_value")
+    if "chat_template" in extra and not isinstance(extra["chat_template"], str):
+        raise APIError(400, "chat_template_kwargs.chat_template must be a string",
+                       param="chat_template_kwargs.chat_template", code="invalid_value")
 
     def render(engine: Any) -> str:
         tokenizer = engine.tokenizer

@@ -121,6 +121,9 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     grace_period_s: NonNegativeFloat = 30.0  # SIGTERM: in-flight requests get this long to finish
     max_inflight_requests: PositiveInt = 1024  # beyond it new requests get 503 with Retry-After
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # a request's own chat template (chat_template_kwargs.chat_template) is code the server runs: refused
+    # unless the operator opts in (CVE-2025-61620 class); compiled request templates sit in a bounded cache
+    allow_request_chat_template: bool = False
 
 
 class TelemetryConfig(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -626,3 +626,28 @@ async def test_overload_answers_503_with_retry_after(checkpoints):
     assert len(shed) >= 1 and sum(r.status_code == 200 for r in replies) >= 2
     assert len(shed) + sum(r.status_code == 200 for r in replies) == 20  # nothing else: shed or served
     assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded" for r in shed)
+
+
+# ------------------------------------------------------------------------------------ request chat templates
+
+
+def test_a_request_chat_template_is_refused_unless_the_operator_allows_it(server, checkpoints):
+    body = {"model": "fast", "messages": MESSAGES, "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": "{{ 'x' * 10 }}{% for m in messages %}{{ m.content }}"
+                                                      "{% endfor %}"}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "chat_template_kwargs.chat_template" and "allow_request_chat_template" in err["message"]
+    with ServerThread(_config(checkpoints, server={"allow_request_chat_template": True})) as srv:
+        ok = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["prompt_tokens"] >= 3  # the request's template rendered the prompt
+
+
+@pytest.mark.parametrize("kwargs", [{"add_generation_prompt": False}, {"messages": []}, {"tools": 5}])
+def test_template_kwargs_that_shadow_request_fields_are_a_400_naming_them(server, kwargs):
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "fast", "messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": kwargs})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == f"chat_template_kwargs.{next(iter(kwargs))}"

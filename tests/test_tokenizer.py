@@ -295,3 +295,15 @@ def test_basic_properties(folders):
 def test_missing_tokenizer_json_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: missing file"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+def test_compiled_request_templates_are_a_bounded_cache_and_the_checkpoints_stay(folders):
+    from engines.tokenizer import MAX_CACHED_REQUEST_TEMPLATES
+
+    tok = Tokenizer.from_pretrained(folders["chatml"])
+    msgs = [{"role": "user", "content": "hi"}]
+    own = tok.apply_chat_template(msgs)
+    for i in range(3 * MAX_CACHED_REQUEST_TEMPLATES):
+        assert tok.apply_chat_template(msgs, chat_template=f"{i}:{{{{ messages[0].content }}}}") == f"{i}:hi"
+    assert len(tok._compiled) <= MAX_CACHED_REQUEST_TEMPLATES + 1
+    assert CHATML_TEMPLATE in tok._compiled and tok.apply_chat_template(msgs) == own
