@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engines.errors import EngineDeadError, RequestRejected
+from engines.errors import EngineDeadError, EngineError, ErrorCode, RequestRejected
 from engines.kv_pool import KVGeometry, KVPool
 from engines.model import Transformer, cpu_weight_layout
 from engines.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engines.runner import ModelRunner
 from engines.sampler import SamplerRow, sample
 from engines.sampling_params import SamplingParams
-from engines.scheduler import TTFT_EXPIRED, Scheduler
+from engines.scheduler import Scheduler
 from engines.sequence import Request, SeqStatus, Sequence
 from engines.speculative import Drafter, SpeculativeDecoder
 from engines.step_model import BatchCapController
@@ -62,7 +62,7 @@ class EngineSpec:
     # deadline-first, which meets the most deadlines when admission keeps them feasible; large starves lower
     # classes for that long under sustained load
     priority_aging_s: float = 30.0
-    # a waiting request past its TTFT deadline (before any token) ends with TTFT_EXPIRED instead of being
+    # a waiting request past its TTFT deadline (before any token) ends with ErrorCode.TTFT_EXPIRED instead of being
     # served late: it can no longer count as goodput, and serving it delays requests that still can
     drop_expired_requests: bool = False
 
@@ -188,16 +188,18 @@ class ModelEngine:
                 raise RequestRejected(f"draft_token_ids must be in [0, {vocab}) for model {self.name!r}")
         if len(ids) >= self.max_model_len:
             raise RequestRejected(f"the prompt has {len(ids)} tokens but {self.name!r} has a context of "
-                                  f"{self.max_model_len}: shorten the prompt to at most {self.max_model_len - 1}")
+                                  f"{self.max_model_len}: shorten the prompt to at most {self.max_model_len - 1}",
+                                  ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
             raise RequestRejected(f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
                                   f"context of {self.max_model_len} tokens: lower max_tokens to at most "
-                                  f"{self.max_model_len - len(ids)}")
+                                  f"{self.max_model_len - len(ids)}", ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         pages = -(-(len(ids) + max_tokens) // self.pool.block_size)
         if pages > self.pool.num_pages:
             raise RequestRejected(f"the request needs {pages} KV pages (prompt + max_tokens) but the whole pool "
-                                  f"has {self.pool.num_pages}: lower max_tokens or enlarge the KV pool")
+                                  f"has {self.pool.num_pages}: lower max_tokens or enlarge the KV pool",
+                                  ErrorCode.KV_CAPACITY_EXCEEDED)
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self._live_ids:
             raise RequestRejected(f"request_id {rid!r} is already in use")
@@ -255,7 +257,7 @@ class ModelEngine:
         self.speculator.propose()  # sets Sequence.spec_token_ids (supplied drafts, the drafter's k)
         sched = self.scheduler.schedule()
         for req in {id(s.request): s.request for s in sched.expired}.values():
-            self._fail(req, f"{TTFT_EXPIRED}: waited past its {req.ttft_s:g} s time-to-first-token target")
+            self._fail(req, f"waited past its {req.ttft_s:g} s time-to-first-token target", ErrorCode.TTFT_EXPIRED)
         if not sched:
             return 0
         t0 = self.speculator.adaptive.target.clock()
@@ -384,19 +386,19 @@ class ModelEngine:
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq)
 
-    def _fail(self, req: Request, message: str) -> None:
-        req.error = message
+    def _fail(self, req: Request, message: str, code: ErrorCode = ErrorCode.ENGINE_ERROR) -> None:
+        req.error = EngineError(code, message)
         for seq in req.seqs:
             if not seq.finished:
                 seq.finish_reason = "error"
                 self.scheduler.finish(seq)
         self._emit(req, final=True)
 
-    def fail_all(self, message: str) -> None:
+    def fail_all(self, message: str, code: ErrorCode = ErrorCode.ENGINE_ERROR) -> None:
         self._drain_inbox()
         for req in list(self.requests.values()):
             if not req.finished:
-                self._fail(req, message)
+                self._fail(req, message, code)
 
     def _emit(self, req: Request, final: bool) -> None:
         if final:
@@ -544,7 +546,7 @@ class EngineCore:
             self._thread = None
         self._dead = self._dead or "engine shut down"
         for e in self.engines.values():
-            e.fail_all("engine shut down")
+            e.fail_all("engine shut down", ErrorCode.ENGINE_DEAD)
 
     def __enter__(self) -> EngineCore:
         return self.start()
@@ -598,7 +600,7 @@ class EngineCore:
             self._dead = f"engine loop crashed: {type(exc).__name__}: {exc}"
             log.exception("engine core loop crashed")
             for e in self.engines.values():
-                e.fail_all(self._dead)
+                e.fail_all(self._dead, ErrorCode.ENGINE_DEAD)
 
     def stats(self) -> dict:
         return {"pool": self.pool.stats(), "engines": {n: e.stats() for n, e in self.engines.items()}}

@@ -1,7 +1,33 @@
-"""Errors the engines raise at their edge: a rejected request (the caller's fault, never retried as-is)
-and an engine failure carried back to one request as an error output."""
+"""Errors the engines raise or report at their edge, with typed codes: a rejected request (the caller's
+fault, never retried as-is), an engine failure carried back to one request as an error output, and a dead
+engine. The gateway maps codes to HTTP statuses; nobody parses the message text."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Why the engine refused or ended a request. The value is the OpenAI-style `code` a client sees."""
+
+    INVALID_REQUEST = "invalid_request"  # bad options or prompt (empty, token ids out of range, duplicate id)
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens beyond the context
+    KV_CAPACITY_EXCEEDED = "kv_capacity_exceeded"  # more KV pages than the whole pool has
+    TTFT_EXPIRED = "ttft_deadline_exceeded"  # dropped before its first token: its TTFT target had passed
+    ENGINE_ERROR = "engine_error"  # the forward pass, sampling or drafting failed for this request
+    ENGINE_DEAD = "engine_dead"  # the engine loop has stopped (shut down or crashed)
+
+
+@dataclass(frozen=True)
+class EngineError:
+    """An engine failure reported on a request's final output (`RequestOutput.error`)."""
+
+    code: ErrorCode
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class RequestRejected(ValueError):
@@ -10,6 +36,12 @@ class RequestRejected(ValueError):
     Raised by `AsyncEngine.generate` / `LLM.generate` before the first output; the message says what to change.
     """
 
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST):
+        super().__init__(message)
+        self.code = code
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down or crashed) and accepts no more requests."""
+
+    code = ErrorCode.ENGINE_DEAD

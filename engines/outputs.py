@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engines.errors import EngineError
+
 
 @dataclass
 class Logprob:
@@ -56,6 +58,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    error: str | None = None  # set when the engine failed this request; `finished` is then True
+    error: EngineError | None = None  # set when the engine failed this request; `finished` is then True
     metrics: RequestMetrics | None = None
     model: str | None = None

@@ -8,7 +8,7 @@ batch and the step's prefill tokens so the predicted step stays inside the tight
 sequence and admits nobody that step. `slo_scheduling=False` gives the plain (priority, arrival) order.
 With `drop_expired`, a waiting request that can no longer make its TTFT deadline before producing a token (the
 deadline is nearer than the measured lead from a prefill's first step to its first token) is handed back in
-`SchedulerOutput.expired` (the engine answers it with `TTFT_EXPIRED`) instead of being served late.
+`SchedulerOutput.expired` (the engine ends it with `ErrorCode.TTFT_EXPIRED`) instead of being served late.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from engines.step_model import BatchCapController, BatchCaps, FirstTokenLead
 from engines.waiting_queue import WaitingQueue
 
 DEFAULT_TTFT_DEADLINE_S = 60.0  # a request without a TTFT target is due this long after arrival
-# The error an expired request ends with (the gateway answers it 503 + Retry-After, as a shed request).
-TTFT_EXPIRED = "ttft_deadline_exceeded"
 
 
 @dataclass

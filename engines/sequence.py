@@ -12,6 +12,7 @@ from enum import Enum
 
 import torch
 
+from engines.errors import EngineError
 from engines.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from engines.sampling_params import SamplingParams
 
@@ -38,8 +39,7 @@ class Request:
     stream: bool = True  # False: emit only the final output (offline use)
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
-    error: str | None = None
-    aborted: bool = False
+    error: EngineError | None = None
 
     @property
     def finished(self) -> bool:

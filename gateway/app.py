@@ -32,9 +32,8 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engines.errors import EngineDeadError, RequestRejected
+from engines.errors import EngineDeadError, ErrorCode, RequestRejected
 from engines.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from engines.scheduler import TTFT_EXPIRED
 from gateway.admission import AdmissionController, AdmissionDecision, AdmissionSettings
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.autoscale import Autoscaler, AutoscaleSettings, signals_from
@@ -366,11 +365,11 @@ async def _serve(request: Request, state: GatewayState, route: Route,
         fmt = _Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
                          params.logprobs, ctx.prompt_text)
     except BaseException as exc:
-        if isinstance(exc, APIError) and exc.code == TTFT_EXPIRED:  # dropped late by the engine: a shed
+        if isinstance(exc, APIError) and exc.code == ErrorCode.TTFT_EXPIRED.value:  # dropped late by the engine: a shed
             state.slo.observe_shed(route.name)
             if state.admission is not None:
                 exc.retry_after = state.admission.retry_after_s(route.name, run.engine.name)
-        finish.failed = isinstance(exc, APIError) and exc.status >= 500 and exc.code != TTFT_EXPIRED
+        finish.failed = isinstance(exc, APIError) and exc.status >= 500 and exc.code != ErrorCode.TTFT_EXPIRED.value
         finish.close()  # rejected, failed or cancelled before a byte went out: abort and release the slot
         raise
 
@@ -385,8 +384,7 @@ async def _serve(request: Request, state: GatewayState, route: Route,
                 out = await anext(run.outputs)
                 progress.saw(out)
             if out.error:
-                raise APIError(500, f"The engine failed this request (request id {request_id}): {out.error}",
-                               code="engine_error")
+                raise engine_api_error(out.error.code, out.error.message)
             body = encode(fmt.full(out))
         except BaseException:
             finish.close()
@@ -499,23 +497,36 @@ async def _until_disconnect(receive: Receive) -> None:
         pass
 
 
+# engine error code -> (HTTP status, Retry-After seconds or None); the message is the engine's, for the caller
+_ENGINE_STATUS: dict[ErrorCode, tuple[int, int | None]] = {
+    ErrorCode.INVALID_REQUEST: (400, None), ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, None),
+    ErrorCode.KV_CAPACITY_EXCEEDED: (400, None), ErrorCode.TTFT_EXPIRED: (503, 1),
+    ErrorCode.ENGINE_ERROR: (500, None), ErrorCode.ENGINE_DEAD: (503, 5)}
+
+
+def engine_api_error(code: ErrorCode, message: str) -> APIError:
+    """The client's view of an engine refusal or failure: status and Retry-After by its typed code."""
+    status, retry_after = _ENGINE_STATUS[code]
+    if code is ErrorCode.TTFT_EXPIRED:
+        message = f"The request was dropped: it {message}; retry later"
+    elif code is ErrorCode.ENGINE_DEAD:
+        message = f"The engine is not running: {message}"
+    elif status >= 500:
+        message = f"The engine failed this request: {message}"
+    param = "max_tokens" if code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and message.startswith("max_tokens") else None
+    return APIError(status, message, code=code.value, param=param, retry_after=retry_after)
+
+
 async def _first_output(run: RoutedRun) -> RequestOutput:
     """Wait for the first output so a rejected request becomes a 400 before any byte is sent."""
     try:
         first = await anext(run.outputs)
-    except RequestRejected as exc:
-        text = str(exc)
-        code = "context_length_exceeded" if "context" in text or "max_tokens" in text else "request_rejected"
-        raise APIError(400, text, code=code, param="max_tokens" if text.startswith("max_tokens") else None) from None
-    except EngineDeadError as exc:
-        raise APIError(503, f"The engine is not running: {exc}", code="engine_dead", retry_after=5) from None
+    except (RequestRejected, EngineDeadError) as exc:
+        raise engine_api_error(exc.code, str(exc)) from None
     except StopAsyncIteration:
         raise APIError(500, "The engine ended the request without any output", code="engine_error") from None
-    if first.error and first.error.startswith(TTFT_EXPIRED):
-        raise APIError(503, f"The request was dropped: it {first.error.partition(': ')[2]}; retry later",
-                       code=TTFT_EXPIRED, retry_after=1)
-    if first.error and first.finished and not any(c.token_ids for c in first.outputs):
-        raise APIError(500, f"The engine failed this request: {first.error}", code="engine_error")
+    if first.error and (first.error.code is ErrorCode.TTFT_EXPIRED or not any(c.token_ids for c in first.outputs)):
+        raise engine_api_error(first.error.code, first.error.message)
     return first
 
 
@@ -533,7 +544,7 @@ async def _stream_events(first: RequestOutput, run: RoutedRun, progress: _Progre
             out = first
             while True:
                 if out.error:
-                    error = APIError(500, f"The engine failed this request: {out.error}", code="engine_error")
+                    error = engine_api_error(out.error.code, out.error.message)
                     break
                 pending.extend(fmt.deltas(out))
                 if out.finished:
@@ -549,7 +560,7 @@ async def _stream_events(first: RequestOutput, run: RoutedRun, progress: _Progre
         except APIError as exc:
             error = exc
         except (RequestRejected, EngineDeadError) as exc:
-            error = APIError(500, str(exc), code="engine_error")
+            error = engine_api_error(exc.code, str(exc))
         except Exception:
             log.exception("stream of request %s failed", fmt.id)
             error = APIError(500, "Internal server error while streaming; see the server log",

@@ -334,7 +334,7 @@ def test_an_error_in_one_request_fails_only_that_request(llama, monkeypatch):
         eng.add_request(p, params, "bad" if i == 1 else f"ok{i}", emit=sink)
     drain(eng)
     bad = sink.final["bad"]
-    assert bad.finished and "injected failure" in bad.error and bad.outputs[0].finish_reason == "error"
+    assert bad.finished and "injected failure" in bad.error.message and bad.outputs[0].finish_reason == "error"
     for i, p in enumerate(prompts):
         if i != 1:
             out = sink.final[f"ok{i}"]
@@ -362,7 +362,7 @@ def test_a_failed_forward_fails_that_batch_only_and_the_engine_recovers(llama, m
     eng.step()  # fails: "a" was in the batch
     eng.add_request([8, 9, 10], params, "b", emit=sink)
     drain(eng)
-    assert "device fell over" in sink.final["a"].error
+    assert "device fell over" in sink.final["a"].error.message
     assert sink.final["b"].error is None and sink.final["b"].outputs[0].token_ids == greedy_alone(
         eng.model, [8, 9, 10], 5)
     assert llm.core.pool.num_used == 0

@@ -166,3 +166,17 @@ def test_routes_resolve_configured_routes_and_engines_by_name(monkeypatch):
     with pytest.raises(APIError) as unavailable:
         routes.resolve("later")
     assert unavailable.value.status == 501 and "strategy 'absent'" in unavailable.value.message
+
+
+def test_every_engine_error_code_maps_to_an_openai_error_with_its_status():
+    from engines.errors import ErrorCode
+    from gateway.app import engine_api_error
+
+    want = {"invalid_request": 400, "context_length_exceeded": 400, "kv_capacity_exceeded": 400,
+            "ttft_deadline_exceeded": 503, "engine_error": 500, "engine_dead": 503}
+    assert {c.value for c in ErrorCode} == set(want)
+    for code in ErrorCode:
+        err = engine_api_error(code, "max_tokens=9 is too many")
+        assert (err.status, err.code) == (want[code.value], code.value)
+        assert (err.retry_after is not None) == (err.status == 503)  # every 503 says when to come back
+    assert engine_api_error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "max_tokens=9 plus ...").param == "max_tokens"
