@@ -5,10 +5,10 @@ engine. The gateway maps codes to HTTP statuses; nobody parses the message text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class ErrorCode(str, Enum):
+class ErrorCode(StrEnum):
     """Why the engine refused or ended a request. The value is the OpenAI-style `code` a client sees."""
 
     INVALID_REQUEST = "invalid_request"  # bad options or prompt (empty, token ids out of range, duplicate id)
