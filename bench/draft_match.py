@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engines.corpus import load_corpus_split  # noqa: E402
 from engines.loader import load_checkpoint  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
+from training.corpus import load_corpus_split  # noqa: E402
 
 LARGE, SMALL = ROOT / "models" / "tandem-tiny-l", ROOT / "models" / "tandem-tiny-s"
 DRAFT_TEMPS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engines.corpus import load_corpus_split  # noqa: E402
 from engines.generate_cli import generate_tokens  # noqa: E402
 from engines.loader import load_checkpoint  # noqa: E402
 from engines.model import Transformer  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
+from training.corpus import load_corpus_split  # noqa: E402
 
 # No trailing newline or space: byte-level BPE merges "\n" with the next line's indentation (and " " with the
 # next word), so a prompt that stops on one would tell the model the next line starts at column 0.

@@ -27,13 +27,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engines.attention import DenseCausal  # noqa: E402
-from engines.corpus import load_corpus_split  # noqa: E402
 from engines.llm import LLM  # noqa: E402
 from engines.loader import load_checkpoint  # noqa: E402
 from engines.runner import PagedAttention  # noqa: E402
 from engines.sampling_params import SamplingParams  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
 from kernels.quant_matmul import QuantLinear, quantize_model  # noqa: E402
+from training.corpus import load_corpus_split  # noqa: E402
 
 LIMITS = {"int8": 0.01, "int4 g64": 0.05, "int8 KV": 0.01}  # issue 8: allowed perplexity increase
 

@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engines import LLM, SamplingParams  # noqa: E402
-from engines.corpus import load_corpus_split  # noqa: E402
+from training.corpus import load_corpus_split  # noqa: E402
 
 LARGE, SMALL = ROOT / "models" / "tandem-tiny-l", ROOT / "models" / "tandem-tiny-s"
 

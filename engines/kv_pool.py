@@ -127,10 +127,6 @@ class KVPool:
                 "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits}
 
     # ---- prefix cache -----------------------------------------------------------------------------------
-    def block_key(self, model_id: int, parent_hash: int | None, tokens: tuple[int, ...],
-                  extra_keys: tuple = ()) -> tuple:
-        return (model_id, parent_hash, tokens, extra_keys)
-
     def match_prefix(self, model_id: int, token_ids: list[int], extra_keys: tuple = ()
                      ) -> tuple[list[int], list[int]]:
         """Cached pages for the longest run of full blocks of `token_ids`, capped so at least one token is
@@ -212,10 +208,3 @@ class KVPool:
                     self._num_cached_free += 1
             elif self.ref_count[p] < 0:
                 raise RuntimeError(f"KV page {p} released more often than acquired")
-
-    def reset_prefix_cache(self) -> None:
-        for page in self._cached.values():
-            self._page_key[page] = None
-            self.page_hash[page] = None
-        self._cached.clear()
-        self._num_cached_free = 0

@@ -100,9 +100,9 @@ def build(small_dir: Path, large_dir: Path, out_dir: Path, num_prompts: int, con
           seed: int, splits: tuple[str, ...] = ("heldout",), score: str = "logprob", log=print) -> dict:
     """Write train.jsonl / test.jsonl (split by module) and summary.json; `score` picks what small_score and
     large_score hold ("logprob": mean continuation log-prob; "accuracy": top-1 accuracy); both are kept."""
-    from engines.corpus import load_corpus_split
     from engines.loader import load_checkpoint
     from engines.tokenizer import Tokenizer
+    from training.corpus import load_corpus_split
 
     t0 = time.perf_counter()
     if (small_dir / "tokenizer.json").read_bytes() != (large_dir / "tokenizer.json").read_bytes():

@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.model_quality import greedy_acceptance, heldout_prompts, heldout_token_chunks, mean_loss  # noqa: E402
-from engines.corpus import SPLITS, iter_modules, load_corpus_split, split_of  # noqa: E402
 from engines.generate_cli import generate_tokens  # noqa: E402
 from engines.loader import load_checkpoint  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
+from training.corpus import SPLITS, iter_modules, load_corpus_split, split_of  # noqa: E402
 
 SMALL, LARGE = ROOT / "models" / "tandem-tiny-s", ROOT / "models" / "tandem-tiny-l"
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")

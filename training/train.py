@@ -3,8 +3,8 @@
 Owns the shared byte-level BPE tokenizer (with a ChatML template), the token caches of the corpus splits,
 the plain PyTorch training loop over `engines.model.Transformer.dense_logits`, and the Hugging Face export.
 
-    python -m engines.train tokenizer --out /tmp/tandem_tok
-    python -m engines.train model --size l --tokenizer /tmp/tandem_tok --out models/tandem-tiny-l ...
+    python -m training.train tokenizer --out /tmp/tandem_tok
+    python -m training.train model --size l --tokenizer /tmp/tandem_tok --out models/tandem-tiny-l ...
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 4096) -> None:
     """Byte-level BPE on the train split only, so held-out modules stay unseen even by the merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from engines.corpus import load_corpus_split
+    from training.corpus import load_corpus_split
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -87,7 +87,7 @@ def token_cache(tok_dir: Path, split: str, cache_dir: Path = Path("/tmp/tandem_t
     """The split as one uint16 array: each module's tokens followed by `<|end_of_text|>`; cached as .npy."""
     from tokenizers import Tokenizer
 
-    from engines.corpus import load_corpus_split
+    from training.corpus import load_corpus_split
 
     tok_text = (tok_dir / "tokenizer.json").read_bytes()
     key = f"{split}-{_digest(tok_text)}"
@@ -396,7 +396,7 @@ def _save(model, cfg, tok_dir, out_dir, args, step, tokens, elapsed, val, previo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engines.train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tokenizer", help="train the shared BPE tokenizer and cache the token arrays")
     t.add_argument("--out", required=True)

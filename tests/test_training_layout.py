@@ -1,0 +1,43 @@
+"""Training code lives in `training/`, outside the serving packages: nothing in engines/, gateway/ or kernels/
+imports it (router_model.labels, the labelling tool, imports the corpus lazily inside its build function)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVING = ("engines", "gateway", "kernels")
+
+
+def imported_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_serving_packages_never_import_training():
+    offenders = [f"{path.relative_to(ROOT)}: {mod}"
+                 for pkg in SERVING for path in sorted((ROOT / pkg).rglob("*.py"))
+                 for mod in imported_modules(path) if mod == "training" or mod.startswith("training.")]
+    assert offenders == []
+
+
+def test_router_labels_imports_the_corpus_only_when_building():
+    code = "import sys, router_model.labels, gateway.app; print(sorted(m for m in sys.modules if m.startswith('training')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_training_cli_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "training.train", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "python -m training.train" in out.stdout
