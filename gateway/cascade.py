@@ -17,11 +17,9 @@ from engines.errors import RequestRejected
 from engines.outputs import CompletionOutput, RequestOutput
 from gateway.config import RouteConfig, TandemConfig
 from gateway.errors import APIError
-from gateway.routing import Route, RoutedRun, RoutingContext, register_strategy
+from gateway.routing import ESCALATED, Route, RoutedRun, RoutingContext, register_strategy
 
 log = logging.getLogger("tandem.gateway")
-
-ESCALATED = "tandem.cascade.escalated"  # run attribute (and span attribute) the app reads for its header
 
 
 def confidence(output: CompletionOutput, mode: str) -> float:

@@ -40,6 +40,10 @@ class RoutingContext:
     tpot_s: float | None = None
 
 
+# Run attribute a cascade sets once it has decided (True: escalated); the lifecycle turns it into a header.
+ESCALATED = "tandem.cascade.escalated"
+
+
 @dataclass
 class RoutedRun:
     """A started generation: which engine answers, its outputs, and how to abort everything it started."""

@@ -170,7 +170,7 @@ def test_routes_resolve_configured_routes_and_engines_by_name(monkeypatch):
 
 def test_every_engine_error_code_maps_to_an_openai_error_with_its_status():
     from engines.errors import ErrorCode
-    from gateway.app import engine_api_error
+    from gateway.engine_errors import engine_api_error
 
     want = {"invalid_request": 400, "context_length_exceeded": 400, "kv_capacity_exceeded": 400,
             "ttft_deadline_exceeded": 503, "engine_error": 500, "engine_dead": 503}

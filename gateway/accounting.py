@@ -1,0 +1,103 @@
+"""The end of a request, whichever way it ends: its timing (`Progress`), then `Finisher` aborts what is unfinished,
+releases the admission ledger, charges the key's tokens and records metrics, SLO accounting and spans.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.outputs import RequestOutput
+from gateway.routing import ESCALATED, Route, RoutedRun
+from gateway.state import GatewayState
+from gateway.telemetry import add_child_span, add_engine_spans, add_escalation_span
+
+
+@dataclass
+class Progress:
+    """Timing and token counts of one request, for usage, metrics and spans."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    itls: list[float] = field(default_factory=list)
+    last: RequestOutput | None = None
+
+    def saw(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if any(c.delta_token_ids for c in out.outputs):
+            if self.first_token is None:
+                self.first_token = now
+            elif self.last_token is not None:
+                self.itls.append(now - self.last_token)
+            self.last_token = now
+        self.last = out
+
+
+class Finisher:
+    """The end of a request, whichever way it ends: abort if unfinished, charge tokens, record telemetry."""
+
+    def __init__(self, state: GatewayState, route: Route, run: RoutedRun, progress: Progress, span: Any,
+                 api_key: str | None, operation: str, request_model: str, request_id: str = "",
+                 route_span: tuple[int, int, dict[str, Any]] | None = None):
+        self.state, self.route, self.run, self.progress, self.span, self.api_key = (
+            state, route, run, progress, span, api_key)
+        self.operation, self.request_model, self.request_id = operation, request_model, request_id
+        self.route_span = route_span  # (start ns, end ns, attributes) of the routing decision
+        self.finished_ok = False
+        self.failed = False  # ended by an engine or server error (a miss in the SLO accounting)
+        self.closed = False
+
+    def done(self, out: RequestOutput) -> None:
+        self.finished_ok = True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.state.inflight -= 1
+        out = self.progress.last
+        if not self.finished_ok:
+            self.run.abort()  # a dropped client or a failure: free the engine's KV pages now
+        if self.state.admission is not None:
+            self.state.admission.release(self.request_id)  # no-op once its first token was counted
+        if self.failed or (not self.finished_ok and out is not None and out.error):
+            self.state.slo.observe_failure(self.route.name)
+        if self.route_span is not None:
+            add_child_span(self.state.telemetry.tracer, self.span, "route", *self.route_span)
+        if out is None:
+            return
+        prompt_tokens = len(out.prompt_token_ids)
+        output_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if self.api_key is not None and self.state.keyring.limiter.active:
+            self.state.keyring.limiter.charge_tokens(self.api_key, prompt_tokens + output_tokens)
+        now = time.monotonic()
+        reasons = [c.finish_reason or "abort" for c in out.outputs]
+        p = self.progress
+        ttft = None if p.first_token is None else p.first_token - p.arrival
+        metrics = out.metrics
+        queue = (metrics.first_scheduled_time - metrics.arrival_time
+                 if metrics and metrics.first_scheduled_time is not None else None)
+        telemetry = self.state.telemetry
+        telemetry.observe_request(route=self.route.name, model=self.run.engine.name, ttft_s=ttft,
+                                  e2e_s=now - p.arrival, itls=p.itls, output_tokens=output_tokens,
+                                  prompt_tokens=prompt_tokens, finish_reason=reasons[0], queue_s=queue,
+                                  operation=self.operation, request_model=self.request_model)
+        if self.finished_ok:
+            tpot = ((p.last_token - p.first_token) / (output_tokens - 1)
+                    if p.first_token is not None and p.last_token is not None and output_tokens > 1 else None)
+            self.state.slo.observe_request(self.route.name, self.run.engine.name, ttft_s=ttft, tpot_s=tpot,
+                                           prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        span = self.span
+        span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": output_tokens,
+                             "gen_ai.response.finish_reasons": reasons,
+                             "gen_ai.response.id": self.run.request_ids[0][1] if self.run.request_ids else ""})
+        if self.state.cfg.telemetry.record_content:
+            span.set_attribute("gen_ai.output.messages", json.dumps([c.text for c in out.outputs]))
+        if self.run.attributes.get(ESCALATED):
+            cascade = {k: v for k, v in self.run.attributes.items() if k.startswith("tandem.cascade.")}
+            add_escalation_span(telemetry.tracer, span, metrics, time.monotonic(), cascade)
+        else:
+            add_engine_spans(telemetry.tracer, span, metrics, time.monotonic())

@@ -1,0 +1,163 @@
+"""OpenAI's wire format for one request's answer: engine outputs -> `chat.completion` / `text_completion` JSON
+bodies and SSE chunks, with logprobs in the chat and legacy shapes and usage counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engines.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    sse,
+)
+
+
+class Formatter:
+    """RequestOutputs -> OpenAI JSON bodies and SSE chunks for one request (chat or legacy completions)."""
+
+    def __init__(self, operation: str, response_id: str, created: int, model: str, tokenizer: Any,
+                 data: ChatCompletionRequest | CompletionRequest, logprobs: int | None,
+                 prompt_text: str | None = None):
+        self.chat = operation == "chat"
+        self.prompt_text = prompt_text  # a text prompt as sent (the engine may have been given its token ids)
+        self.id, self.created, self.model, self.tokenizer = response_id, created, model, tokenizer
+        self.logprobs = logprobs
+        self.echo = (not self.chat) and data.echo
+        self.finished: set[int] = set()
+        self.offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
+        self.started: set[int] = set()  # completion choices that have sent their first chunk
+
+    # ---- chat
+    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
+        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                       usage=usage))
+
+    def opening(self, n: int) -> list[bytes]:
+        if not self.chat:
+            return []
+        return [self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))]) for i in range(n)]
+
+    def deltas(self, out: RequestOutput) -> list[bytes]:
+        events = []
+        for c in out.outputs:
+            if c.index in self.finished:
+                continue
+            has_delta = bool(c.delta_text) or (self.logprobs is not None and bool(c.delta_logprobs))
+            if self.chat:
+                if has_delta:
+                    events.append(self._chunk([ChunkChoice(
+                        index=c.index, delta=Delta(content=c.delta_text),
+                        logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs))]))
+                if c.finished:
+                    events.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(),
+                                                           finish_reason=_finish_reason(c))]))
+            elif has_delta or c.finished:
+                text = c.delta_text
+                if self.echo and c.index not in self.started:
+                    text = self._echo(out, c.index) + text
+                self.started.add(c.index)
+                lp = self._completion_logprobs(c.index, c.delta_token_ids, c.delta_logprobs)
+                events.append(sse(Completion(id=self.id, created=self.created, model=self.model, usage=None,
+                                             choices=[CompletionChoice(index=c.index, text=text, logprobs=lp,
+                                                                       finish_reason=_finish_reason(c))])))
+            if c.finished:
+                self.finished.add(c.index)
+        return events
+
+    def usage_chunk(self, out: RequestOutput) -> bytes:
+        if self.chat:
+            return self._chunk([], usage=_usage(out))
+        return sse(Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=_usage(out)))
+
+    def full(self, out: RequestOutput) -> ChatCompletion | Completion:
+        if self.chat:
+            return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=_usage(out), choices=[
+                ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                           logprobs=self._chat_logprobs(c.token_ids, c.logprobs), finish_reason=_finish_reason(c))
+                for c in out.outputs])
+        return Completion(id=self.id, created=self.created, model=self.model, usage=_usage(out), choices=[
+            CompletionChoice(index=c.index, text=(self._echo(out, c.index) if self.echo else "") + c.text,
+                             finish_reason=_finish_reason(c),
+                             logprobs=self._completion_logprobs(c.index, c.token_ids, c.logprobs))
+            for c in out.outputs])
+
+    def _echo(self, out: RequestOutput, index: int) -> str:
+        """The prompt text an `echo` completion starts with; its token offsets then count from its end."""
+        prompt = self.prompt_text if self.prompt_text is not None else out.prompt
+        if prompt is None:  # the request sent token ids
+            prompt = self.tokenizer.decode(out.prompt_token_ids)
+        self.offsets[index] = len(prompt)
+        return prompt
+
+    # ---- logprobs
+    def _chat_logprobs(self, ids: list[int], positions: list[PositionLogprobs] | None) -> ChoiceLogprobs | None:
+        if self.logprobs is None or positions is None:
+            return None
+        content = []
+        for token_id, position in zip(ids, positions):
+            sampled = position.get(token_id)
+            text = self._text(token_id, sampled)
+            content.append(TokenLogprob(
+                token=text, logprob=_finite(sampled.logprob if sampled else float("-inf")),
+                bytes=list(text.encode()),
+                top_logprobs=[TopLogprob(token=t, logprob=_finite(lp), bytes=list(t.encode()))
+                              for t, lp in self._top(position)]))
+        return ChoiceLogprobs(content=content)
+
+    def _completion_logprobs(self, index: int, ids: list[int],
+                             positions: list[PositionLogprobs] | None) -> CompletionLogprobs | None:
+        if self.logprobs is None or positions is None:
+            return None
+        offset = self.offsets.get(index, 0)
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token_id, position in zip(ids, positions):
+            sampled = position.get(token_id)
+            text = self._text(token_id, sampled)
+            tokens.append(text)
+            token_lps.append(_finite(sampled.logprob) if sampled else None)
+            tops.append(dict(self._top(position)) if self.logprobs > 0 else None)
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets)
+
+    def _top(self, position: PositionLogprobs) -> list[tuple[str, float]]:
+        ranked = sorted(((lp.rank, tid, lp) for tid, lp in position.items()
+                         if lp.rank is not None and lp.rank <= (self.logprobs or 0)), key=lambda r: r[0])
+        return [(self._text(tid, lp), lp.logprob) for _, tid, lp in ranked]
+
+    def _text(self, token_id: int, lp: Any) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.token_text(token_id)
+
+
+def _finite(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -inf; OpenAI clients expect a number
+
+
+def _finish_reason(c: CompletionOutput) -> str | None:
+    if c.finish_reason in (None, "stop", "length"):
+        return c.finish_reason
+    return "stop" if c.finish_reason == "abort" else c.finish_reason
+
+
+def _usage(out: RequestOutput) -> Usage:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

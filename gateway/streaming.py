@@ -1,0 +1,66 @@
+"""The SSE response: Litestar's `Stream` written from the request's own task, cancelled when the client
+leaves (the stream's `finally` then aborts the engine request), and how to notice a client that has gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from litestar import Request
+from litestar.response import Stream
+from litestar.response.base import ASGIResponse
+from litestar.response.streaming import ASGIStreamingResponse
+from litestar.types import Receive, Send
+
+from gateway.protocol import SSE_DONE
+
+
+async def until_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the body is already read, so the next ASGI message is the end)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStreamResponse(ASGIStreamingResponse):
+    """Litestar's streaming response without its anyio task group, which cost about 0.05 ms a request: the
+    body is written from this task while one watcher task waits for the client to leave and cancels it."""
+
+    async def send_body(self, send: Send, receive: Receive) -> None:
+        task = asyncio.current_task()
+        streaming = True
+
+        def client_left(watcher: asyncio.Task) -> None:
+            if streaming and not watcher.cancelled() and watcher.exception() is None:
+                task.cancel()  # the engine request is aborted by the stream's `finally`
+
+        watcher = asyncio.create_task(until_disconnect(receive))
+        watcher.add_done_callback(client_left)
+        try:
+            done = False
+            async for chunk in self.iterator:
+                done = chunk.endswith(SSE_DONE)  # the last event: end the body in the same write
+                await send({"type": "http.response.body", "body": chunk, "more_body": not done})
+            if not done:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watcher.done() or watcher.cancelled():
+                raise  # cancelled from elsewhere (server shutdown): not ours to swallow
+            task.uncancel()
+        finally:
+            streaming = False
+            watcher.cancel()
+
+
+class EventStream(Stream):
+    """A `text/event-stream` response whose body is an async iterator of SSE bytes ending with [DONE]."""
+
+    def to_asgi_response(self, app: Any, request: Request, *, background: Any = None, cookies: Any = None,
+                         headers: dict[str, str] | None = None, is_head_response: bool = False,
+                         media_type: Any = None, status_code: int | None = None, **_: Any) -> ASGIResponse:
+        return _EventStreamResponse(
+            background=self.background or background, content_length=0,
+            cookies=[*self.cookies, *(cookies or [])], encoding=self.encoding,
+            headers={**(headers or {}), **self.headers}, is_head_response=is_head_response,
+            iterator=self.iterator, media_type=self.media_type or media_type,
+            status_code=self.status_code or status_code)
