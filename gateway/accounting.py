@@ -40,11 +40,11 @@ class Finisher:
     """The end of a request, whichever way it ends: abort if unfinished, charge tokens, record telemetry."""
 
     def __init__(self, state: GatewayState, route: Route, run: RoutedRun, progress: Progress, span: Any,
-                 api_key: str | None, operation: str, request_model: str, request_id: str = "",
+                 api_key: str | None, operation: str, request_model: str,
                  route_span: tuple[int, int, dict[str, Any]] | None = None):
         self.state, self.route, self.run, self.progress, self.span, self.api_key = (
             state, route, run, progress, span, api_key)
-        self.operation, self.request_model, self.request_id = operation, request_model, request_id
+        self.operation, self.request_model = operation, request_model
         self.route_span = route_span  # (start ns, end ns, attributes) of the routing decision
         self.finished_ok = False
         self.failed = False  # ended by an engine or server error (a miss in the SLO accounting)
@@ -61,8 +61,10 @@ class Finisher:
         out = self.progress.last
         if not self.finished_ok:
             self.run.abort()  # a dropped client or a failure: free the engine's KV pages now
-        if self.state.admission is not None:
-            self.state.admission.release(self.request_id)  # no-op once its first token was counted
+        admission = self.state.admission
+        if admission is not None:  # every engine request it started (a cascade may have two)
+            for _, request_id in self.run.request_ids:
+                admission.release(request_id)
         if self.failed or (not self.finished_ok and out is not None and out.error):
             self.state.slo.observe_failure(self.route.name)
         if self.route_span is not None:

@@ -359,24 +359,41 @@ class AdmissionController:
 
     # ---- the ledger --------------------------------------------------------------------------------------
     def admit(self, request_id: str, route: str, engine: str, prompt_tokens: int) -> AdmissionDecision:
-        """`decide`, and when admitted (or downgraded) enter the request into its engine's backlog."""
-        if request_id in self._waiting or request_id in self._running:
-            raise ValueError(f"request {request_id!r} was already admitted")
+        """`decide`, and when admitted (or downgraded) book the request on the engine the verdict names."""
+        self._check_new(request_id)
         decision = self.decide(route, engine, prompt_tokens)
         self.decisions[f"{route}/{decision.action}/{decision.reason}"] += 1
         if decision.admitted:
-            cfg = self.routes.get(route)
-            priority = cfg.priority if cfg is not None else 0
-            chosen = decision.engine or engine
-            queued = self.queued_ttft(chosen, priority, prompt_tokens)  # before it joins the ledger
-            now = self.clock()
-            backlog = self._backlog(chosen)
-            backlog.advance(now, self.settings.rate_halflife_s)
-            backlog.add(priority, prompt_tokens)
-            self._waiting[request_id] = _Waiting(route, chosen, priority, prompt_tokens, now,
-                                                 decision.predicted_ttft_s, decision.target_ttft_s, queued_s=queued)
-            self._route_waiting[route] = self._route_waiting.get(route, 0) + 1
+            self._enter(request_id, route, decision.engine or engine, prompt_tokens, decision.predicted_ttft_s,
+                        decision.target_ttft_s)
         return decision
+
+    def book(self, request_id: str, route: str, engine: str, prompt_tokens: int) -> None:
+        """Enter a request in `engine`'s backlog without a verdict: the second engine of a request admitted
+        already (a cascade's escalation)."""
+        self._check_new(request_id)
+        cfg = self.routes.get(route)
+        priority = cfg.priority if cfg is not None else 0
+        target = cfg.slo.ttft_ms / 1000.0 if cfg is not None and cfg.slo.ttft_ms is not None else None
+        self._enter(request_id, route, engine, prompt_tokens, self.predicted_ttft(engine, priority, prompt_tokens),
+                    target)
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self._waiting or request_id in self._running:
+            raise ValueError(f"request {request_id!r} was already admitted")
+
+    def _enter(self, request_id: str, route: str, engine: str, prompt_tokens: int, predicted: float | None,
+               target: float | None) -> None:
+        cfg = self.routes.get(route)
+        priority = cfg.priority if cfg is not None else 0
+        queued = self.queued_ttft(engine, priority, prompt_tokens)  # before it joins the ledger
+        now = self.clock()
+        backlog = self._backlog(engine)
+        backlog.advance(now, self.settings.rate_halflife_s)
+        backlog.add(priority, prompt_tokens)
+        self._waiting[request_id] = _Waiting(route, engine, priority, prompt_tokens, now, predicted, target,
+                                             queued_s=queued)
+        self._route_waiting[route] = self._route_waiting.get(route, 0) + 1
 
     def first_token(self, request_id: str) -> None:
         """The request's prefill is done: its tokens leave the backlog and count toward the drain rate, its

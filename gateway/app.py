@@ -30,13 +30,12 @@ from gateway.autoscale import Autoscaler, AutoscaleSettings, signals_from
 from gateway.config import TandemConfig, engine_core_args
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.lifecycle import resolve_route, serve
+from gateway.prompts import chat_prompt, completion_prompt
 from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    InvalidParameter,
     ModelCard,
     ModelList,
-    prompt_input,
 )
 from gateway.routing import Routes
 from gateway.slo import SLOAccounting
@@ -121,59 +120,22 @@ async def autoscale(request: Request, replicas: Annotated[int, QueryParameter(ge
     return msgspec.to_builtins(state.autoscaler.evaluate(signals))
 
 
-# template variables the gateway itself passes: a request may not override them through chat_template_kwargs
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
-
-
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response | Stream:
     state = _state(request)
     route = resolve_route(request, state, data.model)
-    messages = [m.to_template() for m in data.messages]
-    if not messages:
-        raise APIError(400, "messages must contain at least one message", param="messages", code="invalid_value")
-    extra = dict(data.chat_template_kwargs or {})
-    reserved = sorted(extra.keys() & RESERVED_TEMPLATE_KWARGS)
-    if reserved:
-        raise APIError(400, f"chat_template_kwargs may not set {reserved}: pass them as request fields",
-                       param=f"chat_template_kwargs.{reserved[0]}", code="invalid_value")
-    if "chat_template" in extra and not state.cfg.server.allow_request_chat_template:
-        raise APIError(400, "chat_template_kwargs.chat_template: a request's own chat template is disabled on "
-                       "this server (the operator can allow it with [server] allow_request_chat_template)",
-                       param="chat_template_kwargs.chat_template", code="invalid_value")
-    if "chat_template" in extra and not isinstance(extra["chat_template"], str):
-        raise APIError(400, "chat_template_kwargs.chat_template must be a string",
-                       param="chat_template_kwargs.chat_template", code="invalid_value")
-
-    def render(engine: Any) -> str:
-        tokenizer = engine.tokenizer
-        if not tokenizer.has_chat_template:
-            raise APIError(400, f"model {engine.name!r} has no chat template; use /v1/completions",
-                           param="messages", code="no_chat_template")
-        try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=data.add_generation_prompt,
-                                                 **extra)
-        except ValueError as exc:  # ChatTemplateError: the template rejected this conversation
-            raise APIError(400, f"chat template error: {exc}", param="messages", code="invalid_value") from None
-
-    ctx_kwargs = {"conversation": messages}
-    return await serve(request, state, route, data, "chat", render, ctx_kwargs)
+    prompt, messages = chat_prompt(data, allow_request_template=state.cfg.server.allow_request_chat_template)
+    return await serve(request, state, route, data, "chat", prompt, conversation=messages)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response | Stream:
     state = _state(request)
     route = resolve_route(request, state, data.model)
-    try:
-        prompt = prompt_input(data)
-    except InvalidParameter as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
-
-    def render(engine: Any) -> str | list[int]:
-        return prompt
-
-    ctx_kwargs = {"prompt_text": prompt if isinstance(prompt, str) else None}
-    return await serve(request, state, route, data, "text_completion", render, ctx_kwargs)
+    prompt, sent = completion_prompt(data)
+    if isinstance(sent, str):
+        return await serve(request, state, route, data, "text_completion", prompt, prompt_text=sent)
+    return await serve(request, state, route, data, "text_completion", prompt, prompt_token_ids=sent)
 
 
 # ------------------------------------------------------------------------------------------- the app

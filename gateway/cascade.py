@@ -17,7 +17,7 @@ from engines.errors import RequestRejected
 from engines.outputs import CompletionOutput, RequestOutput
 from gateway.config import RouteConfig, TandemConfig
 from gateway.errors import APIError
-from gateway.routing import ESCALATED, Route, RoutedRun, RoutingContext, register_strategy
+from gateway.routing import ESCALATED, Plan, RoutedRun, RoutingContext, register_strategy
 
 log = logging.getLogger("tandem.gateway")
 
@@ -70,24 +70,34 @@ class CascadeStrategy:
         score = confidence(output, self.mode)
         return score < self.threshold, score
 
-    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
+    def plan(self, ctx: RoutingContext, engines: Mapping[str, Any]) -> Plan:
         if ctx.params.n != 1:
             raise APIError(400, f"n = {ctx.params.n} is not supported on the cascade route {self.name!r} (one "
                            f"answer is checked and escalated); use n = 1 or a fixed route", param="n",
                            code="invalid_value")
+        return Plan(self.small)
+
+    async def start(self, plan: Plan, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
         small, large = engines[self.small], engines[self.large]
+        prompt = await ctx.prompt.get(small)
         run = CascadeRun(engine=small, outputs=None, request_ids=[(small, ctx.request_id)])  # type: ignore[arg-type]
-        run.outputs = self._outputs(run, ctx, small, large)  # attached now: the iterator needs the run
+        run.outputs = self._outputs(run, ctx, small, prompt, large)  # attached now: the iterator needs the run
         return run
 
-    async def _outputs(self, run: CascadeRun, ctx: RoutingContext, small: Any,
+    async def _outputs(self, run: CascadeRun, ctx: RoutingContext, small: Any, prompt: str | list[int],
                        large: Any) -> AsyncIterator[RequestOutput]:
         asked = ctx.params.logprobs is not None
         # The confidence needs the chosen tokens' logprobs even when the client did not ask for them.
         small_params = ctx.params if asked else dataclasses.replace(ctx.params, logprobs=0)
+        ledger = ctx.ledger  # admission booked the small engine; this run reports its first token and end
         final: RequestOutput | None = None
-        async for out in small.generate(ctx.render(small), small_params, ctx.request_id, priority=ctx.priority):
-            final = out
+        try:
+            async for out in ctx.start(small, prompt, params=small_params):
+                if final is None and not out.error:
+                    ledger.first_token(ctx.request_id)
+                final = out
+        finally:
+            ledger.release(ctx.request_id)
         assert final is not None and final.finished
         answer = final.outputs[0]
         if final.error or answer.finish_reason in ("abort", "error") or run.aborted:
@@ -103,17 +113,20 @@ class CascadeStrategy:
 
         large_id = f"{ctx.request_id}-escalated"
         drafts = list(answer.token_ids) if self._shares_vocabulary(small, large) else None
+        large_prompt = await ctx.prompt.get(large)
         run.request_ids.append((large, large_id))
-        outputs = large.generate(ctx.render(large), ctx.params, large_id, priority=ctx.priority,
-                                 draft_token_ids=drafts)
+        ledger.book(large_id, ctx.route.name, large.name, len(large_prompt))
+        outputs = ctx.start(large, large_prompt, request_id=large_id, draft_token_ids=drafts)
         try:
             first = await anext(outputs)
         except RequestRejected as exc:
             # The large engine cannot take this prompt (e.g. a shorter context): the small answer stands.
+            ledger.release(large_id)
             log.warning("cascade %s: request %s not escalated: %s", self.name, ctx.request_id, exc)
             run.attributes["tandem.cascade.escalation_rejected"] = str(exc)
             yield whole_answer(final, asked)
             return
+        ledger.release(large_id) if first.error else ledger.first_token(large_id)
         run.engine = large
         run.attributes[ESCALATED] = True
         run.attributes["tandem.cascade.draft_tokens"] = len(drafts or ())

@@ -14,8 +14,9 @@ ENGINE_STATUS: dict[ErrorCode, tuple[int, int | None]] = {
     ErrorCode.ENGINE_ERROR: (500, None), ErrorCode.ENGINE_DEAD: (503, 5)}
 
 
-def engine_api_error(code: ErrorCode, message: str) -> APIError:
-    """The client's view of an engine refusal or failure: status and Retry-After by its typed code."""
+def engine_api_error(code: ErrorCode, message: str, param: str | None = None) -> APIError:
+    """The client's view of an engine refusal or failure: status and Retry-After by its typed code; `param`
+    names the request field at fault when the caller knows it."""
     status, retry_after = ENGINE_STATUS[code]
     if code is ErrorCode.TTFT_EXPIRED:
         message = f"The request was dropped: it {message}; retry later"
@@ -23,5 +24,4 @@ def engine_api_error(code: ErrorCode, message: str) -> APIError:
         message = f"The engine is not running: {message}"
     elif status >= 500:
         message = f"The engine failed this request: {message}"
-    param = "max_tokens" if code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and message.startswith("max_tokens") else None
     return APIError(status, message, code=code.value, param=param, retry_after=retry_after)

@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, Response
@@ -21,10 +21,10 @@ from opentelemetry import trace
 from engines.errors import EngineDeadError, ErrorCode, RequestRejected
 from engines.outputs import RequestOutput
 from gateway.accounting import Finisher, Progress
-from gateway.admission import AdmissionDecision
 from gateway.engine_errors import engine_api_error
 from gateway.errors import APIError
 from gateway.openai_format import Formatter
+from gateway.prompts import Prompt
 from gateway.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -33,7 +33,7 @@ from gateway.protocol import (
     encode,
     sampling_params,
 )
-from gateway.routing import ESCALATED, Route, RoutedRun, RoutingContext, start_on
+from gateway.routing import ESCALATED, NO_LEDGER, Plan, Route, RoutedRun, RoutingContext
 from gateway.state import GatewayState
 from gateway.streaming import EventStream, until_disconnect
 from gateway.telemetry import add_child_span
@@ -54,11 +54,14 @@ def resolve_route(request: Request, state: GatewayState, model: str) -> Route:
 
 
 async def serve(request: Request, state: GatewayState, route: Route,
-                 data: ChatCompletionRequest | CompletionRequest, operation: str,
-                 render: Callable[[Any], str | list[int]], ctx_kwargs: dict[str, Any]) -> Response | Stream:
-    arrival = request.scope["state"].get("arrival") or time.monotonic()
-    request_id = request.scope["state"]["request_id"]
-    telemetry = state.telemetry
+                data: ChatCompletionRequest | CompletionRequest, operation: str, prompt: Prompt, *,
+                conversation: list[dict[str, Any]] | None = None, prompt_text: str | None = None,
+                prompt_token_ids: list[int] | None = None) -> Response | Stream:
+    """Admit, start and answer one parsed request on `route` (the handlers' common path)."""
+    scope_state = request.scope["state"]
+    arrival = scope_state.get("arrival") or time.monotonic()
+    request_id = scope_state["request_id"]
+    prompt.check_size(state.engines[name] for name in route.config.engines)  # before any work
     span = trace.get_current_span()
     span.update_name(f"{operation} {data.model}")
     attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "tandem",
@@ -76,101 +79,43 @@ async def serve(request: Request, state: GatewayState, route: Route,
         span.set_attribute("gen_ai.request.max_tokens", params.max_tokens)
     if state.cfg.telemetry.record_content:
         span.set_attribute("gen_ai.input.messages", json.dumps(
-            ctx_kwargs.get("conversation") or [{"role": "user", "content": ctx_kwargs.get("prompt_text")}]))
-    slo = route.config.slo
-    ctx = RoutingContext(request_id=request_id, params=params, priority=route.config.priority, render=render,
-                         ttft_s=slo.ttft_ms / 1000.0 if slo.ttft_ms is not None else None,
-                         tpot_s=slo.tpot_ms / 1000.0 if slo.tpot_ms is not None else None, **ctx_kwargs)
-    admitted = _admission(state, route, ctx, span)  # sheds with 503 + Retry-After
-    route_start = time.time_ns()
-    try:
-        if admitted is not None and admitted.action == "downgrade":  # SLO pressure: the small engine
-            run = start_on(state.engines[admitted.engine], ctx)
-            run.attributes["tandem.admission.downgraded"] = True
-        else:
-            run = state.routes.start(route, ctx, state.engines)
-    except BaseException as exc:
-        if state.admission is not None:
-            state.admission.release(request_id)
-        if span.is_recording():
-            add_child_span(telemetry.tracer, span, "route", route_start, time.time_ns(),
-                           {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy}, error=exc)
-        raise
-    # The route span is written with the others once the answer is out: spans cost CPU, not before the answer.
-    route_span = None
-    if span.is_recording():
-        decision = {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy,
-                    "tandem.route.engine": run.engine.name, **run.attributes}
-        if run.score is not None:
-            decision["tandem.router.score"] = run.score
-        route_span = (route_start, time.time_ns(), decision)
+            conversation or [{"role": "user", "content": prompt_text}]))
+    prompt.tokenize = state.admission is not None  # admission counts the prompt's tokens
+    ctx = RoutingContext(request_id=request_id, route=route, params=params, prompt=prompt,
+                         conversation=conversation, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
+                         ledger=state.admission or NO_LEDGER)
+    run, route_span = await start_request(state, ctx, span)
     decided = set(run.attributes)
 
     state.inflight += 1
     progress = Progress(arrival)
-    finish = Finisher(state, route, run, progress, span, request.scope["state"].get("api_key"), operation,
-                       data.model, request_id, route_span)
+    finish = Finisher(state, route, run, progress, span, scope_state.get("api_key"), operation, data.model,
+                      route_span)
     try:
-        first = await _first_output(run)
-        if state.admission is not None:  # its prefill is done: the backlog shrinks, the drain rate learns
-            state.admission.first_token(request_id) if not first.error else state.admission.release(request_id)
+        first = await _first_output(run, ctx)
+        # its prefill is done: the backlog shrinks, the drain rate learns
+        ctx.ledger.first_token(request_id) if not first.error else ctx.ledger.release(request_id)
         progress.saw(first)
         # A cascade knows who answers only once its first output arrives: engine, headers and metrics are read
         # now.
         for key in run.attributes.keys() - decided:
             span.set_attribute(key, run.attributes[key])
-        escalated = run.attributes.get(ESCALATED)
-        if not route.direct:
-            telemetry.labelled(telemetry.router_decisions, route.name, run.engine.name).inc()
-        if escalated:
-            telemetry.labelled(telemetry.cascade_escalations, route.name).inc()
-        span.set_attribute("gen_ai.response.model", run.engine.name)
-        headers = {"x-request-id": request_id, "x-tandem-route": route.name, "x-tandem-model": run.engine.name}
-        if run.score is not None:
-            headers["x-tandem-router-score"] = f"{run.score:.4f}"
-        if escalated is not None:
-            headers["x-tandem-escalated"] = "true" if escalated else "false"
+        headers = _answered_by(state, route, run, request_id, span)
         response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + request_id
         fmt = Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
-                         params.logprobs, ctx.prompt_text)
+                        params.logprobs, prompt_text)
     except BaseException as exc:
-        if isinstance(exc, APIError) and exc.code == ErrorCode.TTFT_EXPIRED.value:  # dropped late by the engine: a shed
+        dropped = isinstance(exc, APIError) and exc.code == ErrorCode.TTFT_EXPIRED
+        if dropped:  # dropped late by the engine: a shed
             state.slo.observe_shed(route.name)
             if state.admission is not None:
                 exc.retry_after = state.admission.retry_after_s(route.name, run.engine.name)
-        finish.failed = isinstance(exc, APIError) and exc.status >= 500 and exc.code != ErrorCode.TTFT_EXPIRED.value
+        finish.failed = isinstance(exc, APIError) and exc.status >= 500 and not dropped
         finish.close()  # rejected, failed or cancelled before a byte went out: abort and release the slot
         raise
 
     if not data.stream:
-        # A client that hangs up on a long non-streamed request must not keep its KV pages busy.
-        watcher = None if first.finished else asyncio.create_task(until_disconnect(request.receive))
-        if watcher is not None:
-            watcher.add_done_callback(lambda t: None if t.cancelled() else run.abort())
-        try:
-            out = first
-            while not out.finished:
-                out = await anext(run.outputs)
-                progress.saw(out)
-            if out.error:
-                raise engine_api_error(out.error.code, out.error.message)
-            body = encode(fmt.full(out))
-        except BaseException:
-            finish.close()
-            await run.close()
-            raise
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-        finish.done(out)
-
-        async def after_body() -> None:  # metrics, spans and accounting once the answer is out, not before
-            finish.close()
-            await run.close()
-
-        return Response(content=body, media_type="application/json", headers=headers,
-                        background=BackgroundTask(after_body))
-
+        return await _json_answer(request, first, run, progress, fmt, finish, headers)
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     events = _stream_events(first, run, progress, fmt, finish, include_usage)
 
@@ -179,27 +124,51 @@ async def serve(request: Request, state: GatewayState, route: Route,
         finish.close()  # and releases the request if the stream never started
 
     return EventStream(events, media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"},
-                        background=BackgroundTask(after))
+                       background=BackgroundTask(after))
 
 
-def _admission(state: GatewayState, route: Route, ctx: RoutingContext, span: Any) -> AdmissionDecision | None:
-    """Admit, downgrade or shed (APIError 503 + Retry-After) on the engine the route would start on."""
+async def start_request(state: GatewayState, ctx: RoutingContext, span: Any) -> tuple[RoutedRun, tuple | None]:
+    """The route's strategy plans the engine, admission books it (or downgrades or sheds), the strategy starts
+    it; returns the run and the route span to write once the answer is out (spans cost CPU, not before it)."""
+    route = ctx.route
+    strategy = state.routes.strategy(route)
+    route_start = time.time_ns()
+    try:
+        plan = strategy.plan(ctx, state.engines)
+    except BaseException as exc:
+        _route_failed(state, span, route, route_start, exc)
+        raise
+    await _admit(state, ctx, plan, span)  # sheds with 503 + Retry-After (nothing is booked then)
+    try:
+        run = await strategy.start(plan, ctx, state.engines)
+    except BaseException as exc:
+        ctx.ledger.release(ctx.request_id)
+        _route_failed(state, span, route, route_start, exc)
+        raise
+    route_span = None
+    if span.is_recording():
+        decision = {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy,
+                    "tandem.route.engine": run.engine.name, **run.attributes}
+        if run.score is not None:
+            decision["tandem.router.score"] = run.score
+        route_span = (route_start, time.time_ns(), decision)
+    return run, route_span
+
+
+def _route_failed(state: GatewayState, span: Any, route: Route, start_ns: int, exc: BaseException) -> None:
+    if span.is_recording():
+        add_child_span(state.telemetry.tracer, span, "route", start_ns, time.time_ns(),
+                       {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy}, error=exc)
+
+
+async def _admit(state: GatewayState, ctx: RoutingContext, plan: Plan, span: Any) -> None:
+    """Book the request on the planned engine, move the plan to the small engine (downgrade), or shed it
+    (APIError 503 + Retry-After)."""
     if state.admission is None:
-        return None
-    names = route.config.engines
-    engine_name = names[0] if len(names) == 1 else names[-1]  # router/cascade: judged on the large engine
-    engine = state.engines[engine_name]
-    render = ctx.render
-    prompt = render(engine)
-    ids = prompt if isinstance(prompt, list) else engine.tokenizer.encode(prompt)
-    tokens = len(ids)
-
-    def render_once(e: Any) -> str | list[int]:
-        # The strategy starts this engine on the ids counted here: the engine need not tokenize them again.
-        return ids if e is engine else render(e)
-
-    ctx.render = render_once
-    d = state.admission.admit(ctx.request_id, route.name, engine_name, tokens)
+        return
+    route = ctx.route
+    tokens = len(await ctx.prompt.get(state.engines[plan.engine]))  # token ids: `prompt.tokenize` is set
+    d = state.admission.admit(ctx.request_id, route.name, plan.engine, tokens)
     attrs: dict[str, Any] = {"tandem.admission.action": d.action, "tandem.admission.reason": d.reason,
                              "tandem.admission.prompt_tokens": tokens}
     if d.predicted_ttft_s is not None:
@@ -207,8 +176,11 @@ def _admission(state: GatewayState, route: Route, ctx: RoutingContext, span: Any
     if d.retry_after_s is not None:
         attrs["tandem.admission.retry_after_s"] = d.retry_after_s
     span.set_attributes(attrs)
+    if d.action == "downgrade":  # SLO pressure: the small engine meets the target
+        plan.engine = d.engine
+        plan.attributes["tandem.admission.downgraded"] = True
     if d.admitted:
-        return d
+        return
     state.slo.observe_shed(route.name)
     wait = max(1, math.ceil(d.retry_after_s or 1.0))
     why = ("its waiting queue is full" if d.reason == "queue_full" else
@@ -218,17 +190,69 @@ def _admission(state: GatewayState, route: Route, ctx: RoutingContext, span: Any
                    code="overloaded", retry_after=wait)
 
 
-async def _first_output(run: RoutedRun) -> RequestOutput:
+async def _first_output(run: RoutedRun, ctx: RoutingContext) -> RequestOutput:
     """Wait for the first output so a rejected request becomes a 400 before any byte is sent."""
     try:
         first = await anext(run.outputs)
     except (RequestRejected, EngineDeadError) as exc:
-        raise engine_api_error(exc.code, str(exc)) from None
+        param = None
+        if exc.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and await ctx.prompt.fits(run.engine):
+            param = "max_tokens"  # the prompt alone fits: max_tokens on top of it does not
+        raise engine_api_error(exc.code, str(exc), param=param) from None
     except StopAsyncIteration:
         raise APIError(500, "The engine ended the request without any output", code="engine_error") from None
     if first.error and (first.error.code is ErrorCode.TTFT_EXPIRED or not any(c.token_ids for c in first.outputs)):
         raise engine_api_error(first.error.code, first.error.message)
     return first
+
+
+def _answered_by(state: GatewayState, route: Route, run: RoutedRun, request_id: str, span: Any) -> dict[str, str]:
+    """Count the routing decision and say who answers: span attribute and response headers."""
+    telemetry = state.telemetry
+    escalated = run.attributes.get(ESCALATED)
+    if not route.direct:
+        telemetry.labelled(telemetry.router_decisions, route.name, run.engine.name).inc()
+    if escalated:
+        telemetry.labelled(telemetry.cascade_escalations, route.name).inc()
+    span.set_attribute("gen_ai.response.model", run.engine.name)
+    headers = {"x-request-id": request_id, "x-tandem-route": route.name, "x-tandem-model": run.engine.name}
+    if run.score is not None:
+        headers["x-tandem-router-score"] = f"{run.score:.4f}"
+    if escalated is not None:
+        headers["x-tandem-escalated"] = "true" if escalated else "false"
+    return headers
+
+
+async def _json_answer(request: Request, first: RequestOutput, run: RoutedRun, progress: Progress,
+                       fmt: Formatter, finish: Finisher, headers: dict[str, str]) -> Response:
+    """The whole answer as one JSON body; metrics, spans and accounting run once it is out."""
+    # A client that hangs up on a long non-streamed request must not keep its KV pages busy.
+    watcher = None if first.finished else asyncio.create_task(until_disconnect(request.receive))
+    if watcher is not None:
+        watcher.add_done_callback(lambda t: None if t.cancelled() else run.abort())
+    try:
+        out = first
+        while not out.finished:
+            out = await anext(run.outputs)
+            progress.saw(out)
+        if out.error:
+            raise engine_api_error(out.error.code, out.error.message)
+        body = encode(fmt.full(out))
+    except BaseException:
+        finish.close()
+        await run.close()
+        raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    finish.done(out)
+
+    async def after_body() -> None:
+        finish.close()
+        await run.close()
+
+    return Response(content=body, media_type="application/json", headers=headers,
+                    background=BackgroundTask(after_body))
 
 
 async def _stream_events(first: RequestOutput, run: RoutedRun, progress: Progress, fmt: Formatter,

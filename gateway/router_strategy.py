@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.config import DEFAULT_ROUTER_ARTIFACT, ConfigError, RouteConfig, TandemConfig
-from gateway.routing import Route, RoutedRun, RoutingContext, register_strategy, start_on
+from gateway.routing import Plan, RoutingContext, register_strategy, start_planned
 from router_model import Router, RouterArtifactError
 from router_model.features import Conversation
 
@@ -40,19 +40,18 @@ class RouterStrategy:
             return ctx.conversation
         if ctx.prompt_text is not None:
             return ctx.prompt_text
-        small = engines[self.small]
-        return small.tokenizer.decode(ctx.render(small))
+        return engines[self.small].tokenizer.decode(ctx.prompt_token_ids or [])
 
     def decide(self, conversation: Conversation) -> tuple[str, float]:
         """("small" | "large", score) for one conversation under this route's threshold."""
         return self.router.decide(conversation, threshold=self.threshold)
 
-    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
+    def plan(self, ctx: RoutingContext, engines: Mapping[str, Any]) -> Plan:
         choice, score = self.decide(self.conversation(ctx, engines))
-        run = start_on(engines[self.large if choice == "large" else self.small], ctx)
-        run.score = score
-        run.attributes.update({"tandem.router.choice": choice, "tandem.router.threshold": self.threshold})
-        return run
+        return Plan(self.large if choice == "large" else self.small, score=score,
+                    attributes={"tandem.router.choice": choice, "tandem.router.threshold": self.threshold})
+
+    start = staticmethod(start_planned)
 
 
 def load_route_router(name: str, route: RouteConfig, cfg: TandemConfig) -> Router:

@@ -15,6 +15,7 @@ from engines.outputs import RequestOutput
 from engines.sampling_params import SamplingParams
 from gateway.config import STRATEGY_NAMES, RouteConfig, TandemConfig
 from gateway.errors import APIError
+from gateway.prompts import Prompt
 
 
 @dataclass(frozen=True)
@@ -27,17 +28,70 @@ class Route:
 
 
 @dataclass
+class Plan:
+    """A strategy's decision before anything starts: the engine admission books and the request starts on."""
+
+    engine: str
+    score: float | None = None  # router score P(large needed), when a router decided
+    attributes: dict[str, Any] = field(default_factory=dict)  # span attributes of the decision
+
+
+class Ledger(Protocol):
+    """The admission ledger as a strategy that starts a second engine sees it (gateway/admission.py)."""
+
+    def book(self, request_id: str, route: str, engine: str, prompt_tokens: int) -> None: ...
+    def first_token(self, request_id: str) -> None: ...
+    def release(self, request_id: str) -> None: ...
+
+
+class _NoLedger:
+    """Admission is off: nothing to book."""
+
+    def book(self, request_id: str, route: str, engine: str, prompt_tokens: int) -> None:
+        pass
+
+    def first_token(self, request_id: str) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+NO_LEDGER = _NoLedger()
+
+
+@dataclass
 class RoutingContext:
-    """What a strategy may look at and needs to start a request on an engine."""
+    """One request as a strategy sees it, and `start`, the one way to start it on an engine."""
 
     request_id: str
+    route: Route
     params: SamplingParams
-    priority: int
-    render: Callable[[Any], str | list[int]]  # engine -> the prompt for that engine (its chat template)
+    prompt: Prompt  # the prompt per engine (its chat template), prepared on first use
     conversation: list[dict[str, Any]] | None = None  # chat messages (the router scores the whole conversation)
-    prompt_text: str | None = None  # the raw prompt of /v1/completions
-    ttft_s: float | None = None  # the route's SLO targets in seconds (the engine's deadline order and caps)
-    tpot_s: float | None = None
+    prompt_text: str | None = None  # the raw text prompt of /v1/completions
+    prompt_token_ids: list[int] | None = None  # or its token ids
+    ledger: Ledger = NO_LEDGER  # where a second engine's start is booked (the first is admitted before start)
+
+    @property
+    def priority(self) -> int:
+        return self.route.config.priority
+
+    def start(self, engine: Any, prompt: str | list[int], *, request_id: str | None = None,
+              params: SamplingParams | None = None, draft_token_ids: list[int] | None = None
+              ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for this request, started with the route's priority and TTFT/TPOT targets."""
+        kwargs: dict[str, Any] = {}
+        slo = self.route.config.slo
+        # passed only when set: engines without SLO scheduling or drafts need not know the names
+        if slo.ttft_ms is not None:
+            kwargs["ttft_s"] = slo.ttft_ms / 1000.0
+        if slo.tpot_ms is not None:
+            kwargs["tpot_s"] = slo.tpot_ms / 1000.0
+        if draft_token_ids is not None:
+            kwargs["draft_token_ids"] = draft_token_ids
+        return engine.generate(prompt, params or self.params, request_id or self.request_id,
+                               priority=self.route.config.priority, **kwargs)
 
 
 # Run attribute a cascade sets once it has decided (True: escalated); the lifecycle turns it into a header.
@@ -67,9 +121,18 @@ class RoutedRun:
 
 
 class Strategy(Protocol):
-    """A route strategy: given the route's engines, start the request and say who answers."""
+    """A route strategy: first decide which engine starts (admission books it), then start the request."""
 
-    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun: ...
+    def plan(self, ctx: RoutingContext, engines: Mapping[str, Any]) -> Plan: ...
+    async def start(self, plan: Plan, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun: ...
+
+
+async def start_planned(plan: Plan, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
+    """Start the request on the planned engine alone (every one-engine strategy's `start`)."""
+    engine = engines[plan.engine]
+    outputs = ctx.start(engine, await ctx.prompt.get(engine))
+    return RoutedRun(engine=engine, outputs=outputs, request_ids=[(engine, ctx.request_id)], score=plan.score,
+                     attributes=plan.attributes)
 
 
 StrategyFactory = Callable[[str, RouteConfig, TandemConfig], Strategy]
@@ -84,21 +147,13 @@ def register_strategy(name: str, factory: StrategyFactory) -> None:
     STRATEGY_NAMES.add(name)
 
 
-def start_on(engine: Any, ctx: RoutingContext, **kwargs: Any) -> RoutedRun:
-    """Start ctx's request on one engine (the building block every strategy uses)."""
-    if ctx.ttft_s is not None:  # passed only when set: engines without SLO scheduling need not know the names
-        kwargs.setdefault("ttft_s", ctx.ttft_s)
-    if ctx.tpot_s is not None:
-        kwargs.setdefault("tpot_s", ctx.tpot_s)
-    outputs = engine.generate(ctx.render(engine), ctx.params, ctx.request_id, priority=ctx.priority, **kwargs)
-    return RoutedRun(engine=engine, outputs=outputs, request_ids=[(engine, ctx.request_id)])
-
-
 class FixedStrategy:
     """Always the route's one engine."""
 
-    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
-        return start_on(engines[route.config.engines[0]], ctx)
+    def plan(self, ctx: RoutingContext, engines: Mapping[str, Any]) -> Plan:
+        return Plan(ctx.route.config.engines[0])
+
+    start = staticmethod(start_planned)
 
 
 register_strategy("fixed", lambda name, route, cfg: FixedStrategy())
@@ -146,5 +201,5 @@ class Routes:
                            param="model")
         return route
 
-    def start(self, route: Route, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
-        return self.strategies[route.name].start(route, ctx, engines)
+    def strategy(self, route: Route) -> Strategy:
+        return self.strategies[route.name]

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.config import STRATEGY_NAMES, config_from_dict
-from gateway.routing import STRATEGY_MODULES, RoutedRun, register_strategy, start_on
+from gateway.routing import STRATEGY_MODULES, Plan, RoutedRun, register_strategy, start_planned
 from gateway.server import ServerThread
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -65,8 +65,11 @@ def _config(checkpoints: dict[str, Path], **sections):
 class _FailAfterFirstOutput:
     """A strategy whose generation fails after streaming began (the engine path an SSE error must cover)."""
 
-    def start(self, route, ctx, engines) -> RoutedRun:
-        run = start_on(engines[route.config.engines[0]], ctx)
+    def plan(self, ctx, engines) -> Plan:
+        return Plan(ctx.route.config.engines[0])
+
+    async def start(self, plan, ctx, engines) -> RoutedRun:
+        run = await start_planned(plan, ctx, engines)
         inner = run.outputs
 
         async def outputs():
@@ -79,7 +82,7 @@ class _FailAfterFirstOutput:
 
 
 class _Broken:
-    def start(self, route, ctx, engines) -> RoutedRun:
+    def plan(self, ctx, engines) -> Plan:
         raise RuntimeError("secret internal detail")
 
 

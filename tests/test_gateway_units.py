@@ -179,4 +179,6 @@ def test_every_engine_error_code_maps_to_an_openai_error_with_its_status():
         err = engine_api_error(code, "max_tokens=9 is too many")
         assert (err.status, err.code) == (want[code.value], code.value)
         assert (err.retry_after is not None) == (err.status == 503)  # every 503 says when to come back
-    assert engine_api_error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "max_tokens=9 plus ...").param == "max_tokens"
+    # the message is passed on, never parsed: the field at fault comes from the caller, who knows it
+    assert engine_api_error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "max_tokens=9 plus ...").param is None
+    assert engine_api_error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "...", param="max_tokens").param == "max_tokens"
