@@ -26,10 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engines.attention import DenseCausal  # noqa: E402
+from engines.attention import DenseCausal, PagedAttention  # noqa: E402
 from engines.llm import LLM  # noqa: E402
 from engines.loader import load_checkpoint  # noqa: E402
-from engines.runner import PagedAttention  # noqa: E402
 from engines.sampling_params import SamplingParams  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
 from kernels.quant_matmul import QuantLinear, quantize_model  # noqa: E402

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"a plain pass, draft {r['draft_over_plain']:.3f}x per token -> ceiling {r['ceiling']:.2f}x, "
                   f"real {r['real_speedup']:.2f}x", flush=True)
 
-    variants = draft_matmul_variants(spec.engine.speculator.drafter.engine.model)
+    variants = draft_matmul_variants(spec.engine.speculator.drafter.model)
     print("\none draft token's matmuls, microseconds (median): "
           + ", ".join(f"{k} {v:.0f}" for k, v in variants.items()))
     print()

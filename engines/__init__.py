@@ -2,7 +2,8 @@
 with its asyncio (`AsyncEngine`) and offline (`LLM`) faces."""
 
 from engines.async_engine import AsyncEngine
-from engines.core import EngineCore, EngineSpec, PoolSpec
+from engines.config import EngineSpec, PoolSpec
+from engines.core import EngineCore
 from engines.errors import RequestRejected
 from engines.llm import LLM
 from engines.outputs import CompletionOutput, RequestOutput

@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engines.outputs import RequestOutput
 from engines.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engines.core import EngineCore, ModelEngine
+    from engines.engine import ModelEngine
+
+
+class _Core(Protocol):
+    """What an AsyncEngine needs of `engines.core.EngineCore`: its liveness and its wake-up."""
+
+    def check_alive(self) -> None: ...
+
+    def wake(self) -> None: ...
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, engine: ModelEngine):
+    def __init__(self, core: _Core, engine: ModelEngine):
         self._core = core
         self._engine = engine
         self.name = engine.name

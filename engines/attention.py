@@ -1,16 +1,23 @@
-"""The attention seam: the model computes q/k/v and RoPE; an `AttentionContext` stores K/V and attends.
+"""The attention seam and every context behind it: the model computes q/k/v and RoPE; an `AttentionContext`
+stores K/V and attends, over one flattened variable-length batch (no padding).
 
-Every context sees one flattened variable-length batch (no padding). `VarlenCausal` needs no cache (training,
-scoring); `ContiguousCache` keeps per-sequence caches for simple generation; the engine's paged KV pool
-implements the same `forward(layer, q, k, v)` contract.
+`DenseCausal` and `VarlenCausal` need no cache (training, scoring); `ContiguousCache` keeps per-sequence caches
+for simple generation; `PagedAttention` is the engine's context over the shared paged pool for one `StepBatch`
+(the torch path `paged_attention_torch`, the CPU default, or the Triton kernels); `PagedKVAttention` is the
+kernels' context over raw paged tensors.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engines.sequence import Sequence
 
 
 class AttentionContext(Protocol):
@@ -110,3 +117,223 @@ class ContiguousCache:
             outs.append(_sdpa_gqa(q[start:start + n].transpose(0, 1), ks, vs, causal_offset=pos).transpose(0, 1))
             start += n
         return torch.cat(outs, dim=0)
+
+
+# ---- paged attention over the engine's pool ----------------------------------------------------------------
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write_pages: torch.Tensor  # [T] page of each new token's K/V (slot mapping = page * block + offset)
+    write_offsets: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [S, max_blocks]
+    query_start_loc: torch.Tensor  # [S + 1]
+    context_lens: torch.Tensor  # [S]
+    max_query_len: int
+    max_context_len: int
+    plan: PagedAttentionPlan | None  # torch path only
+    logits_indices: torch.Tensor  # rows of the hidden states that sample
+    sample_seqs: list[Sequence]  # sequences that sample, in order
+    rows_per_seq: list[int]  # logits rows of each sampling sequence: 1, or 1 + k when verifying k drafts
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """"auto" -> "triton" on CUDA (when Triton is installed), "torch" elsewhere; "triton" on the CPU means the
+    Triton interpreter."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend={name!r} is invalid: use auto, torch or triton")
+    if name == "auto":
+        if torch.device(device).type != "cuda":
+            return "torch"
+        from kernels.launch import HAVE_TRITON
+
+        return "triton" if HAVE_TRITON else "torch"
+    return name
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [Sd] row of q for each decode sequence
+    tables: torch.Tensor  # [Sd, max_blocks] their block tables
+    mask: torch.Tensor  # [Sd, 1, 1, max_blocks * block_size], True = attend
+
+
+@dataclass
+class PagedAttentionPlan:
+    """Per-step layout shared by every layer: decodes (one query each) run batched in a few groups of similar
+    context length (so a short context is not padded to the longest), longer query runs (prefill chunks,
+    verify windows) one by one, so nobody pads to the longest query."""
+
+    decode_groups: list[DecodeGroup]
+    # (q_start, q_len, context_len, pages, causal mask [q_len, context_len] when the queries are the last
+    # q_len of context_len positions, else None: built once per step, not per layer)
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
+
+
+def plan_paged_attention(block_tables: torch.Tensor, seq_lens: Seq[int], query_start_loc: Seq[int],
+                         block_size: int) -> PagedAttentionPlan:
+    """block_tables [S, max_blocks] (padding entries must be pages the sequence owns, never foreign ones);
+    seq_lens: context length per sequence including this step's tokens; query_start_loc: S + 1 offsets."""
+    dec, pre = [], []
+    for i in range(len(seq_lens)):
+        q_len = query_start_loc[i + 1] - query_start_loc[i]
+        if q_len == 1:
+            dec.append(i)
+        else:
+            nb = -(-seq_lens[i] // block_size)
+            ctx = seq_lens[i]
+            mask = None
+            if q_len != ctx:
+                qpos = torch.arange(ctx - q_len, ctx, device=block_tables.device)[:, None]
+                mask = torch.arange(ctx, device=block_tables.device)[None, :] <= qpos
+            pre.append((query_start_loc[i], q_len, ctx, block_tables[i, :nb], mask))
+    dev = block_tables.device
+    groups: list[DecodeGroup] = []
+    dec.sort(key=lambda i: seq_lens[i])
+    start = 0
+    while start < len(dec):
+        # a group holds contexts within 2x of its shortest: padding costs at most as much as the real work
+        end = start + 1
+        while end < len(dec) and seq_lens[dec[end]] <= 2 * seq_lens[dec[start]] + block_size:
+            end += 1
+        members = dec[start:end]
+        nb = -(-seq_lens[members[-1]] // block_size)
+        lens_t = torch.tensor([seq_lens[i] for i in members], device=dev)
+        mask = torch.arange(nb * block_size, device=dev)[None, :] < lens_t[:, None]
+        groups.append(DecodeGroup(torch.tensor([query_start_loc[i] for i in members], device=dev),
+                                  block_tables[torch.tensor(members, device=dev), :nb], mask[:, None, None, :]))
+        start = end
+    return PagedAttentionPlan(groups, pre)
+
+
+def _gather_pages(cache: torch.Tensor, kv_scale: torch.Tensor | None, pages: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Rows of whole pages [len(pages) * block_size, Hkv, D] in `dtype`, dequantised when the cache is int8
+    (per token-head scales [num_pages, block_size, Hkv]) or fp8 (a 1-element scale)."""
+    _, bs, h, d = cache.shape
+    # pages as rows: index_select copies whole contiguous pages (~2-3x faster than 4-D advanced indexing)
+    rows = cache.flatten(1).index_select(0, pages).view(-1, h, d)
+    if cache.dtype == torch.int8:
+        return (rows.float() * kv_scale.flatten(1).index_select(0, pages).view(-1, h, 1)).to(dtype)
+    if cache.dtype == torch.float8_e4m3fn:
+        return (rows.float() * kv_scale.float()).to(dtype)
+    return rows if rows.dtype == dtype else rows.to(dtype)  # e.g. a bfloat16 cache under a float32 model
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor, *,
+                        scale: float | None = None, plan: PagedAttentionPlan | None = None,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        **_unused: object) -> torch.Tensor:
+    """q: [T, Hq, D]; k_cache, v_cache: [num_pages, block_size, Hkv, D] (one layer, K/V of this step already
+    written); block_tables [S, max_blocks]; query_start_loc [S + 1]; context_lens [S] (keys per sequence,
+    new tokens included). Each query attends causally to its sequence's context (cached prefix included);
+    GQA maps query head h to KV head h // (Hq / Hkv). Returns [T, Hq, D]. `plan` (from
+    `plan_paged_attention`) saves re-deriving the layout in every layer; other keywords of the kernel's
+    signature (max_query_len, ...) are accepted and unused. int8 / fp8 caches take k_scale/v_scale as the
+    kernel does; pages are dequantised to q's dtype as they are gathered."""
+    if plan is None:
+        plan = plan_paged_attention(block_tables, context_lens.tolist(), query_start_loc.tolist(),
+                                    k_cache.shape[1])
+    out = torch.empty_like(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = k_cache.shape[2]
+    for g in plan.decode_groups:
+        sd = g.tables.shape[0]
+        flat = g.tables.reshape(-1)
+        k = _gather_pages(k_cache, k_scale, flat, q.dtype).view(sd, -1, num_kv, head_dim).transpose(1, 2)
+        v = _gather_pages(v_cache, v_scale, flat, q.dtype).view(sd, -1, num_kv, head_dim).transpose(1, 2)
+        # GQA without copying K/V: the query heads of one KV head become that head's query rows
+        qd = q[g.rows].view(sd, num_kv, num_heads // num_kv, head_dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=g.mask, scale=scale)
+        out[g.rows] = o.reshape(sd, num_heads, head_dim)
+    for start, q_len, ctx_len, pages, mask in plan.prefills:
+        k = _gather_pages(k_cache, k_scale, pages, q.dtype)[:ctx_len].transpose(0, 1)
+        v = _gather_pages(v_cache, v_scale, pages, q.dtype)[:ctx_len].transpose(0, 1)
+        # 4-D inputs: torch's CPU flash kernel takes them (3-D ones fall back to the ~4x slower math path)
+        qs, k, v = q[start:start + q_len].transpose(0, 1)[None], k[None], v[None]
+        if mask is None:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # the queries are the last q_len of ctx_len positions
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + q_len] = o[0].transpose(0, 1)
+    return out
+
+
+class PagedAttention:
+    """`AttentionContext` over the pool: write this step's K/V at their slots (quantising for an int8 / fp8
+    cache), then attend (torch or Triton). `k_scales`/`v_scales`: per-layer KV scales, None for float."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], batch: StepBatch,
+                 use_kernel: bool, k_scales: list[torch.Tensor] | None = None,
+                 v_scales: list[torch.Tensor] | None = None, slot_mapping: torch.Tensor | None = None):
+        self.k_caches, self.v_caches, self.b = k_caches, v_caches, batch
+        self.use_kernel = use_kernel
+        self.k_scales, self.v_scales = k_scales, v_scales
+        if slot_mapping is None and (use_kernel or k_scales is not None):
+            slot_mapping = batch.write_pages * k_caches[0].shape[1] + batch.write_offsets
+        self.slot_mapping = slot_mapping  # -1 skips a token (CUDA-graph padding)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc, b = self.k_caches[layer], self.v_caches[layer], self.b
+        ks = self.k_scales[layer] if self.k_scales is not None else None
+        vs = self.v_scales[layer] if self.v_scales is not None else None
+        if self.use_kernel:
+            from kernels.kv_write import write_kv
+            from kernels.paged_attention import paged_attention
+
+            write_kv(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
+            return paged_attention(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens,
+                                   max_query_len=b.max_query_len, max_context_len=b.max_context_len,
+                                   k_scale=ks, v_scale=vs)
+        if ks is None:
+            kc[b.write_pages, b.write_offsets] = k.to(kc.dtype)
+            vc[b.write_pages, b.write_offsets] = v.to(vc.dtype)
+        else:
+            from kernels.kv_write import write_kv_ref
+
+            write_kv_ref(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
+        return paged_attention_torch(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens, plan=b.plan,
+                                   k_scale=ks, v_scale=vs)
+
+
+class PagedKVAttention:
+    """The kernels' context: attention over k_caches[layer] / v_caches[layer] [num_blocks, block_size, Hkv, D]
+    for one step described by raw tensors, through `write_kv` + `paged_attention` ("triton") or their PyTorch
+    references in kernels/ ("torch"); the kernels' tests drive the model through it.
+
+    block_tables [B, max_blocks] int32, query_start_loc [B+1] int32, context_lens [B] int32 (keys after
+    this step), slot_mapping [T] int64 (-1 = do not store). k_scales/v_scales: per-layer
+    [num_blocks, block_size, Hkv] float32 for int8 caches, 1-element tensors for fp8 ones.
+    `max_query_len`/`max_context_len` are host ints, so a step never synchronises with the device.
+    """
+
+    def __init__(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                 slot_mapping: torch.Tensor, *, max_query_len: int, max_context_len: int, backend: str = "triton",
+                 k_scales: Sequence[torch.Tensor] | None = None, v_scales: Sequence[torch.Tensor] | None = None,
+                 num_splits: int | None = None, scale: float | None = None):
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.block_tables, self.query_start_loc, self.context_lens = block_tables, query_start_loc, context_lens
+        self.slot_mapping = slot_mapping
+        self.max_query_len, self.max_context_len = max_query_len, max_context_len
+        self.backend = resolve_backend(backend, block_tables.device)
+        self.k_scales, self.v_scales = k_scales, v_scales
+        self.num_splits, self.scale = num_splits, scale
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.k_caches[layer], self.v_caches[layer]
+        ks = self.k_scales[layer] if self.k_scales is not None else None
+        vs = self.v_scales[layer] if self.v_scales is not None else None
+        if self.backend == "triton":
+            from kernels.kv_write import write_kv as write
+            from kernels.paged_attention import paged_attention as attend
+        else:
+            from kernels.kv_write import write_kv_ref as write
+            from kernels.paged_attention import paged_attention_ref as attend
+        write(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
+        return attend(q, kc, vc, self.block_tables, self.query_start_loc, self.context_lens,
+                      max_query_len=self.max_query_len, max_context_len=self.max_context_len, scale=self.scale,
+                      k_scale=ks, v_scale=vs, num_splits=self.num_splits)

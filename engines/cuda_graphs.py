@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.runner import PagedAttention, StepBatch
+from engines.attention import PagedAttention, StepBatch
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -5,12 +5,17 @@ report them). Batched tensor ops; a Python loop only over rows that need a per-r
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from collections.abc import Set
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engines.outputs import Logprob, PositionLogprobs
 from engines.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engines.sequence import Sequence
 
 
 @dataclass
@@ -21,6 +26,48 @@ class SamplerRow:
     prompt_token_ids: Seq[int]
     output_token_ids: Seq[int]
     generator: torch.Generator | None = None
+
+
+class Sampled:
+    """One sequence's new tokens from a step, for `Scheduler.update`: the `num_accepted` verified drafts, then
+    the sampled (recovered or bonus) token; `logprobs` per token as (sampled logprob, top-k) when asked for."""
+
+    __slots__ = ("seq", "token_ids", "num_accepted", "logprobs")
+
+    def __init__(self, seq: Sequence, token_ids: list[int], num_accepted: int = 0,
+                 logprobs: list[tuple[float, PositionLogprobs]] | None = None):
+        self.seq = seq
+        self.token_ids = token_ids
+        self.num_accepted = num_accepted
+        self.logprobs = logprobs
+
+
+def sampler_row(seq: Sequence, extra: Seq[int] = ()) -> SamplerRow:
+    """The sampler's view of `seq`, with `extra` (earlier drafts of a verify window) after its output; the token
+    history is copied only for the rows whose options read it (penalties, min_tokens)."""
+    p = seq.request.params
+    history = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+    prompt = seq.token_ids[:seq.prompt_len] if history else ()
+    output: Seq[int] = ()
+    if history or p.min_tokens:
+        output = seq.token_ids[seq.prompt_len:]
+        if extra:
+            output += extra
+    return SamplerRow(p, prompt, output, seq.generator)
+
+
+def min_tokens_ban(params: SamplingParams, eos_token_ids: Set[int]) -> set[int]:
+    """The ids a row may not sample before min_tokens (EOS and stop ids); empty when min_tokens is unset."""
+    return eos_token_ids | set(params.stop_token_ids) if params.min_tokens else set()
+
+
+def sample_sequences(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Set[int]) -> list[Sampled]:
+    """One token per sequence from its logits row."""
+    result = sample(logits, [sampler_row(s) for s in seqs],
+                    [min_tokens_ban(s.request.params, eos_token_ids) for s in seqs])
+    lps = result.logprobs
+    return [Sampled(s, [t], 0, None if lps[i] is None else [(result.sampled_logprobs[i], lps[i])])
+            for i, (s, t) in enumerate(zip(seqs, result.token_ids))]
 
 
 @dataclass

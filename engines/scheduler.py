@@ -9,20 +9,31 @@ sequence and admits nobody that step. `slo_scheduling=False` gives the plain (pr
 With `drop_expired`, a waiting request that can no longer make its TTFT deadline before producing a token (the
 deadline is nearer than the measured lead from a prefill's first step to its first token) is handed back in
 `SchedulerOutput.expired` (the engine ends it with `ErrorCode.TTFT_EXPIRED`) instead of being served late.
+The scheduler also owns the end of a step (`update`): it appends the sampled or verified tokens, commits and
+hashes the blocks they complete, applies stop ids, stop strings and max length, and finishes sequences.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from engines.errors import EngineError, ErrorCode
 from engines.kv_pool import KVPool
-from engines.sequence import SeqStatus, Sequence
+from engines.output_processor import append_text, flush_text
+from engines.sequence import Request, SeqStatus, Sequence
 from engines.step_model import BatchCapController, BatchCaps, FirstTokenLead
 from engines.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from engines.sampler import Sampled
+
+log = logging.getLogger("tandem.engine")
 
 DEFAULT_TTFT_DEADLINE_S = 60.0  # a request without a TTFT target is due this long after arrival
 
@@ -31,9 +42,10 @@ DEFAULT_TTFT_DEADLINE_S = 60.0  # a request without a TTFT target is due this lo
 class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # parallel to seqs; `as_dict` is {seq_id: n}
-    # speculative decoding: seq_id -> k draft tokens (`Sequence.spec_token_ids`) verified in this step; they
-    # are included in num_tokens (1 + k for a decode) and have pages, but only a verifier commits them
-    num_draft_tokens: dict[int, int] = field(default_factory=dict)
+    # speculative decoding: seq_id -> the k draft tokens verified in this step (what the budget left of the
+    # proposed ones); they are included in num_tokens (1 + k for a decode) and have pages, and their K/V is
+    # committed only as far as verification accepts them
+    drafts: dict[int, list[int]] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
     num_decode_seqs: int = 0  # sequences scheduled for one decode token (plus drafts): the step model's inputs
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens scheduled
@@ -42,6 +54,10 @@ class SchedulerOutput:
 
     def as_dict(self) -> dict[int, int]:
         return {s.seq_id: n for s, n in zip(self.seqs, self.num_tokens)}
+
+    @property
+    def num_draft_tokens(self) -> dict[int, int]:
+        return {sid: len(d) for sid, d in self.drafts.items()}
 
     @property
     def total_tokens(self) -> int:
@@ -57,8 +73,9 @@ class Scheduler:
     def __init__(self, pool: KVPool, model_id: int, *, max_num_seqs: int, max_num_batched_tokens: int,
                  slo_scheduling: bool = True, cap_controller: BatchCapController | None = None,
                  priority_aging_s: float = 30.0, drop_expired: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, eos_token_ids: Set[int] = frozenset()):
         self.pool = pool
+        self.eos_token_ids = eos_token_ids
         self.model_id = model_id
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -81,6 +98,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up at admission (every admission, every choice)
         self.prefix_hits = 0  # of those, tokens served from the prefix cache
+        self.num_generated_tokens = 0  # tokens appended by `update`
         self.on_free: Callable[[Sequence], None] | None = None  # the drafter drops its KV with the sequence's
 
     # ---- queue management --------------------------------------------------------------------------------
@@ -122,7 +140,6 @@ class Scheduler:
         """Recompute later: drop the KV (its hashed blocks stay cached), keep the generated tokens."""
         self.running.remove(seq)
         self._left_running(seq)
-        seq.spec_token_ids.clear()
         self._free_pages(seq)
         seq.num_computed = 0
         self._prefill_started.pop(seq.seq_id, None)
@@ -145,7 +162,9 @@ class Scheduler:
         return not leader.finished and leader.num_computed < leader.prompt_len
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
+        """This step's {seq: num_tokens}; `drafts` (seq_id -> proposed draft tokens) ride with the chunk that
+        reaches a sequence's last known token, as far as the budget and max_tokens allow."""
         out = SchedulerOutput()
         if self.drop_expired and len(self._waiting):
             out.expired = self._waiting.pop_expired(self.clock() + self.first_token_lead.estimate_s, _not_started)
@@ -168,8 +187,8 @@ class Scheduler:
             num_new = seq.num_tokens - seq.num_computed
             prefilling = num_new > 1  # decodes always run; prompt chunks share the step's prefill budget
             room = min(budget, prefill_budget) if prefilling else budget
-            drafts = self._fit_drafts(seq, num_new, room)
-            num_new = min(num_new + drafts, room)
+            fit = self._fit_drafts(seq, num_new, room, drafts)
+            num_new = min(num_new + len(fit), room)
             if num_new <= 0:
                 continue
             need = self._pages_needed(seq, num_new)
@@ -179,7 +198,7 @@ class Scheduler:
                     i = scheduled.pop(victim.seq_id)
                     budget += out.num_tokens[i]
                     out.num_tokens[i] = 0
-                    out.num_draft_tokens.pop(victim.seq_id, None)
+                    out.drafts.pop(victim.seq_id, None)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -191,8 +210,8 @@ class Scheduler:
             scheduled[seq.seq_id] = len(out.seqs)
             out.seqs.append(seq)
             out.num_tokens.append(num_new)
-            if drafts:
-                out.num_draft_tokens[seq.seq_id] = drafts
+            if fit:
+                out.drafts[seq.seq_id] = fit
             budget -= num_new
             if prefilling:
                 prefill_budget -= num_new
@@ -211,12 +230,11 @@ class Scheduler:
             if self._blocked(seq):
                 deferred.append(self._waiting.pop())
                 continue
-            cached_pages, cached_hashes = self.pool.match_prefix(
-                self.model_id, seq.token_ids, self._extra_keys(seq))
+            cached_pages, cached_hashes = self.pool.match_prefix(self.model_id, seq.token_ids, extra_keys(seq))
             num_cached = len(cached_pages) * self.block_size
             room = min(budget, prefill_budget)
-            drafts = self._fit_drafts(seq, seq.num_tokens - num_cached, room)
-            num_new = min(seq.num_tokens - num_cached + drafts, room)
+            fit = self._fit_drafts(seq, seq.num_tokens - num_cached, room, drafts)
+            num_new = min(seq.num_tokens - num_cached + len(fit), room)
             total_pages = -(-(num_cached + num_new) // self.block_size)
             reclaim = sum(1 for p in cached_pages if self.pool.ref_count[p] == 0)
             if total_pages - len(cached_pages) + reclaim > self.pool.num_free:
@@ -239,8 +257,8 @@ class Scheduler:
                 self.cap_controller.targets.add(seq.request.tpot_s)
             out.seqs.append(seq)
             out.num_tokens.append(num_new)
-            if drafts:
-                out.num_draft_tokens[seq.seq_id] = drafts
+            if fit:
+                out.drafts[seq.seq_id] = fit
             budget -= num_new
             prefill_budget -= num_new
         for item in deferred:
@@ -251,7 +269,8 @@ class Scheduler:
     def _tally(out: SchedulerOutput) -> SchedulerOutput:
         """Decode sequences vs prefill tokens of the step (what the step-time model is fitted on)."""
         for seq, n in zip(out.seqs, out.num_tokens):
-            drafts = out.num_draft_tokens.get(seq.seq_id, 0)
+            d = out.drafts.get(seq.seq_id)
+            drafts = len(d) if d else 0
             if seq.num_computed + n - drafts >= seq.num_tokens and n - drafts == 1:
                 out.num_decode_seqs += 1
             else:
@@ -259,31 +278,114 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _fit_drafts(seq: Sequence, num_new: int, budget: int) -> int:
-        """Speculative: drafts ride with the chunk that reaches the last known token (a decode, or a prompt's
-        final chunk), as many as the budget and max_tokens leave room for; the rest are dropped."""
-        if not seq.spec_token_ids:
-            return 0
-        drafts = max(0, min(len(seq.spec_token_ids), budget - num_new, seq.max_len - seq.num_tokens))
-        del seq.spec_token_ids[drafts:]
-        return drafts
+    def _fit_drafts(seq: Sequence, num_new: int, budget: int, drafts: Mapping[int, list[int]] | None
+                    ) -> list[int]:
+        """The proposed drafts that fit: as many as the budget and max_tokens leave room for."""
+        proposed = drafts.get(seq.seq_id) if drafts else None
+        if not proposed:
+            return _NO_DRAFTS
+        return proposed[:max(0, min(len(proposed), budget - num_new, seq.max_len - seq.num_tokens))]
 
-    @staticmethod
-    def _extra_keys(seq: Sequence) -> tuple:
-        return ()  # seam: LoRA ids or multimodal hashes would join the block hash here
+    # ---- the end of a step -------------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, sampled: list[Sampled]) -> list[Request]:
+        """After the forward pass: commit the K/V the step computed (drafts' only once accepted), append each
+        sampling sequence's tokens, stop and finish. A request whose processing raises fails alone. Returns
+        the requests with new output (finished ones included)."""
+        drafts = sched.drafts
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            if not seq.finished:
+                d = drafts.get(seq.seq_id) if drafts else None
+                self.commit_computed(seq, n - len(d) if d else n)
+        touched: dict[int, Request] = {}
+        now = time.monotonic()
+        for s in sampled:
+            seq = s.seq
+            req = seq.request
+            if req.error is not None or seq.finished:
+                continue
+            touched[id(req)] = req
+            lps = s.logprobs
+            try:
+                for j, tok in enumerate(s.token_ids):
+                    lp, pos_lp = lps[j] if lps is not None else (None, None)
+                    self.append_token(seq, tok, lp, pos_lp)
+                    self.num_generated_tokens += 1
+                    if seq.finished:
+                        break
+                    if j < s.num_accepted:  # an accepted draft: its K/V from this pass is now valid
+                        self.commit_computed(seq, 1)
+            except Exception as e:  # one request's processing failed: fail it alone
+                log.exception("request %s failed", req.request_id)
+                self.fail(req, EngineError(ErrorCode.ENGINE_ERROR, f"engine error: {type(e).__name__}: {e}"))
+                continue
+            if req.metrics is not None and req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+        return list(touched.values())
+
+    def append_token(self, seq: Sequence, token: int, logprob: float | None, pos_logprobs: dict | None) -> None:
+        """One new token: EOS and stop ids (after min_tokens), stop strings, max length."""
+        params = seq.request.params
+        seq.token_ids.append(token)
+        if pos_logprobs is not None:
+            seq.logprobs.append(pos_logprobs)
+            seq.cumulative_logprob += logprob
+        can_stop = seq.num_output_tokens >= params.min_tokens
+        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
+            return self._finish(seq, "stop", None)
+        if can_stop and token in params.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        if seq.detokenizer is not None:
+            stop = append_text(seq, token, can_stop)
+            if stop is not None:
+                return self._finish(seq, "stop", stop)
+        if seq.num_tokens >= seq.max_len:
+            flush_text(seq)
+            return self._finish(seq, "length", None)
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.finish(seq)
+
+    def end(self, req: Request, reason: str) -> None:
+        """Finish every unfinished sequence of `req` with `reason` (abort, error)."""
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = reason
+                self.finish(seq)
+
+    def fail(self, req: Request, error: EngineError) -> None:
+        req.error = error
+        self.end(req, "error")
 
     def commit_computed(self, seq: Sequence, num_new: int) -> None:
-        """After a forward pass: `num_new` more tokens have K/V; hash the blocks that just became full."""
+        """`num_new` more tokens have K/V; hash the blocks that just became full."""
         seq.num_computed += num_new
         if self._prefill_started and seq.num_computed >= seq.num_tokens and seq.seq_id in self._prefill_started:
             self.first_token_lead.observe(self.clock() - self._prefill_started.pop(seq.seq_id))
-        bs = self.block_size
-        full = min(seq.num_computed, seq.num_tokens) // bs
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
-        for i in range(len(seq.block_hashes), full):
-            parent = self.pool.commit_block(self.model_id, seq.pages[i], parent,
-                                            tuple(seq.token_ids[i * bs:(i + 1) * bs]), self._extra_keys(seq))
-            seq.block_hashes.append(parent)
+        commit_full_blocks(self.pool, self.model_id, seq, min(seq.num_computed, seq.num_tokens) // self.block_size,
+                           extra_keys(seq))
+
+
+_NO_DRAFTS: list[int] = []
+
+
+def extra_keys(seq: Sequence) -> tuple:
+    """What joins the token ids in a block's hash (seam: LoRA ids or multimodal hashes would go here)."""
+    return ()
+
+
+def commit_full_blocks(pool: KVPool, model_id: int, holder: Sequence, num_full: int, keys: tuple) -> None:
+    """Hash `holder`'s first `num_full` blocks that are not hashed yet into the prefix cache (chained: each
+    hash covers its parent's); `holder` is a `Sequence` or a drafter's state (token_ids, pages, block_hashes)."""
+    hashes = holder.block_hashes
+    bs = pool.block_size
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full):
+        parent = pool.commit_block(model_id, holder.pages[i], parent, tuple(holder.token_ids[i * bs:(i + 1) * bs]),
+                                   keys)
+        hashes.append(parent)
 
 
 def _deadline_key(seq: Sequence) -> tuple[int, int, float]:

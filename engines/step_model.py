@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import torch
+
 _MIN_COEF = 1e-9  # seconds; a fitted cost never reaches zero, so caps stay finite
 _CHANGE_INFLATION = 10.0  # covariance widening when a run of outliers says the step time really changed
 
@@ -234,3 +236,49 @@ def caps_for_target(model: StepTimeModel, budget_s: float, target_s: float, num_
     prefill = max(min(min_prefill_tokens, token_room), min(prefill, token_room))
     limited = "tpot" if decode_cap < max_num_seqs or prefill < token_room else "config"
     return BatchCaps(decode_cap, max(0, prefill), target_s, a + b * decoding + c * prefill, limited)
+
+
+def step_clock(device: torch.device) -> Callable[[], float]:
+    """The clock step costs are compared on: a single-threaded CPU engine's thread CPU time, steady when other
+    jobs share the cores (the ratio of costs is what matters); elsewhere wall time (a GPU runs asynchronously
+    to this thread)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+class StepTimer:
+    """The one owner of an engine's step timing: the whole step (drafting included, and the gap since the
+    previous step when steps run back to back: what the choice of k really trades), the forward and sampling
+    on `clock`, and the busy seconds (wall time, for cost accounting)."""
+
+    BACK_TO_BACK_S = 0.005  # a step starting this soon after the previous one ended continues its clock
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.busy_s = 0.0
+        self._step0 = 0.0
+        self._t0 = 0.0
+        self._busy0 = 0.0
+        self._last_end: float | None = None
+
+    def step_started(self) -> None:
+        now = self.clock()
+        if self._last_end is not None and now - self._last_end < self.BACK_TO_BACK_S:
+            now = self._last_end
+        self._step0 = now
+        self._last_end = None
+
+    def forward_started(self) -> None:
+        self._t0 = self.clock()
+        self._busy0 = time.perf_counter()
+
+    def forward_failed(self) -> None:
+        self.busy_s += time.perf_counter() - self._busy0
+
+    def step_finished(self) -> tuple[float, float]:
+        """(seconds since `forward_started`, seconds of the whole step) on `clock`."""
+        self.busy_s += time.perf_counter() - self._busy0
+        now = self.clock()
+        self._last_end = now
+        return now - self._t0, now - self._step0

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from engines import LLM, EngineCore, EngineSpec, PoolSpec, RequestRejected, SamplingParams
-from engines.core import ModelEngine
+from engines.engine import ModelEngine
+from engines.errors import ErrorCode
+from engines.sampler import Sampled
 
 BLOCK = 4
 LLAMA = dict(num_heads=4, num_kv_heads=2)
@@ -319,14 +321,14 @@ def test_invalid_requests_are_rejected_before_any_work(llama):
 def test_an_error_in_one_request_fails_only_that_request(llama, monkeypatch):
     llm = LLM(llama, block_size=BLOCK)
     eng = llm.engine
-    real = eng._append_token
+    real = eng.scheduler.append_token
 
     def flaky(seq, token, logprob, pos_logprobs):
         if seq.request.request_id == "bad" and seq.num_output_tokens == 2:
             raise RuntimeError("injected failure")
         return real(seq, token, logprob, pos_logprobs)
 
-    monkeypatch.setattr(eng, "_append_token", flaky)
+    monkeypatch.setattr(eng.scheduler, "append_token", flaky)
     sink = Collector()
     prompts = random_prompts(4, 5, 15, seed=9)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -335,6 +337,7 @@ def test_an_error_in_one_request_fails_only_that_request(llama, monkeypatch):
     drain(eng)
     bad = sink.final["bad"]
     assert bad.finished and "injected failure" in bad.error.message and bad.outputs[0].finish_reason == "error"
+    assert bad.error.code is ErrorCode.ENGINE_ERROR
     for i, p in enumerate(prompts):
         if i != 1:
             out = sink.final[f"ok{i}"]
@@ -348,11 +351,11 @@ def test_a_failed_forward_fails_that_batch_only_and_the_engine_recovers(llama, m
     real = eng.runner.execute
     calls = {"n": 0}
 
-    def broken_once(seqs, num_tokens):
+    def broken_once(seqs, num_tokens, drafts=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fell over")
-        return real(seqs, num_tokens)
+        return real(seqs, num_tokens, drafts)
 
     monkeypatch.setattr(eng.runner, "execute", broken_once)
     sink = Collector()
@@ -363,6 +366,7 @@ def test_a_failed_forward_fails_that_batch_only_and_the_engine_recovers(llama, m
     eng.add_request([8, 9, 10], params, "b", emit=sink)
     drain(eng)
     assert "device fell over" in sink.final["a"].error.message
+    assert sink.final["a"].error.code is ErrorCode.ENGINE_ERROR and sink.final["a"].outputs[0].finish_reason == "error"
     assert sink.final["b"].error is None and sink.final["b"].outputs[0].token_ids == greedy_alone(
         eng.model, [8, 9, 10], 5)
     assert llm.core.pool.num_used == 0
@@ -400,19 +404,17 @@ def test_runner_verifies_draft_tokens_with_one_logits_row_per_position(llama):
     eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "spec", emit=sink)
     eng.step()  # prefill + first token
     (seq,) = eng.scheduler.running
-    seq.spec_token_ids = expected[1:5]  # four correct drafts
-    sched = eng.scheduler.schedule()
+    sched = eng.scheduler.schedule({seq.seq_id: expected[1:5]})  # four correct drafts
     assert sched.num_draft_tokens == {seq.seq_id: 4} and sched.num_tokens == [5]
-    logits, batch = eng.runner.execute_batch(sched.seqs, sched.num_tokens)
+    logits, batch = eng.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
     assert batch.rows_per_seq == [5] and logits.shape[0] == 5
     with torch.inference_mode():
         dense = eng.model.dense_logits(torch.tensor([prompt + expected[:5]]))[0, len(prompt):]
     torch.testing.assert_close(logits, dense.float(), atol=1e-4, rtol=1e-4)
     assert logits.argmax(-1).tolist() == expected[1:6]
     # a verifier accepting all four appends them plus the bonus token and commits their K/V
-    seq.token_ids.extend(expected[1:6])
-    seq.spec_token_ids.clear()
-    eng.scheduler.commit_computed(seq, 5)
+    eng.scheduler.update(sched, [Sampled(seq, expected[1:6], num_accepted=4)])
+    assert seq.num_computed == len(prompt) + 5 and seq.output_token_ids == expected[:6]
     drain(eng)
     assert sink.final["spec"].outputs[0].token_ids == expected
     assert llm.core.pool.num_used == 0

@@ -10,10 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 import pytest  # noqa: E402
 
-from engines.attention import ContiguousCache  # noqa: E402
+from engines.attention import ContiguousCache, PagedKVAttention, resolve_backend  # noqa: E402
 from engines.model import Transformer  # noqa: E402
 from engines.model_config import ModelConfig  # noqa: E402
-from kernels.paged_context import PagedKVAttention, resolve_backend  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 4

@@ -129,14 +129,13 @@ def test_draft_tokens_ride_on_a_decode_within_budget_and_context():
     s = seq(4)
     sched.add(s)
     run_step(sched)  # prefill; s now has a sampled token to decode
-    s.spec_token_ids = [11, 12, 13, 14, 15, 16, 17]
-    out = sched.schedule()
+    proposed = [11, 12, 13, 14, 15, 16, 17]
+    out = sched.schedule({s.seq_id: proposed})
     assert out.as_dict() == {s.seq_id: 6} and out.num_draft_tokens == {s.seq_id: 5}  # the budget caps k
-    assert s.spec_token_ids == [11, 12, 13, 14, 15]
+    assert out.drafts == {s.seq_id: [11, 12, 13, 14, 15]} and proposed == [11, 12, 13, 14, 15, 16, 17]
     assert len(s.pages) == -(-(s.num_computed + 6) // 4)  # pages cover the drafts' K/V too
     sched.commit_computed(s, 1)  # a verifier that rejected every draft commits only the decode token
     s.token_ids.append(7)
-    s.spec_token_ids = [1, 2]
     s.max_len = s.num_tokens + 1  # one token of room left: one draft at most
-    out = sched.schedule()
+    out = sched.schedule({s.seq_id: [1, 2]})
     assert out.num_draft_tokens == {s.seq_id: 1} and out.as_dict() == {s.seq_id: 2}

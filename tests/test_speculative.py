@@ -16,7 +16,8 @@ from scipy.stats import chisquare
 from engines import LLM, EngineCore, EngineSpec, PoolSpec, SamplingParams
 from engines.loader import load_checkpoint
 from engines.sampler import apply_top_k_top_p_min_p
-from engines.speculative import AdaptiveK, rejection_sample_batched
+from engines.spec.adaptive import AdaptiveK
+from engines.spec.rejection import rejection_sample_cpu, rejection_sample_one
 from kernels.fused import rejection_sample_ref
 
 BLOCK = 4
@@ -68,7 +69,7 @@ def drain(engine, max_steps: int = 20_000) -> None:
 # ---- the rejection sampler ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("with_q", [True, False])
-def test_vectorised_rejection_sampler_equals_the_kernel_reference(with_q):
+def test_vectorised_rejection_sampler_equals_the_reference(with_q):
     gen = torch.Generator().manual_seed(0)
     b, k, v = 12, 4, 10
     target = torch.rand(b, k + 1, v, generator=gen).pow(3)
@@ -81,15 +82,13 @@ def test_vectorised_rejection_sampler_equals_the_kernel_reference(with_q):
     for trial in range(20):
         u_acc, u_rec = torch.rand(b, k, generator=gen), torch.rand(b, generator=gen)
         q = draft if with_q else None
-        got = rejection_sample_batched(ids, q, target, u_acc, u_rec)
+        got = rejection_sample_cpu(ids, q, target, u_acc, u_rec)
         want = rejection_sample_ref(ids, q, target, u_acc, u_rec)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
 
 
 @pytest.mark.parametrize("with_q", [True, False])
-def test_the_batch_1_rejection_path_equals_the_vectorised_sampler(with_q):
-    from engines.speculative import SpeculativeDecoder
-
+def test_the_batch_1_rejection_path_equals_the_reference_and_the_vectorised_sampler(with_q):
     gen = torch.Generator().manual_seed(1)
     b, k, v = 16, 4, 10
     target = torch.rand(b, k + 1, v, generator=gen).pow(3)
@@ -103,10 +102,11 @@ def test_the_batch_1_rejection_path_equals_the_vectorised_sampler(with_q):
     for trial in range(20):
         u = torch.rand(b, k + 1, generator=gen)
         q = draft if with_q else None
-        tokens, num_acc = rejection_sample_batched(ids, q, target, u[:, :k].contiguous(), u[:, k].contiguous())
+        tokens, num_acc = rejection_sample_cpu(ids, q, target, u[:, :k].contiguous(), u[:, k].contiguous())
+        ref_tokens, ref_acc = rejection_sample_ref(ids, q, target, u[:, :k].contiguous(), u[:, k].contiguous())
+        assert torch.equal(tokens, ref_tokens) and torch.equal(num_acc, ref_acc)
         for row in range(b):
-            got = SpeculativeDecoder._rejection_one(ids[row], None if q is None else q[row:row + 1], target[row],
-                                                     u[row])
+            got = rejection_sample_one(ids[row], None if q is None else q[row:row + 1], target[row], u[row])
             acc = int(num_acc[row])
             assert got == (tokens[row, :acc + 1].tolist(), acc), (trial, row)
             assert 7 not in got[0][acc:]
@@ -327,7 +327,7 @@ def test_draft_kv_reuses_the_small_engines_cached_prompt(pair, tiny_checkpoint):
     prompt = random_prompts(1, 21, 21, seed=9)[0]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     small, large = core.engines["small"], core.engines["large"]
-    assert large.speculator.drafter.engine.model is small.model  # the same weights object
+    assert large.speculator.drafter.model is small.model  # the same weights object
     small.add_request(prompt, params, "s")
     drain(small)
     large.speculator.adaptive.fixed = 2
@@ -528,31 +528,32 @@ def test_stop_strings_with_speculation_stop_where_plain_decoding_stops(pair):
 
 
 def test_lean_draft_forward_equals_the_models_forward_over_the_pool(pair):
-    from engines.speculative import DraftState, LeanDraftForward
+    from engines.spec.lean_runner import LeanDraftRunner
+    from engines.spec.state import DraftState
 
     _, target, _ = pair
     llm = LLM(target, block_size=BLOCK)
     eng = llm.engine
-    assert LeanDraftForward.supported(eng.model, eng.runner)
-    lean = LeanDraftForward(eng.model, eng.runner.kv_view, BLOCK)
+    assert LeanDraftRunner.supported(eng.model, eng.runner)
+    lean = LeanDraftRunner(eng.model, eng.runner.kv_view, BLOCK)
     a = DraftState(list(range(10, 33)), eng.pool.allocate(eng.model_id, 7), 0, [])
     b = DraftState(list(range(40, 49)), eng.pool.allocate(eng.model_id, 3), 0, [])
-    eng.runner.execute_batch([a, b], [21, 8])  # a prefix of each through the runner
+    eng.runner.execute([a, b], [21, 8])  # a prefix of each through the runner
     for dense in (0, 4):  # the pages path (gathered per layer), then the dense per-sequence copies
         lean.max_dense_seqs = dense
         a.num_computed, b.num_computed = 21, 8
-        got = lean([a, b], [2, 1])  # two new tokens for a, one for b
+        got, _ = lean.execute([a, b], [2, 1])  # two new tokens for a, one for b
         a.num_computed, b.num_computed = 21, 8
-        want, _ = eng.runner.execute_batch([a, b], [2, 1])
+        want, _ = eng.runner.execute([a, b], [2, 1])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     full_a, full_b = a.token_ids + list(range(70, 77)), b.token_ids + list(range(80, 86))
     a.num_computed, b.num_computed = 23, 9
     for na, nb in ((1, 1), (2, 1), (1, 1)):  # the dense copies carry on from where the last call left them
         a.token_ids, b.token_ids = full_a[:a.num_computed + na], full_b[:b.num_computed + nb]
         base = (a.num_computed, b.num_computed)
-        got = lean([a, b], [na, nb])
+        got, _ = lean.execute([a, b], [na, nb])
         assert (a.shadow_len, b.shadow_len) == (base[0] + na, base[1] + nb)
-        want, _ = eng.runner.execute_batch([a, b], [na, nb])
+        want, _ = eng.runner.execute([a, b], [na, nb])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         a.num_computed, b.num_computed = base[0] + na, base[1] + nb
     a.token_ids = a.token_ids[:23]
@@ -560,9 +561,9 @@ def test_lean_draft_forward_equals_the_models_forward_over_the_pool(pair):
     for start, n in ((23, 1), (24, 2), (26, 2), (25, 3)):  # the batch-1 path (BLOCK = 4: page boundaries)
         a.token_ids = ids[:start + n]  # the runner returns logits of a sequence's last token only
         a.num_computed = start
-        got = lean([a], [n])
+        got, _ = lean.execute([a], [n])
         a.num_computed = start
-        want, _ = eng.runner.execute_batch([a], [n])
+        want, _ = eng.runner.execute([a], [n])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

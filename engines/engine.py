@@ -1,0 +1,297 @@
+"""`ModelEngine`: one model's serving state, stepped synchronously on the thread that owns the device. Its step
+is DESIGN.md section 3: inbox, drafts, schedule, forward, sample or verify, `Scheduler.update`, rollback,
+emit. Outputs leave through per-request callbacks."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from engines.errors import EngineError, ErrorCode, RequestRejected
+from engines.kv_pool import KVPool
+from engines.output_processor import OutputProcessor
+from engines.outputs import RequestMetrics, RequestOutput
+from engines.runner import ModelRunner
+from engines.sampler import Sampled, sample_sequences
+from engines.sampling_params import SamplingParams
+from engines.scheduler import Scheduler, SchedulerOutput
+from engines.sequence import Request, Sequence
+from engines.spec.decoder import SpeculativeDecoder
+from engines.spec.drafter import Drafter
+from engines.spec.verify import verify
+from engines.step_model import BatchCapController, StepTimer, step_clock
+
+if TYPE_CHECKING:
+    from engines.attention import StepBatch
+    from engines.config import EngineSpec
+    from engines.loaded import LoadedModel
+
+log = logging.getLogger("tandem.engine")
+
+
+class ModelEngine:
+    """`add_request` and `abort` are thread-safe (they only queue); `step` runs on the device thread."""
+
+    def __init__(self, spec: EngineSpec, loaded: LoadedModel, pool: KVPool, model_id: int,
+                 device: torch.device):
+        self.spec = spec
+        self.name = spec.name
+        self.model = loaded.model
+        self.config = loaded.model.config
+        self.tokenizer = loaded.tokenizer
+        self.generation_defaults = loaded.generation
+        eos = loaded.eos_token_ids
+        self.device = device
+        self.pool = pool
+        self.model_id = model_id
+        limit = self.config.max_position_embeddings
+        self.max_model_len = min(spec.max_model_len or limit, limit)
+        self.cap_controller = BatchCapController(max_num_seqs=spec.max_num_seqs,
+                                                 max_num_batched_tokens=spec.max_num_batched_tokens)
+        self.scheduler = Scheduler(pool, model_id, max_num_seqs=spec.max_num_seqs,
+                                   max_num_batched_tokens=spec.max_num_batched_tokens,
+                                   slo_scheduling=spec.slo_scheduling, cap_controller=self.cap_controller,
+                                   priority_aging_s=spec.priority_aging_s,
+                                   drop_expired=spec.drop_expired_requests, eos_token_ids=eos)
+        self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device,
+                                  spec.attention_backend, pool.scales(model_id))
+        if spec.cuda_graphs and device.type == "cuda" and self.runner.use_kernel:
+            self.runner.enable_decode_graphs(spec.max_num_seqs, self.max_model_len)
+        self.output = OutputProcessor(self.name, self.tokenizer)
+        self.timer = StepTimer(step_clock(device))
+        self.speculator = self._speculator(None, 0)  # verifies supplied drafts; `use_drafter` adds a drafter
+        self.requests: dict[str, Request] = {}
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._live_ids: set[str] = set()  # ids accepted and not yet finished (guarded by the GIL's atomic ops)
+        self.num_steps = 0
+
+    def _speculator(self, drafter: Drafter | None, k_max: int) -> SpeculativeDecoder:
+        return SpeculativeDecoder(drafter, k_max, self.eos_token_ids, self.timer.clock, self._fail)
+
+    def use_drafter(self, draft: ModelEngine, k_max: int) -> None:
+        """Speculate with `draft`'s model (its weights object and runner; its KV in the shared pool)."""
+        self.speculator = self._speculator(Drafter(draft.model, draft.runner, draft.pool, draft.model_id), k_max)
+        self.scheduler.on_free = self.speculator.release
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a sequence (the scheduler stops on them; sampler and drafter ban them before
+        min_tokens)."""
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: set[int]) -> None:
+        self.scheduler.eos_token_ids = self.speculator.eos_token_ids = ids
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.scheduler.num_generated_tokens
+
+    @property
+    def busy_s(self) -> float:
+        """Cumulative seconds spent in this engine's forward passes and sampling (device time, for cost)."""
+        return self.timer.busy_s
+
+    # ---- caller side (any thread) --------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
+                    priority: int = 0, draft_token_ids: list[int] | None = None,
+                    emit: Callable[[RequestOutput], None] | None = None, stream: bool = True,
+                    ttft_s: float | None = None, tpot_s: float | None = None) -> Request:
+        """Validate and queue a request; raises RequestRejected if it can never be served."""
+        req = self.make_request(prompt, params, request_id, priority=priority, draft_token_ids=draft_token_ids,
+                                ttft_s=ttft_s, tpot_s=tpot_s)
+        self.submit(req, emit, stream)
+        return req
+
+    def submit(self, req: Request, emit: Callable[[RequestOutput], None] | None, stream: bool = True) -> None:
+        """Queue a request built by `make_request`; it joins the scheduler at the next step."""
+        req.emit = emit
+        req.stream = stream
+        self._live_ids.add(req.request_id)
+        self._inbox.append(("add", req))
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
+                     priority: int = 0, draft_token_ids: list[int] | None = None, ttft_s: float | None = None,
+                     tpot_s: float | None = None) -> Request:
+        """Validate a request (RequestRejected if it can never be served); ttft_s/tpot_s are its SLO targets."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected(f"engine {self.name!r} has no tokenizer: pass the prompt as token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise RequestRejected("the prompt is empty: at least one token is needed")
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab}) for model {self.name!r}")
+        if draft_token_ids is not None:
+            draft_token_ids = [int(t) for t in draft_token_ids]
+            if draft_token_ids and (min(draft_token_ids) < 0 or max(draft_token_ids) >= vocab):
+                raise RequestRejected(f"draft_token_ids must be in [0, {vocab}) for model {self.name!r}")
+        if len(ids) >= self.max_model_len:
+            raise RequestRejected(f"the prompt has {len(ids)} tokens but {self.name!r} has a context of "
+                                  f"{self.max_model_len}: shorten the prompt to at most {self.max_model_len - 1}",
+                                  ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise RequestRejected(f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
+                                  f"context of {self.max_model_len} tokens: lower max_tokens to at most "
+                                  f"{self.max_model_len - len(ids)}", ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+        pages = -(-(len(ids) + max_tokens) // self.pool.block_size)
+        if pages > self.pool.num_pages:
+            raise RequestRejected(f"the request needs {pages} KV pages (prompt + max_tokens) but the whole pool "
+                                  f"has {self.pool.num_pages}: lower max_tokens or enlarge the KV pool",
+                                  ErrorCode.KV_CAPACITY_EXCEEDED)
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._live_ids:
+            raise RequestRejected(f"request_id {rid!r} is already in use")
+        req = Request(rid, text, ids, params, priority=priority, ttft_s=ttft_s, tpot_s=tpot_s)
+        req.metrics = RequestMetrics(arrival_time=req.arrival_time)
+        for i in range(params.n):
+            seq = Sequence(req, i, list(ids), len(ids), len(ids) + max_tokens)
+            if params.seed is not None:  # choice i gets seed + i so the n choices differ but reproduce
+                seq.generator = torch.Generator(self.device).manual_seed(params.seed + i)
+            if self.tokenizer is not None:
+                seq.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, prompt_ids=ids)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            if draft_token_ids:  # verified first, at most max_tokens of them
+                seq.supplied_draft_ids = draft_token_ids[:max_tokens]
+            req.seqs.append(seq)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    # ---- engine side (the device thread) -------------------------------------------------------------------
+    def step(self) -> int:
+        """One scheduling step; returns the number of tokens the model processed."""
+        self.timer.step_started()
+        self._drain_inbox()
+        drafts = self.speculator.propose(self.scheduler.running)
+        sched = self.scheduler.schedule(drafts)
+        for req in _requests(sched.expired):
+            self._fail(req, f"waited past its {req.ttft_s:g} s time-to-first-token target", ErrorCode.TTFT_EXPIRED)
+        if not sched:
+            return 0
+        self._step_started(sched)
+        try:
+            logits, batch = self.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
+        except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
+            log.exception("engine %s: batch forward failed", self.name)
+            for req in _requests(sched.seqs):
+                self._fail(req, f"engine error during forward: {type(e).__name__}: {e}")
+            self.timer.forward_failed()
+            return 0
+        sampled, error = self._sample(logits, batch, sched)
+        touched = self.scheduler.update(sched, sampled)
+        self.speculator.rollback(sched.drafts, sampled)
+        for req in touched:
+            self._emit(req, final=req.finished)
+        if error is not None:
+            for req in _requests(batch.sample_seqs):
+                self._fail(req, error)
+        self.cap_controller.step_finished(sched.num_decode_seqs, sched.num_prefill_tokens)
+        self.speculator.observe_step(sched, *self.timer.step_finished())
+        return sched.total_tokens
+
+    def _sample(self, logits: torch.Tensor, batch: StepBatch, sched: SchedulerOutput
+                ) -> tuple[list[Sampled], str | None]:
+        """Sample (or verify the drafts of) every sequence whose chunk reached its last token."""
+        if not batch.sample_seqs:
+            return [], None
+        try:
+            if sched.drafts:
+                return verify(logits, batch, sched.drafts, self.speculator.draft_probs, self.eos_token_ids), None
+            return sample_sequences(logits, batch.sample_seqs, self.eos_token_ids), None
+        except Exception as e:
+            log.exception("engine %s: sampling failed", self.name)
+            return [], f"engine error during sampling: {type(e).__name__}: {e}"
+
+    def _step_started(self, sched: SchedulerOutput) -> None:
+        self.timer.forward_started()
+        self.cap_controller.step_started()
+        self.num_steps += 1
+        now = time.monotonic()
+        for seq in sched.seqs:
+            m = seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                m.num_cached_tokens = seq.num_cached_tokens
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                req = item
+                self.requests[req.request_id] = req
+                for seq in req.seqs:
+                    self.scheduler.add(seq)
+                    self.speculator.add(seq)
+            else:
+                req = self.requests.get(item)
+                if req is not None and not req.finished:
+                    self.scheduler.end(req, "abort")
+                    self._emit(req, final=True)
+
+    def _fail(self, req: Request, message: str, code: ErrorCode = ErrorCode.ENGINE_ERROR) -> None:
+        self.scheduler.fail(req, EngineError(code, message))
+        self._emit(req, final=True)
+
+    def fail_all(self, message: str, code: ErrorCode = ErrorCode.ENGINE_ERROR) -> None:
+        self._drain_inbox()
+        for req in list(self.requests.values()):
+            if not req.finished:
+                self._fail(req, message, code)
+
+    def _emit(self, req: Request, final: bool) -> None:
+        if final:
+            req.metrics.finished_time = time.monotonic()
+            self.requests.pop(req.request_id, None)
+            self._live_ids.discard(req.request_id)
+        if req.emit is None or not (final or req.stream):
+            return
+        out = self.output.build(req, final)
+        try:
+            req.emit(out)
+        except Exception:  # a consumer that went away must not take the engine down
+            log.exception("engine %s: delivering output of %s failed", self.name, req.request_id)
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        pages = {p for s in self.scheduler.running for p in s.pages}
+        return {"name": self.name, "kv_usage": pool["kv_usage"], "num_running": self.scheduler.num_running,
+                "num_waiting": self.scheduler.num_waiting,
+                "prefix_cache_queries": self.scheduler.prefix_queries,
+                "prefix_cache_hits": self.scheduler.prefix_hits, "num_preemptions": self.scheduler.num_preemptions,
+                "num_expired": self.scheduler.num_expired,
+                "used_blocks": pool["used_pages"], "engine_used_blocks": len(pages),
+                "num_steps": self.num_steps, "num_generated_tokens": self.scheduler.num_generated_tokens,
+                "max_model_len": self.max_model_len, "busy_s": self.busy_s, **self._cap_stats(),
+                **self.speculator.stats()}
+
+    def _cap_stats(self) -> dict:
+        """The SLO batch caps as the next step would see them, and the fitted step-time model."""
+        ctl = self.cap_controller
+        if not self.spec.slo_scheduling:
+            return {"slo_scheduling": False}
+        a, b, c = ctl.model.coefficients()
+        caps = ctl.caps(self.scheduler.num_running)
+        return {"slo_scheduling": True, "batch_cap_decode_seqs": caps.max_decode_seqs,
+                "batch_cap_prefill_tokens": caps.max_prefill_tokens, "batch_cap_limited_by": caps.limited_by,
+                "tpot_target_s": caps.target_s, "step_model_s": [a, b, c]}
+
+
+def _requests(seqs: list[Sequence]) -> list[Request]:
+    """The distinct requests of `seqs`, in order."""
+    return list({id(s.request): s.request for s in seqs}.values())

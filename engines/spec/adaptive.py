@@ -1,0 +1,211 @@
+"""Adaptive k: how many draft tokens per sequence pay this step, from the measured acceptance and the measured
+cost of target passes, draft passes and whole steps (`CostModel`s on the engine's step clock)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+EXPLORE_SEQS = 4  # sequences that draft in a step that only measures acceptance and cost
+
+
+class CostModel:
+    """Seconds of one pass as a function of its size, learned online: an EMA per power-of-two size bucket,
+    read by linear interpolation between measured sizes; outside them it assumes no saving below and linear
+    growth above (pessimistic, so an unmeasured large batch does not look cheap)."""
+
+    def __init__(self, decay: float = 0.9, clock: Callable[[], float] = time.perf_counter):
+        self.decay = decay
+        self.clock = clock  # the engine's step clock (engines.step_timer.step_clock)
+        self.points: dict[int, list[float]] = {}  # bucket -> [mean size, mean seconds]
+
+    def observe(self, size: int, seconds: float) -> None:
+        b = max(1, size).bit_length()
+        pt = self.points.get(b)
+        if pt is None:
+            self.points[b] = [float(size), seconds]
+        else:
+            pt[0] = self.decay * pt[0] + (1 - self.decay) * size
+            pt[1] = self.decay * pt[1] + (1 - self.decay) * seconds
+
+    def estimate(self, size: int) -> float | None:
+        if not self.points:
+            return None
+        pts = sorted(self.points.values())
+        if size <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if size <= x1:
+                return y0 + (y1 - y0) * (size - x0) / max(x1 - x0, 1e-9)
+        x, y = pts[-1]
+        return y * size / x
+
+
+class AdaptiveK:
+    """Per engine: picks k in 0..k_max maximising expected tokens per second,
+    B * E(k) / S(B, k), E(k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al.), from the measured acceptance a
+    and the step cost S: the measured whole step at this batch size and k once there is one, else the target
+    pass (T, by tokens per step) plus k draft passes (D): T(B * (k + 1)) + k * D(B). k = 0
+    is plain decoding;
+    every `explore_every` choices it takes the other side so both cost estimates stay measured and a stale
+    acceptance estimate can recover: plain decoding instead of k for 3 steps; drafting instead of plain
+    decoding as the best k > 0 for 3 steps at batches of up to `explore_seqs` (every sequence drafts, so the
+    whole step is measured), else k = 1 once for a few sequences (acceptance only), and not at all where
+    drafting would lose even with every draft accepted. While the same side keeps winning, the interval
+    doubles up to `explore_max` (each exploration costs a catch-up or a switch); a change of side resets it. Outside
+    explorations a batch size leaves plain decoding only for a predicted `hysteresis` gain (the drafters
+    catch up)."""
+
+    def __init__(self, k_max: int, explore_every: int = 32, decay: float = 0.95,
+                 clock: Callable[[], float] = time.perf_counter, explore_max: int = 512,
+                 explore_seqs: int = EXPLORE_SEQS):
+        self.k_max = k_max
+        self.explore_seqs = explore_seqs  # an exploring step drafts for this many sequences at most
+        self.explore_every = explore_every
+        self.explore_max = max(explore_max, explore_every)
+        self._interval = explore_every
+        self._last_best = 0  # the winner at the previous exploration (0: plain decoding)
+        # leaving plain decoding for a k not yet measured at this batch size needs this predicted gain: the
+        # switch makes every sequence's drafter catch up on the tokens it missed
+        self.switch_margin = 1.2
+        self.hysteresis = 1.1  # leaving plain decoding for a measured k needs this predicted gain
+        self._side: dict[int, bool] = {}  # per batch-size bucket: whether its latest choice drafted
+        self._next_explore = explore_every
+        # the target step's cost by k, keyed by the number of decoding sequences: a verify step over k + 1
+        # tokens per sequence costs more than plain decodes of as many tokens (rejection sampling,
+        # per-window work), which a model keyed by tokens per step cannot tell apart
+        self.step_cost: dict[int, CostModel] = {}
+        self.decay = decay
+        self.target = CostModel(clock=clock)
+        self.draft = CostModel(clock=clock)
+        self._accepted = 0.0  # EMA counts of the geometric model: accepted drafts and first rejections
+        self._rejected = 0.0
+        self._zeros = 0
+        self._steps = 0
+        self.k = k_max
+        self.exploring = False  # the latest choice only measures: draft for a few sequences, not the batch
+        self._hold_plain = 0  # steps left of an exploration of plain decoding (a short run, see observe_step)
+        self._hold_draft = (0, 0)  # steps left of an exploration of drafting, and its k (small batches)
+        self._prev_k: int | None = None  # k of the previous observed step
+        self.fixed: int | None = None  # pin k (tests, benchmarks); None: adaptive
+
+    @property
+    def acceptance(self) -> float | None:
+        n = self._accepted + self._rejected
+        return self._accepted / n if n > 0 else None
+
+    def observe_window(self, num_drafts: int, num_accepted: int) -> None:
+        self._accepted = self.decay * self._accepted + num_accepted
+        self._rejected = self.decay * self._rejected + (1 if num_accepted < num_drafts else 0)
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """A whole decode-only engine step where every sequence drafted k: drafting, its bookkeeping, the
+        target forward, verification and sampling. That is what a step really costs; the target and draft
+        models see only their passes, which undercount it. Only steady steps count: the first step after
+        k changes pays for the switch (the other model's weights and K/V have just left the caches, the
+        drafter catches up), and counting it would make plain decoding look slower than it is."""
+        prev, self._prev_k = self._prev_k, k
+        if prev == k:
+            self.step_cost.setdefault(k, CostModel()).observe(batch, seconds)
+
+    def unsteady(self) -> None:
+        """The coming step pays for more than its k (the drafter caught up on a prompt or on tokens it missed):
+        it is not counted, and the step after it is (if its k is the same)."""
+        self._prev_k = None
+
+    def step_seconds(self, batch: int, k: int, draft_seconds: float = 0.0) -> float:
+        """Seconds of a whole step with k drafts for each of `batch` sequences: measured at this batch size
+        and k when it has been, else the tokens-per-step model of the target pass plus k draft passes, scaled
+        by the measured / modelled ratio of another k > 0 at this batch size when there is one (so one
+        measured k corrects the others at once instead of each being tried in turn)."""
+        bucket = max(1, batch).bit_length()
+        m = self.step_cost.get(k)
+        if m is not None and bucket in m.points:
+            return m.estimate(batch)
+        model = self.target.estimate(batch * (k + 1)) + k * draft_seconds
+        if k > 0:  # another k measured at this batch size: scale the model by how far off it was there
+            for j, mj in sorted(self.step_cost.items(), reverse=True):
+                if j > 0 and bucket in mj.points:
+                    return model * mj.estimate(batch) / (self.target.estimate(batch * (j + 1)) + j * draft_seconds)
+        return model
+
+    @staticmethod
+    def expected_tokens(a: float, k: int) -> float:
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def choose(self, batch: int) -> int:
+        self.exploring = False
+        if self._hold_plain > 0:  # the rest of a plain-decoding exploration
+            self._hold_plain -= 1
+            self.k = 0
+            return 0
+        if self._hold_draft[0] > 0:  # the rest of a drafting exploration
+            self._hold_draft = (self._hold_draft[0] - 1, self._hold_draft[1])
+            self.k = self._hold_draft[1]
+            self.exploring = True
+            return self.k
+        if self.fixed is not None:
+            self.k = min(self.fixed, self.k_max)
+            return self.k
+        if self.k_max == 0 or batch == 0:
+            return 0
+        self._steps += 1
+        a = self.acceptance
+        bucket = max(1, batch).bit_length()
+        if bucket not in self.target.points:
+            self.k = 0  # measure a plain step at this batch size first
+            return 0
+        d = self.draft.estimate(batch)
+        if a is None or d is None:
+            self.k = min(2, self.k_max)  # nothing drafted yet: draft a little to learn
+            self.exploring = True
+            return self.k
+        plain_rate = batch / self.step_seconds(batch, 0)
+        best, best_rate = 0, plain_rate
+        best_draft, best_draft_rate = 1, 0.0  # the best k > 0, what an exploration of drafting tries
+        perfect_rate = 0.0  # the best k > 0 if every draft were accepted
+        for k in range(1, self.k_max + 1):
+            seconds = self.step_seconds(batch, k, d)
+            rate = batch * self.expected_tokens(a, k) / seconds
+            perfect_rate = max(perfect_rate, batch * (k + 1) / seconds)
+            if rate > best_rate:
+                best, best_rate = k, rate
+            if rate > best_draft_rate:
+                best_draft, best_draft_rate = k, rate
+        side = self._side.get(bucket)
+        if (best > 0 and not side and best_rate < self.switch_margin * plain_rate
+                and bucket not in getattr(self.step_cost.get(best), "points", {})):
+            best = 0  # from plain decoding (or nothing yet) to a k never measured at this batch size: only for a
+            # clear gain (the modelled cost of an unmeasured k is optimistic)
+        if side is False and best > 0 and best_rate < self.hysteresis * plain_rate:
+            # from plain decoding to drafting costs a catch-up of every sequence's drafter: near break-even stay.
+            # The way back costs no catch-up and has no margin (a margin there keeps a losing k drafting).
+            best = 0
+        if side is not None and side != (best > 0):
+            # a change of side outside explorations came from the estimates of one side only (the other's are
+            # as old as its last use): look at the old side again soon, not after the interval it had earned
+            self._next_explore = min(self._next_explore, self._steps + self.explore_every)
+        self._side[bucket] = best > 0
+        if self._steps >= self._next_explore:  # keep both sides measured: the other choice, once
+            # while the same side keeps winning, explore ever more rarely; a change of side starts over
+            same = (best > 0) == (self._last_best > 0)
+            self._interval = min(2 * self._interval, self.explore_max) if same else self.explore_every
+            self._last_best = best
+            self._next_explore = self._steps + self._interval
+            self.exploring = best == 0
+            if best > 0:  # plain decoding for 3 steps: the first after drafting pays the switch, the next two
+                self._hold_plain = 2  # measure plain decoding (observe_step)
+                best = 0
+            elif batch <= self.explore_seqs:
+                # every sequence drafts: the best k > 0 for 3 steps, so two steady ones measure the whole step
+                # at this batch size (a single step pays the switch and is never counted; without a measured
+                # k > 0 here the tokens-per-step model alone decides, and it underrates drafting)
+                best = best_draft
+                self._hold_draft = (2, best)
+            elif perfect_rate >= self.switch_margin * plain_rate:
+                best = 1  # a few sequences draft k = 1: it measures acceptance, not the cost of a whole step
+            else:  # drafting would lose even if every draft were accepted: measuring acceptance cannot change
+                self.exploring = False  # the choice, and the few sequences' catch-ups cost
+        self.k = best
+        return best
+

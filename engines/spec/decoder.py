@@ -1,0 +1,187 @@
+"""The engine's speculative decoder: `propose` before scheduling hands the step's drafts over as data (a
+caller's supplied drafts first, then the drafter's adaptive k), `observe_step` feeds adaptive k the step's
+cost, and `rollback` after `Scheduler.update` counts each verified window and trims the draft KV to what the
+sequence kept. It never touches the engine: failures go back through the `on_error` callback it is given."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Set
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engines.sampler import Sampled, min_tokens_ban
+from engines.sequence import Request, Sequence
+from engines.spec.adaptive import EXPLORE_SEQS, AdaptiveK
+from engines.spec.drafter import Drafter
+
+if TYPE_CHECKING:
+    from engines.scheduler import SchedulerOutput
+
+log = logging.getLogger("tandem.speculative")
+
+SUPPLIED_CHUNK = 16  # supplied drafts are verified this many per target pass
+
+
+@dataclass
+class _Window:
+    seq: Sequence
+    drafted: bool  # by the drafter (counts toward its measured acceptance), not supplied
+    base: int  # the sequence's length when drafted: the draft state's tokens past it are unverified
+
+
+class SpeculativeDecoder:
+    """Per target engine; with `drafter=None` it still verifies supplied drafts."""
+
+    def __init__(self, drafter: Drafter | None, k_max: int, eos_token_ids: Set[int], clock: Callable[[], float],
+                 on_error: Callable[[Request, str], None]):
+        self.drafter = drafter
+        self.k_max = k_max if drafter is not None else 0
+        self.eos_token_ids = eos_token_ids
+        self.on_error = on_error
+        self.adaptive = AdaptiveK(self.k_max, clock=clock)
+        self.supplied: set[Sequence] = set()  # sequences with supplied drafts left (engine thread only)
+        self._windows: dict[int, _Window] = {}
+        self.draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> q [k, V] of this step's sampled drafts
+        self.num_drafts = 0  # verification windows
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position: list[int] = []
+        self.num_emitted_tokens = 0  # tokens the windows produced (accepted + the recovered/bonus one)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.supplied_draft_ids:
+            self.supplied.add(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence left scheduling: its draft KV goes with its pages."""
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    # ---- before scheduling ----------------------------------------------------------------------------------
+    def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
+        """seq_id -> draft tokens to verify this step."""
+        self._drop_unverified()
+        drafts: dict[int, list[int]] = {}
+        if self.supplied:
+            self._propose_supplied(drafts)
+        if self.drafter is None:
+            return drafts
+        seqs = [s for s in running
+                if s.seq_id not in drafts and s.num_tokens - s.num_computed == 1 and s.num_tokens < s.max_len
+                and s.request.params.speculative is not False]
+        if not seqs:
+            return drafts
+        k = self.adaptive.choose(len(seqs))
+        # exploring is a measurement, not a bet: a few sequences draft (their draft KV may lag far behind)
+        num_k = EXPLORE_SEQS if self.adaptive.exploring else len(seqs)
+        chosen, states, ks = [], [], []
+        spare = len(running) + 1
+        for i, s in enumerate(seqs):
+            p = s.request.params
+            # a seeded sampling row always drafts k_max so its random draws do not depend on timing or batch
+            k_s = self.k_max if s.generator is not None and not p.greedy else (k if i < num_k else 0)
+            k_s = min(k_s, s.max_len - s.num_tokens)
+            if k_s <= 0:
+                continue
+            ds = self.drafter.reserve(s, k_s, spare)
+            if ds is None:
+                continue
+            chosen.append(s)
+            states.append(ds)
+            ks.append(k_s)
+        if not chosen:
+            return drafts
+        stop_ids = [min_tokens_ban(s.request.params, self.eos_token_ids) for s in chosen]
+        try:
+            new, qs = self.drafter.draft(chosen, states, ks, stop_ids, self.adaptive.draft)
+        except Exception as e:  # a drafter failure fails the sequences it was drafting for, nothing else
+            log.exception("drafting failed")
+            for req in {id(s.request): s.request for s in chosen}.values():
+                self.on_error(req, f"engine error while drafting: {type(e).__name__}: {e}")
+            return drafts
+        if self.drafter.caught_up:  # this step's cost includes a catch-up: no measure of a drafting step
+            self.adaptive.unsteady()
+        for s, d, q in zip(chosen, new, qs):
+            drafts[s.seq_id] = d
+            self._windows[s.seq_id] = _Window(s, True, s.num_tokens)
+            if q is not None:
+                self.draft_probs[s.seq_id] = q
+        return drafts
+
+    def _drop_unverified(self) -> None:
+        """Drafts of the previous step that were not verified (trimmed by the budget, preempted, finished) go
+        away; the sequence may have advanced by a plain token, so the draft state keeps only what it had."""
+        for w in self._windows.values():
+            ds = w.seq.draft_state
+            if ds is not None and ds.num_tokens > w.base:
+                self.drafter.rollback(w.seq, w.base)
+        self._windows.clear()
+        self.draft_probs.clear()
+
+    def _propose_supplied(self, drafts: dict[int, list[int]]) -> None:
+        for seq in list(self.supplied):
+            sup = seq.supplied_draft_ids
+            out = seq.num_output_tokens
+            if seq.finished or out >= len(sup) or seq.token_ids[seq.prompt_len:] != sup[:out]:
+                self.supplied.discard(seq)  # done, or the output left the supplied path
+                seq.supplied_draft_ids = []
+                continue
+            # the scheduler attaches them once the sequence's chunk reaches its last known token
+            drafts[seq.seq_id] = sup[out:out + SUPPLIED_CHUNK]
+            self._windows[seq.seq_id] = _Window(seq, False, seq.num_tokens)
+
+    # ---- after the step -------------------------------------------------------------------------------------
+    def observe_step(self, sched: SchedulerOutput, forward_s: float, step_s: float) -> None:
+        """The step's cost on the engine's step clock: the forward (and sampling) by tokens, and the whole step
+        when it was decode-only with every sequence alike (all k drafts, or none)."""
+        self.adaptive.target.observe(sched.total_tokens, forward_s)
+        if sched.num_prefill_tokens == 0 and sched.num_decode_seqs and self.drafter is not None:
+            drafts = sched.drafts
+            ks = {len(d) for d in drafts.values()} if drafts else {0}
+            if len(ks) == 1 and (not drafts or len(drafts) == sched.num_decode_seqs):
+                self.adaptive.observe_step(sched.num_decode_seqs, ks.pop(), step_s)
+
+    def rollback(self, drafts: Mapping[int, list[int]], sampled: list[Sampled]) -> None:
+        """After `Scheduler.update`: count every verified window, keep in the draft KV what the sequence kept."""
+        if not drafts:
+            return
+        for s in sampled:
+            seq = s.seq
+            d = drafts.get(seq.seq_id)
+            if not d:
+                continue
+            w = self._windows.pop(seq.seq_id, None)  # verified: not for _drop_unverified
+            self._record(len(d), s.num_accepted, w is not None and w.drafted)
+            m = seq.request.metrics
+            if m is not None:  # per request, for the decode span and escalation accounting
+                m.num_draft_tokens += len(d)
+                m.num_accepted_tokens += s.num_accepted
+            if not seq.finished and self.drafter is not None:  # the sequence took the accepted drafts + one
+                self.drafter.rollback(seq, seq.num_tokens - 1)
+
+    def _record(self, k: int, num_acc: int, drafted: bool) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += num_acc
+        self.num_emitted_tokens += num_acc + 1
+        if len(self.accepted_per_position) < k:
+            self.accepted_per_position.extend([0] * (k - len(self.accepted_per_position)))
+        for j in range(num_acc):
+            self.accepted_per_position[j] += 1
+        if drafted:
+            self.adaptive.observe_window(k, num_acc)
+
+    def stats(self) -> dict:
+        return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_accepted_per_position": list(self.accepted_per_position),
+                "spec_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
+                                         if self.num_draft_tokens else 0.0),
+                "spec_mean_accepted_length": (self.num_emitted_tokens / self.num_drafts
+                                              if self.num_drafts else 0.0),
+                "spec_k": self.adaptive.k if self.drafter is not None else 0,
+                "spec_draft_prefix_hit_tokens": self.drafter.num_prefix_hit_tokens if self.drafter else 0,
+                "spec_k_max": self.k_max}

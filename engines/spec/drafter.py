@@ -1,0 +1,137 @@
+"""The drafter: the small engine's model (the same weights object and runner) proposing k tokens per sequence
+over draft KV kept in the shared pool under the small model's id, so the small engine's cached prompt blocks
+serve as draft KV; `rollback` keeps what verification accepted."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.kv_pool import KVPool
+from engines.sampler import draw, processed_logits, sampler_row
+from engines.sampling_params import SamplingParams
+from engines.scheduler import commit_full_blocks, extra_keys
+from engines.sequence import Sequence
+from engines.spec.adaptive import CostModel
+from engines.spec.lean_runner import LeanDraftRunner
+from engines.spec.state import DraftState
+
+
+def _plain_params(p: SamplingParams, vocab: int) -> bool:
+    """Sampling by temperature alone: the draft distribution is softmax(logits / T) (or the argmax)."""
+    return (p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+            and not p.min_tokens and not 0 < p.top_k < vocab and p.top_p >= 1.0 and p.min_p <= 0.0)
+
+
+class Drafter:
+    """Drafts with `model` through `runner` (the small engine's), or through the lean CPU runner when it
+    supports the model and a pass has few tokens per sequence."""
+
+    def __init__(self, model: torch.nn.Module, runner, pool: KVPool, model_id: int):
+        self.model = model
+        self.runner = runner
+        self.pool = pool
+        self.model_id = model_id
+        self.block_size = pool.block_size
+        self.lean = (LeanDraftRunner(model, runner.kv_view, self.block_size)
+                     if LeanDraftRunner.supported(model, runner) else None)
+        self.num_prefix_hit_tokens = 0  # draft KV found in the prefix cache (e.g. the small engine's prompts)
+        self.caught_up = False  # the latest `draft` first computed a sequence's missed tokens (not a steady step)
+
+    def release(self, seq: Sequence) -> None:
+        ds = seq.draft_state
+        if ds is not None:
+            self.pool.release(ds.pages)
+            seq.draft_state = None
+
+    def _state(self, seq: Sequence) -> DraftState:
+        ds = seq.draft_state
+        if ds is None:
+            pages, hashes = self.pool.match_prefix(self.model_id, seq.token_ids, extra_keys(seq))
+            self.pool.acquire(pages)
+            self.num_prefix_hit_tokens += len(pages) * self.block_size
+            ds = DraftState(list(seq.token_ids), pages, len(pages) * self.block_size, hashes)
+            seq.draft_state = ds
+        else:  # catch up with the tokens appended since (its list is always a prefix of the sequence's)
+            ds.token_ids.extend(seq.token_ids[len(ds.token_ids):])
+        return ds
+
+    def reserve(self, seq: Sequence, k: int, spare_pages: int) -> DraftState | None:
+        """The state with pages for k drafts (positions up to num_tokens + k - 2), or None if the pool
+        cannot spare them without starving the engines (`spare_pages` stay free)."""
+        ds = self._state(seq)
+        need = -(-(ds.num_tokens + k - 1) // self.block_size) - len(ds.pages)
+        if need > 0:
+            if need + spare_pages > self.pool.num_free:
+                return None
+            ds.pages.extend(self.pool.allocate(self.model_id, need))
+        return ds
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        """Keep the first `num_valid` tokens of the sequence's draft state (verified: the sequence has them too)
+        and hash their full blocks, as the scheduler hashes the sequence's."""
+        ds = seq.draft_state
+        if ds is None:
+            return
+        del ds.token_ids[num_valid:]
+        ds.num_computed = min(ds.num_computed, num_valid)
+        ds.shadow_len = min(ds.shadow_len, ds.num_computed)
+        commit_full_blocks(self.pool, self.model_id, ds, ds.num_computed // self.block_size, extra_keys(seq))
+
+    @torch.inference_mode()
+    def draft(self, seqs: list[Sequence], states: list[DraftState], ks: list[int], stop_ids: list[set[int]],
+              cost: CostModel) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """k_i tokens for sequence i, sampled from the draft's processed distribution q (greedy rows take
+        its argmax), appended to its state; returns (the drafts, q rows [k_i, V] per sequence: None for
+        deterministic drafts, whose q is one-hot)."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        # more than the last draft and the bonus token to compute first: a prompt or tokens missed
+        self.caught_up = max(s.num_tokens - s.num_computed for s in states) > 2
+        while active:
+            t0 = cost.clock()
+            act_states = [states[i] for i in active]
+            num_new = [s.num_tokens - s.num_computed for s in act_states]
+            decode_like = sum(num_new) <= 2 * len(num_new)
+            if self.lean is not None and sum(num_new) <= 4 * len(num_new):  # few tokens each: the lean runner
+                logits, _ = self.lean.execute(act_states, num_new)
+            else:  # catch-up (a prompt, or many tokens since the last draft): the runner's varlen prefill
+                for s in act_states:  # it writes only the pages: the dense path's copy is stale there
+                    s.shadow_len = min(s.shadow_len, s.num_computed)
+                logits, _ = self.runner.execute(act_states, num_new)
+            for s, n in zip(act_states, num_new):
+                s.num_computed += n
+            if len(active) == 1 and _plain_params(seqs[active[0]].request.params, logits.shape[1]):
+                # one sequence, temperature only (no penalties, bans or top-k/p/min-p): the same q, few ops
+                seq = seqs[active[0]]
+                prm = seq.request.params
+                probs = None if prm.greedy else torch.softmax(logits / prm.temperature, -1)
+                tokens = logits.argmax(-1) if probs is None else draw(probs, [seq.generator])
+                is_greedy = [prm.greedy]
+            else:
+                rows = [sampler_row(seqs[i], drafts[i]) for i in active]
+                is_greedy = [r.params.greedy for r in rows]
+                penalised, random_rows, x = processed_logits(logits, rows, [stop_ids[i] for i in active])
+                tokens = penalised.argmax(-1)
+                probs = None
+                if random_rows:  # draw only the sampling rows: a greedy row has no distribution to draw from
+                    probs = x.softmax(-1)
+                    sampled = draw(probs, [seqs[active[j]].generator for j in random_rows])
+                    if len(random_rows) == len(active):
+                        tokens = sampled
+                    else:
+                        tokens[torch.tensor(random_rows, device=tokens.device)] = sampled
+                    probs = dict(zip(random_rows, probs))  # q rows by position in `active`
+            token_list = tokens.tolist()
+            still = []
+            for j, i in enumerate(active):
+                drafts[i].append(token_list[j])
+                states[i].token_ids.append(token_list[j])
+                if not is_greedy[j]:
+                    qs[i].append(probs[j])
+                if len(drafts[i]) < ks[i]:
+                    still.append(i)
+            if decode_like:  # a catch-up pass (a prompt, tokens since the last draft) is not a draft step's cost
+                cost.observe(len(active), cost.clock() - t0)
+            active = still
+        return drafts, [torch.stack(q) if q else None for q in qs]

@@ -1,0 +1,67 @@
+"""No import circles inside engines/: the graph of `import engines.X` edges (runtime, function-local and
+TYPE_CHECKING imports alike) over engines/*.py and engines/spec/*.py is acyclic."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def engine_imports(path: Path, modules: set[str]) -> set[str]:
+    """The engines modules `path` imports anywhere in its body (a package import counts as its __init__)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        out |= {n for n in names if n in modules}
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = sorted((ROOT / "engines").glob("*.py")) + sorted((ROOT / "engines" / "spec").glob("*.py"))
+    modules = {module_name(f) for f in files}
+    return {module_name(f): engine_imports(f, modules) - {module_name(f)} for f in files}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_of_engines_has_no_cycle():
+    graph = import_graph()
+    assert "engines.spec.decoder" in graph and "engines.scheduler" in graph["engines.spec.drafter"]
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
