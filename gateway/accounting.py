@@ -11,6 +11,7 @@ from typing import Any
 
 from engines.outputs import RequestOutput
 from gateway.routing import ESCALATED, Route, RoutedRun
+from gateway.slo import time_per_output_token
 from gateway.state import GatewayState
 from gateway.telemetry import add_child_span, add_engine_spans, add_escalation_span
 
@@ -79,17 +80,17 @@ class Finisher:
         reasons = [c.finish_reason or "abort" for c in out.outputs]
         p = self.progress
         ttft = None if p.first_token is None else p.first_token - p.arrival
+        e2e = now - p.arrival
+        tpot = time_per_output_token(ttft, e2e, output_tokens)
         metrics = out.metrics
         queue = (metrics.first_scheduled_time - metrics.arrival_time
                  if metrics and metrics.first_scheduled_time is not None else None)
         telemetry = self.state.telemetry
-        telemetry.observe_request(route=self.route.name, model=self.run.engine.name, ttft_s=ttft,
-                                  e2e_s=now - p.arrival, itls=p.itls, output_tokens=output_tokens,
+        telemetry.observe_request(route=self.route.name, model=self.run.engine.name, ttft_s=ttft, tpot_s=tpot,
+                                  e2e_s=e2e, itls=p.itls, output_tokens=output_tokens,
                                   prompt_tokens=prompt_tokens, finish_reason=reasons[0], queue_s=queue,
                                   operation=self.operation, request_model=self.request_model)
         if self.finished_ok:
-            tpot = ((p.last_token - p.first_token) / (output_tokens - 1)
-                    if p.first_token is not None and p.last_token is not None and output_tokens > 1 else None)
             self.state.slo.observe_request(self.route.name, self.run.engine.name, ttft_s=ttft, tpot_s=tpot,
                                            prompt_tokens=prompt_tokens, output_tokens=output_tokens)
         span = self.span

@@ -15,12 +15,12 @@ import collections
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
 
-from gateway.config import RouteConfig
+from gateway.config import AdmissionConfig, RouteConfig
 
 Action = Literal["admit", "downgrade", "shed"]
 
@@ -40,21 +40,6 @@ class AdmissionDecision(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def admitted(self) -> bool:
         return self.action != "shed"
-
-
-@dataclass
-class AdmissionSettings:
-    """Knobs of admission control (their config home: an `[admission]` section, per-route `max_waiting`)."""
-
-    max_waiting_per_route: int = 256  # requests admitted and still waiting for their first token
-    route_max_waiting: dict[str, int] = field(default_factory=dict)  # per-route overrides
-    ttft_slack: float = 1.0  # admit while predicted TTFT <= slack * target
-    rate_halflife_s: float = 10.0  # how fast the measured rates, slot times and prediction errors forget
-    min_rate_observations: int = 3  # first tokens seen before predictions are trusted
-    min_retry_after_s: float = 1.0
-    max_retry_after_s: float = 60.0
-    # decode slots per engine (its max_num_seqs): a request waits for one when they are all taken
-    engine_slots: dict[str, int] = field(default_factory=dict)
 
 
 class _Decayed:
@@ -211,10 +196,12 @@ class AdmissionController:
     (idempotent; after `first_token()` it frees the request's decode slot in the ledger).
     """
 
-    def __init__(self, routes: Mapping[str, RouteConfig], settings: AdmissionSettings | None = None, *,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, routes: Mapping[str, RouteConfig], config: AdmissionConfig | None = None, *,
+                 engine_slots: Mapping[str, int] | None = None, clock: Callable[[], float] = time.monotonic):
         self.routes = routes
-        self.settings = settings or AdmissionSettings()
+        self.config = config or AdmissionConfig()
+        # decode slots per engine (its max_num_seqs): a request waits for one when they are all taken
+        self.engine_slots = dict(engine_slots or {})
         self.clock = clock
         self._engines: dict[str, _EngineBacklog] = {}
         self._waiting: dict[str, _Waiting] = {}
@@ -232,13 +219,13 @@ class AdmissionController:
     def prefill_rate(self, engine: str) -> float | None:
         """Measured prefill drain rate of `engine` in tokens/s (None until enough first tokens were seen)."""
         backlog = self._backlog(engine)
-        backlog.advance(self.clock(), self.settings.rate_halflife_s)
-        return backlog.rate(self.settings.min_rate_observations)
+        backlog.advance(self.clock(), self.config.rate_halflife_s)
+        return backlog.rate(self.config.min_rate_observations)
 
     def _slot_wait(self, engine: str, backlog: _EngineBacklog, priority: int) -> float:
         """Seconds until a decode slot frees for a new request: the requests of its class or better that wait
         ahead of it each need one first; slots turn over at slots / (mean time a request holds one)."""
-        slots = self.settings.engine_slots.get(engine)
+        slots = self.engine_slots.get(engine)
         if not slots:
             return 0.0
         hold = backlog.decode_s.mean
@@ -262,7 +249,7 @@ class AdmissionController:
         queued = self.queued_ttft(engine, priority, prompt_tokens)
         if queued is None:
             return None
-        s = self.settings
+        s = self.config
         return queued * self._backlog(engine).stretch(priority, s.min_rate_observations, self.clock(),
                                                       s.rate_halflife_s)
 
@@ -289,18 +276,18 @@ class AdmissionController:
         for name, b in self._engines.items():
             engines[name] = {"waiting": b.num_waiting, "running": b.num_running,
                              "prefill_rate_tok_s": self.prefill_rate(name), "slot_hold_s": b.decode_s.mean,
-                             "slots": self.settings.engine_slots.get(name)}
+                             "slots": self.engine_slots.get(name)}
         return {"engines": engines, "prediction": self.prediction_stats(), "decisions": dict(self.decisions)}
 
     # ---- deciding ----------------------------------------------------------------------------------------
     def decide(self, route: str, engine: str, prompt_tokens: int) -> AdmissionDecision:
         """The verdict for a request of `route` that routing sent to `engine`; changes no state."""
         cfg = self.routes.get(route)
-        s = self.settings
+        s = self.config
         priority = cfg.priority if cfg is not None else 0
         ttft_ms = cfg.slo.ttft_ms if cfg is not None else None
         target = ttft_ms / 1000.0 if ttft_ms is not None else None
-        limit = s.route_max_waiting.get(route, s.max_waiting_per_route)
+        limit = cfg.max_waiting if cfg is not None and cfg.max_waiting is not None else s.max_waiting_per_route
         predicted = self.predicted_ttft(engine, priority, prompt_tokens)
 
         if self._route_waiting.get(route, 0) >= limit:
@@ -329,7 +316,7 @@ class AdmissionController:
         backlog = self._backlog(engine)
         if backlog.tokens_ahead(priority) > 0:
             return False
-        slots = self.settings.engine_slots.get(engine)
+        slots = self.engine_slots.get(engine)
         return not slots or backlog.num_running < slots
 
     def retry_after_s(self, route: str, engine: str) -> float:
@@ -337,11 +324,11 @@ class AdmissionController:
         cfg = self.routes.get(route)
         priority = cfg.priority if cfg is not None else 0
         target = cfg.slo.ttft_ms / 1000.0 if cfg is not None and cfg.slo.ttft_ms is not None else 0.0
-        return self._retry_after(self.predicted_ttft(engine, priority, 0), self.settings.ttft_slack * target)
+        return self._retry_after(self.predicted_ttft(engine, priority, 0), self.config.ttft_slack * target)
 
     def _retry_after(self, predicted: float | None, budget_s: float) -> float:
         """Seconds until the queue ahead should have drained enough for a new request to fit its budget."""
-        s = self.settings
+        s = self.config
         if predicted is None:
             wait = s.min_retry_after_s
         elif math.isinf(predicted):
@@ -389,7 +376,7 @@ class AdmissionController:
         queued = self.queued_ttft(engine, priority, prompt_tokens)  # before it joins the ledger
         now = self.clock()
         backlog = self._backlog(engine)
-        backlog.advance(now, self.settings.rate_halflife_s)
+        backlog.advance(now, self.config.rate_halflife_s)
         backlog.add(priority, prompt_tokens)
         self._waiting[request_id] = _Waiting(route, engine, priority, prompt_tokens, now, predicted, target,
                                              queued_s=queued)
@@ -412,7 +399,7 @@ class AdmissionController:
                 errors = backlog.errors[entry.priority] = _PredictionErrors()
             errors.observe(entry.predicted_s, actual, entry.target_s)
         if entry.queued_s is not None and not math.isinf(entry.queued_s):
-            halflife = self.settings.rate_halflife_s
+            halflife = self.config.rate_halflife_s
             backlog.actual_s.setdefault(entry.priority, _Decayed(now)).add(now, halflife, actual)
             backlog.queued_s.setdefault(entry.priority, _Decayed(now)).add(now, halflife, entry.queued_s)
 
@@ -427,14 +414,14 @@ class AdmissionController:
         backlog = self._engines[engine]
         backlog.num_running -= 1
         now = self.clock()
-        backlog.decode_s.add(now, self.settings.rate_halflife_s, now - since)
+        backlog.decode_s.add(now, self.config.rate_halflife_s, now - since)
 
     def _leave(self, request_id: str, *, credit: bool) -> _Waiting | None:
         entry = self._waiting.pop(request_id, None)
         if entry is None:
             return None
         backlog = self._engines[entry.engine]
-        backlog.advance(self.clock(), self.settings.rate_halflife_s)
+        backlog.advance(self.clock(), self.config.rate_halflife_s)
         backlog.drop(entry.priority, entry.tokens)
         if credit:
             backlog.credited_tokens += entry.tokens

@@ -24,7 +24,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.admission import AdmissionController, AdmissionSettings
+from gateway.admission import AdmissionController
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.autoscale import Autoscaler, AutoscaleSettings, signals_from
 from gateway.config import TandemConfig, engine_core_args
@@ -37,7 +37,7 @@ from gateway.protocol import (
     ModelCard,
     ModelList,
 )
-from gateway.routing import Routes
+from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.state import EngineHost, GatewayState
 from gateway.telemetry import Telemetry, build_meter_provider, build_tracer_provider, otel_plugin
@@ -85,8 +85,6 @@ async def list_models(request: Request) -> ModelList:
     state = _state(request)
     cards = []
     for name, route in state.routes.routes.items():
-        if name in state.routes.unavailable:
-            continue
         lens = [getattr(state.engines.get(e), "max_model_len", None) for e in route.config.engines]
         cards.append(ModelCard(id=name, created=state.created, owned_by="tandem",
                                kind="engine" if route.direct else "route",
@@ -102,7 +100,7 @@ async def list_routes(request: Request) -> dict[str, Any]:
     out = []
     for name, route in state.cfg.routes.items():
         out.append({"name": name, "description": route.description, "strategy": route.strategy,
-                    "engines": route.engines, "available": name not in state.routes.unavailable,
+                    "engines": route.engines,
                     "priority": route.priority, "max_tokens": route.max_tokens,
                     "allow_downgrade": route.allow_downgrade, "slo": msgspec.to_builtins(route.slo),
                     "max_waiting": route.max_waiting,
@@ -167,25 +165,16 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     """Build the gateway for `cfg`. The engines come from `host_factory` (default: an EngineCore for the
     config), built and started in a worker thread at start-up so `/health` answers while they load."""
     provider = tracer_provider or build_tracer_provider(cfg.telemetry)
-    telemetry = Telemetry(cfg.telemetry, cfg.routes, provider,
-                          meter_provider or build_meter_provider(cfg.telemetry))
-    keyring = KeyRing(cfg.auth)
-    adm = cfg.admission
-    admission = AdmissionController(cfg.routes, AdmissionSettings(
-        max_waiting_per_route=adm.max_waiting_per_route, ttft_slack=adm.ttft_slack,
-        route_max_waiting={n: r.max_waiting for n, r in cfg.routes.items() if r.max_waiting is not None},
-        rate_halflife_s=adm.rate_halflife_s, min_rate_observations=adm.min_rate_observations,
-        min_retry_after_s=adm.min_retry_after_s, max_retry_after_s=adm.max_retry_after_s,
-        engine_slots={n: e.max_num_seqs for n, e in cfg.engines.items()})) if adm.enabled else None
     slo = SLOAccounting(cfg.routes, window_s=cfg.telemetry.slo_window_s,
                         price_per_device_hour=cfg.cost.price_per_device_hour)
+    telemetry = Telemetry(cfg.telemetry, provider, slo, meter_provider or build_meter_provider(cfg.telemetry))
+    keyring = KeyRing(cfg.auth)
+    admission = AdmissionController(cfg.routes, cfg.admission, engine_slots={
+        name: e.max_num_seqs for name, e in cfg.engines.items()}) if cfg.admission.enabled else None
     autoscaler = Autoscaler(AutoscaleSettings(**msgspec.to_builtins(cfg.autoscale)))
     state = GatewayState(cfg=cfg, routes=Routes(cfg), keyring=keyring, telemetry=telemetry, slo=slo,
                          autoscaler=autoscaler, admission=admission)
     telemetry.bind_engines(lambda: state.engines)
-    telemetry.bind_slo(slo)
-    for why in state.routes.unavailable.values():
-        log.warning("%s; requests for it get 501 until a strategy is registered", why)
     build = host_factory or default_host_factory(cfg)
     loading: list[asyncio.Task] = []
 
@@ -194,7 +183,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         host.start()
         engines = {name: host.engine(name) for name in cfg.engines}
         # torch and the models leave ~200k long-lived objects; a full GC pass over them stalls every request
-        # for ~200 ms (the p99 of the overhead benchmark). Freeze them out of the collector's view.
+        # for ~200 ms: freeze them out of the collector's view.
         gc.collect()
         gc.freeze()
         state.host, state.engines = host, engines
@@ -234,8 +223,4 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     app.state.gateway = state
     app.state.on_error = telemetry.count_error
     return app
-
-
-def gateway_state(app: Litestar) -> GatewayState:
-    return app.state.gateway
 

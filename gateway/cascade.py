@@ -15,9 +15,9 @@ from typing import Any
 
 from engines.errors import RequestRejected
 from engines.outputs import CompletionOutput, RequestOutput
-from gateway.config import RouteConfig, TandemConfig
+from gateway.config import RouteConfig
 from gateway.errors import APIError
-from gateway.routing import ESCALATED, Plan, RoutedRun, RoutingContext, register_strategy
+from gateway.routing import ESCALATED, Plan, RoutedRun, RoutingContext
 
 log = logging.getLogger("tandem.gateway")
 
@@ -146,10 +146,3 @@ class CascadeStrategy:
                             self.name, self.small, self.large)
             self._same_vocab[key] = same
         return same
-
-
-def _factory(name: str, route: RouteConfig, cfg: TandemConfig) -> CascadeStrategy:
-    return CascadeStrategy(name, route)
-
-
-register_strategy("cascade", _factory)

@@ -15,12 +15,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from engines.config import EngineOptions, PoolSpec, options_of
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "default.toml"
 DEFAULT_ROUTER_ARTIFACT = PROJECT_ROOT / "models" / "router"  # a router route without `artifact` uses it
 ENV_PREFIX = "TANDEM_"
 
-# Route strategies a config may name; gateway.routing.register_strategy adds to it.
+# Route strategies a config may name; gateway.routes.register_strategy adds to it.
 STRATEGY_NAMES: set[str] = {"fixed", "router", "cascade"}
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -32,32 +34,18 @@ class ConfigError(ValueError):
     """A configuration problem, worded for the operator: where, what was found, what is allowed."""
 
 
-class EngineConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+class EngineConfig(EngineOptions, forbid_unknown_fields=True, kw_only=True):
+    """[engines.NAME]: the engine's options (engines.config.EngineOptions, defined there once) and where its
+    model lives."""
+
     checkpoint: str  # Hugging Face folder; relative paths are relative to the config file's folder
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every engine shares one device)
-    quantization: Literal["none", "int8", "int4"] = "none"
-    quantization_group_size: Literal[32, 64, 128] = 64  # int4 only: weights per scale/zero-point group
-    cuda_graphs: bool = True  # capture decode batch-size buckets on CUDA (ignored on the CPU)
-    max_num_seqs: PositiveInt = 64
-    max_num_batched_tokens: PositiveInt = 512
-    max_model_len: PositiveInt | None = None
-    draft: str | None = None  # name of another engine used as this engine's speculative drafter
-    num_speculative_tokens: Annotated[int, Meta(ge=0, le=16)] = 0
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    # priority + TTFT-deadline admission order and TPOT batch caps; false: plain (priority, arrival) order
-    slo_scheduling: bool = True
-    priority_aging_s: Annotated[float, Meta(gt=0)] = 30.0  # seconds of TTFT deadline one priority class is worth
-    # drop a waiting request once its TTFT deadline has passed (503 + Retry-After) instead of serving it late
-    drop_expired_requests: bool = False
 
 
-class KVPoolConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+class KVPoolConfig(PoolSpec, forbid_unknown_fields=True, kw_only=True):
+    """[kv_pool]: engines.config.PoolSpec, with sizes written as text ("512MiB") allowed."""
+
     memory_bytes: int | str | None = None  # an integer or a size such as "512MiB"; wins over memory_fraction
-    memory_fraction: Fraction = 0.9
-    block_size: Annotated[int, Meta(ge=1, le=1024)] = 16
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8", "fp8"] = "auto"
 
 
 class SLOConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -79,7 +67,7 @@ class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class RouteConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     engines: list[str]  # fixed: [engine]; router and cascade: [small, large]
-    strategy: str = "fixed"  # fixed | router | cascade, or a name added with routing.register_strategy
+    strategy: str = "fixed"  # fixed | router | cascade, or a name added with routes.register_strategy
     slo: SLOConfig = msgspec.field(default_factory=SLOConfig)
     priority: int = 0  # lower runs first, as in vLLM
     max_tokens: PositiveInt | None = None  # cap on a request's max_tokens for this route
@@ -495,29 +483,19 @@ def _norm(key: str) -> str:
 # ------------------------------------------------------------------------------ mapping onto engines
 
 
-def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], Any, str]:
+def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], PoolSpec, str]:
     """The one place config becomes the engine contract: (EngineSpec list, PoolSpec, device)."""
-    from engines import EngineSpec, PoolSpec
+    from engines import EngineSpec
 
     # Drafts first so an engine's drafter is loaded before the engine that uses it.
     order = sorted(cfg.engines, key=lambda n: cfg.engines[n].draft is not None)
-    specs = [EngineSpec(
-        name=name, model=e.checkpoint, dtype=e.dtype, max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len, draft=e.draft,
-        num_speculative_tokens=e.num_speculative_tokens, quantization=e.quantization,
-        quantization_group_size=e.quantization_group_size, cuda_graphs=e.cuda_graphs,
-        attention_backend=e.attention_backend, slo_scheduling=e.slo_scheduling,
-        priority_aging_s=e.priority_aging_s, drop_expired_requests=e.drop_expired_requests)
-        for name, e in ((n, cfg.engines[n]) for n in order)]
-    pool = PoolSpec(memory_bytes=cfg.kv_pool.memory_bytes, memory_fraction=cfg.kv_pool.memory_fraction,
-                    block_size=cfg.kv_pool.block_size, enable_prefix_caching=cfg.kv_pool.enable_prefix_caching,
-                    kv_cache_dtype=cfg.kv_pool.kv_cache_dtype)
+    specs = [EngineSpec(name, cfg.engines[name].checkpoint, **options_of(cfg.engines[name])) for name in order]
     device = cfg.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return specs, pool, device
+    return specs, cfg.kv_pool, device  # memory_bytes was parsed to an int at load
 
 
 def check_checkpoints(cfg: TandemConfig) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.config import DEFAULT_ROUTER_ARTIFACT, ConfigError, RouteConfig, TandemConfig
-from gateway.routing import Plan, RoutingContext, register_strategy, start_planned
+from gateway.routing import Plan, RoutingContext, start_planned
 from router_model import Router, RouterArtifactError
 from router_model.features import Conversation
 
@@ -67,10 +67,3 @@ def load_route_router(name: str, route: RouteConfig, cfg: TandemConfig) -> Route
         raise ConfigError(f"{where} needs extra feature(s) {', '.join(router.required_extras)}, which the gateway "
                           f"does not compute; train the route's router without extras")
     return router
-
-
-def _factory(name: str, route: RouteConfig, cfg: TandemConfig) -> RouterStrategy:
-    return RouterStrategy(name, route, load_route_router(name, route, cfg))
-
-
-register_strategy("router", _factory)

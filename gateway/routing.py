@@ -1,20 +1,18 @@
-"""Route -> engine: resolve the request's `model` to a route (a configured one, or an engine named directly)
-and let the route's strategy start the generation. `fixed` lives here; `router` and `cascade` plug into
-the same seam: a module named in STRATEGY_MODULES calls `register_strategy` when imported (a strategy may run
-one engine, or several in turn, as a cascade does).
+"""The seam between a request and the route strategies: what a strategy sees (`RoutingContext`), decides
+(`Plan`: the engine admission books) and returns (`RoutedRun`), and `RoutingContext.start`, the one way any
+strategy starts the request on an engine. The one-engine `fixed` strategy lives here; the table of routes
+is gateway/routes.py.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.outputs import RequestOutput
 from engines.sampling_params import SamplingParams
-from gateway.config import STRATEGY_NAMES, RouteConfig, TandemConfig
-from gateway.errors import APIError
+from gateway.config import RouteConfig
 from gateway.prompts import Prompt
 
 
@@ -135,18 +133,6 @@ async def start_planned(plan: Plan, ctx: RoutingContext, engines: Mapping[str, A
                      attributes=plan.attributes)
 
 
-StrategyFactory = Callable[[str, RouteConfig, TandemConfig], Strategy]
-_FACTORIES: dict[str, StrategyFactory] = {}
-# Where the strategies that live outside this module are found: importing the module registers the strategy.
-STRATEGY_MODULES = {"router": "gateway.router_strategy", "cascade": "gateway.cascade"}
-
-
-def register_strategy(name: str, factory: StrategyFactory) -> None:
-    """Make `name` available to routes; the factory builds one strategy per route at start-up."""
-    _FACTORIES[name] = factory
-    STRATEGY_NAMES.add(name)
-
-
 class FixedStrategy:
     """Always the route's one engine."""
 
@@ -154,52 +140,3 @@ class FixedStrategy:
         return Plan(ctx.route.config.engines[0])
 
     start = staticmethod(start_planned)
-
-
-register_strategy("fixed", lambda name, route, cfg: FixedStrategy())
-
-
-def _import_strategy(name: str) -> StrategyFactory | None:
-    """Import the module that registers strategy `name`; None when this build does not have it."""
-    module = STRATEGY_MODULES.get(name)
-    if module is None:
-        return None
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name != module:  # the module exists but something it needs is missing: say so loudly
-            raise
-        return None
-    return _FACTORIES.get(name)
-
-
-class Routes:
-    """The routing table: configured routes plus one implicit fixed route per engine."""
-
-    def __init__(self, cfg: TandemConfig):
-        self.cfg = cfg
-        self.routes: dict[str, Route] = {name: Route(name, rc) for name, rc in cfg.routes.items()}
-        for engine in cfg.engines:
-            self.routes[engine] = Route(engine, RouteConfig(engines=[engine]), direct=True)
-        self.strategies: dict[str, Strategy] = {}
-        self.unavailable: dict[str, str] = {}  # route -> why it cannot serve (its strategy is not installed)
-        for name, route in self.routes.items():
-            factory = _FACTORIES.get(route.config.strategy) or _import_strategy(route.config.strategy)
-            if factory is None:
-                self.unavailable[name] = (f"route {name!r} uses strategy {route.config.strategy!r}, which this "
-                                          f"build does not provide yet")
-                continue
-            self.strategies[name] = factory(name, route.config, cfg)
-
-    def resolve(self, model: str) -> Route:
-        route = self.routes.get(model)
-        if route is None:
-            raise APIError(404, f"The model {model!r} does not exist; available: {', '.join(self.routes)}",
-                           code="model_not_found", param="model")
-        if model in self.unavailable:
-            raise APIError(501, self.unavailable[model] + "; use another route", code="strategy_unavailable",
-                           param="model")
-        return route
-
-    def strategy(self, route: Route) -> Strategy:
-        return self.strategies[route.name]

@@ -21,6 +21,14 @@ _H_BINS = 512
 KINDS = ("ttft", "tpot")
 
 
+def time_per_output_token(ttft_s: float | None, e2e_s: float, output_tokens: int) -> float | None:
+    """vLLM's TPOT, the one definition metrics and SLO accounting share: (E2E - TTFT) / (output tokens - 1);
+    None without a first token or with fewer than two tokens."""
+    if ttft_s is None or output_tokens < 2:
+        return None
+    return (e2e_s - ttft_s) / (output_tokens - 1)
+
+
 def _bin(value_s: float) -> int:
     if value_s <= _H_MIN_S:
         return 0

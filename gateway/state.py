@@ -13,7 +13,7 @@ from gateway.admission import AdmissionController
 from gateway.auth import KeyRing
 from gateway.autoscale import Autoscaler
 from gateway.config import TandemConfig
-from gateway.routing import Routes
+from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.telemetry import Telemetry
 

@@ -6,13 +6,9 @@ DESIGN section 6 (engine gauges pulled from `stats()` at scrape time), and live 
 from __future__ import annotations
 
 import logging
-import math
 import os
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from litestar.middleware.base import AbstractMiddleware
@@ -34,7 +30,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.outputs import RequestMetrics
-from gateway.config import RouteConfig, TelemetryConfig
+from gateway.config import TelemetryConfig
+from gateway.slo import SLOAccounting
 
 log = logging.getLogger("tandem.gateway")
 
@@ -201,69 +198,15 @@ def add_escalation_span(tracer: trace.Tracer, parent: trace.Span, metrics: Reque
     span.end(end_time=max(_epoch_ns(metrics.finished_time or finished_time), start_ns))
 
 
-# ------------------------------------------------------------------------------------- SLO attainment
-
-
-@dataclass
-class _Sample:
-    at: float
-    ttft_s: float | None
-    tpot_s: float | None
-
-
-class SLOWindow:
-    """Observed TTFT/TPOT of one route over the last `window_s` seconds, and the share meeting its SLO."""
-
-    def __init__(self, route: RouteConfig, window_s: float, clock: Callable[[], float] = time.monotonic):
-        self.route = route
-        self.window_s = window_s
-        self.clock = clock
-        self._samples: deque[_Sample] = deque()
-        self._lock = threading.Lock()
-
-    def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
-        with self._lock:
-            self._samples.append(_Sample(self.clock(), ttft_s, tpot_s))
-            self._trim()
-
-    def _trim(self) -> None:
-        horizon = self.clock() - self.window_s
-        while self._samples and self._samples[0].at < horizon:
-            self._samples.popleft()
-
-    def attainment(self) -> dict[str, Any]:
-        """Per kind (ttft, tpot): the fraction of requests meeting the target and the observed percentile."""
-        with self._lock:
-            self._trim()
-            samples = list(self._samples)
-        slo = self.route.slo
-        out: dict[str, Any] = {"window_s": self.window_s, "requests": len(samples)}
-        for kind, target_ms in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms)):
-            values = sorted(getattr(s, f"{kind}_s") for s in samples if getattr(s, f"{kind}_s") is not None)
-            observed = _percentile(values, slo.percentile) if values else None
-            met = (sum(v * 1000 <= target_ms for v in values) / len(values)) if values and target_ms else None
-            out[kind] = {"target_ms": target_ms, f"observed_p{slo.percentile:g}_ms":
-                         None if observed is None else round(observed * 1000, 3), "attainment": met}
-        return out
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile: the smallest value with at least q% of the samples at or below it."""
-    rank = min(len(sorted_values), max(1, math.ceil(q / 100 * len(sorted_values))))
-    return sorted_values[rank - 1]
-
-
 # ------------------------------------------------------------------------------------------- Prometheus
 
 
 class _EngineStatsCollector(Collector):
     """Gauges and counters read from each engine's `stats()` when Prometheus scrapes, not on every step."""
 
-    def __init__(self, engines: Callable[[], Mapping[str, Any]], windows: Mapping[str, SLOWindow],
-                 slo: Callable[[], Any] = lambda: None):
+    def __init__(self, engines: Callable[[], Mapping[str, Any]], slo: SLOAccounting):
         self.engines = engines
-        self.windows = windows
-        self.slo = slo  # the gateway's SLOAccounting once bound (attainment, busy time and cost)
+        self.slo = slo  # attainment, busy time and cost
 
     def collect(self) -> Iterable[Any]:
         gauges = {"num_requests_running": ("num_running", "Requests in the running batch."),
@@ -288,41 +231,31 @@ class _EngineStatsCollector(Collector):
                 if key in s:
                     family.add_metric([name], float(s[key]))
             yield family
-        slo = GaugeMetricFamily(PREFIX + "slo_attainment", "Share of requests meeting the route's SLO over the "
-                                "sliding window.", labels=["route", "kind"])
-        accounting = self.slo()
-        if accounting is not None:  # kinds ttft, tpot and combined (every target met), plus live cost
-            for name, s in stats.items():
-                if "busy_s" in s:
-                    accounting.observe_engine_busy(name, float(s["busy_s"]))
-            for route, kind, value in accounting.attainment_gauges():
-                slo.add_metric([route, kind], value)
-            yield slo
-            cost = GaugeMetricFamily(PREFIX + "cost_per_1k_tokens", "Device cost per 1,000 tokens (prompt + "
-                                     "completion) over the sliding window, from [cost] price_per_device_hour.",
-                                     labels=["route"])
-            for route, value in accounting.cost_gauges():
-                cost.add_metric([route], value)
-            yield cost
-            return
-        for route, window in self.windows.items():
-            att = window.attainment()
-            for kind in ("ttft", "tpot"):
-                if att[kind]["attainment"] is not None:
-                    slo.add_metric([route, kind], att[kind]["attainment"])
-        yield slo
+        attainment = GaugeMetricFamily(PREFIX + "slo_attainment", "Share of requests meeting the route's SLO over "
+                                       "the sliding window.", labels=["route", "kind"])
+        for name, s in stats.items():  # busy time feeds the live cost
+            if "busy_s" in s:
+                self.slo.observe_engine_busy(name, float(s["busy_s"]))
+        for route, kind, value in self.slo.attainment_gauges():  # kinds ttft, tpot and combined
+            attainment.add_metric([route, kind], value)
+        yield attainment
+        cost = GaugeMetricFamily(PREFIX + "cost_per_1k_tokens", "Device cost per 1,000 tokens (prompt + "
+                                 "completion) over the sliding window, from [cost] price_per_device_hour.",
+                                 labels=["route"])
+        for route, value in self.slo.cost_gauges():
+            cost.add_metric([route], value)
+        yield cost
 
 
 class Telemetry:
-    """The gateway's metrics registry, tracer and SLO windows; one per app so tests can run several."""
+    """The gateway's metrics registry and tracer; one per app so tests can run several."""
 
-    def __init__(self, cfg: TelemetryConfig, routes: Mapping[str, RouteConfig], provider: TracerProvider,
+    def __init__(self, cfg: TelemetryConfig, provider: TracerProvider, slo: SLOAccounting,
                  meter_provider: MeterProviderAPI | None = None):
         self.cfg = cfg
         self.provider = provider
         self.tracer = provider.get_tracer("tandem.gateway")
         self.registry = CollectorRegistry(auto_describe=True)
-        self.windows = {name: SLOWindow(route, cfg.slo_window_s) for name, route in routes.items()}
         self._engines: Callable[[], Mapping[str, Any]] = dict
         self._children: dict[tuple[Any, ...], Any] = {}
         labels = ["model_name", "route"]
@@ -347,8 +280,7 @@ class Telemetry:
                                         ["route", "choice"], registry=reg)
         self.cascade_escalations = Counter(PREFIX + "cascade_escalations", "Cascade escalations to the large "
                                            "engine.", ["route"], registry=reg)
-        self.slo: Any = None  # gateway.slo.SLOAccounting, bound by the app (`bind_slo`)
-        reg.register(_EngineStatsCollector(lambda: self._engines(), self.windows, lambda: self.slo))
+        reg.register(_EngineStatsCollector(lambda: self._engines(), slo))
         meter = (meter_provider or metrics.get_meter_provider()).get_meter("tandem.gateway")
         self.genai_ttft = meter.create_histogram(
             "gen_ai.server.time_to_first_token", unit="s", description="Time to generate the first token.",
@@ -359,10 +291,6 @@ class Telemetry:
         self.genai_duration = meter.create_histogram(
             "gen_ai.server.request.duration", unit="s", description="Generative AI server request duration.",
             explicit_bucket_boundaries_advisory=GENAI_DURATION_BUCKETS)
-
-    def bind_slo(self, accounting: Any) -> None:
-        """Export `tandem:slo_attainment` and `tandem:cost_per_1k_tokens` from this SLOAccounting."""
-        self.slo = accounting
 
     def bind_engines(self, engines: Callable[[], Mapping[str, Any]]) -> None:
         """Where the scrape-time collector finds the engines (they load after the app starts)."""
@@ -384,7 +312,7 @@ class Telemetry:
             child = self._children[(metric, labels)] = metric.labels(*labels)
         return child
 
-    def observe_request(self, *, route: str, model: str, ttft_s: float | None, e2e_s: float,
+    def observe_request(self, *, route: str, model: str, ttft_s: float | None, tpot_s: float | None, e2e_s: float,
                         itls: list[float], output_tokens: int, prompt_tokens: int, finish_reason: str,
                         queue_s: float | None, operation: str = "chat", request_model: str = "") -> None:
         ttft_m, itl_m, tpot_m, e2e_m, queue_m, prompt_m, generation_m = self._bound(model, route)
@@ -392,24 +320,20 @@ class Telemetry:
             ttft_m.observe(ttft_s)
         for gap in itls:
             itl_m.observe(gap)
-        tpot = (e2e_s - ttft_s) / (output_tokens - 1) if ttft_s is not None and output_tokens > 1 else None
-        if tpot is not None:
-            tpot_m.observe(tpot)
+        if tpot_s is not None:
+            tpot_m.observe(tpot_s)
         e2e_m.observe(e2e_s)
         if queue_s is not None:
             queue_m.observe(max(0.0, queue_s))
         self.labelled(self.requests, model, route, finish_reason).inc()
         prompt_m.inc(prompt_tokens)
         generation_m.inc(output_tokens)
-        window = self.windows.get(route)
-        if window is not None:
-            window.observe(ttft_s, tpot)
         attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "tandem",
                  "gen_ai.request.model": request_model or route, "gen_ai.response.model": model}
         if ttft_s is not None:
             self.genai_ttft.record(ttft_s, attrs)
-        if tpot is not None:
-            self.genai_tpot.record(tpot, attrs)
+        if tpot_s is not None:
+            self.genai_tpot.record(tpot_s, attrs)
         self.genai_duration.record(e2e_s, attrs)
 
     def count_error(self, route: str | None, status: int) -> None:

@@ -21,8 +21,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.config import STRATEGY_NAMES, config_from_dict
-from gateway.routing import STRATEGY_MODULES, Plan, RoutedRun, register_strategy, start_planned
+from gateway.config import config_from_dict
+from gateway.routes import register_strategy
+from gateway.routing import Plan, RoutedRun, start_planned
 from gateway.server import ServerThread
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -54,7 +55,6 @@ def _config(checkpoints: dict[str, Path], **sections):
            "routes": {"fast": {"engines": ["tandem-small"], "slo": {"ttft_ms": 60000, "tpot_ms": 60000}},
                       "best": {"engines": ["tandem-large"]},
                       "capped": {"engines": ["tandem-small"], "max_tokens": 3},
-                      "someday": {"strategy": "test-missing", "engines": ["tandem-small", "tandem-large"]},
                       "flaky": {"strategy": "test-flaky", "engines": ["tandem-small", "tandem-large"]},
                       "broken": {"strategy": "test-broken", "engines": ["tandem-small", "tandem-large"]}},
            "server": {"max_body_bytes": 64 << 10}}
@@ -86,9 +86,6 @@ class _Broken:
         raise RuntimeError("secret internal detail")
 
 
-# A strategy this build names but does not ship: its module is absent, so routes using it are unavailable.
-STRATEGY_NAMES.add("test-missing")
-STRATEGY_MODULES["test-missing"] = "gateway.no_such_strategy_module"
 register_strategy("test-flaky", lambda name, route, cfg: _FailAfterFirstOutput())
 register_strategy("test-broken", lambda name, route, cfg: _Broken())
 
@@ -135,10 +132,9 @@ def _metric(server: ServerThread, name: str, **labels: str) -> float:
 # ----------------------------------------------------------------------------------------- discovery
 
 
-def test_models_list_has_routes_and_engines_but_not_unavailable_strategies(client):
+def test_models_list_has_routes_and_engines(client):
     models = {m.id: m for m in client.models.list().data}
     assert {"fast", "best", "capped", "tandem-small", "tandem-large"} <= set(models)
-    assert "someday" not in models  # its strategy is not installed in this build
     assert models["tandem-small"].owned_by == "tandem" and models["tandem-small"].object == "model"
     assert models["tandem-small"].model_extra["max_model_len"] == 512
 
@@ -148,7 +144,6 @@ def test_health_ready_routes_and_openapi(server):
     assert httpx.get(server.url + "/ready").json() == {"status": "ready", "engines": ["tandem-large", "tandem-small"]}
     routes = {r["name"]: r for r in httpx.get(server.url + "/v1/routes").json()["data"]}
     assert routes["fast"]["strategy"] == "fixed" and routes["fast"]["engines"] == ["tandem-small"]
-    assert routes["someday"]["available"] is False and routes["fast"]["available"] is True
     assert routes["fast"]["slo"] == {"ttft_ms": 60000.0, "tpot_ms": 60000.0, "percentile": 99.0}
     schema = httpx.get(server.url + "/schema/openapi.json").json()
     assert "/v1/chat/completions" in schema["paths"] and "/v1/completions" in schema["paths"]
@@ -345,9 +340,6 @@ def test_error_statuses_map_to_openai_exception_classes(client, server):
     with pytest.raises(openai.BadRequestError) as too_many:
         client.completions.create(model="fast", prompt="hi", max_tokens=100000)
     assert too_many.value.param == "max_tokens" and "100000" in too_many.value.message
-    with pytest.raises(openai.InternalServerError) as unavailable:
-        client.chat.completions.create(model="someday", messages=MESSAGES)
-    assert unavailable.value.status_code == 501 and unavailable.value.code == "strategy_unavailable"
     with pytest.raises(openai.InternalServerError) as crash:
         client.chat.completions.create(model="broken", messages=MESSAGES)
     assert crash.value.status_code == 500

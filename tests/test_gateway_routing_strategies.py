@@ -23,7 +23,7 @@ from engines.outputs import CompletionOutput, Logprob
 from gateway.cascade import CascadeStrategy, confidence
 from gateway.config import ConfigError, config_from_dict, load_config
 from gateway.router_strategy import RouterStrategy, load_route_router, route_threshold
-from gateway.routing import Routes
+from gateway.routes import Routes
 from gateway.server import ServerThread
 from router_model.data import read_examples
 from router_model.features import FeatureConfig
@@ -193,7 +193,6 @@ def test_route_threshold_comes_from_the_route_or_the_artifact(router_dir):
 
 def test_default_config_routes_build_with_the_shipped_router():
     routes = Routes(load_config(env={}))
-    assert not routes.unavailable
     auto = routes.strategies["auto"]
     assert isinstance(auto, RouterStrategy) and not auto.router.required_extras
     assert auto.threshold == pytest.approx(auto.router.threshold_for_fraction(0.3))

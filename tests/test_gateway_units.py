@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from gateway.auth import KeyRing
-from gateway.config import STRATEGY_NAMES, AuthConfig, RouteConfig, SLOConfig, config_from_dict
+from gateway.config import AuthConfig, ConfigError, config_from_dict
 from gateway.errors import APIError
 from gateway.limits import ANONYMOUS, RateLimiter
 from gateway.protocol import (
@@ -17,8 +17,8 @@ from gateway.protocol import (
     prompt_input,
     sampling_params,
 )
-from gateway.routing import STRATEGY_MODULES, Routes
-from gateway.telemetry import SLOWindow
+from gateway.routes import Routes
+from gateway.routing import FixedStrategy
 
 
 class Clock:
@@ -134,38 +134,24 @@ def test_completion_prompt_forms():
     assert legacy.max_tokens == 16 and legacy.logprobs is None
 
 
-def test_slo_window_attainment_and_expiry():
-    clock = Clock()
-    window = SLOWindow(RouteConfig(engines=["e"], slo=SLOConfig(ttft_ms=100, tpot_ms=10, percentile=50)),
-                       window_s=60, clock=clock)
-    for ttft, tpot in ((0.05, 0.005), (0.08, 0.02), (0.3, 0.008), (0.09, None)):
-        window.observe(ttft, tpot)
-    att = window.attainment()
-    assert att["requests"] == 4
-    assert att["ttft"]["attainment"] == 0.75 and att["tpot"]["attainment"] == pytest.approx(2 / 3)
-    assert att["ttft"]["observed_p50_ms"] == 80.0
-    clock.now += 61
-    window.observe(0.2, None)
-    att = window.attainment()
-    assert att["requests"] == 1 and att["ttft"]["attainment"] == 0.0 and att["tpot"]["attainment"] is None
-
-
-def test_routes_resolve_configured_routes_and_engines_by_name(monkeypatch):
-    monkeypatch.setattr("gateway.config.STRATEGY_NAMES", STRATEGY_NAMES | {"absent"})
-    monkeypatch.setitem(STRATEGY_MODULES, "absent", "gateway.no_such_strategy_module")
+def test_routes_resolve_configured_routes_and_engines_by_name():
     cfg = config_from_dict({"engines": {"s": {"checkpoint": "/s"}, "l": {"checkpoint": "/l"}},
-                            "routes": {"fast": {"engines": ["s"]},
-                                       "later": {"strategy": "absent", "engines": ["s", "l"]}}})
+                            "routes": {"fast": {"engines": ["s"]}}})
     routes = Routes(cfg)
     assert routes.resolve("fast").config.engines == ["s"] and not routes.resolve("fast").direct
     assert routes.resolve("l").direct and routes.resolve("l").config.engines == ["l"]
+    assert isinstance(routes.strategy(routes.resolve("fast")), FixedStrategy)
     with pytest.raises(APIError) as missing:
         routes.resolve("gpt-4")
     assert missing.value.status == 404 and missing.value.code == "model_not_found"
     assert "fast" in missing.value.message
-    with pytest.raises(APIError) as unavailable:
-        routes.resolve("later")
-    assert unavailable.value.status == 501 and "strategy 'absent'" in unavailable.value.message
+
+
+def test_a_strategy_nobody_registered_is_refused_at_load_naming_the_field():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"engines": {"s": {"checkpoint": "/s"}, "l": {"checkpoint": "/l"}},
+                          "routes": {"later": {"strategy": "absent", "engines": ["s", "l"]}}})
+    assert "routes.later.strategy = 'absent' is invalid" in str(err.value) and "'cascade'" in str(err.value)
 
 
 def test_every_engine_error_code_maps_to_an_openai_error_with_its_status():

@@ -17,9 +17,9 @@ from engines.step_model import (
     caps_for_target,
 )
 from engines.waiting_queue import WaitingQueue
-from gateway.admission import AdmissionController, AdmissionSettings
+from gateway.admission import AdmissionController
 from gateway.autoscale import Autoscaler, AutoscaleSettings, ScaleSignals, signals_from, slo_targets
-from gateway.config import RouteConfig, SLOConfig
+from gateway.config import AdmissionConfig, RouteConfig, SLOConfig
 from gateway.slo import SLOAccounting
 
 
@@ -334,7 +334,7 @@ def test_admission_admits_while_warming_up_and_measures_the_drain_rate():
 
 def test_admission_rate_counts_concurrent_prefills_once():
     clock = Clock()
-    adm = AdmissionController(_routes(), AdmissionSettings(min_rate_observations=2), clock=clock)
+    adm = AdmissionController(_routes(), AdmissionConfig(min_rate_observations=2), clock=clock)
     adm.admit("a", "open", "large", 500)
     adm.admit("b", "open", "large", 500)
     clock.advance(1.0)  # both prefilled in the same steps
@@ -392,7 +392,9 @@ def test_admission_downgrades_to_the_small_engine_when_the_route_allows():
 
 def test_admission_bounds_each_route_queue():
     clock = Clock()
-    adm = AdmissionController(_routes(), AdmissionSettings(route_max_waiting={"batch": 2}), clock=clock)
+    routes = _routes()
+    routes["batch"].max_waiting = 2
+    adm = AdmissionController(routes, clock=clock)
     _warm(adm, clock, "large", 1000.0)
     assert adm.admit("a", "batch", "large", 1000).admitted
     assert adm.admit("b", "batch", "large", 1000).admitted
@@ -421,7 +423,7 @@ def test_admission_of_routes_without_a_ttft_slo():
 
 def test_admission_retry_after_is_capped():
     clock = Clock()
-    adm = AdmissionController(_routes(), AdmissionSettings(max_retry_after_s=30), clock=clock)
+    adm = AdmissionController(_routes(), AdmissionConfig(max_retry_after_s=30), clock=clock)
     _warm(adm, clock, "large", 100.0)
     adm.admit("huge", "batch", "large", 1)
     adm.admit("q", "interactive", "large", 20_000)
@@ -612,8 +614,7 @@ def _serve(adm: AdmissionController, clock: Clock, rid: str, route: str, *, pref
 
 def test_admission_predicts_the_wait_for_a_decode_slot_when_every_slot_is_taken():
     clock = Clock()
-    adm = AdmissionController(_slot_routes(), AdmissionSettings(engine_slots={"e": 4}),
-                              clock=clock)
+    adm = AdmissionController(_slot_routes(), engine_slots={"e": 4}, clock=clock)
     for i in range(3):  # 100 tokens in 0.01 s: 10,000 tok/s; each request then holds its slot 2 s
         _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.01, hold_s=2.0)
     assert adm.predicted_ttft("e", -1, 100) == pytest.approx(0.01)  # slots free: prefill only
@@ -639,7 +640,7 @@ def test_admission_predicts_the_wait_for_a_decode_slot_when_every_slot_is_taken(
 
 def test_admission_checks_each_prediction_against_the_actual_ttft():
     clock = Clock()
-    adm = AdmissionController(_slot_routes(), AdmissionSettings(engine_slots={"e": 1}), clock=clock)
+    adm = AdmissionController(_slot_routes(), engine_slots={"e": 1}, clock=clock)
     for i in range(3):
         _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.1, hold_s=1.0, tokens=1000)  # 10,000 tok/s
     assert adm.prediction_stats()["e"] == {}  # warming up: nothing was predicted
@@ -662,8 +663,7 @@ def test_admission_checks_each_prediction_against_the_actual_ttft():
 
 def test_admission_retry_after_for_a_request_dropped_late():
     clock = Clock()
-    adm = AdmissionController(_slot_routes(), AdmissionSettings(engine_slots={"e": 1}),
-                              clock=clock)
+    adm = AdmissionController(_slot_routes(), engine_slots={"e": 1}, clock=clock)
     for i in range(3):
         _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.01, hold_s=4.0)
     assert adm.retry_after_s("interactive", "e") == 1  # nothing ahead: the minimum
@@ -678,7 +678,7 @@ def test_admission_retry_after_for_a_request_dropped_late():
 
 def test_admission_stretches_a_class_prediction_by_how_much_later_its_first_tokens_came():
     clock = Clock()
-    adm = AdmissionController(_slot_routes(), AdmissionSettings(rate_halflife_s=5.0, ttft_slack=0.9), clock=clock)
+    adm = AdmissionController(_slot_routes(), AdmissionConfig(rate_halflife_s=5.0, ttft_slack=0.9), clock=clock)
     for i in range(3):
         _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.1, hold_s=0.0, tokens=1000)  # 10,000 tok/s
     for i in range(3):  # each batch request is overtaken by an interactive one admitted after it
@@ -705,7 +705,7 @@ def test_admission_stretch_fades_while_no_first_token_of_its_class_comes():
     """A stretch measured in a burst must not shed the class for good: with every request shed, no first token
     could come back to correct it. Its excess over 1 halves per half-life without one."""
     clock = Clock()
-    adm = AdmissionController(_slot_routes(), AdmissionSettings(rate_halflife_s=5.0, ttft_slack=0.9), clock=clock)
+    adm = AdmissionController(_slot_routes(), AdmissionConfig(rate_halflife_s=5.0, ttft_slack=0.9), clock=clock)
     for i in range(3):
         _serve(adm, clock, f"w{i}", "interactive", prefill_s=0.1, hold_s=0.0, tokens=1000)
     for i in range(3):  # a burst: each batch request's first token comes several times later than predicted
@@ -731,7 +731,7 @@ def test_admission_stretch_fades_while_no_first_token_of_its_class_comes():
 
 def test_admission_stretch_forgets_and_never_shrinks_a_prediction():
     clock = Clock()
-    adm = AdmissionController(_slot_routes(), AdmissionSettings(rate_halflife_s=1.0), clock=clock)
+    adm = AdmissionController(_slot_routes(), AdmissionConfig(rate_halflife_s=1.0), clock=clock)
     for i in range(3):
         _serve(adm, clock, f"w{i}", "batch", prefill_s=0.1, hold_s=0.0, tokens=1000)
     adm.admit("slow", "batch", "e", 1000)
