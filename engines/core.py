@@ -3,14 +3,13 @@ thread that owns the device (`LLM` steps it in the caller's thread instead)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING
 
 import torch
 
-from engines.config import EngineSpec, PoolSpec
+from engines.config import EngineSpec, PoolSpec, validate
 from engines.engine import ModelEngine
 from engines.errors import EngineDeadError, ErrorCode
 from engines.kv_pool import KVGeometry, KVPool
@@ -50,26 +49,8 @@ class EngineCore:
     def __init__(self, specs: list[EngineSpec], pool: PoolSpec | None = None, device: str | torch.device = "cpu"):
         if not specs:
             raise ValueError("EngineCore needs at least one EngineSpec")
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"engine names must be unique, got {names}")
-        for s in specs:
-            if s.num_speculative_tokens < 0 or (s.num_speculative_tokens and s.draft is None):
-                raise ValueError(f"engine {s.name!r}: num_speculative_tokens={s.num_speculative_tokens} needs a "
-                                 "draft engine: set draft to another engine's name, or num_speculative_tokens=0")
-            if s.draft is not None and (s.draft == s.name or s.draft not in names):
-                raise ValueError(f"engine {s.name!r}: draft={s.draft!r} must name another engine of this core "
-                                 f"(have {names})")
-            if s.quantization not in ("none", "int8", "int4"):
-                raise ValueError(f"engine {s.name!r}: quantization={s.quantization!r} is invalid: use none, int8 "
-                                 "or int4")
-            if s.quantization == "int4" and s.quantization_group_size not in (32, 64, 128):
-                raise ValueError(f"engine {s.name!r}: quantization_group_size={s.quantization_group_size} is "
-                                 "invalid for int4: use 32, 64 or 128")
         pool = pool or PoolSpec()
-        if pool.kv_cache_dtype not in ("auto", *_KV_DTYPES):
-            raise ValueError(f"kv_cache_dtype={pool.kv_cache_dtype!r} is not supported: use auto, "
-                             "float32, bfloat16, float16, int8 or fp8")
+        validate(specs, pool)
         self.device = torch.device(device)
         loaded = [(s, load_model(s, self.device)) for s in specs]
         geoms = []
@@ -177,8 +158,8 @@ class EngineCore:
 
 def spec_kwargs(options: dict) -> tuple[dict, dict]:
     """Split flat keyword options (as `LLM(**options)` takes them) into EngineSpec and PoolSpec fields."""
-    engine_fields = {f.name for f in dataclasses.fields(EngineSpec)}
-    pool_fields = {f.name for f in dataclasses.fields(PoolSpec)}
+    engine_fields = set(EngineSpec.__struct_fields__)
+    pool_fields = set(PoolSpec.__struct_fields__)
     unknown = set(options) - engine_fields - pool_fields - {"device"}
     if unknown:
         raise TypeError(f"unknown engine option(s) {sorted(unknown)}; known: "
