@@ -1,6 +1,7 @@
 """Every error the gateway answers, in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`:
 the `APIError` raised by handlers and middleware, and the Litestar exception handlers that turn framework
-errors (404, 405, 413, malformed bodies) and unexpected exceptions (500, no stack trace) into that shape.
+errors (404, 405, 413, malformed bodies), the protocol's decoding errors (400, 415) and unexpected exceptions
+(500, no stack trace) into that shape.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import math
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from gateway.protocol import ErrorBody, ErrorDetail, encode, sse
+from gateway.protocol import ErrorBody, ErrorDetail, InvalidParameter, UnsupportedMediaType, encode, sse
 
 log = logging.getLogger("tandem.gateway")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 501: "server_error", 503: "service_unavailable"}
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+          431: "invalid_request_error", 500: "server_error", 501: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -70,6 +72,15 @@ def handle_api_error(request: Request, exc: APIError) -> Response:
     return _respond(request, exc)
 
 
+def handle_invalid_parameter(request: Request, exc: InvalidParameter) -> Response:
+    """A request the protocol refused while decoding or translating it: 400 naming the field."""
+    return _respond(request, APIError(400, str(exc), param=exc.param, code=exc.code))
+
+
+def handle_unsupported_media_type(request: Request, exc: UnsupportedMediaType) -> Response:
+    return _respond(request, APIError(415, str(exc), code="unsupported_media_type"))
+
+
 def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     """Litestar's own errors (routing, body size, decoding) re-shaped as OpenAI errors."""
     status = exc.status_code
@@ -98,5 +109,6 @@ def handle_unexpected(request: Request, exc: Exception) -> Response:
     return _respond(request, err)
 
 
-EXCEPTION_HANDLERS = {APIError: handle_api_error, HTTPException: handle_http_exception,
+EXCEPTION_HANDLERS = {APIError: handle_api_error, InvalidParameter: handle_invalid_parameter,
+                      UnsupportedMediaType: handle_unsupported_media_type, HTTPException: handle_http_exception,
                       Exception: handle_unexpected}

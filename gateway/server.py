@@ -1,34 +1,187 @@
 """`tandem serve`: load the configuration, build the app and run it on uvicorn. SIGTERM (or Ctrl-C) stops
 accepting connections, lets in-flight requests finish within `server.grace_period_s`, shuts the engines
 down and exits 0. `ServerThread` runs the same server in a background thread (tests and benchmarks).
+`GuardedHttpToolsProtocol` holds the HTTP limits a client cannot outlast: header size (431), header and body
+read deadlines (408).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import socket
 import sys
 import threading
 import time
+from asyncio import TimerHandle, Transport
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.config import ConfigError, TandemConfig, check_checkpoints, load_config
 
 log = logging.getLogger("tandem.gateway")
 
 
-def build_server(cfg: TandemConfig, app: Any, *, sock: socket.socket | None = None) -> uvicorn.Server:
+LINGER_S, LINGER_BYTES = 2.0, 1 << 20  # after a refusal, how long and how much to read before closing
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """What one connection may take from the server before it is answered and closed."""
+
+    max_header_bytes: int = 64 << 10  # request line plus headers; beyond it a 431
+    header_timeout_s: float = 10.0  # from a request's first byte (or the connection's opening) to its last header
+    body_timeout_s: float = 30.0  # from the last header to the body's last byte (a short body never ends)
+
+
+def _error_bytes(status: int, message: str, code: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A complete `Connection: close` response carrying the OpenAI error body."""
+    from gateway.errors import APIError  # the app is loaded by the time a connection is refused
+    from gateway.protocol import encode
+
+    body = encode(APIError(status, message, code=code).body())
+    head = [STATUS_LINE[status]]
+    head += [name + b": " + value + b"\r\n" for name, value in default_headers]
+    head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+    return b"".join(head) + body
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with HTTPLimits: an oversized head is a 431 before the app sees it, a head or
+    body that does not arrive in time is a 408 (a connection that sent nothing is just closed). The parser
+    buffers a header's bytes until it ends, so the head is measured as the bytes received while reading it."""
+
+    def __init__(self, *args: Any, limits: HTTPLimits, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._reading_head = True  # between messages or inside a head: received bytes count as head
+        self._in_head = False  # a message began and its head is not complete
+        self._head_bytes = 0
+        self._deadline: TimerHandle | None = None
+        self._refused = False
+        self._lingered_bytes = 0
+
+    def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:  # lingering after a refusal: drop what the client still sends, up to a bound
+            self._lingered_bytes += len(data)
+            if self._lingered_bytes > LINGER_BYTES:
+                self.transport.close()
+            return
+        if self._reading_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._reading_head and self._head_bytes > self.limits.max_header_bytes and not self._refused:
+            self._refuse_head(f"more than {self.limits.max_header_bytes} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        if self._deadline is None and not self._refused:
+            self._arm(self.limits.header_timeout_s, self._head_timed_out)
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        self._reading_head, self._in_head, self._head_bytes = False, False, 0
+        self._disarm()
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._refuse_head(f"{size} bytes, at most {self.limits.max_header_bytes}")
+            return
+        super().on_headers_complete()
+        self._arm(self.limits.body_timeout_s, self._body_timed_out)
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        self._disarm()
+        self._reading_head, self._head_bytes = True, 0
+        super().on_message_complete()
+
+    # ---- deadlines and refusals
+    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(delay, callback)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _pipelined_busy(self) -> bool:
+        """A new head arrives while the previous request is still answering: no room for our answer."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _refuse_head(self, size: str) -> None:
+        self._refuse(None if self._pipelined_busy() else (431, f"Request headers are too large: {size}",
+                                                           "request_header_fields_too_large"))
+
+    def _head_timed_out(self) -> None:
+        self._deadline = None
+        if not self._in_head or self._pipelined_busy():
+            self._refuse(None)  # nothing of a new request arrived (or no room to answer): just close
+        else:
+            self._refuse((408, f"The request headers did not arrive within {self.limits.header_timeout_s:g} s",
+                          "request_timeout"))
+
+    def _body_timed_out(self) -> None:
+        self._deadline = None
+        answer = (408, f"The request body did not arrive within {self.limits.body_timeout_s:g} s", "request_timeout")
+        self._refuse(None if self.cycle.response_started else answer)  # an early answer (413) stands alone
+
+    def _refuse(self, answer: tuple[int, str, str] | None) -> None:
+        """Send `answer` (status, message, code) when given, and close. A request the app is still serving
+        sees a disconnect, and its writes are dropped."""
+        self._refused = True
+        self._disarm()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if self.transport.is_closing():
+            return
+        if answer is not None:
+            status, message, code = answer
+            log.info("refused a request from %s: %d %s", self.client, status, message)
+            self.transport.write(_error_bytes(status, message, code, self.server_state.default_headers))
+        if answer is None or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        # Closing with unread bytes sends a reset, and the client's stack may drop our answer with it: send
+        # FIN after the answer, read and drop a little more, then close.
+        self.transport.write_eof()
+        self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def build_server(cfg: TandemConfig, app: Any, *, sock: socket.socket | None = None,
+                 limits: HTTPLimits | None = None) -> uvicorn.Server:
+    limits = limits or HTTPLimits()
     config = uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=cfg.server.grace_period_s, access_log=False, lifespan="on",
+        http=functools.partial(GuardedHttpToolsProtocol, limits=limits),
         # Our own limits answer 413/503 in OpenAI's shape; uvicorn's would be plain text.
-        limit_concurrency=None, timeout_keep_alive=5, h11_max_incomplete_event_size=None)
+        limit_concurrency=None, timeout_keep_alive=5, ws="none")
     return uvicorn.Server(config)
 
 
@@ -89,16 +242,14 @@ class ServerThread:
     when `wait_ready=False`) answers. For tests and benchmarks; `tandem serve` is the real entry point."""
 
     def __init__(self, cfg: TandemConfig, *, app_factory: Callable[[TandemConfig], Any] | None = None,
-                 port: int | None = None, **app_kwargs: Any):
-        import msgspec
-
+                 port: int | None = None, http_limits: HTTPLimits | None = None, **app_kwargs: Any):
         from gateway.app import create_app
 
         self.port = port or free_port()
         server_cfg = msgspec.structs.replace(cfg.server, host="127.0.0.1", port=self.port, log_level="warning")
         self.cfg = msgspec.structs.replace(cfg, server=server_cfg)
         self.app = app_factory(self.cfg) if app_factory else create_app(self.cfg, **app_kwargs)
-        self.server = build_server(self.cfg, self.app)
+        self.server = build_server(self.cfg, self.app, limits=http_limits)
         self.thread = threading.Thread(target=self.server.run, name="tandem-gateway", daemon=True)
 
     @property
