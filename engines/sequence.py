@@ -57,9 +57,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose K/V are in the pool
     pages: list[int] = field(default_factory=list)
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     supplied_draft_ids: list[int] = field(default_factory=list)  # a caller's candidate output to verify first
-    draft_state: object | None = None  # the drafter's KV for this sequence (engines.speculative.DraftState)
+    draft_state: object | None = None  # the drafter's KV for this sequence (engines.spec.state.DraftState)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the committed full blocks
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest admission
     admit_order: int = -1

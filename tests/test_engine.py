@@ -447,3 +447,33 @@ def test_n_choices_without_prefix_caching_and_max_tokens_none_runs_to_the_contex
     assert all(c.finish_reason == "length" for c in out.outputs)
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
     assert llm.stats()["prefix_cache_hits"] == 0 and llm.stats()["used_pages"] == 0
+
+
+def test_a_failed_sampling_pass_fails_its_requests_with_the_engine_error_code(llama, monkeypatch):
+    import engines.engine
+
+    llm = LLM(llama, block_size=BLOCK)
+    eng = llm.engine
+    real = engines.engine.sample_sequences
+    calls = {"n": 0}
+
+    def broken_once(logits, seqs, eos):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("sampler fell over")
+        return real(logits, seqs, eos)
+
+    monkeypatch.setattr(engines.engine, "sample_sequences", broken_once)
+    sink = Collector()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    eng.add_request([5, 6, 7], params, "a", emit=sink)
+    eng.step()
+    eng.step()  # its sampling fails
+    eng.add_request([8, 9, 10], params, "b", emit=sink)
+    drain(eng)
+    a = sink.final["a"]
+    assert a.error.code is ErrorCode.ENGINE_ERROR and "sampler fell over" in a.error.message
+    assert a.outputs[0].finish_reason == "error" and len(a.outputs[0].token_ids) == 1
+    assert sink.final["b"].error is None and sink.final["b"].outputs[0].token_ids == greedy_alone(
+        eng.model, [8, 9, 10], 5)
+    assert llm.core.pool.num_used == 0

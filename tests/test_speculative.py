@@ -581,3 +581,36 @@ def test_penalties_and_min_tokens_see_each_draft_position_as_plain_decoding_woul
             got = spec.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0]
             assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
     assert spec.stats()["engine_spec_num_accepted_tokens"] > 20
+
+
+def test_a_failed_draft_pass_fails_the_drafted_requests_with_the_engine_error_code_only(pair):
+    from engines.errors import ErrorCode
+
+    _, target, _ = pair
+    spec = spec_llm(pair, k=3)
+    eng = spec.engine
+    drafter = eng.speculator.drafter
+    real = drafter.draft
+    calls = {"n": 0}
+
+    def broken_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("drafter fell over")
+        return real(*args)
+
+    drafter.draft = broken_once
+    finals = {}
+    emit = lambda o: finals.__setitem__(o.request_id, o) if o.finished else None  # noqa: E731
+    prompt = random_prompts(1, 6, 6, seed=12)[0]
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), "drafted", emit=emit)
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculative=False),
+                    "plain", emit=emit)
+    drain(eng)
+    bad, ok = finals["drafted"], finals["plain"]
+    assert bad.error.code is ErrorCode.ENGINE_ERROR and "while drafting" in bad.error.message
+    assert bad.outputs[0].finish_reason == "error"
+    want = LLM(target, block_size=BLOCK).generate({"prompt_token_ids": prompt},
+                                                  SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert ok.error is None and ok.outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert spec.stats()["used_pages"] == 0
