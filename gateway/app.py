@@ -167,7 +167,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     provider = tracer_provider or build_tracer_provider(cfg.telemetry)
     slo = SLOAccounting(cfg.routes, window_s=cfg.telemetry.slo_window_s,
                         price_per_device_hour=cfg.cost.price_per_device_hour)
-    telemetry = Telemetry(cfg.telemetry, provider, slo, meter_provider or build_meter_provider(cfg.telemetry))
+    telemetry = Telemetry(provider, slo, meter_provider or build_meter_provider(cfg.telemetry))
     keyring = KeyRing(cfg.auth)
     admission = AdmissionController(cfg.routes, cfg.admission, engine_slots={
         name: e.max_num_seqs for name, e in cfg.engines.items()}) if cfg.admission.enabled else None

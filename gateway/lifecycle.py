@@ -1,6 +1,7 @@
-"""One request's way through the gateway, after its handler has parsed it: resolve the route, admit it (or shed
-it with 503 + Retry-After), start it through the route's strategy, wait for the first output (so a rejection is
-an HTTP error before any byte), then answer with one JSON body or an SSE stream; `Finisher` closes it.
+"""One request's way through the gateway, after its handler has parsed it: size check, the route's strategy
+plans the engine, admission books it (or downgrades, or sheds with 503 + Retry-After), the strategy starts it,
+the first output is awaited (so a rejection is an HTTP error before any byte), then one JSON body or an SSE
+stream answers; `Finisher` closes the request whichever way it ends.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ async def serve(request: Request, state: GatewayState, route: Route,
     prompt.tokenize = state.admission is not None  # admission counts the prompt's tokens
     ctx = RoutingContext(request_id=request_id, route=route, params=params, prompt=prompt,
                          conversation=conversation, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
-                         ledger=state.admission or NO_LEDGER)
+                         ledger=state.admission if state.admission is not None else NO_LEDGER)
     run, route_span = await start_request(state, ctx, span)
     decided = set(run.attributes)
 

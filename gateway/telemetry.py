@@ -250,9 +250,7 @@ class _EngineStatsCollector(Collector):
 class Telemetry:
     """The gateway's metrics registry and tracer; one per app so tests can run several."""
 
-    def __init__(self, cfg: TelemetryConfig, provider: TracerProvider, slo: SLOAccounting,
-                 meter_provider: MeterProviderAPI | None = None):
-        self.cfg = cfg
+    def __init__(self, provider: TracerProvider, slo: SLOAccounting, meter_provider: MeterProviderAPI | None = None):
         self.provider = provider
         self.tracer = provider.get_tracer("tandem.gateway")
         self.registry = CollectorRegistry(auto_describe=True)

@@ -6,6 +6,7 @@ engine errors reach the client by their typed code.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ from engines.sampling_params import SamplingParams
 from gateway.app import create_app
 from gateway.config import config_from_dict
 from gateway.lifecycle import start_request
-from gateway.prompts import completion_prompt
+from gateway.prompts import INLINE_CHARS, Prompt, completion_prompt
 from gateway.protocol import CompletionRequest
 from gateway.routing import RoutingContext
 from gateway.server import ServerThread
@@ -228,8 +229,11 @@ def test_the_text_size_cap_answers_400_before_any_work(failing_server):
 
 
 async def test_a_long_prompt_does_not_stall_the_event_loop(failing_server):
-    """Four 1 MB prompts in flight: each is refused with a 400 by the size check, and /health stays quick."""
-    huge = {"model": "ok", "prompt": "lorem ipsum " * ((1 << 20) // 12), "max_tokens": 2}
+    """Four 1 MB prompts in flight (chat and completions): each is refused with a 400 by the size check before
+    any rendering or tokenising, and /health stays quick."""
+    text = "lorem ipsum " * ((1 << 20) // 12)
+    bodies = [("/v1/completions", {"model": "ok", "prompt": text, "max_tokens": 2}),
+              ("/v1/chat/completions", {"model": "ok", "messages": [{"role": "user", "content": text}]})] * 2
     async with httpx.AsyncClient(base_url=failing_server.url, timeout=30) as client:
         await client.get("/health")
         stop = asyncio.Event()
@@ -244,9 +248,27 @@ async def test_a_long_prompt_does_not_stall_the_event_loop(failing_server):
                 await asyncio.sleep(0.005)
 
         prober = asyncio.create_task(probe())
-        answers = await asyncio.gather(*(client.post("/v1/completions", json=huge) for _ in range(4)))
+        answers = await asyncio.gather(*(client.post(path, json=body) for path, body in bodies))
         stop.set()
         await prober
     assert [a.status_code for a in answers] == [400] * 4
-    assert {a.json()["error"]["code"] for a in answers} == {"context_length_exceeded"}
+    assert [a.json()["error"]["code"] for a in answers] == ["context_length_exceeded"] * 4
+    assert [a.json()["error"]["param"] for a in answers] == ["prompt", "messages"] * 2
     assert worst < 0.1, f"/health took {worst * 1000:.0f} ms while the big prompts were in flight"
+
+
+async def test_a_long_prompt_renders_and_tokenises_in_a_worker_thread_and_a_short_one_inline():
+    engine = SpyEngine("e")
+    loop_thread = threading.get_ident()
+    for chars, off_loop in ((INLINE_CHARS, False), (INLINE_CHARS + 1, True)):
+        where: list[int] = []
+
+        def render(e, chars=chars, where=where):
+            where.append(threading.get_ident())
+            return "x" * chars
+
+        prompt = Prompt(render, chars, "prompt")
+        prompt.tokenize = True
+        ids = await prompt.get(engine)
+        assert ids == [ord("x")] * chars and await prompt.get(engine) is ids  # prepared once per engine
+        assert len(where) == 1 and (where[0] != loop_thread) == off_loop
