@@ -1,14 +1,11 @@
 """The scheduler decides what runs each step, in one language: `{seq_id: num_tokens}`.
 
-Running sequences first (decodes and unfinished prefill chunks, oldest admission first), then waiting ones by
-priority class, then earliest TTFT deadline, with aging (`WaitingQueue`), within a token budget; chunked
-prefill rides in the same step as decodes. With SLO scheduling on, a `BatchCapController` caps the running
-batch and the step's prefill tokens so the predicted step stays inside the tightest running TPOT target
-(decodes always run). When pages run out it preempts (by recompute) the lowest-priority, latest-admitted
-sequence and admits nobody that step. `slo_scheduling=False` gives the plain (priority, arrival) order.
-With `drop_expired`, a waiting request that can no longer make its TTFT deadline before producing a token (the
-deadline is nearer than the measured lead from a prefill's first step to its first token) is handed back in
-`SchedulerOutput.expired` (the engine ends it with `ErrorCode.TTFT_EXPIRED`) instead of being served late.
+Running sequences first (decodes and unfinished prefill chunks, oldest admission first), then waiting ones in
+the order its `SLOPolicy` keeps (priority class, then earliest TTFT deadline, with aging), within a token
+budget and the policy's batch caps (decodes always run); chunked prefill rides in the same step as decodes.
+When pages run out it preempts (by recompute) the lowest-priority, latest-admitted sequence and admits nobody
+that step. Waiting requests the policy finds past saving are handed back in `SchedulerOutput.expired` (the
+engine ends them with `ErrorCode.TTFT_EXPIRED`) instead of being served late.
 The scheduler also owns the end of a step (`update`): it appends the sampled or verified tokens, commits and
 hashes the blocks they complete, applies stop ids, stop strings and max length, and finishes sequences.
 """
@@ -17,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
@@ -27,16 +23,14 @@ from engines.errors import EngineError, ErrorCode
 from engines.kv_pool import KVPool
 from engines.output_processor import append_text, flush_text
 from engines.sequence import Request, SeqStatus, Sequence
-from engines.step_model import BatchCapController, BatchCaps, FirstTokenLead
+from engines.slo_policy import SLOPolicy
+from engines.step_model import BatchCapController, BatchCaps
 from engines.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
     from engines.sampler import Sampled
 
 log = logging.getLogger("tandem.engine")
-
-DEFAULT_TTFT_DEADLINE_S = 60.0  # a request without a TTFT target is due this long after arrival
-
 
 @dataclass
 class SchedulerOutput:
@@ -81,19 +75,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = pool.block_size
         self.running: list[Sequence] = []  # in admission order
-        self.slo_scheduling = slo_scheduling
-        # SLO on: priority class, then earliest TTFT deadline, with aging; off: strict (priority, arrival)
-        expires = _ttft_deadline if drop_expired else None
-        self._waiting: WaitingQueue[Sequence] = (
-            WaitingQueue(_deadline_key, aging_s=priority_aging_s, expires=expires) if slo_scheduling
-            else WaitingQueue(_arrival_key, aging_s=math.inf, expires=expires))
-        self.drop_expired = drop_expired
-        self.clock = clock  # the clock of Request.arrival_time
+        self.slo = SLOPolicy(slo_scheduling=slo_scheduling, cap_controller=cap_controller,
+                             priority_aging_s=priority_aging_s, drop_expired=drop_expired, clock=clock)
+        self._waiting: WaitingQueue[Sequence] = self.slo.waiting_queue()
         self.num_expired = 0
-        # started late, a request misses its deadline anyway and takes the capacity another one needed
-        self.first_token_lead = FirstTokenLead()
-        self._prefill_started: dict[int, float] = {}  # seq_id -> when its prefill was first scheduled
-        self.cap_controller = cap_controller if slo_scheduling else None
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up at admission (every admission, every choice)
@@ -125,7 +110,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self._waiting.remove(seq.seq_id)
         seq.status = SeqStatus.FINISHED
-        self._prefill_started.pop(seq.seq_id, None)
+        self.slo.dropped(seq)
         self._free_pages(seq)
 
     def _free_pages(self, seq: Sequence) -> None:
@@ -142,13 +127,12 @@ class Scheduler:
         self._left_running(seq)
         self._free_pages(seq)
         seq.num_computed = 0
-        self._prefill_started.pop(seq.seq_id, None)
+        self.slo.dropped(seq)
         self.num_preemptions += 1
         self.add(seq)
 
     def _left_running(self, seq: Sequence) -> None:
-        if self.cap_controller is not None:
-            self.cap_controller.targets.remove(seq.request.tpot_s)
+        self.slo.left_running(seq)
 
     def _pages_needed(self, seq: Sequence, num_new: int) -> int:
         total = -(-(seq.num_computed + num_new) // self.block_size)
@@ -166,16 +150,14 @@ class Scheduler:
         """This step's {seq: num_tokens}; `drafts` (seq_id -> proposed draft tokens) ride with the chunk that
         reaches a sequence's last known token, as far as the budget and max_tokens allow."""
         out = SchedulerOutput()
-        if self.drop_expired and len(self._waiting):
-            out.expired = self._waiting.pop_expired(self.clock() + self.first_token_lead.estimate_s, _not_started)
-            self.num_expired += len(out.expired)
+        out.expired = self.slo.expired(self._waiting)
+        self.num_expired += len(out.expired)
         budget = self.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # seq_id -> position in out.seqs
         max_running = self.max_num_seqs
         prefill_budget = budget  # tokens of prompt chunks (running and newly admitted) this step may carry
-        if self.cap_controller is not None:
-            decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed <= 1)
-            out.caps = caps = self.cap_controller.caps(decoding)
+        out.caps = caps = self.slo.caps(self.running)
+        if caps is not None:
             max_running = min(max_running, caps.max_decode_seqs)
             prefill_budget = caps.max_prefill_tokens
 
@@ -250,11 +232,8 @@ class Scheduler:
             seq.num_cached_tokens = num_cached
             seq.status = SeqStatus.RUNNING
             seq.admit_order = next(self._admit_counter)
-            if self.drop_expired and seq.num_output_tokens == 0:
-                self._prefill_started[seq.seq_id] = self.clock()
             self.running.append(seq)
-            if self.cap_controller is not None:
-                self.cap_controller.targets.add(seq.request.tpot_s)
+            self.slo.admitted(seq)
             out.seqs.append(seq)
             out.num_tokens.append(num_new)
             if fit:
@@ -362,8 +341,7 @@ class Scheduler:
     def commit_computed(self, seq: Sequence, num_new: int) -> None:
         """`num_new` more tokens have K/V; hash the blocks that just became full."""
         seq.num_computed += num_new
-        if self._prefill_started and seq.num_computed >= seq.num_tokens and seq.seq_id in self._prefill_started:
-            self.first_token_lead.observe(self.clock() - self._prefill_started.pop(seq.seq_id))
+        self.slo.computed(seq)
         commit_full_blocks(self.pool, self.model_id, seq, min(seq.num_computed, seq.num_tokens) // self.block_size,
                            extra_keys(seq))
 
@@ -386,24 +364,3 @@ def commit_full_blocks(pool: KVPool, model_id: int, holder: Sequence, num_full: 
         parent = pool.commit_block(model_id, holder.pages[i], parent, tuple(holder.token_ids[i * bs:(i + 1) * bs]),
                                    keys)
         hashes.append(parent)
-
-
-def _deadline_key(seq: Sequence) -> tuple[int, int, float]:
-    req = seq.request
-    ttft = req.ttft_s if req.ttft_s is not None else DEFAULT_TTFT_DEADLINE_S
-    return seq.seq_id, req.priority, req.arrival_time + ttft
-
-
-def _ttft_deadline(seq: Sequence) -> float | None:
-    req = seq.request
-    return None if req.ttft_s is None else req.arrival_time + req.ttft_s
-
-
-def _not_started(seq: Sequence) -> bool:
-    """Only a request that has not produced a token may be dropped (a preempted one keeps its place)."""
-    m = seq.request.metrics
-    return (m is None or m.first_token_time is None) and not any(s.num_output_tokens for s in seq.request.seqs)
-
-
-def _arrival_key(seq: Sequence) -> tuple[int, int, float]:
-    return seq.seq_id, seq.request.priority, seq.request.arrival_time

@@ -186,7 +186,7 @@ def test_a_waiting_request_is_dropped_when_its_deadline_is_nearer_than_the_measu
     run_step(sched)
     clock.now = 0.25
     run_step(sched)  # its prefill ends 0.25 s after it started: that is the measured lead
-    assert first.num_output_tokens == 1 and sched.first_token_lead.estimate_s == pytest.approx(0.25)
+    assert first.num_output_tokens == 1 and sched.slo.first_token_lead.estimate_s == pytest.approx(0.25)
     clock.now = 1.0
     doomed, fine = seq(4, arrival=0.0, ttft_s=1.1), seq(4, arrival=0.1, ttft_s=1.5)  # due in 0.1 s and 0.6 s
     sched.add(doomed)
