@@ -138,14 +138,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._deadline = None
-        if not self._in_head or self._pipelined_busy():
-            self._refuse(None)  # nothing of a new request arrived (or no room to answer): just close
+        if self._pipelined_busy():  # a head pipelined behind a running request: its clock starts after it
+            self._arm(self.limits.header_timeout_s, self._head_timed_out)
+        elif not self._in_head:
+            self._refuse(None)  # nothing of a request arrived: nobody to answer, just close
         else:
             self._refuse((408, f"The request headers did not arrive within {self.limits.header_timeout_s:g} s",
                           "request_timeout"))
 
     def _body_timed_out(self) -> None:
         self._deadline = None
+        if any(cycle is self.cycle for cycle, _ in self.pipeline):  # queued behind a pipelined request, which
+            self._arm(self.limits.body_timeout_s, self._body_timed_out)  # pauses reading: its clock starts later
+            return
         answer = (408, f"The request body did not arrive within {self.limits.body_timeout_s:g} s", "request_timeout")
         self._refuse(None if self.cycle.response_started else answer)  # an early answer (413) stands alone
 

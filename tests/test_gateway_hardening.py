@@ -7,6 +7,7 @@ server on 127.0.0.1 over a tiny checkpoint; the HTTP limits are shortened so eve
 from __future__ import annotations
 
 import json
+import re
 import select
 import shutil
 import socket
@@ -330,3 +331,12 @@ def test_the_server_still_serves_after_every_refusal(server):
 def test_an_empty_body_is_a_400(server):
     r = httpx.post(server.url + "/v1/chat/completions", content=b"", headers={"content-type": "application/json"})
     assert _error(r, 400)["type"] == "invalid_request_error"
+
+
+def test_pipelined_requests_are_answered_in_order_and_a_stalled_third_head_is_a_408(server):
+    body = json.dumps(_chat()).encode()
+    with _connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n" + _request_head("/v1/chat/completions", len(body))
+                     + body + b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n")
+        response = _read_all(sock)
+    assert re.findall(rb"HTTP/1.1 (\d{3}) ", response) == [b"200", b"200", b"408"]
