@@ -36,6 +36,7 @@ from gateway.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    StrictJSONRequest,
 )
 from gateway.routes import Routes
 from gateway.slo import SLOAccounting
@@ -215,6 +216,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         plugins=[otel_plugin(provider)],
         exception_handlers={**EXCEPTION_HANDLERS, ValidationException: _validation_error},
         request_max_body_size=cfg.server.max_body_bytes,
+        request_class=StrictJSONRequest,  # bodies decoded strictly: JSON only, bounded nesting, no coercion
         openapi_config=OpenAPIConfig(title="tandem", version="0.1.0", path="/schema",
                                      render_plugins=[SwaggerRenderPlugin()]),
         logging_config=None,

@@ -40,7 +40,10 @@ class RouterStrategy:
             return ctx.conversation
         if ctx.prompt_text is not None:
             return ctx.prompt_text
-        return engines[self.small].tokenizer.decode(ctx.prompt_token_ids or [])
+        small, large = engines[self.small], engines[self.large]
+        # no more than a context holds: a longer prompt is refused by the engine, the router need not read it
+        longest = max(getattr(small, "max_model_len", 0) or 0, getattr(large, "max_model_len", 0) or 0) or None
+        return small.tokenizer.decode((ctx.prompt_token_ids or [])[:longest])
 
     def decide(self, conversation: Conversation) -> tuple[str, float]:
         """("small" | "large", score) for one conversation under this route's threshold."""

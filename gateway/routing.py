@@ -71,10 +71,6 @@ class RoutingContext:
     prompt_token_ids: list[int] | None = None  # or its token ids
     ledger: Ledger = NO_LEDGER  # where a second engine's start is booked (the first is admitted before start)
 
-    @property
-    def priority(self) -> int:
-        return self.route.config.priority
-
     def start(self, engine: Any, prompt: str | list[int], *, request_id: str | None = None,
               params: SamplingParams | None = None, draft_token_ids: list[int] | None = None
               ) -> AsyncIterator[RequestOutput]:
