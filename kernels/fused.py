@@ -188,7 +188,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
 def rejection_sample_ref(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                          target_probs: torch.Tensor, uniform_accept: torch.Tensor,
                          uniform_recover: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of `rejection_sample` (same arguments, same outputs)."""
+    """PyTorch reference of `rejection_sample` (same arguments, same outputs): the one rejection-sampling
+    reference; the kernel and the engine's CPU paths (engines/spec/rejection.py) are tested against it."""
     b, k = draft_token_ids.shape
     vocab = target_probs.shape[-1]
     out = torch.full((b, k + 1), -1, dtype=torch.int64, device=target_probs.device)
