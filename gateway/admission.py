@@ -1,12 +1,8 @@
-"""Admission control: predict a new request's TTFT from the work queued ahead of it on its engine (prompt
-tokens at the measured prefill drain rate; requests waiting for a decode slot at the measured slot turnover),
-stretched by how much later than such predictions its class's recent first tokens came (higher-priority work
-that arrived later ran first), then admit it, downgrade it to the route's small engine, or shed it with 503
-and a Retry-After taken from the queue. The stretch is measured per engine and priority, never below 1: a
-modelled forecast of overtaking arrivals (1 / (1 - their share of the slots)) shed work that was served in time
-(bench/slo.py). A request that still falls behind its deadline is the engine's to drop
-(`drop_expired_requests`). Queues are bounded per route. Predicted vs actual TTFT is kept per engine and
-priority (`prediction_stats`): the predictor's error is measured, not assumed.
+"""Admission control: predict a new request's TTFT on the engine its route chose (prompt tokens ahead at the
+measured prefill drain rate, or the wait for a decode slot, stretched by how much later than predicted its
+class's recent first tokens came), then admit it, downgrade it to the route's small engine, or shed it with 503
+and a Retry-After. Queues are bounded per route; a request that falls behind its deadline later is the engine's
+to drop. The per-engine ledger behind the predictions also measures their error (`prediction_stats`).
 """
 
 from __future__ import annotations
@@ -191,9 +187,10 @@ class _Waiting:
 class AdmissionController:
     """Decides admit / downgrade / shed per request and keeps the per-engine backlog ledger.
 
-    Call it from the event loop only (no locks). Per request: `admit()` before starting the engine, then
-    `first_token()` when its prefill is done (if it gets that far), and `release()` when it ends, whichever way
-    (idempotent; after `first_token()` it frees the request's decode slot in the ledger).
+    Call it from the event loop only (no locks). Per engine request: `admit()` (or `book()` for a second engine
+    of a request already admitted) before starting it, then `first_token()` when its prefill is done (if it gets
+    that far), and `release()` when it ends, whichever way (idempotent; after `first_token()` it frees the
+    request's decode slot in the ledger).
     """
 
     def __init__(self, routes: Mapping[str, RouteConfig], config: AdmissionConfig | None = None, *,

@@ -368,6 +368,24 @@ def test_admission_predicts_ttft_from_the_queue_ahead_and_sheds_with_retry_after
     assert big.retry_after_s == 5
 
 
+def test_admission_books_a_second_engine_without_a_verdict_and_checks_its_prediction():
+    clock = Clock()
+    adm = AdmissionController(_routes(), clock=clock)
+    _warm(adm, clock, "large", 1000.0)
+    adm.admit("ahead", "interactive", "large", 400)
+    assert adm.decide("interactive", "large", 200).action == "shed"  # a new request would be shed here
+    adm.book("r-escalated", "interactive", "large", 200)  # an escalation of a request admitted already
+    assert adm.waiting_by_engine() == {"large": 2} and adm.num_waiting("interactive") == 2
+    assert sum(n for key, n in adm.stats()["decisions"].items() if key.startswith("interactive/")) == 1
+    with pytest.raises(ValueError):
+        adm.book("r-escalated", "interactive", "large", 200)
+    clock.advance(0.6)
+    adm.first_token("ahead")
+    adm.first_token("r-escalated")
+    (predicted, actual), = adm.prediction_pairs("large", 0)[-1:]
+    assert predicted == pytest.approx(0.6) and actual == pytest.approx(0.6)  # 400 ahead + its 200 at 1000/s
+
+
 def test_admission_admits_an_unreachable_request_when_nothing_is_ahead():
     clock = Clock()
     adm = AdmissionController(_routes(), clock=clock)
