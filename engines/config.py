@@ -93,6 +93,18 @@ def check_drafts(engines: Mapping[str, EngineOptions]) -> None:
                              "needs a draft engine (another engine's name), or set num_speculative_tokens = 0")
 
 
+def spec_kwargs(options: dict) -> tuple[dict, dict]:
+    """Split flat keyword options (as `LLM(**options)` takes them) into EngineSpec and PoolSpec fields."""
+    engine_fields = set(EngineSpec.__struct_fields__)
+    pool_fields = set(PoolSpec.__struct_fields__)
+    unknown = set(options) - engine_fields - pool_fields - {"device"}
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {sorted(unknown)}; known: "
+                        f"{sorted(engine_fields | pool_fields | {'device'})}")
+    return ({k: v for k, v in options.items() if k in engine_fields},
+            {k: v for k, v in options.items() if k in pool_fields})
+
+
 def _convert(values: dict[str, Any], kind: type, where: str) -> None:
     try:
         msgspec.convert(values, kind)

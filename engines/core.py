@@ -156,16 +156,4 @@ class EngineCore:
         return {"pool": self.pool.stats(), "engines": {n: e.stats() for n, e in self.engines.items()}}
 
 
-def spec_kwargs(options: dict) -> tuple[dict, dict]:
-    """Split flat keyword options (as `LLM(**options)` takes them) into EngineSpec and PoolSpec fields."""
-    engine_fields = set(EngineSpec.__struct_fields__)
-    pool_fields = set(PoolSpec.__struct_fields__)
-    unknown = set(options) - engine_fields - pool_fields - {"device"}
-    if unknown:
-        raise TypeError(f"unknown engine option(s) {sorted(unknown)}; known: "
-                        f"{sorted(engine_fields | pool_fields | {'device'})}")
-    return ({k: v for k, v in options.items() if k in engine_fields},
-            {k: v for k, v in options.items() if k in pool_fields})
-
-
-__all__ = ["EngineCore", "EngineSpec", "ModelEngine", "PoolSpec"]
+__all__ = ["EngineCore"]

@@ -7,8 +7,8 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
-from engines.config import EngineSpec, PoolSpec
-from engines.core import EngineCore, spec_kwargs
+from engines.config import EngineSpec, PoolSpec, spec_kwargs
+from engines.core import EngineCore
 from engines.errors import RequestRejected
 from engines.model import Transformer
 from engines.outputs import RequestOutput

@@ -1,7 +1,8 @@
 """Per-engine step-time model and the batch caps it implies: an online, forgetting least-squares fit of
 `step_s = a + b * decode_seqs + c * prefill_tokens`, and the decode-batch cap and per-step prefill budget
 that keep the predicted step time (one decode token's latency) inside the tightest running TPOT target; and
-the measured lead from a request's first scheduled step to its first token (`FirstTokenLead`).
+the measured lead from a request's first scheduled step to its first token (`FirstTokenLead`); and the
+engine's one step timer (`StepTimer`) with the clock step costs are compared on (`step_clock`).
 """
 
 from __future__ import annotations
