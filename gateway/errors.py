@@ -12,7 +12,15 @@ import math
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from gateway.protocol import ErrorBody, ErrorDetail, InvalidParameter, UnsupportedMediaType, encode, sse
+from gateway.protocol import (
+    ClientDisconnected,
+    ErrorBody,
+    ErrorDetail,
+    InvalidParameter,
+    UnsupportedMediaType,
+    encode,
+    sse,
+)
 
 log = logging.getLogger("tandem.gateway")
 
@@ -81,6 +89,11 @@ def handle_unsupported_media_type(request: Request, exc: UnsupportedMediaType) -
     return _respond(request, APIError(415, str(exc), code="unsupported_media_type"))
 
 
+def handle_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    """Nobody reads this answer; it is counted as 499 (nginx's "client closed request"), not as a 500."""
+    return _respond(request, APIError(499, str(exc), code="client_closed_request"))
+
+
 def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     """Litestar's own errors (routing, body size, decoding) re-shaped as OpenAI errors."""
     status = exc.status_code
@@ -110,5 +123,6 @@ def handle_unexpected(request: Request, exc: Exception) -> Response:
 
 
 EXCEPTION_HANDLERS = {APIError: handle_api_error, InvalidParameter: handle_invalid_parameter,
-                      UnsupportedMediaType: handle_unsupported_media_type, HTTPException: handle_http_exception,
+                      UnsupportedMediaType: handle_unsupported_media_type, ClientDisconnected: handle_client_disconnected,
+                      HTTPException: handle_http_exception,
                       Exception: handle_unexpected}

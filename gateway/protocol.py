@@ -13,6 +13,8 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import numpy as np
 from litestar import Request
+from litestar.connection.base import empty_receive, empty_send
+from litestar.exceptions import InternalServerException
 from msgspec import Struct
 
 from engines.sampling_params import SamplingParams
@@ -189,10 +191,37 @@ def is_json_media_type(media_type: str) -> bool:
                                                       and media_type.endswith("+json"))
 
 
+class ClientDisconnected(Exception):
+    """The client left before its request body arrived (or the server refused it, see gateway/server.py)."""
+
+
 class StrictJSONRequest(Request):
     """Litestar's Request with the handler's `data` decoded by `decode_request` instead of Litestar's lenient
-    conversion (which turns "NaN" into a float and "true" into a bool); a non-JSON body is a 415.
-    The app selects it with `Litestar(request_class=StrictJSONRequest)`."""
+    conversion (which turns "NaN" into a float and "true" into a bool); a non-JSON body is a 415, and a client
+    gone mid-body is ClientDisconnected, not a server error. The app selects it with
+    `Litestar(request_class=StrictJSONRequest)`."""
+
+    def __init__(self, scope: Any, receive: Any = empty_receive, send: Any = empty_send) -> None:
+        super().__init__(scope, receive, send)
+        self.client_left = False
+        inner = self.receive
+
+        async def receive_watched() -> Any:
+            event = await inner()
+            if event["type"] == "http.disconnect":
+                self.client_left = True
+            return event
+
+        self.receive = receive_watched
+
+    async def body(self) -> bytes:
+        try:
+            return await super().body()
+        except InternalServerException:  # Litestar's way of saying "client disconnected prematurely"
+            if self.client_left:
+                raise ClientDisconnected("The client closed the connection before its request body arrived") \
+                    from None
+            raise
 
     async def json(self) -> Any:
         media_type, _ = self.content_type

@@ -287,6 +287,23 @@ def test_a_body_shorter_than_its_content_length_is_a_408(server):
     assert elapsed < LIMITS.body_timeout_s + 2
 
 
+def _errors_counted(server, status: int) -> float:
+    lines = httpx.get(server.url + "/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("tandem:request_errors_total{") and f'status="{status}"' in line)
+
+
+def test_a_body_cut_off_by_its_deadline_is_not_counted_as_a_server_error(server, strict):
+    before_500, before_499 = _errors_counted(server, 500), _errors_counted(server, 499)
+    with _connect(server) as sock:
+        sock.sendall(_request_head("/v1/completions", 100) + b'{"model": ')
+        assert _status(_read_all(sock)) == 408
+    deadline = time.monotonic() + 5
+    while _errors_counted(server, 499) == before_499 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _errors_counted(server, 499) == before_499 + 1 and _errors_counted(server, 500) == before_500
+
+
 def test_a_trickled_body_is_a_408_at_the_body_deadline(server):
     body = json.dumps(_chat()).encode()
     with _connect(server) as sock:
