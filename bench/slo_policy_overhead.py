@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 from engines.step_model import BatchCapController, StepTimeModel  # noqa: E402
 from engines.waiting_queue import WaitingQueue  # noqa: E402
-from gateway.admission import AdmissionController, AdmissionSettings  # noqa: E402
+from gateway.admission import AdmissionController  # noqa: E402
 from gateway.autoscale import Autoscaler, ScaleSignals  # noqa: E402
 from gateway.config import RouteConfig, SLOConfig  # noqa: E402
 from gateway.slo import SLOAccounting  # noqa: E402
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     rows["batch caps"] = best_us(caps, args.n, args.rounds)
 
     clock_t = [0.0]
-    adm = AdmissionController(ROUTES, AdmissionSettings(engine_slots={"large": 64}), clock=lambda: clock_t[0])
+    adm = AdmissionController(ROUTES, engine_slots={"large": 64}, clock=lambda: clock_t[0])
 
     def admission(n: int) -> None:  # a request's whole life: admit, first token, release (8 waiting, 8 running)
         for i in range(n):
