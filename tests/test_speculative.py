@@ -614,3 +614,28 @@ def test_a_failed_draft_pass_fails_the_drafted_requests_with_the_engine_error_co
                                                   SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert ok.error is None and ok.outputs[0].token_ids == want[0].outputs[0].token_ids
     assert spec.stats()["used_pages"] == 0
+
+
+def test_verify_is_a_function_of_logits_layout_and_drafts():
+    """Greedy rows keep drafts while they equal the argmax, then take the argmax; a row without drafts samples."""
+    from types import SimpleNamespace
+
+    from engines.sequence import Request, Sequence
+    from engines.spec.verify import verify
+
+    def seq(rid: str) -> Sequence:
+        req = Request(rid, None, [1, 2], SamplingParams(temperature=0))
+        s = Sequence(req, 0, [1, 2, 3], 2, 20)
+        req.seqs.append(s)
+        return s
+
+    a, b, c = seq("a"), seq("b"), seq("c")
+    argmax = [5, 6, 7, 8, 9, 4, 3]  # rows: a's 3 (2 drafts), b's 1 (plain), c's 3 (2 drafts)
+    logits = torch.full((len(argmax), 12), -5.0)
+    logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 5.0
+    batch = SimpleNamespace(sample_seqs=[a, b, c], rows_per_seq=[3, 1, 3])
+    drafts = {a.seq_id: [5, 6], c.seq_id: [4, 11]}
+    out = verify(logits, batch, drafts, {}, set())
+    got = {s.seq.request.request_id: (s.token_ids, s.num_accepted) for s in out}
+    assert got == {"a": ([5, 6, 7], 2), "b": ([8], 0), "c": ([9], 0)}
+    assert drafts == {a.seq_id: [5, 6], c.seq_id: [4, 11]} and a.token_ids == [1, 2, 3]  # inputs untouched
