@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from engines.config import EngineOptions, PoolSpec, options_of
+from engines.config import EngineOptions, PoolSpec, check_drafts, options_of
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "default.toml"
@@ -262,19 +262,10 @@ def _cross_check(cfg: TandemConfig) -> None:
         if not _valid_device(engine.device):
             raise ConfigError(f"{src}: engines.{name}.device = {engine.device!r} is invalid: expected "
                               f"'auto', 'cpu', 'cuda' or 'cuda:N'")
-        if engine.draft is not None:
-            if engine.draft not in cfg.engines:
-                raise ConfigError(f"{src}: engines.{name}.draft = {engine.draft!r} names an unknown engine; "
-                                  f"configured engines: {names}")
-            if engine.draft == name:
-                raise ConfigError(f"{src}: engines.{name}.draft = {name!r} is invalid: an engine cannot "
-                                  f"draft for itself")
-            if cfg.engines[engine.draft].draft is not None:
-                raise ConfigError(f"{src}: engines.{name}.draft = {engine.draft!r} is invalid: the draft "
-                                  f"engine has a draft of its own; chains are not supported")
-        if engine.num_speculative_tokens > 0 and engine.draft is None:
-            raise ConfigError(f"{src}: engines.{name}.num_speculative_tokens = {engine.num_speculative_tokens} "
-                              f"needs engines.{name}.draft to name the drafting engine")
+    try:
+        check_drafts(cfg.engines)  # the engine's own draft rules, worded for both callers
+    except ValueError as exc:
+        raise ConfigError(f"{src}: {exc}") from None
     for name, route in cfg.routes.items():
         where = f"routes.{name}"
         if name in cfg.engines:
