@@ -46,13 +46,6 @@ def server(tiny_checkpoint, tmp_path_factory):
         yield srv
 
 
-@pytest.fixture
-def strict(server):
-    """Tests of the strict body decoding need the app to use it (`Litestar(request_class=StrictJSONRequest)`)."""
-    if server.app.request_class is not StrictJSONRequest:
-        pytest.skip("gateway/app.py does not pass request_class=StrictJSONRequest to Litestar yet")
-
-
 def _post(server, path: str, body: object, **kwargs) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=30, **kwargs)
 
@@ -87,7 +80,7 @@ def test_text_content_parts_are_joined_and_served(server):
     assert r.status_code == 200, r.text
 
 
-def test_a_body_nested_100000_deep_is_a_400(server, strict):
+def test_a_body_nested_100000_deep_is_a_400(server):
     depth = 100_000
     r = httpx.post(server.url + "/v1/chat/completions", content=b"[" * depth + b"]" * depth,
                    headers={"content-type": "application/json"}, timeout=30)
@@ -95,7 +88,7 @@ def test_a_body_nested_100000_deep_is_a_400(server, strict):
     assert err["code"] == "invalid_json" and str(MAX_JSON_DEPTH) in err["message"]
 
 
-def test_chat_template_kwargs_nested_5000_deep_is_a_400(server, strict):
+def test_chat_template_kwargs_nested_5000_deep_is_a_400(server):
     deep = b'{"a": ' * 5000 + b"1" + b"}" * 5000  # json.dumps itself cannot nest this deep
     body = json.dumps(_chat()).encode()[:-1] + b', "chat_template_kwargs": {"deep": ' + deep + b"}}"
     r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
@@ -138,12 +131,12 @@ def test_nan_as_a_string_is_refused_naming_the_field(server, field):
 @pytest.mark.parametrize("fields,param", [({"max_tokens": "2"}, "max_tokens"), ({"temperature": "0.5"}, "temperature"),
                                           ({"stream": "false"}, "stream"), ({"logprobs": "true"}, "logprobs"),
                                           ({"n": 1.0}, "n"), ({"ignore_eos": 1}, "ignore_eos")])
-def test_strings_and_numbers_are_not_coerced(server, strict, fields, param):
+def test_strings_and_numbers_are_not_coerced(server, fields, param):
     err = _error(_post(server, "/v1/chat/completions", _chat(**fields)), 400)
     assert err["param"] == param and err["code"] == "invalid_value"
 
 
-def test_numbers_out_of_float_range_are_refused(server, strict):
+def test_numbers_out_of_float_range_are_refused(server):
     body = json.dumps(_chat()).encode()[:-1] + b', "temperature": 1e400}'
     r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert _error(r, 400)["param"] == "temperature"
@@ -162,7 +155,7 @@ def test_every_openai_role_is_accepted(server, role):
 
 
 @pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
-def test_a_non_json_body_is_a_415(server, strict, ctype):
+def test_a_non_json_body_is_a_415(server, ctype):
     r = httpx.post(server.url + "/v1/chat/completions", content=json.dumps(_chat()).encode(),
                    headers={"content-type": ctype})
     err = _error(r, 415)
@@ -293,7 +286,7 @@ def _errors_counted(server, status: int) -> float:
                if line.startswith("tandem:request_errors_total{") and f'status="{status}"' in line)
 
 
-def test_a_body_cut_off_by_its_deadline_is_not_counted_as_a_server_error(server, strict):
+def test_a_body_cut_off_by_its_deadline_is_not_counted_as_a_server_error(server):
     before_500, before_499 = _errors_counted(server, 500), _errors_counted(server, 499)
     with _connect(server) as sock:
         sock.sendall(_request_head("/v1/completions", 100) + b'{"model": ')
@@ -338,6 +331,10 @@ def test_keep_alive_requests_and_a_body_sent_after_a_pause_are_served(server):
         sock.sendall(body)
         response = _read_all(sock)
     assert _status(response) == 200 and _body(response)["object"] == "chat.completion"
+
+
+def test_the_app_decodes_bodies_with_the_strict_request(server):
+    assert server.app.request_class is StrictJSONRequest
 
 
 def test_the_server_still_serves_after_every_refusal(server):
