@@ -157,7 +157,7 @@ def test_kernel_runs_when_triton_was_imported_without_interpret_flag():
             ".abs().max()))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert res.returncode == 0, res.stderr
     assert float(res.stdout.strip()) < 1e-5
 

@@ -10,7 +10,7 @@ import pytest
 
 from router_model.router import JSON_NAME, Router
 
-SHIPPED = Path(__file__).resolve().parents[1] / "models" / "router"
+SHIPPED = Path(__file__).resolve().parents[2] / "models" / "router"
 
 
 @pytest.fixture(scope="module")

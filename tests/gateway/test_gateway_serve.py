@@ -17,7 +17,7 @@ import pytest
 
 from gateway.server import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _serve(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

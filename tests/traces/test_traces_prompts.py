@@ -58,7 +58,7 @@ def test_word_prompts_without_tokenizer_have_one_word_per_token():
 
 
 def test_exact_counts_with_the_default_served_tokenizer():
-    model = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-s"
+    model = Path(__file__).resolve().parents[2] / "models" / "tandem-tiny-s"
     if not (model / "tokenizer.json").is_file():
         pytest.skip("models/tandem-tiny-s/tokenizer.json is not in this checkout")
     synth = PromptSynthesizer(model, seed=0)
