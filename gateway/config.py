@@ -112,6 +112,9 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # a request's own chat template (chat_template_kwargs.chat_template) is code the server runs: refused
     # unless the operator opts in (CVE-2025-61620 class); compiled request templates sit in a bounded cache
     allow_request_chat_template: bool = False
+    max_header_bytes: Annotated[int, Meta(ge=1024)] = 64 << 10  # request line plus headers; beyond it a 431
+    header_timeout_s: Annotated[float, Meta(gt=0)] = 10.0  # first byte to last header; past it a 408
+    body_timeout_s: Annotated[float, Meta(gt=0)] = 30.0  # last header to the body's last byte; past it a 408
 
 
 class TelemetryConfig(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -35,11 +35,11 @@ LINGER_S, LINGER_BYTES = 2.0, 1 << 20  # after a refusal, how long and how much 
 
 @dataclass(frozen=True)
 class HTTPLimits:
-    """What one connection may take from the server before it is answered and closed."""
+    """What one connection may take from the server before it is answered and closed ([server] in the config)."""
 
-    max_header_bytes: int = 64 << 10  # request line plus headers; beyond it a 431
-    header_timeout_s: float = 10.0  # from a request's first byte (or the connection's opening) to its last header
-    body_timeout_s: float = 30.0  # from the last header to the body's last byte (a short body never ends)
+    max_header_bytes: int  # request line plus headers; beyond it a 431
+    header_timeout_s: float  # from a request's first byte (or the connection's opening) to its last header
+    body_timeout_s: float  # from the last header to the body's last byte (a short body never ends)
 
 
 def _error_bytes(status: int, message: str, code: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -180,7 +180,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 def build_server(cfg: TandemConfig, app: Any, *, sock: socket.socket | None = None,
                  limits: HTTPLimits | None = None) -> uvicorn.Server:
-    limits = limits or HTTPLimits()
+    limits = limits or HTTPLimits(cfg.server.max_header_bytes, cfg.server.header_timeout_s, cfg.server.body_timeout_s)
     config = uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=cfg.server.grace_period_s, access_log=False, lifespan="on",
