@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+
+
+class InvalidSamplingParameter(ValueError):
+    """A sampling setting out of range; `param` names the field (the message says what is allowed)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -37,12 +48,13 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self) -> None:
-        """Raise ValueError naming the parameter, the bad value and what is allowed."""
-        def bad(name: str, value: object, allowed: str) -> ValueError:
-            return ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+        """Raise InvalidSamplingParameter naming the parameter, the bad value and what is allowed. Ranges are
+        written as `not lo <= x <= hi`, so NaN fails them too."""
+        def bad(name: str, value: object, allowed: str) -> InvalidSamplingParameter:
+            return InvalidSamplingParameter(name, f"{name}={value!r} is invalid: must be {allowed}")
         if self.n < 1 or self.n > 16:
             raise bad("n", self.n, "between 1 and 16")
-        if self.temperature < 0 or self.temperature > 2:
+        if not 0 <= self.temperature <= 2:
             raise bad("temperature", self.temperature, "between 0 and 2")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "in (0, 1]")
@@ -53,8 +65,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, getattr(self, name), "between -2 and 2")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "greater than 0")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise bad("repetition_penalty", self.repetition_penalty, "a finite number greater than 0")
+        if self.seed is not None and not SEED_MIN <= self.seed <= self.seed + self.n - 1 <= SEED_MAX:
+            # choice i of n samples with seed + i, so the last one must fit the generator too
+            raise bad("seed", self.seed, f"with n={self.n}, seed through seed + n - 1 between {SEED_MIN} and "
+                      f"{SEED_MAX} (a 64-bit generator seed)")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "at least 1")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):

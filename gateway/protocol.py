@@ -6,7 +6,6 @@ Request bodies are decoded strictly (`StrictJSONRequest`): JSON only, bounded ne
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Literal, TypeVar
 
@@ -17,7 +16,7 @@ from litestar.connection.base import empty_receive, empty_send
 from litestar.exceptions import InternalServerException
 from msgspec import Struct
 
-from engines.sampling_params import SamplingParams
+from engines.sampling_params import InvalidSamplingParameter, SamplingParams
 
 # ------------------------------------------------------------------------------------------- requests
 
@@ -234,8 +233,6 @@ class StrictJSONRequest(Request):
         return decode_request(await self.body(), data_field.annotation)
 
 
-_FLOAT_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int | None,
@@ -265,14 +262,6 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_m
         raise InvalidParameter(max_name, f"{max_name}={max_tokens} is invalid: must be at least 1")
     if max_tokens_cap is not None:
         max_tokens = max_tokens_cap if max_tokens is None else min(max_tokens, max_tokens_cap)
-    for name in _FLOAT_FIELDS:
-        value = getattr(req, name)
-        if value is not None and not math.isfinite(value):
-            raise InvalidParameter(name, f"{name}={value} is invalid: must be a finite number")
-    if req.seed is not None and not (SEED_MIN <= req.seed and req.seed + req.n - 1 <= SEED_MAX):
-        # choice i of n samples with seed + i (engines/core.py), so the last one must fit the generator too
-        raise InvalidParameter("seed", f"seed={req.seed} is invalid: with n={req.n}, seed through seed + n - 1 "
-                               f"must lie between {SEED_MIN} and {SEED_MAX} (a 64-bit generator seed)")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4:
         raise InvalidParameter("stop", f"stop has {len(stop)} sequences; at most 4 are allowed")
@@ -288,11 +277,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_m
             seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens)
-    except ValueError as exc:  # SamplingParams names the field first: "temperature=3 is invalid: ..."
-        param = str(exc).split("=", 1)[0] if "=" in str(exc) else None
-        if param == "max_tokens":
-            param = max_name
-        raise InvalidParameter(param, str(exc)) from None
+    except InvalidSamplingParameter as exc:
+        raise InvalidParameter(max_name if exc.param == "max_tokens" else exc.param, str(exc)) from None
 
 
 # ------------------------------------------------------------------------------------------ responses

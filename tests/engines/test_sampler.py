@@ -137,3 +137,24 @@ def test_the_cpu_draw_never_picks_a_token_without_mass_even_at_the_top_of_the_cd
     real_rand = torch.rand
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones_like(real_rand(*a, **k)))
     assert draw(probs, [None, torch.Generator().manual_seed(0)]).tolist() == [2, 2]  # the last live tokens
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"), ({"min_p": float("nan")}, "min_p"),
+    ({"seed": 2 ** 70}, "seed"), ({"seed": 2 ** 64 - 1, "n": 2}, "seed"), ({"seed": -(2 ** 63) - 1}, "seed")])
+def test_sampling_params_refuse_nan_and_seeds_the_generator_cannot_take(kwargs, param):
+    from engines.sampling_params import InvalidSamplingParameter
+
+    with pytest.raises(InvalidSamplingParameter) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param and f"{param}=" in str(err.value)
+
+
+def test_the_largest_seed_of_each_choice_seeds_a_generator():
+    for seed, n in ((2 ** 64 - 1, 1), (2 ** 64 - 3, 3), (-(2 ** 63), 2)):
+        params = SamplingParams(seed=seed, n=n)
+        for i in range(params.n):
+            torch.Generator().manual_seed(params.seed + i)
