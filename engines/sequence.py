@@ -89,7 +89,3 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
-
-    @property
-    def priority_key(self) -> tuple[int, float, int]:
-        return (self.request.priority, self.request.arrival_time, self.seq_id)
