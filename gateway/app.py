@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admission import AdmissionController
 from gateway.auth import AuthMiddleware, KeyRing
-from gateway.autoscale import Autoscaler, AutoscaleSettings, signals_from
+from gateway.autoscale import Autoscaler, ScaleSignals, evaluate_periodically, signals_from
 from gateway.config import TandemConfig, engine_core_args
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.lifecycle import resolve_route, serve
@@ -111,12 +111,36 @@ async def list_routes(request: Request) -> dict[str, Any]:
             "admission": state.admission.stats() if state.admission is not None else None}
 
 
+def _replicas(state: GatewayState, replicas: int | None) -> int:
+    """The replica count a caller named (1 to [autoscale] max_replicas), or the one last reported."""
+    if replicas is None:
+        return state.autoscaler.replicas
+    top = state.cfg.autoscale.max_replicas
+    if not 1 <= replicas <= top:
+        raise APIError(400, f"replicas = {replicas} is out of range: expected 1 to {top} ([autoscale] "
+                       f"max_replicas)", param="replicas", code="invalid_value")
+    return replicas
+
+
 @get("/v1/autoscale")
-async def autoscale(request: Request, replicas: Annotated[int, QueryParameter(ge=1)] = 1) -> dict[str, Any]:
-    """The desired replica count for this deployment and why (KEDA / Ray Serve poll it; `replicas`: now)."""
+async def autoscale(request: Request, replicas: Annotated[int | None, QueryParameter(ge=1)] = None
+                    ) -> dict[str, Any]:
+    """The desired replica count and why, with `replicas` running now (default: the count last reported).
+    Safe: only the gateway's own periodic evaluation and POST advance the hysteresis (docs/autoscaling.md)."""
     state = _state(request)
-    signals = signals_from(state.engine_stats(), state.slo.reports(), max(1, replicas))
-    return msgspec.to_builtins(state.autoscaler.evaluate(signals))
+    signals = signals_from(state.engine_stats(), state.slo.reports(), _replicas(state, replicas))
+    return msgspec.to_builtins(state.autoscaler.preview(signals))
+
+
+@post("/v1/autoscale", status_code=200)
+async def report_replicas(request: Request, replicas: Annotated[int, QueryParameter(ge=1)]) -> dict[str, Any]:
+    """Report the replicas running now and evaluate at once, advancing the hysteresis; the periodic
+    evaluations use this count from then on (for a controller that acts on `desired_replicas`)."""
+    state = _state(request)
+    scaler = state.autoscaler
+    scaler.replicas = _replicas(state, replicas)
+    return msgspec.to_builtins(scaler.evaluate(signals_from(state.engine_stats(), state.slo.reports(),
+                                                            scaler.replicas)))
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -172,12 +196,13 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     keyring = KeyRing(cfg.auth)
     admission = AdmissionController(cfg.routes, cfg.admission, engine_slots={
         name: e.max_num_seqs for name, e in cfg.engines.items()}) if cfg.admission.enabled else None
-    autoscaler = Autoscaler(AutoscaleSettings(**msgspec.to_builtins(cfg.autoscale)))
+    autoscaler = Autoscaler(cfg.autoscale)
     state = GatewayState(cfg=cfg, routes=Routes(cfg), keyring=keyring, telemetry=telemetry, slo=slo,
                          autoscaler=autoscaler, admission=admission)
     telemetry.bind_engines(lambda: state.engines)
     build = host_factory or default_host_factory(cfg)
     loading: list[asyncio.Task] = []
+    periodic: list[asyncio.Task] = []
 
     def load() -> None:
         host = build()
@@ -201,7 +226,16 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
                     on_load_error(state.load_error)
         loading.append(asyncio.create_task(run()))
 
+    def read_signals(replicas: int) -> ScaleSignals | None:
+        return signals_from(state.engine_stats(), slo.reports(), replicas) if state.ready else None
+
+    async def start_autoscaling(app: Litestar) -> None:
+        periodic.append(asyncio.create_task(evaluate_periodically(
+            autoscaler, read_signals, cfg.autoscale.evaluation_interval_s)))
+
     async def stop(app: Litestar) -> None:
+        for task in periodic:
+            task.cancel()
         for task in loading:
             if not task.done():
                 await asyncio.wait([task], timeout=60)
@@ -210,8 +244,9 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         gc.unfreeze()  # let interpreter shutdown collect them (extension types report leaks otherwise)
 
     app = Litestar(
-        route_handlers=[health, ready, metrics, list_models, list_routes, autoscale, chat_completions, completions],
-        on_startup=[start_loading], on_shutdown=[stop],
+        route_handlers=[health, ready, metrics, list_models, list_routes, autoscale, report_replicas, chat_completions,
+                        completions],
+        on_startup=[start_loading, start_autoscaling], on_shutdown=[stop],
         middleware=[AuthMiddleware(keyring)],
         plugins=[otel_plugin(provider)],
         exception_handlers={**EXCEPTION_HANDLERS, ValidationException: _validation_error},

@@ -1,20 +1,25 @@
 """Autoscaling signal: the desired replica count from queue depth per replica, KV-cache usage and SLO
 attainment, with the reasons, and hysteresis (up at once, down only after a stabilisation window and a
-cool-down, one replica at a time). Served as `GET /v1/autoscale`; KEDA or Ray Serve act on it.
+cool-down, one replica at a time). Only `Autoscaler.evaluate` advances the hysteresis: the gateway's own
+periodic evaluation and `POST /v1/autoscale` call it; `GET /v1/autoscale` previews and changes nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 
+from gateway.config import AutoscaleConfig
 from gateway.slo import RouteReport
+
+log = logging.getLogger("tandem.gateway")
 
 
 class ScaleSignals(msgspec.Struct, kw_only=True):
@@ -39,46 +44,54 @@ class ScaleDecision(msgspec.Struct, kw_only=True):
     signals: ScaleSignals
 
 
-@dataclass
-class AutoscaleSettings:
-    """Targets and hysteresis (their config home: an `[autoscale]` section)."""
+@dataclass(frozen=True)
+class Hysteresis:
+    """What evaluations remember: the last desired count, when it last changed, when an SLO miss last added a
+    replica, and the recommendations of the stabilisation window as a sliding-window maximum."""
 
-    min_replicas: int = 1
-    max_replicas: int = 8
-    target_waiting_per_replica: float = 8.0
-    target_kv_usage: float = 0.8
-    tolerance: float = 0.1  # ignore a metric within 10% of its target, as Kubernetes' HPA does
-    max_scale_up_step: int = 4  # replicas added at most per evaluation (or doubling, whichever is more)
-    slo_up_cooldown_s: float = 60.0  # an SLO miss adds one replica at most this often (attainment lags)
-    down_stabilization_s: float = 300.0  # scale down to the highest recommendation of this window
-    down_cooldown_s: float = 120.0  # no scale-down this soon after any change
-    max_scale_down_step: int = 1
+    desired: int | None = None
+    last_change: float = -math.inf
+    last_slo_up: float = -math.inf
+    window: tuple[tuple[float, int], ...] = ()  # (time, recommendation), values decreasing: at most max_replicas
 
 
 class Autoscaler:
-    """Turns `ScaleSignals` into a `ScaleDecision`; keeps the hysteresis state. O(1) amortised per call."""
+    """Turns `ScaleSignals` into a `ScaleDecision`. `evaluate` advances the hysteresis; `preview` decides the
+    same way and changes nothing. O(max_replicas) per call."""
 
-    def __init__(self, settings: AutoscaleSettings | None = None, *, clock: Callable[[], float] = time.monotonic):
-        self.settings = settings or AutoscaleSettings()
+    def __init__(self, settings: AutoscaleConfig | None = None, *, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings or AutoscaleConfig()
         self.clock = clock
-        self.desired: int | None = None
-        self.utilization = 0.0  # of the latest recommendation
-        self._last_change = -math.inf
-        self._last_slo_up = -math.inf
-        self._window: deque[tuple[float, int]] = deque()  # (time, recommendation), values decreasing
+        self.replicas = 1  # the orchestrator's count as last reported (POST /v1/autoscale); periodic runs use it
+        self.state = Hysteresis()
 
-    def recommend(self, signals: ScaleSignals) -> tuple[int, list[str], bool]:
-        """Replicas each signal asks for (the largest wins), the reasons, and whether an SLO miss asked."""
+    @property
+    def desired(self) -> int | None:
+        return self.state.desired
+
+    def evaluate(self, signals: ScaleSignals) -> ScaleDecision:
+        """One evaluation: recommendation, then hysteresis against the last desired count, remembered."""
+        decision, self.state = self._decide(signals, self.state, self.clock())
+        return decision
+
+    def preview(self, signals: ScaleSignals) -> ScaleDecision:
+        """What `evaluate` would decide now, without remembering it (safe to call at any rate)."""
+        return self._decide(signals, self.state, self.clock())[0]
+
+    def recommend(self, signals: ScaleSignals, state: Hysteresis, now: float
+                  ) -> tuple[int, list[str], bool, float]:
+        """Replicas each signal asks for (the largest wins), the reasons, whether an SLO miss asked, and the
+        utilization (the largest metric/target ratio)."""
         s = self.settings
         current = max(1, signals.current_replicas)
         wanted = [s.min_replicas]
         reasons = []
         # Proportional, as Kubernetes' HPA: replicas * metric / target, ignored within the tolerance band.
-        self.utilization = 0.0
+        utilization = 0.0
         for name, value, target in (("queue", signals.waiting_per_replica, s.target_waiting_per_replica),
                                     ("kv_cache", signals.kv_usage, s.target_kv_usage)):
             ratio = value / target
-            self.utilization = max(self.utilization, ratio)
+            utilization = max(utilization, ratio)
             n = current if abs(ratio - 1.0) <= s.tolerance else math.ceil(current * ratio - 1e-9)
             wanted.append(n)
             if n != current:
@@ -87,8 +100,7 @@ class Autoscaler:
         missing = sorted(r for r, a in signals.slo_attainment.items() if a < signals.slo_targets.get(r, 0.0))
         slo_up = False
         if missing and (signals.waiting_per_replica > 0 or signals.kv_usage > 0):  # idle: replicas won't help
-            now = self.clock()
-            if now - self._last_slo_up >= s.slo_up_cooldown_s:
+            if now - state.last_slo_up >= s.slo_up_cooldown_s:
                 slo_up = True
                 wanted.append(current + 1)
                 detail = ", ".join(f"{r} {signals.slo_attainment[r]:.3f} < {signals.slo_targets[r]:.3f}"
@@ -99,23 +111,22 @@ class Autoscaler:
                 reasons.append(f"slo: attainment below target on {', '.join(missing)}; holding until the "
                                f"{s.slo_up_cooldown_s:g} s cool-down after the last SLO step")
         n = max(s.min_replicas, min(s.max_replicas, max(wanted)))
-        return n, reasons, slo_up
+        return n, reasons, slo_up, utilization
 
-    def evaluate(self, signals: ScaleSignals) -> ScaleDecision:
-        """One evaluation: recommendation, then hysteresis against the last desired count."""
+    def _decide(self, signals: ScaleSignals, state: Hysteresis, now: float) -> tuple[ScaleDecision, Hysteresis]:
+        """The decision and the hysteresis it leaves; `state` itself is never changed."""
         s = self.settings
-        now = self.clock()
-        recommended, reasons, slo_up = self.recommend(signals)
-        if self.desired is None:
-            self.desired = max(s.min_replicas, min(s.max_replicas, signals.current_replicas))
-        window = self._window  # sliding-window maximum of recommendations (monotonic deque)
-        while window and window[-1][1] <= recommended:
-            window.pop()
-        window.append((now, recommended))
+        recommended, reasons, slo_up, utilization = self.recommend(signals, state, now)
+        if state.desired is None:
+            state = replace(state, desired=max(s.min_replicas, min(s.max_replicas, signals.current_replicas)))
+        # sliding-window maximum of recommendations (a monotonic deque, kept as a tuple)
+        window = [entry for entry in state.window if entry[1] > recommended] + [(now, recommended)]
         while window[0][0] <= now - s.down_stabilization_s and len(window) > 1:
-            window.popleft()
+            window.pop(0)
         stable = window[0][1]
-        desired = self.desired
+        desired = state.desired
+        assert desired is not None
+        last_slo_up = state.last_slo_up
         action = "hold"
         if recommended > desired:
             step = max(s.max_scale_up_step, desired)
@@ -123,9 +134,9 @@ class Autoscaler:
             reasons.append(f"scale up {desired} -> {new} at once")
             action, desired = "scale_up", new
             if slo_up:
-                self._last_slo_up = now
+                last_slo_up = now
         elif stable < desired:
-            if now - self._last_change >= s.down_cooldown_s:
+            if now - state.last_change >= s.down_cooldown_s:
                 new = max(stable, desired - s.max_scale_down_step)
                 reasons.append(f"scale down {desired} -> {new}: every recommendation of the last "
                                f"{s.down_stabilization_s:g} s was <= {stable}")
@@ -135,14 +146,28 @@ class Autoscaler:
         elif recommended < desired:
             reasons.append(f"hold {desired}: a recommendation of {stable} within the last "
                            f"{s.down_stabilization_s:g} s")
-        if desired != self.desired:
-            self._last_change = now
-            self.desired = desired
         if not reasons:
             reasons.append(f"hold {desired}: every signal within its target")
-        return ScaleDecision(desired_replicas=desired, current_replicas=signals.current_replicas,
-                             recommended_replicas=recommended, utilization=round(self.utilization, 4),
-                             action=action, reasons=reasons, signals=signals)
+        after = Hysteresis(desired=desired, last_change=now if desired != state.desired else state.last_change,
+                           last_slo_up=last_slo_up, window=tuple(window))
+        decision = ScaleDecision(desired_replicas=desired, current_replicas=signals.current_replicas,
+                                 recommended_replicas=recommended, utilization=round(utilization, 4),
+                                 action=action, reasons=reasons, signals=signals)
+        return decision, after
+
+
+async def evaluate_periodically(scaler: Autoscaler, read_signals: Callable[[int], ScaleSignals | None],
+                                interval_s: float) -> None:
+    """The hysteresis's own clock: one `evaluate` every `interval_s` at the reported replica count, whoever polls
+    and however often (`read_signals` gives None while there is nothing to read: the engines are loading)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            signals = read_signals(scaler.replicas)
+            if signals is not None:
+                scaler.evaluate(signals)
+        except Exception:  # a monitor: one failed read must not stop the next evaluations
+            log.exception("autoscale evaluation failed")
 
 
 def slo_targets(percentiles: Mapping[str, float]) -> dict[str, float]:

@@ -141,18 +141,20 @@ class CostConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class AutoscaleConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Targets and hysteresis of `GET /v1/autoscale` (gateway/autoscale.py AutoscaleSettings)."""
+    """[autoscale]: targets and hysteresis of the replica recommendation (gateway/autoscale.py Autoscaler)."""
 
     min_replicas: PositiveInt = 1
-    max_replicas: PositiveInt = 8
+    max_replicas: PositiveInt = 8  # also the largest `replicas` a caller of /v1/autoscale may name
     target_waiting_per_replica: Annotated[float, Meta(gt=0)] = 8.0
     target_kv_usage: Fraction = 0.8
-    tolerance: NonNegativeFloat = 0.1
-    max_scale_up_step: PositiveInt = 4
-    slo_up_cooldown_s: NonNegativeFloat = 60.0
-    down_stabilization_s: NonNegativeFloat = 300.0
-    down_cooldown_s: NonNegativeFloat = 120.0
+    tolerance: NonNegativeFloat = 0.1  # ignore a metric within 10% of its target, as Kubernetes' HPA does
+    max_scale_up_step: PositiveInt = 4  # replicas added at most per evaluation (or doubling, whichever is more)
+    slo_up_cooldown_s: NonNegativeFloat = 60.0  # an SLO miss adds one replica at most this often (attainment lags)
+    down_stabilization_s: NonNegativeFloat = 300.0  # scale down to the highest recommendation of this window
+    down_cooldown_s: NonNegativeFloat = 120.0  # no scale-down this soon after any change
     max_scale_down_step: PositiveInt = 1
+    # the gateway's own evaluations, the only ones besides POST /v1/autoscale that advance the hysteresis
+    evaluation_interval_s: Annotated[float, Meta(gt=0)] = 15.0
 
 
 class TandemConfig(Struct, forbid_unknown_fields=True, kw_only=True):

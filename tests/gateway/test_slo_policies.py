@@ -18,8 +18,8 @@ from engines.step_model import (
 )
 from engines.waiting_queue import WaitingQueue
 from gateway.admission import AdmissionController
-from gateway.autoscale import Autoscaler, AutoscaleSettings, ScaleSignals, signals_from, slo_targets
-from gateway.config import AdmissionConfig, RouteConfig, SLOConfig
+from gateway.autoscale import Autoscaler, ScaleSignals, signals_from, slo_targets
+from gateway.config import AdmissionConfig, AutoscaleConfig, RouteConfig, SLOConfig
 from gateway.slo import SLOAccounting
 
 
@@ -545,7 +545,7 @@ def _signals(replicas: int, waiting: float, kv: float = 0.3, **slo) -> ScaleSign
 
 def test_autoscale_scales_up_at_once_and_down_slowly():
     clock = Clock(0.0)
-    scaler = Autoscaler(AutoscaleSettings(target_kv_usage=0.8, target_waiting_per_replica=8), clock=clock)
+    scaler = Autoscaler(AutoscaleConfig(target_kv_usage=0.8, target_waiting_per_replica=8), clock=clock)
     up = scaler.evaluate(_signals(1, waiting=40))
     assert (up.action, up.recommended_replicas, up.desired_replicas) == ("scale_up", 5, 5)
     assert any(r.startswith("queue:") for r in up.reasons)
@@ -575,7 +575,7 @@ def test_autoscale_does_not_flap_on_alternating_load():
 
 def test_autoscale_tolerance_kv_usage_and_bounds():
     clock = Clock(0.0)
-    scaler = Autoscaler(AutoscaleSettings(max_replicas=6), clock=clock)
+    scaler = Autoscaler(AutoscaleConfig(max_replicas=6), clock=clock)
     hold = scaler.evaluate(_signals(2, waiting=8.5, kv=0.8))
     assert (hold.action, hold.desired_replicas) == ("hold", 2)
     assert hold.reasons == ["hold 2: every signal within its target"]
@@ -588,7 +588,7 @@ def test_autoscale_tolerance_kv_usage_and_bounds():
 
 def test_autoscale_slo_miss_adds_one_replica_per_cool_down():
     clock = Clock(0.0)
-    scaler = Autoscaler(AutoscaleSettings(slo_up_cooldown_s=60), clock=clock)
+    scaler = Autoscaler(AutoscaleConfig(slo_up_cooldown_s=60), clock=clock)
     first = scaler.evaluate(_signals(2, waiting=8, interactive=0.95, batch=1.0))
     assert (first.action, first.desired_replicas) == ("scale_up", 3)
     assert any("interactive 0.950 < 0.990" in r for r in first.reasons)
