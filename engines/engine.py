@@ -26,6 +26,7 @@ from engines.spec.decoder import SpeculativeDecoder
 from engines.spec.drafter import Drafter
 from engines.spec.verify import verify
 from engines.step_model import BatchCapController, StepTimer, step_clock
+from engines.structured import GrammarCompiler, InvalidConstraint, StructuredOutput
 
 if TYPE_CHECKING:
     from engines.attention import StepBatch
@@ -70,6 +71,7 @@ class ModelEngine:
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._live_ids: set[str] = set()  # ids accepted and not yet finished (guarded by the GIL's atomic ops)
         self.num_steps = 0
+        self.grammars: GrammarCompiler | None = None  # built with the first constrained request
 
     def _speculator(self, drafter: Drafter | None, k_max: int) -> SpeculativeDecoder:
         return SpeculativeDecoder(drafter, k_max, self.eos_token_ids, self.timer.clock, self._fail)
@@ -144,6 +146,9 @@ class ModelEngine:
             raise RequestRejected(f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
                                   f"context of {self.max_model_len} tokens: lower max_tokens to at most "
                                   f"{self.max_model_len - len(ids)}", ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestRejected(f"logit_bias token ids must be in [0, {vocab}) for model {self.name!r}")
+        compiled = self._compile(params.structured) if params.structured is not None else None
         pages = -(-(len(ids) + max_tokens) // self.pool.block_size)
         if pages > self.pool.num_pages:
             raise RequestRejected(f"the request needs {pages} KV pages (prompt + max_tokens) but the whole pool "
@@ -162,10 +167,23 @@ class ModelEngine:
                 seq.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, prompt_ids=ids)
             if params.logprobs is not None:
                 seq.logprobs = []
+            if compiled is not None:
+                seq.grammar = self.grammars.matcher(compiled)
             if draft_token_ids:  # verified first, at most max_tokens of them
                 seq.supplied_draft_ids = draft_token_ids[:max_tokens]
             req.seqs.append(seq)
         return req
+
+    def _compile(self, so: StructuredOutput) -> object:
+        """The constraint compiled for this engine's vocabulary (cached); RequestRejected naming its field."""
+        if self.tokenizer is None:
+            raise RequestRejected(f"{so.param}: engine {self.name!r} has no tokenizer to constrain the output with")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        try:
+            return self.grammars.compile(so)
+        except InvalidConstraint as e:
+            raise RequestRejected(str(e)) from None
 
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))

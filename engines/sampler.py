@@ -1,6 +1,7 @@
-"""Turns one step's logits into next tokens: penalties, min_tokens, greedy / temperature / top-k / top-p /
-min-p sampling with per-request seeds, and the logprobs of the raw model distribution (as OpenAI and vLLM
-report them). Batched tensor ops; a Python loop only over rows that need a per-row feature."""
+"""Turns one step's logits into next tokens: penalties, min_tokens, logit_bias, grammar masks, greedy /
+temperature / top-k / top-p / min-p sampling with per-request seeds, and the logprobs of the raw model
+distribution (as OpenAI and vLLM report them). Batched tensor ops; a Python loop only over rows that need a
+per-row feature."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class SamplerRow:
     prompt_token_ids: Seq[int]
     output_token_ids: Seq[int]
     generator: torch.Generator | None = None
+    mask: torch.Tensor | None = None  # packed allowed-token bits [W] from the sequence's grammar
 
 
 class Sampled:
@@ -42,10 +44,14 @@ class Sampled:
         self.logprobs = logprobs
 
 
-def sampler_row(seq: Sequence, extra: Seq[int] = ()) -> SamplerRow:
+def sampler_row(seq: Sequence, extra: Seq[int] = (), mask: torch.Tensor | None = None) -> SamplerRow:
     """The sampler's view of `seq`, with `extra` (earlier drafts of a verify window) after its output; the token
-    history is copied only for the rows whose options read it (penalties, min_tokens)."""
+    history is copied only for the rows whose options read it (penalties, min_tokens). A constrained sequence's
+    row carries its grammar's mask after `extra` (or `mask`, computed by the caller for a whole window)."""
     p = seq.request.params
+    grammar = seq.grammar
+    if grammar is not None and mask is None:
+        mask = grammar.draft_mask(extra) if extra else grammar.next_mask()
     history = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
     prompt = seq.token_ids[:seq.prompt_len] if history else ()
     output: Seq[int] = ()
@@ -53,7 +59,7 @@ def sampler_row(seq: Sequence, extra: Seq[int] = ()) -> SamplerRow:
         output = seq.token_ids[seq.prompt_len:]
         if extra:
             output += extra
-    return SamplerRow(p, prompt, output, seq.generator)
+    return SamplerRow(p, prompt, output, seq.generator, mask)
 
 
 def min_tokens_ban(params: SamplingParams, eos_token_ids: Set[int]) -> set[int]:
@@ -94,6 +100,25 @@ def apply_penalties(logits: torch.Tensor, rows: Seq[SamplerRow]) -> torch.Tensor
     return logits
 
 
+def apply_bias_and_masks(logits: torch.Tensor, rows: Seq[SamplerRow], indices: Seq[int]) -> None:
+    """In place: each row's logit_bias (OpenAI: added to the logits; ids past the vocabulary ignored), then its
+    grammar mask (forbidden tokens to -inf, whatever their bias)."""
+    vocab = logits.shape[1]
+    masked = []
+    for i in indices:
+        r = rows[i]
+        bias = r.params.logit_bias
+        if bias:
+            ids = [t for t in bias if t < vocab]
+            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+        if r.mask is not None:
+            masked.append(i)
+    if masked:
+        from engines.structured import apply_masks
+
+        apply_masks(logits, masked, [rows[i].mask for i in masked])
+
+
 def apply_top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                             min_p: torch.Tensor | None) -> torch.Tensor:
     """x: temperature-scaled logits [R, V]; per-row k (V = off), p (1 = off), min_p (0 = off). Masks with -inf."""
@@ -128,7 +153,8 @@ def processed_logits(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[
                         or r.params.presence_penalty for r in rows)
     needs_ban = stop_ids is not None and any(
         r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens for r in rows)
-    if needs_penalty or needs_ban:
+    constrained = [i for i, r in enumerate(rows) if r.mask is not None or r.params.logit_bias]
+    if needs_penalty or needs_ban or constrained:
         logits = logits.clone()
     if needs_penalty:
         logits = apply_penalties(logits, rows)
@@ -136,6 +162,8 @@ def processed_logits(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[
         for i, r in enumerate(rows):
             if len(r.output_token_ids) < r.params.min_tokens and stop_ids[i]:
                 logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
+    if constrained:
+        apply_bias_and_masks(logits, rows, constrained)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
         return logits, random_rows, None

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engines.structured import StructuredOutput
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 
@@ -35,12 +39,16 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus k top logprobs (k <= 20)
     skip_special_tokens: bool = True
     speculative: bool | None = None  # None: the engine decides; False: never draft for this request
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100] added to the logits
+    structured: StructuredOutput | None = None  # the output must match this (engines.structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         self.validate()
 
     @property
@@ -77,5 +85,10 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, "between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", self.logprobs, "between 0 and 20")
+        for t, b in (self.logit_bias or {}).items():
+            if t < 0 or not -100 <= b <= 100:
+                raise bad("logit_bias", {t: b}, "token ids >= 0 mapped to biases between -100 and 100")
+        if self.structured is not None and self.min_tokens:
+            raise bad("min_tokens", self.min_tokens, "0 with a structured output (the grammar decides the end)")
         if len(self.stop) > 4:
             raise bad("stop", self.stop, "at most 4 sequences")

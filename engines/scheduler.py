@@ -305,6 +305,8 @@ class Scheduler:
         """One new token: EOS and stop ids (after min_tokens), stop strings, max length."""
         params = seq.request.params
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         if pos_logprobs is not None:
             seq.logprobs.append(pos_logprobs)
             seq.cumulative_logprob += logprob

@@ -64,6 +64,7 @@ class Sequence:
     admit_order: int = -1
     generator: torch.Generator | None = None
     detokenizer: object | None = None
+    grammar: object | None = None  # the output constraint's state (engines.structured.Grammar)
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0

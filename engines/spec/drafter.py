@@ -19,7 +19,8 @@ from engines.spec.state import DraftState
 def _plain_params(p: SamplingParams, vocab: int) -> bool:
     """Sampling by temperature alone: the draft distribution is softmax(logits / T) (or the argmax)."""
     return (p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-            and not p.min_tokens and not 0 < p.top_k < vocab and p.top_p >= 1.0 and p.min_p <= 0.0)
+            and not p.min_tokens and not 0 < p.top_k < vocab and p.top_p >= 1.0 and p.min_p <= 0.0
+            and not p.logit_bias and p.structured is None)
 
 
 class Drafter:

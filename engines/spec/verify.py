@@ -1,7 +1,8 @@
 """Verification of draft tokens, as one function of (logits, batch layout, drafts, draft probabilities) to the
 tokens each sequence appends: greedy rows keep drafts while they equal the target's argmax (exact), sampling
 rows go through rejection sampling against the processed target distribution (exact in distribution); rows
-without drafts are sampled as in a plain step."""
+without drafts are sampled as in a plain step. logit_bias and grammar masks are part of the processed
+distribution at every window position, so a forbidden draft is always rejected."""
 
 from __future__ import annotations
 
@@ -74,8 +75,10 @@ def _accept(logits: torch.Tensor, spec: list[tuple[Sequence, int, int]], drafts:
         q = draft_probs.get(seq.seq_id)
         windows.append((d, None if q is None else q[:k]))
         stop = min_tokens_ban(seq.request.params, eos_token_ids)
+        # a constrained row's masks after each draft prefix: a draft its grammar forbids is never accepted
+        masks = seq.grammar.window_masks(d) if seq.grammar is not None else None
         for j in range(k + 1):  # each position's history includes the drafts before it
-            rows.append(sampler_row(seq, d[:j]))
+            rows.append(sampler_row(seq, d[:j], None if masks is None else masks[j]))
             stop_ids.append(stop)
     index = torch.tensor([start + j for _, start, k in spec for j in range(k + 1)], device=logits.device)
     greedy, probs = processed_distributions(logits[index], rows, stop_ids)

@@ -1,6 +1,6 @@
 """Randomised differential test of the engine as traffic arrives: continuous batches mixing random sampling
-parameters (greedy, temperature, top-k/p, min-p, penalties, seeds, stop strings and ids, logprobs, n,
-max_tokens) and aborts at random steps, with and without speculation. Checked against references: nothing
+parameters (greedy, temperature, top-k/p, min-p, penalties, logit_bias, seeds, stop strings and ids, logprobs,
+n, max_tokens) and aborts at random steps, with and without speculation. Checked against references: nothing
 fails, greedy outputs equal plain decoding of the request alone, seeded outputs equal the same request run
 alone on the same engine, and the pool returns to zero pages. `TANDEM_DIFF_ROUNDS=N` runs more rounds."""
 
@@ -63,6 +63,8 @@ def random_params(rng: random.Random, stop_texts: list[str]) -> SamplingParams:
         kw["stop"] = rng.sample(stop_texts, 2)
     if rng.random() < 0.3:
         kw["logprobs"] = rng.choice([0, 2])
+    if rng.random() < 0.25:
+        kw["logit_bias"] = {rng.randrange(5, 384): rng.choice([-100.0, -3.0, 2.5, 100.0]) for _ in range(2)}
     if rng.random() < 0.25:
         kw["n"] = rng.choice([2, 3])
     return SamplingParams(**kw)

@@ -1,0 +1,199 @@
+"""Constrained decoding: a request's `StructuredOutput` (JSON schema, any JSON object, regex, choice, EBNF
+grammar) compiled once per engine by xgrammar (bounded cache keyed by the constraint), and per sequence a
+`Grammar` whose token masks the sampler, the verifier and the drafter apply. The grammar's state always
+matches the sequence's tokens: `Scheduler.append_token` advances it; masks for a speculative window or a
+draft are computed by advancing and rolling back at once."""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import xgrammar
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class InvalidConstraint(ValueError):
+    """A constraint the grammar library cannot compile; `param` names the request field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match. `kind`: json (spec is a JSON schema, as a canonical JSON string),
+    json_object (any JSON object; spec unused), regex, choice (spec: a JSON list of strings), grammar (EBNF).
+    `param` names the request field it came from (for errors)."""
+
+    kind: str
+    spec: str = ""
+    param: str = "response_format"
+
+    @classmethod
+    def json_schema(cls, schema: Any, param: str = "response_format") -> StructuredOutput:
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":")), param)
+
+    @classmethod
+    def choice(cls, options: Seq[str], param: str = "guided_choice") -> StructuredOutput:
+        return cls("choice", json.dumps(list(options)), param)
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in r"\.^$|?*+()[]{}/" else c for c in text)
+
+
+class GrammarCompiler:
+    """One engine's compiler: the tokenizer's vocabulary as xgrammar sees it and an LRU of compiled grammars
+    (`max_cached` entries; thread-safe: requests are validated on the callers' threads)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Seq[int], max_cached: int = 128):
+        import xgrammar as xgr
+
+        backend = tokenizer.backend
+        vocab = backend.get_vocab(with_added_tokens=True)
+        encoded = [""] * max(vocab_size, len(vocab))
+        for tok, i in vocab.items():
+            encoded[i] = tok
+        vocab_type, prefix_space = _vocab_meta(backend)
+        info = xgr.TokenizerInfo(encoded[:vocab_size], vocab_type, vocab_size=vocab_size,
+                                 stop_token_ids=sorted(stop_token_ids), add_prefix_space=prefix_space)
+        self.vocab_size = vocab_size
+        self._xgr = xgr
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache: collections.OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.max_cached = max_cached
+        self.num_compiled = 0
+
+    def compile(self, so: StructuredOutput) -> xgrammar.CompiledGrammar:
+        key = (so.kind, so.spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile(so)
+        with self._lock:
+            self._cache[key] = compiled
+            self.num_compiled += 1
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, so: StructuredOutput) -> xgrammar.CompiledGrammar:
+        c = self._compiler
+        try:
+            if so.kind == "json":
+                return c.compile_json_schema(so.spec, any_whitespace=False, separators=(", ", ": "))
+            if so.kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(", ", ": "),
+                                             strict_mode=False)
+            if so.kind == "regex":
+                return c.compile_regex(so.spec)
+            if so.kind == "choice":
+                options = json.loads(so.spec)
+                return c.compile_regex("|".join(f"({_regex_literal(o)})" for o in options))
+            if so.kind == "grammar":
+                return c.compile_grammar(so.spec)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
+            raise InvalidConstraint(so.param, f"{so.param} cannot be compiled: {e}") from None
+        raise InvalidConstraint(so.param, f"{so.param}: unknown constraint kind {so.kind!r}")
+
+    def matcher(self, compiled: xgrammar.CompiledGrammar) -> Grammar:
+        """A fresh per-sequence state over a compiled grammar."""
+        return Grammar(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+class Grammar:
+    """One sequence's grammar state over its output tokens (a matcher and a mask buffer)."""
+
+    __slots__ = ("matcher", "vocab_size", "_buf", "_xgr")
+
+    def __init__(self, matcher, vocab_size: int):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self._buf = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def accept(self, token: int) -> None:
+        """The sequence appended `token` (the masks allowed it)."""
+        if self.matcher.is_terminated():
+            return
+        if not self.matcher.accept_token(token):
+            raise ValueError(f"token {token} violates the request's output constraint")
+
+    def next_mask(self) -> torch.Tensor:
+        """The packed mask [W] (int32, one bit per token) of what may come next; all allowed once terminated."""
+        if self.matcher.is_terminated():
+            return torch.full((self._buf.shape[1],), -1, dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(self._buf, 0)
+        return self._buf[0].clone()
+
+    def window_masks(self, drafts: Seq[int]) -> torch.Tensor:
+        """Masks [k + 1, W] for the positions of a speculative window: position j after drafts[:j]. A position
+        after a draft the grammar forbids allows everything (verification never gets past that draft)."""
+        out = torch.full((len(drafts) + 1, self._buf.shape[1]), -1, dtype=torch.int32)
+        m = self.matcher
+        taken = 0
+        for j in range(len(drafts) + 1):
+            if m.is_terminated():
+                break
+            m.fill_next_token_bitmask(out, j)
+            if j == len(drafts) or not m.accept_token(drafts[j]):
+                break
+            taken += 1
+        if taken:
+            m.rollback(taken)
+        return out
+
+    def draft_mask(self, token_ids_since: Seq[int]) -> torch.Tensor:
+        """The mask after the drafts so far (`token_ids_since`), leaving the state as it was."""
+        m = self.matcher
+        taken = 0
+        for t in token_ids_since:
+            if m.is_terminated() or not m.accept_token(t):
+                break
+            taken += 1
+        try:
+            return self.next_mask()
+        finally:
+            if taken:
+                m.rollback(taken)
+
+
+def apply_masks(logits: torch.Tensor, rows: Seq[int], masks: Seq[torch.Tensor]) -> None:
+    """Set to -inf, in place, the logits of rows `rows` whose token the packed mask forbids (ids past the
+    mask's vocabulary are forbidden)."""
+    import xgrammar as xgr
+
+    bitmask = torch.stack(list(masks)).to(logits.device)
+    width = bitmask.shape[1] * 32
+    if logits.shape[1] > width:
+        logits[list(rows), width:] = float("-inf")
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(width, logits.shape[1]),
+                                    indices=list(rows) if len(rows) < logits.shape[0] else None)
+
+
+def _vocab_meta(backend) -> tuple[Any, bool]:
+    """xgrammar's vocabulary type from the tokenizer's decoder, and whether the tokenizer prepends a space
+    that decoding strips (SentencePiece-style Metaspace)."""
+    import xgrammar as xgr
+
+    dec = json.dumps(json.loads(backend.to_str()).get("decoder") or {})
+    if '"ByteLevel"' in dec:
+        return xgr.VocabType.BYTE_LEVEL, False
+    if '"ByteFallback"' in dec:
+        return xgr.VocabType.BYTE_FALLBACK, '"Strip"' in dec
+    return xgr.VocabType.RAW, '"Strip"' in dec

@@ -1,0 +1,160 @@
+"""logit_bias and constrained decoding in the engine on the default models (tandem-tiny-l, drafted by
+tandem-tiny-s): bias semantics, every sampled answer matches its constraint, greedy output is the same with
+and without speculation, a draft the grammar forbids is rejected, compiled grammars are cached and bounded,
+and unconstrained requests carry no grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from engines import LLM, SamplingParams
+from engines.errors import RequestRejected
+from engines.structured import GrammarCompiler, StructuredOutput
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL, LARGE = ROOT / "models" / "tandem-tiny-s", ROOT / "models" / "tandem-tiny-l"
+PROMPT = "def read_config(path):"
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                                  "role": {"enum": ["admin", "dev", "ops"]}},
+                 "required": ["id", "role"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}},
+     "required": ["user", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                                      "ok": {"type": "boolean"}},
+     "required": ["zip", "ok"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(LARGE, name="l")
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return LLM(LARGE, name="l", draft_model=SMALL)
+
+
+def first_tokens(llm: LLM, params: SamplingParams) -> list[int]:
+    return llm.generate(PROMPT, params)[0].outputs[0].token_ids
+
+
+def test_logit_bias_minus_100_on_the_greedy_token_changes_the_answer(plain):
+    greedy = first_tokens(plain, SamplingParams(temperature=0, max_tokens=4))
+    banned = first_tokens(plain, SamplingParams(temperature=0, max_tokens=4, logit_bias={greedy[0]: -100}))
+    assert banned[0] != greedy[0]
+
+
+def test_logit_bias_plus_100_forces_a_token_even_when_sampling(plain):
+    forced = first_tokens(plain, SamplingParams(temperature=1.0, seed=3, max_tokens=5, logit_bias={42: 100}))
+    assert forced == [42] * 5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logit_bias_output_is_the_same_with_and_without_speculation(plain, spec, temperature):
+    greedy = first_tokens(plain, SamplingParams(temperature=0, max_tokens=12))
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=12,
+                            logit_bias={greedy[1]: -100, greedy[3]: 4.0})
+    if temperature == 0:
+        assert first_tokens(spec, params) == first_tokens(plain, params)
+    else:  # sampled: both valid; a banned token never appears
+        for llm in (plain, spec):
+            assert greedy[1] not in first_tokens(llm, params)
+
+
+def test_logit_bias_outside_the_range_or_vocabulary_is_refused(plain):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={5: 101})
+    with pytest.raises(RequestRejected, match="logit_bias"):
+        plain.generate(PROMPT, SamplingParams(logit_bias={1 << 20: 1.0}))
+
+
+@pytest.mark.parametrize("which", ["plain", "spec"])
+def test_sampled_json_schema_answers_all_validate(plain, spec, which):
+    llm = plain if which == "plain" else spec
+    for i, schema in enumerate(SCHEMAS):
+        params = SamplingParams(temperature=0.8, seed=i, n=3, max_tokens=80,
+                                structured=StructuredOutput.json_schema(schema))
+        for c in llm.generate(PROMPT, params)[0].outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), schema)
+    if which == "spec":
+        assert spec.stats()["engine_spec_num_draft_tokens"] > 0
+
+
+def test_greedy_constrained_output_is_identical_with_and_without_speculation(plain, spec):
+    for schema in SCHEMAS:
+        params = SamplingParams(temperature=0, max_tokens=80, structured=StructuredOutput.json_schema(schema))
+        want = plain.generate(PROMPT, params)[0].outputs[0]
+        got = spec.generate(PROMPT, params)[0].outputs[0]
+        assert got.token_ids == want.token_ids
+        jsonschema.validate(json.loads(got.text), schema)
+
+
+def test_a_supplied_draft_the_grammar_forbids_is_rejected_and_output_stays_exact(plain):
+    so = StructuredOutput("regex", r"[a-z]{3,8}")
+    params = SamplingParams(temperature=0, max_tokens=12, structured=so)
+    want = plain.generate(PROMPT, params)[0].outputs[0]
+    bad = plain.tokenizer.encode("{}} 123 ((")  # nothing of it is allowed
+    got = plain.generate(PROMPT, params, draft_token_ids=want.token_ids[:1] + bad)[0].outputs[0]
+    assert got.token_ids == want.token_ids and re.fullmatch(r"[a-z]{3,8}", got.text)
+
+
+@pytest.mark.parametrize("so, check", [
+    (StructuredOutput("regex", r"(yes|no), [0-9]{2}"), lambda t: re.fullmatch(r"(yes|no), [0-9]{2}", t)),
+    (StructuredOutput.choice(["red", "green", "blue"]), lambda t: t in ("red", "green", "blue")),
+    (StructuredOutput("grammar", 'root ::= "x" [0-9] ("," [0-9])? ("," [0-9])?'),
+     lambda t: re.fullmatch(r"x\d(,\d){0,2}", t)),
+])
+def test_regex_choice_json_object_and_ebnf_constraints_hold_when_sampling(spec, so, check):
+    outs = spec.generate(PROMPT, SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=40, structured=so))
+    for c in outs[0].outputs:
+        assert c.finish_reason == "stop" and check(c.text), c.text
+
+
+def test_json_object_answers_are_objects(plain):
+    # a prompt and seed after which the tiny code model closes its objects (often they nest past max_tokens)
+    outs = plain.generate('data = {"a": 1}\n', SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=60,
+                                                              structured=StructuredOutput("json_object")))
+    for c in outs[0].outputs:
+        assert c.finish_reason == "stop" and isinstance(json.loads(c.text), dict), c.text
+
+
+def test_a_bad_constraint_is_refused_naming_its_field(plain):
+    with pytest.raises(RequestRejected, match="guided_regex"):
+        plain.generate(PROMPT, SamplingParams(structured=StructuredOutput("regex", "(", "guided_regex")))
+
+
+def test_compiled_grammars_are_cached_by_constraint_and_bounded(plain):
+    comp = GrammarCompiler(plain.tokenizer, plain.engine.config.vocab_size, plain.engine.eos_token_ids,
+                           max_cached=2)
+    a = comp.compile(StructuredOutput.json_schema(SCHEMAS[0]))
+    assert comp.compile(StructuredOutput.json_schema(SCHEMAS[0])) is a and comp.num_compiled == 1
+    comp.compile(StructuredOutput.json_schema(SCHEMAS[1]))
+    comp.compile(StructuredOutput.json_schema(SCHEMAS[2]))
+    assert comp.num_compiled == 3 and len(comp._cache) == 2
+    assert comp.compile(StructuredOutput.json_schema(SCHEMAS[0])) is not a  # evicted, compiled again
+
+
+def test_unconstrained_requests_carry_no_grammar(plain):
+    req = plain.engine.make_request(PROMPT, SamplingParams(max_tokens=2))
+    assert all(s.grammar is None for s in req.seqs)
