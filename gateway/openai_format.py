@@ -1,5 +1,6 @@
 """OpenAI's wire format for one request's answer: engine outputs -> `chat.completion` / `text_completion` JSON
-bodies and SSE chunks, with logprobs in the chat and legacy shapes and usage counts.
+bodies and SSE chunks, with logprobs in the chat and legacy shapes, usage counts, and `tool_calls` parsed
+from the text of a chat request with tools (gateway/tool_parsers.py), streamed as OpenAI streams them.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from gateway.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     Delta,
+    NamedToolChoice,
     TokenLogprob,
     TopLogprob,
     Usage,
     sse,
 )
+from gateway.tool_parsers import PARSERS, NamedCallParser, RequiredCallsParser, StreamPiece
 
 
 class Formatter:
@@ -36,11 +39,52 @@ class Formatter:
         self.chat = operation == "chat"
         self.prompt_text = prompt_text  # a text prompt as sent (the engine may have been given its token ids)
         self.id, self.created, self.model, self.tokenizer = response_id, created, model, tokenizer
+        self.data = data
         self.logprobs = logprobs
         self.echo = (not self.chat) and data.echo
         self.finished: set[int] = set()
         self.offsets: dict[int, int] = {}  # completions logprobs: text offset per choice
         self.started: set[int] = set()  # completion choices that have sent their first chunk
+        self.tool_mode = tool_mode(data) if self.chat else None
+        self.parsers: dict[int, Any] = {}  # choice -> its tool-call parser (streaming)
+        self.num_calls: dict[int, int] = {}  # choice -> tool calls sent
+
+    def _parser(self, index: int | None = None) -> Any:
+        if index is not None and index in self.parsers:
+            return self.parsers[index]
+        if self.tool_mode == "named":
+            parser = NamedCallParser(self.data.tool_choice.function.name)
+        elif self.tool_mode == "required":
+            parser = RequiredCallsParser()
+        else:
+            parser = PARSERS["hermes"]()
+        if index is not None:
+            self.parsers[index] = parser
+        return parser
+
+    def _finish(self, c: CompletionOutput, num_calls: int) -> str | None:
+        """OpenAI's: "tool_calls" when the model chose to call (auto, required); a forced named call stops."""
+        if num_calls and c.finish_reason == "stop" and self.tool_mode != "named":
+            return "tool_calls"
+        return _finish_reason(c)
+
+    def _tool_chunks(self, index: int, piece: StreamPiece, logprobs: ChoiceLogprobs | None) -> list[bytes]:
+        deltas: list[Delta] = []
+        if piece.content or logprobs is not None:
+            deltas.append(Delta(content=piece.content))
+        for call in piece.calls:
+            k = self.num_calls.get(index, 0)
+            self.num_calls[index] = k + 1
+            deltas.append(Delta(tool_calls=[{"index": k, **call.as_dict()}]))
+        if piece.call is not None:
+            if piece.call_started:
+                self.num_calls[index] = self.num_calls.get(index, 0) + 1
+                deltas.append(Delta(tool_calls=[{"index": 0, "id": piece.call.id, "type": "function",
+                                                 "function": {"name": piece.call.name, "arguments": ""}}]))
+            if piece.arguments_delta:
+                deltas.append(Delta(tool_calls=[{"index": 0, "function": {"arguments": piece.arguments_delta}}]))
+        return [self._chunk([ChunkChoice(index=index, delta=d, logprobs=logprobs if j == 0 else None)])
+                for j, d in enumerate(deltas)]
 
     # ---- chat
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
@@ -58,7 +102,17 @@ class Formatter:
             if c.index in self.finished:
                 continue
             has_delta = bool(c.delta_text) or (self.logprobs is not None and bool(c.delta_logprobs))
-            if self.chat:
+            if self.tool_mode is not None:
+                parser = self._parser(c.index)
+                piece = parser.feed(c.delta_text)
+                lps = self._chat_logprobs(c.delta_token_ids, c.delta_logprobs) if has_delta else None
+                events += self._tool_chunks(c.index, piece, lps)
+                if c.finished:
+                    events += self._tool_chunks(c.index, parser.flush(), None)
+                    events.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(),
+                                                           finish_reason=self._finish(c, self.num_calls.get(
+                                                               c.index, 0)))]))
+            elif self.chat:
                 if has_delta:
                     events.append(self._chunk([ChunkChoice(
                         index=c.index, delta=Delta(content=c.delta_text),
@@ -86,15 +140,23 @@ class Formatter:
 
     def full(self, out: RequestOutput) -> ChatCompletion | Completion:
         if self.chat:
-            return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=_usage(out), choices=[
-                ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                           logprobs=self._chat_logprobs(c.token_ids, c.logprobs), finish_reason=_finish_reason(c))
-                for c in out.outputs])
+            return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=_usage(out),
+                                  choices=[self._chat_choice(c) for c in out.outputs])
         return Completion(id=self.id, created=self.created, model=self.model, usage=_usage(out), choices=[
             CompletionChoice(index=c.index, text=(self._echo(out, c.index) if self.echo else "") + c.text,
                              finish_reason=_finish_reason(c),
                              logprobs=self._completion_logprobs(c.index, c.token_ids, c.logprobs))
             for c in out.outputs])
+
+    def _chat_choice(self, c: CompletionOutput) -> ChatChoice:
+        logprobs = self._chat_logprobs(c.token_ids, c.logprobs)
+        if self.tool_mode is None:
+            return ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
+                              finish_reason=_finish_reason(c))
+        parsed = self._parser().parse(c.text)
+        calls = [call.as_dict() for call in parsed.calls] or None
+        return ChatChoice(index=c.index, message=AssistantMessage(content=parsed.content, tool_calls=calls),
+                          logprobs=logprobs, finish_reason=self._finish(c, len(parsed.calls)))
 
     def _echo(self, out: RequestOutput, index: int) -> str:
         """The prompt text an `echo` completion starts with; its token offsets then count from its end."""
@@ -145,6 +207,16 @@ class Formatter:
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         return self.tokenizer.token_text(token_id)
+
+
+def tool_mode(data: ChatCompletionRequest) -> str | None:
+    """How a chat request's answer may call tools: None (no tools, or tool_choice none), "auto", "required"
+    or "named"."""
+    if not data.tools or data.tool_choice == "none":
+        return None
+    if isinstance(data.tool_choice, NamedToolChoice):
+        return "named"
+    return "required" if data.tool_choice == "required" else "auto"
 
 
 def _finite(x: float) -> float:

@@ -9,6 +9,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, InvalidParameter, prompt_input
 
@@ -86,6 +88,9 @@ def chat_prompt(data: ChatCompletionRequest, *, allow_request_template: bool) ->
         raise APIError(400, "chat_template_kwargs.chat_template must be a string",
                        param="chat_template_kwargs.chat_template", code="invalid_value")
     add_generation_prompt = data.add_generation_prompt
+    if data.tools and data.tool_choice != "none":  # the template shows the model what it may call
+        extra["tools"] = [{"type": t.type, "function": {k: v for k, v in msgspec.to_builtins(t.function).items()
+                                                         if v is not None}} for t in data.tools]
 
     def render(engine: Any) -> str:
         tokenizer = engine.tokenizer

@@ -7,16 +7,17 @@ Request bodies are decoded strictly (`StrictJSONRequest`): JSON only, bounded ne
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
 from litestar import Request
 from litestar.connection.base import empty_receive, empty_send
 from litestar.exceptions import InternalServerException
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from engines.sampling_params import InvalidSamplingParameter, SamplingParams
+from gateway.structured_outputs import structured_output
 
 # ------------------------------------------------------------------------------------------- requests
 
@@ -53,6 +54,53 @@ class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
+# structured outputs and tools (gateway/structured_outputs.py turns them into the engine's constraint); a key
+# these objects do not know is a 400 naming it, never ignored
+class JSONSchemaFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsParams(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: one of json (a schema), regex, choice, grammar (EBNF), json_object."""
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+LogitBias = dict[int, Annotated[float, Meta(ge=-100, le=100, description="must be between -100 and 100")]]
+
+
 class _SamplingFields(Struct, kw_only=True):
     """Fields shared by both endpoints: OpenAI's and the vLLM extras."""
 
@@ -76,6 +124,13 @@ class _SamplingFields(Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -85,6 +140,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -276,7 +334,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_m
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
+            structured=structured_output(req))
     except InvalidSamplingParameter as exc:
         raise InvalidParameter(max_name if exc.param == "max_tokens" else exc.param, str(exc)) from None
 
@@ -337,6 +396,7 @@ class Delta(Struct, kw_only=True, omit_defaults=True):
     # OpenAI omits absent delta fields rather than sending nulls: {"content": "x"} after the first chunk.
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChunkChoice(Struct, kw_only=True):

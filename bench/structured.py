@@ -1,0 +1,114 @@
+"""Constrained decoding cost: output tokens/s with a JSON schema vs unconstrained sampling on the default pair
+(tandem-tiny-s alone; tandem-tiny-l drafted by tandem-tiny-s), at batch 1 and 32, plus the time to compile a
+schema the first time and from the cache. Prints two tables, writes bench/results/structured.json.
+
+    .venv/bin/python bench/structured.py [--threads 1] [--tokens 48]      # about two minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engines import LLM, SamplingParams  # noqa: E402
+from engines.structured import GrammarCompiler, StructuredOutput  # noqa: E402
+
+SMALL, LARGE = ROOT / "models" / "tandem-tiny-s", ROOT / "models" / "tandem-tiny-l"
+PROMPTS = ["def read_config(path):", "class Parser:", "import os\n", "def main():", "    return ",
+           "# Describe the user\n", "data = {", "for item in items:"]
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24},
+    "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+    "role": {"enum": ["admin", "dev", "ops", "guest"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                 "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"], "additionalProperties": False}},
+    "required": ["name", "id", "role", "tags", "address"], "additionalProperties": False}
+
+
+def throughput(llm: LLM, batch: int, constrained: bool, tokens: int, rounds: int) -> dict:
+    """Output tokens per second over `rounds` generate calls of `batch` prompts (temperature 0.8, seeded)."""
+    so = StructuredOutput.json_schema(SCHEMA) if constrained else None
+    rates, counts = [], []
+    for r in range(rounds + 1):  # the first round warms up (and compiles the schema)
+        params = [SamplingParams(temperature=0.8, seed=1000 * r + i, max_tokens=tokens, structured=so,
+                                 ignore_eos=not constrained) for i in range(batch)]
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        dt = time.perf_counter() - t0
+        n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        if r:
+            rates.append(n / dt)
+            counts.append(n / batch)
+    return {"tokens_per_s": statistics.median(rates), "mean_output_tokens": statistics.mean(counts)}
+
+
+def compile_times(llm: LLM, repeats: int = 20) -> dict:
+    eng = llm.engine
+    firsts, cached = [], []
+    for i in range(repeats):
+        comp = GrammarCompiler(eng.tokenizer, eng.config.vocab_size, eng.eos_token_ids)
+        schema = dict(SCHEMA, title=f"s{i}")
+        so = StructuredOutput.json_schema(schema)
+        t0 = time.perf_counter()
+        comp.compile(so)
+        t1 = time.perf_counter()
+        comp.compile(StructuredOutput.json_schema(schema))
+        t2 = time.perf_counter()
+        firsts.append((t1 - t0) * 1e3)
+        cached.append((t2 - t1) * 1e3)
+    return {"first_ms": statistics.median(firsts), "cached_ms": statistics.median(cached)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=48, help="max_tokens per request")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "structured.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engines = {"tandem-small": LLM(SMALL, name="s"), "tandem-large+draft": LLM(LARGE, name="l", draft_model=SMALL)}
+    rows = []
+    for name, llm in engines.items():
+        for batch in (1, 32):
+            row = {"engine": name, "batch": batch}
+            for constrained in (False, True):
+                r = throughput(llm, batch, constrained, args.tokens, args.rounds)
+                key = "constrained" if constrained else "unconstrained"
+                row[f"{key}_tokens_per_s"] = r["tokens_per_s"]
+                row[f"{key}_mean_tokens"] = r["mean_output_tokens"]
+            row["ratio"] = row["constrained_tokens_per_s"] / row["unconstrained_tokens_per_s"]
+            rows.append(row)
+    compile_ = compile_times(engines["tandem-small"])
+
+    print(f"{'engine':<20} {'batch':>5} {'unconstrained tok/s':>20} {'constrained tok/s':>18} {'ratio':>6} "
+          f"{'tokens/req (u/c)':>17}")
+    for r in rows:
+        print(f"{r['engine']:<20} {r['batch']:>5} {r['unconstrained_tokens_per_s']:>20.0f} "
+              f"{r['constrained_tokens_per_s']:>18.0f} {r['ratio']:>6.2f} "
+              f"{r['unconstrained_mean_tokens']:>8.1f}/{r['constrained_mean_tokens']:<8.1f}")
+    print(f"\nschema compile (xgrammar, {len(json.dumps(SCHEMA))}-byte schema): first {compile_['first_ms']:.2f} ms, "
+          f"cached {compile_['cached_ms'] * 1e3:.1f} us")
+    result = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+              "torch": torch.__version__, "max_tokens": args.tokens, "rounds": args.rounds, "schema": SCHEMA,
+              "throughput": rows, "compile": compile_}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

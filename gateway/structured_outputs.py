@@ -1,0 +1,116 @@
+"""What a request asks its output to match, as one `engines.structured.StructuredOutput`: OpenAI's
+`response_format` and forced `tool_choice`, vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar` and its newer `structured_outputs`. At most one may constrain a request; anything that
+cannot be honoured is an InvalidParameter naming its field."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from engines.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
+
+
+def _invalid(param: str, message: str) -> Exception:
+    from gateway.protocol import InvalidParameter
+
+    return InvalidParameter(param, message)
+
+
+def _schema(value: Any, param: str) -> Any:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _invalid(param, f"{param} must be a JSON schema (an object, or a string holding one)") from None
+    if not isinstance(value, dict | bool):
+        raise _invalid(param, f"{param} must be a JSON schema object")
+    return value
+
+
+def structured_output(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+    """The request's one output constraint, or None; InvalidParameter when it asks for several or an
+    impossible one."""
+    found: list[StructuredOutput] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(StructuredOutput("json_object", "", "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise _invalid("response_format.json_schema", "response_format of type json_schema needs json_schema")
+        schema = rf.json_schema.schema
+        found.append(StructuredOutput.json_schema(
+            _schema(schema, "response_format.json_schema.schema") if schema is not None else {"type": "object"},
+            "response_format.json_schema"))
+    if req.guided_json is not None:
+        found.append(StructuredOutput.json_schema(_schema(req.guided_json, "guided_json"), "guided_json"))
+    if req.guided_regex is not None:
+        found.append(StructuredOutput("regex", req.guided_regex, "guided_regex"))
+    if req.guided_choice is not None:
+        found.append(_choice(req.guided_choice, "guided_choice"))
+    if req.guided_grammar is not None:
+        found.append(StructuredOutput("grammar", req.guided_grammar, "guided_grammar"))
+    so = req.structured_outputs
+    if so is not None:
+        where = "structured_outputs"
+        if so.json is not None:
+            found.append(StructuredOutput.json_schema(_schema(so.json, f"{where}.json"), f"{where}.json"))
+        if so.regex is not None:
+            found.append(StructuredOutput("regex", so.regex, f"{where}.regex"))
+        if so.choice is not None:
+            found.append(_choice(so.choice, f"{where}.choice"))
+        if so.grammar is not None:
+            found.append(StructuredOutput("grammar", so.grammar, f"{where}.grammar"))
+        if so.json_object:
+            found.append(StructuredOutput("json_object", "", f"{where}.json_object"))
+    forced = tool_call_constraint(req)
+    if forced is not None:
+        found.append(forced)
+    if len(found) > 1:
+        raise _invalid(found[1].param, f"{found[1].param} and {found[0].param} both constrain the output: "
+                       f"send one of them")
+    return found[0] if found else None
+
+
+def _choice(options: list[str], param: str) -> StructuredOutput:
+    if not options or not all(options):
+        raise _invalid(param, f"{param} must be a non-empty list of non-empty strings")
+    return StructuredOutput.choice(options, param)
+
+
+def tool_call_constraint(req: Any) -> StructuredOutput | None:
+    """For `tool_choice` required or a named function: the grammar of the call. Named: the function's
+    arguments object. Required: a JSON list of calls `[{"name": ..., "arguments": {...}}]` (one at most
+    when parallel_tool_calls is false), each validating against its function's parameters."""
+    tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if not tools:
+        raise _invalid("tool_choice", "tool_choice needs tools to choose from")
+    if choice == "required":
+        calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                            "arguments": parameters(t)},
+                            "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+        schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+        if req.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return StructuredOutput.json_schema(schema, "tool_choice")
+    tool = named_tool(req)
+    return StructuredOutput.json_schema(parameters(tool), "tool_choice")
+
+
+def named_tool(req: Any) -> Tool:
+    name = req.tool_choice.function.name
+    for t in req.tools or ():
+        if t.function.name == name:
+            return t
+    raise _invalid("tool_choice.function.name", f"tool_choice names {name!r}, which is not among the tools")
+
+
+def parameters(tool: Tool) -> dict[str, Any]:
+    """A function's parameter schema (an object with no declared parameters when absent)."""
+    p = tool.function.parameters
+    return p if p is not None else {"type": "object", "properties": {}}
