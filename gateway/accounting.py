@@ -1,5 +1,5 @@
 """The end of a request, whichever way it ends: its timing (`Progress`), then `Finisher` aborts what is unfinished,
-releases the admission ledger, charges the key's tokens and records metrics, SLO accounting and spans.
+releases the admission ledger, settles the key's token reservation and records metrics, SLO accounting and spans.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.outputs import RequestOutput
+from gateway.limits import TokenReservation
 from gateway.routing import ESCALATED, Route, RoutedRun
 from gateway.slo import time_per_output_token
 from gateway.state import GatewayState
@@ -38,17 +39,18 @@ class Progress:
 
 
 class Finisher:
-    """The end of a request, whichever way it ends: abort if unfinished, charge tokens, record telemetry."""
+    """The end of a request, whichever way it ends: abort if unfinished, settle tokens, record telemetry."""
 
     def __init__(self, state: GatewayState, route: Route, run: RoutedRun, progress: Progress, span: Any,
-                 api_key: str | None, operation: str, request_model: str,
+                 tokens: TokenReservation | None, operation: str, request_model: str,
                  route_span: tuple[int, int, dict[str, Any]] | None = None):
-        self.state, self.route, self.run, self.progress, self.span, self.api_key = (
-            state, route, run, progress, span, api_key)
+        self.state, self.route, self.run, self.progress, self.span, self.tokens = (
+            state, route, run, progress, span, tokens)
         self.operation, self.request_model = operation, request_model
         self.route_span = route_span  # (start ns, end ns, attributes) of the routing decision
         self.finished_ok = False
         self.failed = False  # ended by an engine or server error (a miss in the SLO accounting)
+        self.cancelled = False  # the client left (or the server stopped) while it waited
         self.closed = False
 
     def done(self, out: RequestOutput) -> None:
@@ -70,13 +72,19 @@ class Finisher:
             self.state.slo.observe_failure(self.route.name)
         if self.route_span is not None:
             add_child_span(self.state.telemetry.tracer, self.span, "route", *self.route_span)
-        if out is None:
-            return
-        prompt_tokens = len(out.prompt_token_ids)
-        output_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if self.api_key is not None and self.state.keyring.limiter.active:
-            self.state.keyring.limiter.charge_tokens(self.api_key, prompt_tokens + output_tokens)
+        prompt_tokens = len(out.prompt_token_ids) if out is not None else 0
+        output_tokens = sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
+        if self.tokens is not None:  # the usage the answer reports; nothing when no output came
+            self.tokens.settle(prompt_tokens + output_tokens)
         now = time.monotonic()
+        telemetry = self.state.telemetry
+        if out is None:
+            if self.cancelled:  # before any output (queued, or a cascade's buffered small answer): an abort
+                telemetry.observe_request(route=self.route.name, model=self.run.engine.name, ttft_s=None,
+                                          tpot_s=None, e2e_s=now - self.progress.arrival, itls=[],
+                                          output_tokens=0, prompt_tokens=0, finish_reason="abort", queue_s=None,
+                                          operation=self.operation, request_model=self.request_model)
+            return
         reasons = [c.finish_reason or "abort" for c in out.outputs]
         p = self.progress
         ttft = None if p.first_token is None else p.first_token - p.arrival
@@ -85,7 +93,6 @@ class Finisher:
         metrics = out.metrics
         queue = (metrics.first_scheduled_time - metrics.arrival_time
                  if metrics and metrics.first_scheduled_time is not None else None)
-        telemetry = self.state.telemetry
         telemetry.observe_request(route=self.route.name, model=self.run.engine.name, ttft_s=ttft, tpot_s=tpot,
                                   e2e_s=e2e, itls=p.itls, output_tokens=output_tokens,
                                   prompt_tokens=prompt_tokens, finish_reason=reasons[0], queue_s=queue,

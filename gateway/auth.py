@@ -55,8 +55,9 @@ def _redact(token: str) -> str:
 
 
 class AuthMiddleware(ASGIMiddleware):
-    """Give the request its id and arrival time, authenticate, then admit against the key's request/token limits; the id and
-    the key land in scope state (one middleware, not three: each layer costs on every request)."""
+    """Give the request its id and arrival time, authenticate, then spend one of the key's requests/minute; the
+    id and the key land in scope state (one middleware, not three: each layer costs on every request). Its
+    tokens/minute are reserved later, once the prompt's size is known (gateway/lifecycle.py)."""
 
     scopes = (ScopeType.HTTP,)
 

@@ -114,6 +114,9 @@ class CascadeStrategy:
         large_id = f"{ctx.request_id}-escalated"
         drafts = list(answer.token_ids) if self._shares_vocabulary(small, large) else None
         large_prompt = await ctx.prompt.get(large)
+        if run.aborted:  # aborted while the large prompt was prepared: start nothing more
+            yield whole_answer(final, asked)
+            return
         run.request_ids.append((large, large_id))
         ledger.book(large_id, ctx.route.name, large.name, len(large_prompt))
         outputs = ctx.start(large, large_prompt, request_id=large_id, draft_token_ids=drafts)

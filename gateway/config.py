@@ -89,6 +89,9 @@ class AuthConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     api_keys: list[Annotated[str, Meta(min_length=1)] | APIKeyConfig] = msgspec.field(default_factory=list)
     requests_per_minute: PositiveInt | None = None  # per key; None: unlimited
     tokens_per_minute: PositiveInt | None = None  # per key, prompt + completion tokens; None: unlimited
+    # tokens per minute are reserved at admission (prompt + n x max_tokens) and settled to the real usage at
+    # the end; a request without max_tokens reserves this many per choice (at most what its context leaves)
+    reserved_completion_tokens: PositiveInt = 256
 
     def keys(self) -> list[APIKeyConfig]:
         """Every key with its own limits resolved against the section defaults."""

@@ -1,7 +1,8 @@
 """One request's way through the gateway, after its handler has parsed it: size check, the route's strategy
-plans the engine, admission books it (or downgrades, or sheds with 503 + Retry-After), the strategy starts it,
-the first output is awaited (so a rejection is an HTTP error before any byte), then one JSON body or an SSE
-stream answers; `Finisher` closes the request whichever way it ends.
+plans the engine, the key's tokens/minute are reserved, admission books it (or downgrades, or sheds with 503
++ Retry-After), the strategy starts it, the first output is awaited (so a rejection is an HTTP error before
+any byte), then one JSON body or an SSE stream answers; `Finisher` closes the request whichever way it ends.
+The client is watched from admission on: when it leaves, every engine request the run started is aborted.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from engines.outputs import RequestOutput
 from gateway.accounting import Finisher, Progress
 from gateway.engine_errors import engine_api_error
 from gateway.errors import APIError
+from gateway.limits import TokenReservation
 from gateway.openai_format import Formatter
 from gateway.prompts import Prompt
 from gateway.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
+    ClientDisconnected,
     CompletionRequest,
     InvalidParameter,
     encode,
@@ -36,7 +39,7 @@ from gateway.protocol import (
 )
 from gateway.routing import ESCALATED, NO_LEDGER, Plan, Route, RoutedRun, RoutingContext
 from gateway.state import GatewayState
-from gateway.streaming import EventStream, until_disconnect
+from gateway.streaming import ClientWatch, EventStream
 from gateway.telemetry import add_child_span
 
 log = logging.getLogger("tandem.gateway")
@@ -58,7 +61,8 @@ async def serve(request: Request, state: GatewayState, route: Route,
                 data: ChatCompletionRequest | CompletionRequest, operation: str, prompt: Prompt, *,
                 conversation: list[dict[str, Any]] | None = None, prompt_text: str | None = None,
                 prompt_token_ids: list[int] | None = None) -> Response | Stream:
-    """Admit, start and answer one parsed request on `route` (the handlers' common path)."""
+    """Admit, start and answer one parsed request on `route` (the handlers' common path). From admission to the
+    answer the client is watched: if it leaves, the wait is cancelled and every engine request is aborted."""
     scope_state = request.scope["state"]
     arrival = scope_state.get("arrival") or time.monotonic()
     request_id = scope_state["request_id"]
@@ -81,17 +85,32 @@ async def serve(request: Request, state: GatewayState, route: Route,
     if state.cfg.telemetry.record_content:
         span.set_attribute("gen_ai.input.messages", json.dumps(
             conversation or [{"role": "user", "content": prompt_text}]))
-    prompt.tokenize = state.admission is not None  # admission counts the prompt's tokens
+    tokens = state.keyring.limiter.reservation(scope_state.get("api_key"))
+    prompt.tokenize = state.admission is not None or tokens is not None  # both count the prompt's tokens
     ctx = RoutingContext(request_id=request_id, route=route, params=params, prompt=prompt,
                          conversation=conversation, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                          ledger=state.admission if state.admission is not None else NO_LEDGER)
-    run, route_span = await start_request(state, ctx, span)
+    watch = ClientWatch(request.receive)  # the body is read: from here a client that leaves cancels the request
+    try:
+        return await _answer(state, ctx, data, operation, span, arrival, tokens)
+    except asyncio.CancelledError:
+        if not watch.uncancel_if_left():
+            raise  # cancelled from elsewhere (server shutdown): not ours to swallow
+        raise ClientDisconnected("The client closed the connection before its answer") from None
+    finally:
+        watch.stop()  # an SSE stream watches for itself from its first byte
+
+
+async def _answer(state: GatewayState, ctx: RoutingContext, data: ChatCompletionRequest | CompletionRequest,
+                  operation: str, span: Any, arrival: float, tokens: TokenReservation | None) -> Response | Stream:
+    """Start the request and wait for its first output (and for a JSON body, its last): what `serve` watches."""
+    route, request_id, params = ctx.route, ctx.request_id, ctx.params
+    run, route_span = await start_request(state, ctx, span, tokens)
     decided = set(run.attributes)
 
     state.inflight += 1
     progress = Progress(arrival)
-    finish = Finisher(state, route, run, progress, span, scope_state.get("api_key"), operation, data.model,
-                      route_span)
+    finish = Finisher(state, route, run, progress, span, tokens, operation, data.model, route_span)
     try:
         first = await _first_output(run, ctx)
         # its prefill is done: the backlog shrinks, the drain rate learns
@@ -104,7 +123,7 @@ async def serve(request: Request, state: GatewayState, route: Route,
         headers = _answered_by(state, route, run, request_id, span)
         response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + request_id
         fmt = Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
-                        params.logprobs, prompt_text)
+                        params.logprobs, ctx.prompt_text)
     except BaseException as exc:
         dropped = isinstance(exc, APIError) and exc.code == ErrorCode.TTFT_EXPIRED
         if dropped:  # dropped late by the engine: a shed
@@ -112,11 +131,12 @@ async def serve(request: Request, state: GatewayState, route: Route,
             if state.admission is not None:
                 exc.retry_after = state.admission.retry_after_s(route.name, run.engine.name)
         finish.failed = isinstance(exc, APIError) and exc.status >= 500 and not dropped
+        finish.cancelled = isinstance(exc, asyncio.CancelledError)
         finish.close()  # rejected, failed or cancelled before a byte went out: abort and release the slot
         raise
 
     if not data.stream:
-        return await _json_answer(request, first, run, progress, fmt, finish, headers)
+        return await _json_answer(first, run, progress, fmt, finish, headers)
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     events = _stream_events(first, run, progress, fmt, finish, include_usage)
 
@@ -128,9 +148,11 @@ async def serve(request: Request, state: GatewayState, route: Route,
                        background=BackgroundTask(after))
 
 
-async def start_request(state: GatewayState, ctx: RoutingContext, span: Any) -> tuple[RoutedRun, tuple | None]:
-    """The route's strategy plans the engine, admission books it (or downgrades or sheds), the strategy starts
-    it; returns the run and the route span to write once the answer is out (spans cost CPU, not before it)."""
+async def start_request(state: GatewayState, ctx: RoutingContext, span: Any,
+                        tokens: TokenReservation | None = None) -> tuple[RoutedRun, tuple | None]:
+    """The route's strategy plans the engine, the key's tokens are reserved (429), admission books it (or
+    downgrades or sheds), the strategy starts it; returns the run and the route span to write once the answer
+    is out (spans cost CPU, not before it)."""
     route = ctx.route
     strategy = state.routes.strategy(route)
     route_start = time.time_ns()
@@ -139,12 +161,21 @@ async def start_request(state: GatewayState, ctx: RoutingContext, span: Any) -> 
     except BaseException as exc:
         _route_failed(state, span, route, route_start, exc)
         raise
-    await _admit(state, ctx, plan, span)  # sheds with 503 + Retry-After (nothing is booked then)
+    engine = state.engines[plan.engine]
+    prompt_tokens = len(await ctx.prompt.get(engine)) if ctx.prompt.tokenize else 0  # token ids then
+    if tokens is not None:  # before admission books anything: a 429 leaves nothing to undo
+        tokens.reserve(prompt_tokens + _completion_budget(state, ctx, engine, prompt_tokens))
     try:
-        run = await strategy.start(plan, ctx, state.engines)
-    except BaseException as exc:
-        ctx.ledger.release(ctx.request_id)
-        _route_failed(state, span, route, route_start, exc)
+        await _admit(state, ctx, plan, span, prompt_tokens)  # sheds with 503 + Retry-After (nothing is booked then)
+        try:
+            run = await strategy.start(plan, ctx, state.engines)
+        except BaseException as exc:
+            ctx.ledger.release(ctx.request_id)
+            _route_failed(state, span, route, route_start, exc)
+            raise
+    except BaseException:
+        if tokens is not None:
+            tokens.settle(0)  # nothing ran: the whole reservation goes back
         raise
     route_span = None
     if span.is_recording():
@@ -156,19 +187,27 @@ async def start_request(state: GatewayState, ctx: RoutingContext, span: Any) -> 
     return run, route_span
 
 
+def _completion_budget(state: GatewayState, ctx: RoutingContext, engine: Any, prompt_tokens: int) -> int:
+    """What the answer may take of a tokens/minute budget: n x max_tokens, or without max_tokens a bounded
+    estimate ([auth] reserved_completion_tokens, at most what the context leaves); settled to usage at the end."""
+    params = ctx.params
+    per_choice = params.max_tokens or min(state.cfg.auth.reserved_completion_tokens,
+                                          max(1, engine.max_model_len - prompt_tokens))
+    return params.n * per_choice
+
+
 def _route_failed(state: GatewayState, span: Any, route: Route, start_ns: int, exc: BaseException) -> None:
     if span.is_recording():
         add_child_span(state.telemetry.tracer, span, "route", start_ns, time.time_ns(),
                        {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy}, error=exc)
 
 
-async def _admit(state: GatewayState, ctx: RoutingContext, plan: Plan, span: Any) -> None:
-    """Book the request on the planned engine, move the plan to the small engine (downgrade), or shed it
-    (APIError 503 + Retry-After)."""
+async def _admit(state: GatewayState, ctx: RoutingContext, plan: Plan, span: Any, tokens: int) -> None:
+    """Book the request (`tokens` in its prompt) on the planned engine, move the plan to the small engine
+    (downgrade), or shed it (APIError 503 + Retry-After)."""
     if state.admission is None:
         return
     route = ctx.route
-    tokens = len(await ctx.prompt.get(state.engines[plan.engine]))  # token ids: `prompt.tokenize` is set
     d = state.admission.admit(ctx.request_id, route.name, plan.engine, tokens)
     attrs: dict[str, Any] = {"tandem.admission.action": d.action, "tandem.admission.reason": d.reason,
                              "tandem.admission.prompt_tokens": tokens}
@@ -224,13 +263,9 @@ def _answered_by(state: GatewayState, route: Route, run: RoutedRun, request_id: 
     return headers
 
 
-async def _json_answer(request: Request, first: RequestOutput, run: RoutedRun, progress: Progress,
-                       fmt: Formatter, finish: Finisher, headers: dict[str, str]) -> Response:
+async def _json_answer(first: RequestOutput, run: RoutedRun, progress: Progress, fmt: Formatter,
+                       finish: Finisher, headers: dict[str, str]) -> Response:
     """The whole answer as one JSON body; metrics, spans and accounting run once it is out."""
-    # A client that hangs up on a long non-streamed request must not keep its KV pages busy.
-    watcher = None if first.finished else asyncio.create_task(until_disconnect(request.receive))
-    if watcher is not None:
-        watcher.add_done_callback(lambda t: None if t.cancelled() else run.abort())
     try:
         out = first
         while not out.finished:
@@ -240,12 +275,9 @@ async def _json_answer(request: Request, first: RequestOutput, run: RoutedRun, p
             raise engine_api_error(out.error.code, out.error.message)
         body = encode(fmt.full(out))
     except BaseException:
-        finish.close()
+        finish.close()  # a client that hung up (the watch cancels this wait) or a failure: abort, release
         await run.close()
         raise
-    finally:
-        if watcher is not None:
-            watcher.cancel()
     finish.done(out)
 
     async def after_body() -> None:

@@ -1,8 +1,10 @@
 """Per-API-key rate limits: token buckets for requests/minute and tokens/minute.
 
-A request is admitted when the key has a request to spend and its token bucket is not in debt; the tokens a
-request really used (prompt + completion, from `usage`) are charged when it finishes, so the bucket may go
-into debt and the next request waits until it refills. Over a limit: 429 with the seconds to wait.
+A request spends one request at the edge (`admit`). Its tokens are reserved when it is admitted, before any
+engine starts (`reserve`: prompt + what its answer may take), and settled to the tokens it really used when
+it ends (`TokenReservation.settle`: the unused part goes back). Parallel requests therefore cannot spend more
+than the bucket holds, and a key waits at most as long as its real usage takes to refill. Over a limit:
+429 with the seconds to wait.
 """
 
 from __future__ import annotations
@@ -33,13 +35,47 @@ class TokenBucket:
         self.updated = now
 
     def wait_for(self, amount: float) -> float:
-        """Seconds until `amount` can be spent (0 when it can be spent now)."""
+        """Seconds until `amount` can be spent (0 when it can be spent now). More than the bucket holds is
+        spendable from a full bucket (it then goes into debt): a large request waits, it is never refused."""
         self._refill()
-        return 0.0 if self.level >= amount else (amount - self.level) / self.rate
+        need = min(amount, self.capacity)
+        return 0.0 if self.level >= need else (need - self.level) / self.rate
 
     def take(self, amount: float) -> None:
+        """Spend `amount` (a negative amount gives back, never above the capacity)."""
         self._refill()
-        self.level -= amount
+        self.level = min(self.capacity, self.level - amount)
+
+
+def _spend(lock: threading.Lock, bucket: TokenBucket, amount: int, unit: str) -> None:
+    """Take `amount` from `bucket`, or raise 429 with the seconds until it can be taken."""
+    with lock:
+        wait = bucket.wait_for(amount)
+        if wait > 0:
+            raise APIError(429, f"Rate limit reached: {int(bucket.capacity)} {unit} per minute for this API key; "
+                           f"retry in {wait:.1f} s", code="rate_limit_exceeded", retry_after=wait)
+        bucket.take(amount)
+
+
+class TokenReservation:
+    """One request's hold on its key's tokens/minute bucket: `reserve` when it is admitted (429 when the bucket
+    cannot hold it now), `settle` with the real usage when it ends: the unused part goes back (or the rest is
+    taken); settling twice changes nothing."""
+
+    def __init__(self, lock: threading.Lock, bucket: TokenBucket):
+        self._lock, self._bucket = lock, bucket
+        self.tokens = 0  # held now
+        self.settled = False
+
+    def reserve(self, tokens: int) -> None:
+        _spend(self._lock, self._bucket, tokens, "tokens")
+        self.tokens = tokens
+
+    def settle(self, used: int) -> None:
+        with self._lock:
+            if not self.settled:
+                self.settled = True
+                self._bucket.take(used - self.tokens)
 
 
 class RateLimiter:
@@ -65,23 +101,12 @@ class RateLimiter:
 
     def admit(self, key: str) -> None:
         """Spend one request of `key`'s budget or raise 429 with Retry-After."""
-        with self._lock:
-            tokens = self._tokens.get(key)
-            # Only a bucket in debt blocks: a token can be spent while the level is above zero.
-            wait_tokens = tokens.wait_for(1e-9) if tokens else 0.0
-            requests = self._requests.get(key)
-            wait_requests = requests.wait_for(1.0) if requests else 0.0
-            if wait_requests > 0 or wait_tokens > 0:
-                which = "requests" if wait_requests >= wait_tokens else "tokens"
-                limit = (requests if which == "requests" else tokens).capacity
-                raise APIError(429, f"Rate limit reached: {int(limit)} {which} per minute for this API key; "
-                               f"retry in {max(wait_requests, wait_tokens):.1f} s",
-                               code="rate_limit_exceeded", retry_after=max(wait_requests, wait_tokens))
-            if requests:
-                requests.take(1.0)
+        bucket = self._requests.get(key)
+        if bucket is not None:
+            _spend(self._lock, bucket, 1, "requests")
 
-    def charge_tokens(self, key: str, amount: int) -> None:
-        with self._lock:
-            bucket = self._tokens.get(key)
-            if bucket is not None:
-                bucket.take(float(amount))
+    def reservation(self, key: str | None) -> TokenReservation | None:
+        """A reservation for one request of `key` to fill once its size is known; None when the key's tokens
+        are not limited."""
+        bucket = self._tokens.get(key) if key is not None else None
+        return TokenReservation(self._lock, bucket) if bucket is not None else None

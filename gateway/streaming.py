@@ -1,5 +1,6 @@
-"""The SSE response: Litestar's `Stream` written from the request's own task, cancelled when the client
-leaves (the stream's `finally` then aborts the engine request), and how to notice a client that has gone.
+"""How to notice a client that has gone: `ClientWatch` from admission to the answer (cancelling whatever the
+request awaits), then the SSE response: Litestar's `Stream` written from the request's own task, cancelled
+when the client leaves (the stream's `finally` then aborts the engine requests).
 """
 
 from __future__ import annotations
@@ -20,6 +21,36 @@ async def until_disconnect(receive: Receive) -> None:
     """Returns when the client has gone (the body is already read, so the next ASGI message is the end)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class ClientWatch:
+    """Watches the client while the request's task prepares its answer (tokenising, the waiting queue, a
+    cascade's buffered small answer, a JSON body): when the client leaves, the task is cancelled where it
+    waits, and `left` tells that cancellation from any other. `stop` before the response takes over."""
+
+    def __init__(self, receive: Receive):
+        self.left = False
+        self._watching = True
+        self._task = asyncio.current_task()
+        assert self._task is not None, "ClientWatch is made inside the request's task"
+        self._watcher = asyncio.create_task(until_disconnect(receive))
+        self._watcher.add_done_callback(self._client_left)
+
+    def _client_left(self, watcher: asyncio.Task) -> None:
+        # A callback runs only while the task waits, so the cancellation lands at that very await.
+        if self._watching and not watcher.cancelled() and watcher.exception() is None:
+            self.left = True
+            self._task.cancel()
+
+    def uncancel_if_left(self) -> bool:
+        """After a CancelledError: True when this watch caused it (the cancellation is then taken back)."""
+        if self.left:
+            self._task.uncancel()
+        return self.left
+
+    def stop(self) -> None:
+        self._watching = False  # a callback already scheduled must not cancel the response that follows
+        self._watcher.cancel()
 
 
 class _EventStreamResponse(ASGIStreamingResponse):

@@ -50,17 +50,17 @@ def test_requests_per_minute_bucket_refuses_then_refills():
     limiter.admit("k")  # one request refilled after 30 s at 2/min
 
 
-def test_tokens_per_minute_charges_usage_and_waits_out_the_debt():
+def test_tokens_per_minute_settles_real_usage_and_waits_out_the_debt():
     clock = Clock()
     limiter = _limiter(clock, api_keys=["k"], tokens_per_minute=60)
     limiter.admit("k")
-    limiter.charge_tokens("k", 90)  # 30 tokens of debt at 1 token/s
+    limiter.reservation("k").reserve(90)  # more than the bucket holds: taken from a full bucket
     with pytest.raises(APIError) as info:
-        limiter.admit("k")
-    assert info.value.retry_after == pytest.approx(30.0, abs=1e-6)
+        limiter.reservation("k").reserve(1)
+    assert info.value.retry_after == pytest.approx(31.0, abs=1e-6)  # 30 tokens of debt + 1 at 1 token/s
     assert "60 tokens per minute" in info.value.message
-    clock.now += 30.5
-    limiter.admit("k")
+    clock.now += 31.5
+    limiter.reservation("k").reserve(1)
 
 
 def test_limits_apply_to_all_traffic_when_auth_is_off():
