@@ -178,12 +178,18 @@ def apply_masks(logits: torch.Tensor, rows: Seq[int], masks: Seq[torch.Tensor]) 
     mask's vocabulary are forbidden)."""
     import xgrammar as xgr
 
-    bitmask = torch.stack(list(masks)).to(logits.device)
-    width = bitmask.shape[1] * 32
+    rows = list(rows)
+    width = masks[0].shape[0] * 32
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        bitmask, indices = torch.stack(list(masks)), None
+    else:  # xgrammar reads row i of the bitmask for row i of the logits
+        bitmask = torch.full((logits.shape[0], masks[0].shape[0]), -1, dtype=torch.int32)
+        bitmask[rows] = torch.stack(list(masks))
+        indices = rows
     if logits.shape[1] > width:
-        logits[list(rows), width:] = float("-inf")
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(width, logits.shape[1]),
-                                    indices=list(rows) if len(rows) < logits.shape[0] else None)
+        logits[rows, width:] = float("-inf")
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=min(width, logits.shape[1]),
+                                    indices=indices)
 
 
 def _vocab_meta(backend) -> tuple[Any, bool]:

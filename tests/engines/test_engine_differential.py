@@ -1,6 +1,6 @@
 """Randomised differential test of the engine as traffic arrives: continuous batches mixing random sampling
-parameters (greedy, temperature, top-k/p, min-p, penalties, logit_bias, seeds, stop strings and ids, logprobs,
-n, max_tokens) and aborts at random steps, with and without speculation. Checked against references: nothing
+parameters (greedy, temperature, top-k/p, min-p, penalties, logit_bias, grammars, seeds, stop strings and ids,
+logprobs, n, max_tokens) and aborts at random steps, with and without speculation. Checked against references: nothing
 fails, greedy outputs equal plain decoding of the request alone, seeded outputs equal the same request run
 alone on the same engine, and the pool returns to zero pages. `TANDEM_DIFF_ROUNDS=N` runs more rounds."""
 
@@ -15,8 +15,12 @@ import torch
 
 from engines import LLM, SamplingParams
 from engines.loader import load_checkpoint
+from engines.structured import StructuredOutput
 
 BLOCK = 4
+CONSTRAINTS = [StructuredOutput("regex", r"[a-z ]{1,30}"), StructuredOutput.choice(["def", "class", "import os"]),
+               StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "string",
+                                                                                  "maxLength": 8}}})]
 ROUNDS = int(os.environ.get("TANDEM_DIFF_ROUNDS", "2"))
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
@@ -67,6 +71,9 @@ def random_params(rng: random.Random, stop_texts: list[str]) -> SamplingParams:
         kw["logit_bias"] = {rng.randrange(5, 384): rng.choice([-100.0, -3.0, 2.5, 100.0]) for _ in range(2)}
     if rng.random() < 0.25:
         kw["n"] = rng.choice([2, 3])
+    if rng.random() < 0.2:  # a grammar: masks on drafts and verify windows, state rolled back on rejection
+        kw["structured"] = rng.choice(CONSTRAINTS)
+        kw.pop("min_tokens", None)
     return SamplingParams(**kw)
 
 

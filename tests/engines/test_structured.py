@@ -15,6 +15,7 @@ import torch
 
 from engines import LLM, SamplingParams
 from engines.errors import RequestRejected
+from engines.sampler import SamplerRow, processed_logits
 from engines.structured import GrammarCompiler, StructuredOutput
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,3 +159,19 @@ def test_compiled_grammars_are_cached_by_constraint_and_bounded(plain):
 def test_unconstrained_requests_carry_no_grammar(plain):
     req = plain.engine.make_request(PROMPT, SamplingParams(max_tokens=2))
     assert all(s.grammar is None for s in req.seqs)
+
+
+def test_masks_and_bias_apply_to_their_rows_only_in_a_mixed_batch(plain):
+    comp = GrammarCompiler(plain.tokenizer, plain.engine.config.vocab_size, plain.engine.eos_token_ids)
+    grammar = comp.matcher(comp.compile(StructuredOutput.choice(["class"])))
+    allowed = {t for t in range(plain.engine.config.vocab_size)
+               if (int(grammar.next_mask()[t // 32]) >> (t % 32)) & 1}
+    assert allowed and len(allowed) < 10
+    logits = torch.randn(4, plain.engine.config.vocab_size)
+    greedy = SamplingParams(temperature=0)
+    rows = [SamplerRow(greedy, (), ()), SamplerRow(SamplingParams(temperature=0, logit_bias={7: 100}), (), ()),
+            SamplerRow(greedy, (), (), None, grammar.next_mask()), SamplerRow(greedy, (), ())]
+    out, _, _ = processed_logits(logits, rows)
+    assert torch.equal(out[[0, 3]], logits[[0, 3]])  # untouched rows
+    assert int(out[1].argmax()) == 7 and out[1, 7] == logits[1, 7] + 100
+    assert {int(t) for t in torch.isfinite(out[2]).nonzero()} == allowed
