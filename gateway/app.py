@@ -11,12 +11,13 @@ import gc
 import logging
 import re
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import ValidationException
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.plugins import SwaggerRenderPlugin
 from litestar.params import JSONBody, QueryParameter
 from litestar.response import Stream
@@ -30,10 +31,15 @@ from gateway.autoscale import Autoscaler, ScaleSignals, evaluate_periodically, s
 from gateway.config import TandemConfig, engine_core_args
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.lifecycle import resolve_route, serve
+from gateway.openapi import error_responses, publish, streaming
 from gateway.prompts import chat_prompt, completion_prompt
 from gateway.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    Completion,
     CompletionRequest,
+    ErrorBody,
     ModelCard,
     ModelList,
     StrictJSONRequest,
@@ -67,13 +73,22 @@ def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/ready")
+class Readiness(msgspec.Struct, kw_only=True, omit_defaults=True):
+    status: Literal["ready", "not_ready"]
+    engines: list[str] | None = None  # when ready
+    detail: str | None = None  # when not: loading, or why start-up failed
+
+
+@get("/ready", responses={
+    200: ResponseSpec(Readiness, description="The engines are loaded", generate_examples=False),
+    503: ResponseSpec(Readiness | ErrorBody, description="Loading, start-up failed, or shutting down (an error "
+                      "body then); retry after Retry-After seconds", generate_examples=False)})
 async def ready(request: Request) -> Response:
     state = _state(request)
     if state.ready:
-        return Response({"status": "ready", "engines": sorted(state.engines)})
+        return Response(Readiness(status="ready", engines=sorted(state.engines)))
     detail = state.load_error or "models are loading"
-    return Response({"status": "not_ready", "detail": detail}, status_code=503, headers={"retry-after": "5"})
+    return Response(Readiness(status="not_ready", detail=detail), status_code=503, headers={"retry-after": "5"})
 
 
 @get("/metrics", sync_to_thread=False, include_in_schema=False)
@@ -81,7 +96,7 @@ def metrics(request: Request) -> Response:
     return Response(generate_latest(_state(request).telemetry.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@get("/v1/models")
+@get("/v1/models", responses=error_responses(401))
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     cards = []
@@ -93,7 +108,7 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=cards)
 
 
-@get("/v1/routes")
+@get("/v1/routes", responses=error_responses(401))
 async def list_routes(request: Request) -> dict[str, Any]:
     state = _state(request)
     state.engine_stats()  # busy time for the cost columns
@@ -122,7 +137,7 @@ def _replicas(state: GatewayState, replicas: int | None) -> int:
     return replicas
 
 
-@get("/v1/autoscale")
+@get("/v1/autoscale", responses=error_responses(400, 401, 429))
 async def autoscale(request: Request, replicas: Annotated[int | None, QueryParameter(ge=1)] = None
                     ) -> dict[str, Any]:
     """The desired replica count and why, with `replicas` running now (default: the count last reported).
@@ -132,7 +147,7 @@ async def autoscale(request: Request, replicas: Annotated[int | None, QueryParam
     return msgspec.to_builtins(state.autoscaler.preview(signals))
 
 
-@post("/v1/autoscale", status_code=200)
+@post("/v1/autoscale", status_code=200, responses=error_responses(400, 401, 429))
 async def report_replicas(request: Request, replicas: Annotated[int, QueryParameter(ge=1)]) -> dict[str, Any]:
     """Report the replicas running now and evaluate at once, advancing the hysteresis; the periodic
     evaluations use this count from then on (for a controller that acts on `desired_replicas`)."""
@@ -143,7 +158,14 @@ async def report_replicas(request: Request, replicas: Annotated[int, QueryParame
                                                             scaler.replicas)))
 
 
-@post("/v1/chat/completions", status_code=200)
+# a request's own errors, then the gateway's: auth, rate limits (429), no such model (404), not ready or shed (503)
+GENERATION_ERRORS = error_responses(400, 401, 404, 413, 415, 429, 503)
+
+
+@post("/v1/chat/completions", status_code=200, operation_class=streaming(ChatCompletionChunk), responses={
+    200: ResponseSpec(ChatCompletion, description="The chat completion; with `stream: true` an SSE stream of "
+                      "ChatCompletionChunk events ending with `data: [DONE]`", generate_examples=False),
+    **GENERATION_ERRORS})
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response | Stream:
     state = _state(request)
     route = resolve_route(request, state, data.model)
@@ -151,7 +173,10 @@ async def chat_completions(request: Request, data: JSONBody[ChatCompletionReques
     return await serve(request, state, route, data, "chat", prompt, conversation=messages)
 
 
-@post("/v1/completions", status_code=200)
+@post("/v1/completions", status_code=200, operation_class=streaming(Completion), responses={
+    200: ResponseSpec(Completion, description="The text completion; with `stream: true` an SSE stream of "
+                      "Completion events ending with `data: [DONE]`", generate_examples=False),
+    **GENERATION_ERRORS})
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response | Stream:
     state = _state(request)
     route = resolve_route(request, state, data.model)
@@ -257,6 +282,8 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         logging_config=None,
         debug=False,
     )
+    publish(app, [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
+                  ModelList, Readiness])
     app.state.gateway = state
     app.state.on_error = telemetry.count_error
     return app

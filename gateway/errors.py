@@ -68,12 +68,14 @@ def _request_id(request: Request) -> str | None:
     return request.scope.get("state", {}).get("request_id")
 
 
-def _respond(request: Request, err: APIError) -> Response:
+def _respond(request: Request, err: APIError, headers: dict[str, str] | None = None) -> Response:
     """The error response, counted by the app's `on_error(route, status)` hook when it has one."""
     on_error = getattr(request.app.state, "on_error", None)
     if on_error is not None:
         on_error(request.scope.get("state", {}).get("route"), err.status)
-    return error_response(err, _request_id(request))
+    response = error_response(err, _request_id(request))
+    response.headers.update(headers or {})
+    return response
 
 
 def handle_api_error(request: Request, exc: APIError) -> Response:
@@ -99,9 +101,11 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
     if status == 404:
         err = APIError(404, f"Unknown path {request.url.path}; see /schema for the API", code="not_found")
-    elif status == 405:
-        err = APIError(405, f"Method {request.method} is not allowed on {request.url.path}",
+    elif status == 405:  # Litestar's exception carries the Allow header a 405 must send
+        allow = (exc.headers or {}).get("allow", "")
+        err = APIError(405, f"Method {request.method} is not allowed on {request.url.path}; allowed: {allow}",
                        code="method_not_allowed")
+        return _respond(request, err, {"allow": allow})
     elif status == 413:
         err = APIError(413, f"Request body is too large: {exc.detail}", code="request_too_large")
     elif status == 400 and ("JSON" in str(exc.detail) or "decode" in str(exc.detail).lower()):

@@ -41,9 +41,11 @@ class RouterStrategy:
         if ctx.prompt_text is not None:
             return ctx.prompt_text
         small, large = engines[self.small], engines[self.large]
-        # no more than a context holds: a longer prompt is refused by the engine, the router need not read it
+        # no more than a context holds, and only ids the tokenizer has: the engine refuses a longer prompt or an
+        # unknown id (400), the router need not read them
         longest = max(getattr(small, "max_model_len", 0) or 0, getattr(large, "max_model_len", 0) or 0) or None
-        return small.tokenizer.decode((ctx.prompt_token_ids or [])[:longest])
+        vocab = small.tokenizer.vocab_size
+        return small.tokenizer.decode(t for t in (ctx.prompt_token_ids or [])[:longest] if 0 <= t < vocab)
 
     def decide(self, conversation: Conversation) -> tuple[str, float]:
         """("small" | "large", score) for one conversation under this route's threshold."""

@@ -506,8 +506,8 @@ def test_genai_server_metrics_use_the_semantic_convention_buckets(client, metric
 
 def test_errors_are_counted_by_route_and_status(client, server):
     before = _metric(server, "tandem:request_errors_total", route="fast", status="400")
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="fast", prompt="x", temperature=9)
+    with pytest.raises(openai.BadRequestError):  # refused once routed (a bound is refused while decoding, unrouted)
+        client.completions.create(model="fast", prompt="x", max_tokens=2, extra_body={"min_tokens": 5})
     assert _metric(server, "tandem:request_errors_total", route="fast", status="400") == before + 1
 
 

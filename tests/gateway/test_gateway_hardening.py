@@ -174,7 +174,7 @@ def test_decoding_errors_name_nested_fields():
         decode_request(b'{"model": "m", "messages": [{"content": "x"}]}', ChatCompletionRequest)
     assert missing.value.param == "messages[0].role" and missing.value.code == "missing_required_parameter"
     with pytest.raises(InvalidParameter) as typed:
-        decode_request(b'{"model": "m", "messages": [], "stop": [1]}', ChatCompletionRequest)
+        decode_request(b'{"model": "m", "messages": [{"role": "user"}], "stop": [1]}', ChatCompletionRequest)
     assert typed.value.param == "stop" or typed.value.param == "stop[0]"
     with pytest.raises(InvalidParameter) as array:
         decode_request(b"[]", ChatCompletionRequest)

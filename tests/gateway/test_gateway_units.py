@@ -14,6 +14,7 @@ from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidParameter,
+    decode_request,
     prompt_input,
     sampling_params,
 )
@@ -88,8 +89,9 @@ def test_keyring_parses_bearer_and_redacts_wrong_keys():
 
 
 def _chat(**fields) -> ChatCompletionRequest:
-    return msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields},
-                           ChatCompletionRequest)
+    """Decoded as the server decodes a body: a field out of its bounds is an InvalidParameter naming it here."""
+    return decode_request(msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                               **fields}), ChatCompletionRequest)
 
 
 def test_chat_request_translation_prefers_max_completion_tokens_and_maps_logprobs():
@@ -121,7 +123,7 @@ def test_invalid_chat_parameters_are_named(fields, param):
 
 def test_completion_prompt_forms():
     def req(prompt):
-        return msgspec.convert({"model": "m", "prompt": prompt}, CompletionRequest)
+        return decode_request(msgspec.json.encode({"model": "m", "prompt": prompt}), CompletionRequest)
     assert prompt_input(req("text")) == "text"
     assert prompt_input(req([1, 2, 3])) == [1, 2, 3]
     assert prompt_input(req(["only"])) == "only"
