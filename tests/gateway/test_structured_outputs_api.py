@@ -2,8 +2,8 @@
 (tandem-tiny-l drafted by tandem-tiny-s on route `best`, the same checkpoint without a drafter on `plain`):
 every sampled json_schema answer parses and validates, streaming and not, with and without speculation; greedy
 constrained output is the same on both; forced tool calls are valid calls; auto parses Hermes `<tool_call>`
-blocks, streamed deltas reassemble to the same call; tool results round-trip; what cannot be honoured is a
-400 naming its field. `TANDEM_STRUCTURED_REQUESTS=N` sends N requests per schema and mode (default 2)."""
+blocks, streamed deltas reassemble to the same call; tool results round-trip; what cannot be honoured (an
+unimplemented OpenAI field included) is a 400 naming its field. `TANDEM_STRUCTURED_REQUESTS=N` sends N requests per schema and mode (default 2)."""
 
 from __future__ import annotations
 
@@ -237,6 +237,10 @@ def test_tool_results_round_trip_in_the_history(client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"logit_bias": {"1": 500}}, "logit_bias[...]"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"functions": [{"name": "f"}]}, "functions"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as exc:
