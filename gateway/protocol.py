@@ -16,12 +16,38 @@ from litestar.connection.base import empty_receive, empty_send
 from litestar.exceptions import InternalServerException
 from msgspec import Meta, Struct
 
-from engines.sampling_params import InvalidSamplingParameter, SamplingParams
+from engines.sampling_params import SEED_MAX, SEED_MIN, InvalidSamplingParameter, SamplingParams
 from gateway.structured_outputs import structured_output
 
 # ------------------------------------------------------------------------------------------- requests
 
 T = TypeVar("T")
+
+
+def _within(allowed: str, **constraints: Any) -> Meta:
+    """A field's bounds: enforced while decoding (a 400 naming the field and `allowed`), and published in the
+    OpenAPI document, which is msgspec's own schema of these Structs. SamplingParams.validate keeps the same
+    ranges for the offline API (tests/gateway/test_gateway_openapi.py checks that they agree)."""
+    return Meta(description=f"must be {allowed}", **constraints)
+
+
+Choices = Annotated[int, _within("between 1 and 16", ge=1, le=16)]
+Temperature = Annotated[float, _within("between 0 and 2", ge=0, le=2)]
+TopP = Annotated[float, _within("in (0, 1]", gt=0, le=1)]
+TopK = Annotated[int, _within("-1, 0 (off) or a positive integer", ge=-1)]
+MinP = Annotated[float, _within("in [0, 1]", ge=0, le=1)]
+Penalty = Annotated[float, _within("between -2 and 2", ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, _within("greater than 0", gt=0)]
+# published only: SamplingParams.validate checks seed through seed + n - 1 (and msgspec's integer bounds must fit
+# an int64, the generator's seeds do not)
+Seed = Annotated[int, _within(f"between {SEED_MIN} and {SEED_MAX}",
+                              extra_json_schema={"minimum": SEED_MIN, "maximum": SEED_MAX})]
+MaxTokens = Annotated[int, _within("at least 1", ge=1)]
+MinTokens = Annotated[int, _within("at least 0", ge=0)]
+TopLogprobs = Annotated[int, _within("between 0 and 20", ge=0, le=20)]
+CompletionTopLogprobs = Annotated[int, _within("between 0 and 5", ge=0, le=5)]
+StopText = Annotated[str, Meta(min_length=1)]
+Stop = StopText | Annotated[list[StopText], _within("at most 4 sequences, each a non-empty string", max_length=4)]
 
 
 class ContentPart(Struct, kw_only=True):
@@ -105,24 +131,24 @@ class _SamplingFields(Struct, kw_only=True):
     """Fields shared by both endpoints: OpenAI's and the vLLM extras."""
 
     model: str
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    n: Choices = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    max_tokens: MaxTokens | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: MinTokens = 0
     skip_special_tokens: bool = True
     logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
@@ -134,10 +160,10 @@ class _SamplingFields(Struct, kw_only=True):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], _within("a list of at least one message", min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
@@ -152,9 +178,17 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     function_call: Any = None
 
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# msgspec takes one array type per union: the list forms are published here and checked by prompt_input
+PromptInput = Annotated[str, Meta(min_length=1)] | Annotated[list[Any], Meta(
+    description="token ids, or a list holding one prompt (a string or token ids)",
+    extra_json_schema={"anyOf": [_TOKEN_IDS, {"minItems": 1, "maxItems": 1, "items": {
+        "anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}}]})]
+
+
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[Any]  # a string, token ids, or a one-element list of either (checked by prompt_input)
-    logprobs: int | None = None
+    prompt: PromptInput
+    logprobs: CompletionTopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -218,7 +252,18 @@ def _where(path: str) -> str | None:
     return path.removeprefix("$").removeprefix(".") or None
 
 
-def _invalid_body(exc: msgspec.ValidationError) -> InvalidParameter:
+def _bound_of(type_: Any, field: str) -> str | None:
+    """What the top-level `field` of the Struct `type_` allows, as its `_within` bounds word it."""
+    for f in msgspec.inspect.type_info(type_).fields:
+        if f.name == field:
+            kinds = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
+            for kind in kinds:
+                if isinstance(kind, msgspec.inspect.Metadata) and "description" in (kind.extra_json_schema or {}):
+                    return f"{field} {kind.extra_json_schema['description']}"
+    return None
+
+
+def _invalid_body(exc: msgspec.ValidationError, type_: Any) -> InvalidParameter:
     message = str(exc)
     at = re.search(r" - at `(\$[^`]*)`$", message)  # msgspec says where in the body: "... - at `$.n`"
     where = _where(at.group(1)) if at else None
@@ -229,7 +274,8 @@ def _invalid_body(exc: msgspec.ValidationError) -> InvalidParameter:
         return InvalidParameter(param, f"Missing required parameter {param!r}", code="missing_required_parameter")
     if where is None:
         return InvalidParameter(None, f"Invalid request body: {message}")
-    hint = _ALLOWED.get(where.rsplit(".", 1)[-1]) if where.startswith("messages[") else None
+    hint = _ALLOWED.get(where.rsplit(".", 1)[-1]) if where.startswith("messages[") else \
+        _bound_of(type_, re.split(r"[.\[]", where, maxsplit=1)[0])
     return InvalidParameter(where, f"Invalid value for {where!r}: {message}" + (f"; {hint}" if hint else ""))
 
 
@@ -242,7 +288,7 @@ def decode_request(body: bytes, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=type_, strict=True)
     except msgspec.ValidationError as exc:
-        raise _invalid_body(exc) from None
+        raise _invalid_body(exc, type_) from None
     except msgspec.DecodeError as exc:
         raise InvalidParameter(None, f"Could not parse the JSON body of the request: {exc}",
                                code="invalid_json") from None
@@ -312,7 +358,8 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int | None,
                     max_tokens_cap: int | None = None) -> SamplingParams:
-    """Translate the request's sampling fields; raises InvalidParameter naming the field."""
+    """Translate the request's sampling fields (their bounds were checked while decoding); raises
+    InvalidParameter naming the field."""
     if isinstance(req, ChatCompletionRequest):
         refuse_unsupported(req)
     if isinstance(req, ChatCompletionRequest):
@@ -320,14 +367,9 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_m
         max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise InvalidParameter("top_logprobs", f"top_logprobs={req.top_logprobs} is invalid: must be "
-                                   f"between 0 and 20")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         max_tokens, max_name = req.max_tokens, "max_tokens"
-        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
-            raise InvalidParameter("logprobs", f"logprobs={req.logprobs} is invalid: must be between 0 and 5")
         logprobs = req.logprobs
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidParameter("best_of", "best_of different from n is not supported")
@@ -335,15 +377,9 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_m
             raise InvalidParameter("suffix", "suffix is not supported")
     if max_tokens is None:
         max_tokens = default_max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise InvalidParameter(max_name, f"{max_name}={max_tokens} is invalid: must be at least 1")
     if max_tokens_cap is not None:
         max_tokens = max_tokens_cap if max_tokens is None else min(max_tokens, max_tokens_cap)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 4:
-        raise InvalidParameter("stop", f"stop has {len(stop)} sequences; at most 4 are allowed")
-    if any(not s for s in stop):
-        raise InvalidParameter("stop", "stop sequences must be non-empty strings")
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
