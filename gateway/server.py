@@ -1,13 +1,15 @@
-"""`tandem serve`: load the configuration, build the app and run it on uvicorn. SIGTERM (or Ctrl-C) stops
-accepting connections, lets in-flight requests finish within `server.grace_period_s`, shuts the engines
-down and exits 0. `ServerThread` runs the same server in a background thread (tests and benchmarks).
-`GuardedHttpToolsProtocol` holds the HTTP limits a client cannot outlast: header size (431), header and body
-read deadlines (408).
+"""`tandem serve`: load the configuration, build the app and run it on uvicorn. SIGTERM (or Ctrl-C) drains
+(`DrainingServer`): new requests get 503 + Retry-After, in-flight ones get `server.grace_period_s` to finish,
+then the engines stop, which ends what is left with an error (a 503, or an error event and `[DONE]` on a
+stream), and the process exits 0. `ServerThread` runs the same server in a background thread (tests and
+benchmarks). `GuardedHttpToolsProtocol` holds the HTTP limits a client cannot outlast: header size (431),
+header and body read deadlines (408).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import logging
 import signal
@@ -31,6 +33,8 @@ log = logging.getLogger("tandem.gateway")
 
 
 LINGER_S, LINGER_BYTES = 2.0, 1 << 20  # after a refusal, how long and how much to read before closing
+DRAIN_RETRY_AFTER_S = 1  # a draining replica's 503: retry soon, on another replica
+CUT_S = 5.0  # past the grace period: how long the requests the stopped engines ended get to send their last bytes
 
 
 @dataclass(frozen=True)
@@ -42,12 +46,16 @@ class HTTPLimits:
     body_timeout_s: float  # from the last header to the body's last byte (a short body never ends)
 
 
-def _error_bytes(status: int, message: str, code: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """A complete `Connection: close` response carrying the OpenAI error body."""
-    from gateway.errors import APIError  # the app is loaded by the time a connection is refused
+def _error_body(status: int, message: str, code: str) -> bytes:
+    from gateway.errors import APIError  # the app is loaded by the time the server answers by itself
     from gateway.protocol import encode
 
-    body = encode(APIError(status, message, code=code).body())
+    return encode(APIError(status, message, code=code).body())
+
+
+def _error_bytes(status: int, message: str, code: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A complete `Connection: close` response carrying the OpenAI error body."""
+    body = _error_body(status, message, code)
     head = [STATUS_LINE[status]]
     head += [name + b": " + value + b"\r\n" for name, value in default_headers]
     head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
@@ -178,16 +186,85 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
 
 
+class Draining:
+    """The ASGI app as the server runs it: the app itself, or once a drain has begun, a 503 + Retry-After for
+    every new request (its connection is accepted and told, not refused)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.active = False
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if not self.active or scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body = _error_body(503, "The server is shutting down; retry on another replica", "shutting_down")
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+            (b"retry-after", b"%d" % DRAIN_RETRY_AFTER_S), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with tandem's drain in place of its shutdown (which stops accepting at once and cancels
+    what outlasts the grace period: streams cut with no end, a traceback each). New requests are answered 503
+    + Retry-After until the end; in-flight ones get the grace period; then the app's lifespan shutdown stops
+    the engines, which ends each request still running with an engine error (a 503, or an SSE error event and
+    `[DONE]`), and only what outlasts that too is cut."""
+
+    def __init__(self, config: uvicorn.Config, draining: Draining):
+        super().__init__(config)
+        self.draining = draining
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.draining.active = True
+        in_flight = set(self.server_state.tasks)
+        for connection in list(self.server_state.connections):
+            if connection.cycle is not None and not connection.cycle.response_complete:
+                connection.shutdown()  # it closes after its answer; an idle one stays open to be told 503
+        grace = self.config.timeout_graceful_shutdown or 0.0
+        log.info("draining: %d request(s) in flight get up to %g s; new requests get 503", len(in_flight), grace)
+        ended = await self._settled(in_flight, grace)
+        if not ended:
+            log.warning("grace period over: stopping the engines under %d request(s) still in flight",
+                        sum(not task.done() for task in in_flight))
+        if not self.force_exit:
+            await self.lifespan.shutdown()  # the engines stop: what still runs ends with an engine error
+        if not ended and not await self._settled(in_flight, CUT_S):
+            for connection in list(self.server_state.connections):
+                connection.transport.close()  # the app sees a disconnect; the client a cut connection
+            await self._settled(in_flight, 1.0)
+            for task in in_flight:
+                task.cancel()
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        await self._settled(set(self.server_state.tasks), 1.0)  # the last 503s go out
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+
+    async def _settled(self, tasks: set[asyncio.Task], timeout: float) -> bool:
+        """Wait up to `timeout` s for `tasks` (a second Ctrl-C ends the wait); whether they all finished."""
+        deadline = time.monotonic() + timeout
+        while not all(task.done() for task in tasks):
+            if self.force_exit or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+
 def build_server(cfg: TandemConfig, app: Any, *, sock: socket.socket | None = None,
-                 limits: HTTPLimits | None = None) -> uvicorn.Server:
+                 limits: HTTPLimits | None = None) -> DrainingServer:
     limits = limits or HTTPLimits(cfg.server.max_header_bytes, cfg.server.header_timeout_s, cfg.server.body_timeout_s)
+    draining = Draining(app)
     config = uvicorn.Config(
-        app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
+        draining, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=cfg.server.grace_period_s, access_log=False, lifespan="on",
         http=functools.partial(GuardedHttpToolsProtocol, limits=limits),
         # Our own limits answer 413/503 in OpenAI's shape; uvicorn's would be plain text.
         limit_concurrency=None, timeout_keep_alive=5, ws="none")
-    return uvicorn.Server(config)
+    return DrainingServer(config, draining)
 
 
 def main(argv: list[str] | None = None) -> int:
