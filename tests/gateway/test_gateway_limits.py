@@ -7,7 +7,9 @@ real server over tiny checkpoints.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import shutil
 from pathlib import Path
 
 import httpx
@@ -108,14 +110,24 @@ def test_a_key_without_a_token_limit_reserves_nothing():
 # ------------------------------------------------------------------------------------------- over HTTP
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
+def server(tiny_checkpoint, tmp_path_factory):
+    checkpoint = tmp_path_factory.mktemp("limits-ckpt") / "small"
+    shutil.copytree(Path(tiny_checkpoint("llama")), checkpoint)
+    tokenizer_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": CHATML}))
     cfg = config_from_dict({
-        "engines": {"tandem-small": {"checkpoint": str(Path(tiny_checkpoint("llama")))}},
+        "engines": {"tandem-small": {"checkpoint": str(checkpoint)}},
         "kv_pool": {"memory_bytes": 32 << 20},
         "routes": {"fast": {"engines": ["tandem-small"]}},
         "auth": {"api_keys": [{"key": "sk-burst", "tokens_per_minute": 200},
-                              {"key": "sk-refund", "tokens_per_minute": 600}]}})
+                              {"key": "sk-refund", "tokens_per_minute": 600},
+                              {"key": "sk-chat", "tokens_per_minute": 300}],
+                 "reserved_completion_tokens": 256}})
     with ServerThread(cfg) as srv:
         yield srv
 
@@ -146,3 +158,15 @@ def test_a_refused_request_gives_its_reservation_back(server):
         ok = httpx.post(server.url + "/v1/completions", headers=headers, json={
             "model": "fast", "prompt": "x", "max_tokens": 250, "ignore_eos": True}, timeout=60)
         assert ok.status_code == 200, ok.text
+
+
+async def test_a_chat_without_max_tokens_reserves_the_bounded_estimate(server):
+    """Up to the context (about 500 tokens) may come back: 256 are held until the real usage is known."""
+    body = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=server.url, headers={"authorization": "Bearer sk-chat"},
+                                 timeout=60) as client:
+        first, second = await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(2)))
+    statuses = sorted([first.status_code, second.status_code])
+    assert statuses == [200, 429]  # prompt + 256 each: the second does not fit in 300 while the first runs
+    served = first if first.status_code == 200 else second
+    assert served.json()["usage"]["completion_tokens"] > 256  # settled to the real usage, past the estimate
