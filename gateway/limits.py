@@ -1,11 +1,10 @@
 """Per-API-key rate limits: token buckets for requests/minute and tokens/minute.
 
-A request spends one request at the edge (`admit`). Its tokens are reserved when it is admitted, before any
-engine starts (`reserve`: prompt + what its answer may take), and settled to the tokens it really used when
-it ends (`TokenReservation.settle`: the unused part goes back). Parallel requests therefore cannot spend more
-than the bucket holds, and a key waits at most as long as its real usage takes to refill. Over a limit:
-429 with the seconds to wait.
-"""
+A request spends one request at the edge (`RateLimiter.admit`). Its tokens are reserved when it is admitted,
+before any engine starts (`TokenReservation.reserve`: prompt + what its answer may take), and settled to the
+tokens it really used when it ends (`TokenReservation.settle`: the unused part goes back). Parallel requests
+therefore cannot spend more than the bucket holds, and once they have ended a key waits at most as long as
+their real usage takes to refill. Over a limit: 429 with the seconds to wait."""
 
 from __future__ import annotations
 
