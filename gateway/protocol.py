@@ -52,12 +52,13 @@ Stop = StopText | Annotated[list[StopText], _within("at most 4 sequences, each a
 
 class ContentPart(Struct, kw_only=True):
     # tandem serves text models: an image_url or input_audio part is refused while decoding, naming the field
-    type: Literal["text"] = "text"
+    type: Annotated[Literal["text"], _within("'text': this server serves text models")] = "text"
     text: str | None = None
 
 
 class ChatMessage(Struct, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: Annotated[Literal["system", "developer", "user", "assistant", "tool", "function"],
+                    _within("one of system, developer, user, assistant, tool, function")]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -242,25 +243,37 @@ def nests_deeper_than(body: bytes, limit: int) -> bool:
     return int(np.cumsum(step, dtype=np.int32).max()) > limit
 
 
-# what a message's enum fields allow, said in the 400 (msgspec names only the value it refused)
-_ALLOWED = {"role": "a role is one of system, developer, user, assistant, tool, function",
-            "type": "this server serves text models: content parts must be of type 'text'"}
-
-
 def _where(path: str) -> str | None:
     """msgspec's `$.messages[0].role` as the OpenAI param `messages[0].role`; None for the body itself."""
     return path.removeprefix("$").removeprefix(".") or None
 
 
-def _bound_of(type_: Any, field: str) -> str | None:
-    """What the top-level `field` of the Struct `type_` allows, as its `_within` bounds word it."""
-    for f in msgspec.inspect.type_info(type_).fields:
-        if f.name == field:
-            kinds = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
-            for kind in kinds:
-                if isinstance(kind, msgspec.inspect.Metadata) and "description" in (kind.extra_json_schema or {}):
-                    return f"{field} {kind.extra_json_schema['description']}"
-    return None
+def _alternatives(kind: Any, said: str | None = None) -> list[tuple[Any, str | None]]:
+    """The types `kind` stands for (unions and Meta unwrapped), each with its innermost `_within` wording."""
+    if isinstance(kind, msgspec.inspect.UnionType):
+        return [alt for member in kind.types for alt in _alternatives(member, said)]
+    if isinstance(kind, msgspec.inspect.Metadata):
+        return _alternatives(kind.type, (kind.extra_json_schema or {}).get("description", said))
+    return [(kind, said)]
+
+
+def _allowed(type_: Any, where: str) -> str | None:
+    """What the field at `where` (`n`, `stop[1]`, `messages[0].role`) of `type_` allows, as its `_within`
+    (or its container's, for an item) words it: msgspec's error names only the value it refused."""
+    kinds, said, path = _alternatives(msgspec.inspect.type_info(type_)), None, ""
+    for step in re.findall(r"\[[^\]]*\]|[^.\[]+", where):  # field names, [index] and [...] (a dict's value)
+        inner = []
+        for kind, _ in kinds:
+            if step.startswith("[") and isinstance(kind, msgspec.inspect.ListType | msgspec.inspect.DictType):
+                inner += _alternatives(kind.item_type if isinstance(kind, msgspec.inspect.ListType)
+                                       else kind.value_type)
+            elif isinstance(kind, msgspec.inspect.StructType):
+                inner += [alt for f in kind.fields if f.encode_name == step for alt in _alternatives(f.type)]
+        kinds, path = inner, path + (step if step.startswith("[") or not path else "." + step)
+        wording = next((wording for _, wording in kinds if wording), None)
+        if wording or not step.startswith("["):  # a field's wording covers its items, not a nested field
+            said = f"{path} {wording}" if wording else None
+    return said
 
 
 def _invalid_body(exc: msgspec.ValidationError, type_: Any) -> InvalidParameter:
@@ -274,8 +287,7 @@ def _invalid_body(exc: msgspec.ValidationError, type_: Any) -> InvalidParameter:
         return InvalidParameter(param, f"Missing required parameter {param!r}", code="missing_required_parameter")
     if where is None:
         return InvalidParameter(None, f"Invalid request body: {message}")
-    hint = _ALLOWED.get(where.rsplit(".", 1)[-1]) if where.startswith("messages[") else \
-        _bound_of(type_, re.split(r"[.\[]", where, maxsplit=1)[0])
+    hint = _allowed(type_, where)
     return InvalidParameter(where, f"Invalid value for {where!r}: {message}" + (f"; {hint}" if hint else ""))
 
 

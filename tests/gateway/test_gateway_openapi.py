@@ -125,12 +125,22 @@ def test_protocol_bounds_agree_with_the_engines_sampling_params(field):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
     ({"messages": []}, "messages", "at least one message"),
+    ({"stop": ["x", ""]}, "stop[1]", "stop must be at most 4 sequences, each a non-empty string"),
+    ({"messages": [{"role": "wizard"}]}, "messages[0].role", "one of system, developer, user"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type",
+     "this server serves text models"),
 ])
 def test_an_out_of_bounds_field_is_a_400_naming_it_and_its_bounds(body, param, allowed):
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
     with pytest.raises(InvalidParameter) as info:
         decode_request(json.dumps(request).encode(), ChatCompletionRequest)
     assert info.value.param == param and allowed in str(info.value)
+
+
+def test_a_field_inside_a_bounded_list_is_not_worded_by_the_lists_bounds():
+    with pytest.raises(InvalidParameter) as info:
+        decode_request(b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', ChatCompletionRequest)
+    assert info.value.param == "messages[0].content" and "at least one message" not in str(info.value)
 
 
 def test_a_legacy_completion_prompt_is_documented_as_the_forms_it_takes(document):
