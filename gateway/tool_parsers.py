@@ -127,7 +127,8 @@ class HermesToolParser:
 
     def flush(self) -> StreamPiece:
         """The end of the text: whatever is held back is content (an unclosed block included)."""
-        rest, self._buf, self._inside = self._buf, "", False
+        rest = (self._gap + self._buf) if self._inside else self._buf
+        self._buf, self._inside = "", False
         return StreamPiece(content=rest.lstrip() if self._after_call else rest)
 
 
@@ -164,8 +165,8 @@ class RequiredCallsParser:
     def parse(self, text: str) -> Parsed:
         try:
             items = json.loads(text)
-        except ValueError:
-            return Parsed(text or None, [])
+        except ValueError:  # cut short by max_tokens: the calls that were complete
+            items = _complete_items(text)
         calls = [c for c in (_call(i) for i in items) if c is not None] if isinstance(items, list) else []
         return Parsed(None if calls else text or None, calls)
 
@@ -177,6 +178,21 @@ class RequiredCallsParser:
         parsed = self.parse(self._buf)
         self._buf = ""
         return StreamPiece(content=parsed.content or "", calls=parsed.calls)
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The whole items at the start of a JSON list whose text was cut off."""
+    decoder, items, i = json.JSONDecoder(), [], 1
+    if not text.startswith("["):
+        return items
+    while True:
+        while i < len(text) and text[i] in " \n\t,":
+            i += 1
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return items
+        items.append(item)
 
 
 PARSERS = {"hermes": HermesToolParser}
