@@ -90,5 +90,7 @@ class SamplingParams:
                 raise bad("logit_bias", {t: b}, "token ids >= 0 mapped to biases between -100 and 100")
         if self.structured is not None and self.min_tokens:
             raise bad("min_tokens", self.min_tokens, "0 with a structured output (the grammar decides the end)")
+        if self.structured is not None and self.ignore_eos:
+            raise bad("ignore_eos", self.ignore_eos, "false with a structured output (the grammar decides the end)")
         if len(self.stop) > 4:
             raise bad("stop", self.stop, "at most 4 sequences")

@@ -74,6 +74,7 @@ def random_params(rng: random.Random, stop_texts: list[str]) -> SamplingParams:
     if rng.random() < 0.2:  # a grammar: masks on drafts and verify windows, state rolled back on rejection
         kw["structured"] = rng.choice(CONSTRAINTS)
         kw.pop("min_tokens", None)
+        kw["ignore_eos"] = False
     return SamplingParams(**kw)
 
 

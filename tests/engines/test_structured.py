@@ -140,6 +140,13 @@ def test_json_object_answers_are_objects(plain):
         assert c.finish_reason == "stop" and isinstance(json.loads(c.text), dict), c.text
 
 
+def test_min_tokens_and_ignore_eos_are_refused_with_a_constraint():
+    so = StructuredOutput("regex", "[a-z]+")
+    for field in ("min_tokens", "ignore_eos"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(structured=so, **{field: 1 if field == "min_tokens" else True})
+
+
 def test_a_bad_constraint_is_refused_naming_its_field(plain):
     with pytest.raises(RequestRejected, match="guided_regex"):
         plain.generate(PROMPT, SamplingParams(structured=StructuredOutput("regex", "(", "guided_regex")))

@@ -237,6 +237,7 @@ def test_tool_results_round_trip_in_the_history(client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"logit_bias": {"1": 500}}, "logit_bias[...]"),
+    ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
