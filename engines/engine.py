@@ -162,7 +162,7 @@ class ModelEngine:
         for i in range(params.n):
             seq = Sequence(req, i, list(ids), len(ids), len(ids) + max_tokens)
             if params.seed is not None:  # choice i gets seed + i so the n choices differ but reproduce
-                seq.generator = torch.Generator(self.device).manual_seed(params.seed + i)
+                seq.seed = params.seed + i
             if self.tokenizer is not None:
                 seq.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, prompt_ids=ids)
             if params.logprobs is not None:

@@ -26,7 +26,7 @@ class SamplerRow:
     params: SamplingParams
     prompt_token_ids: Seq[int]
     output_token_ids: Seq[int]
-    generator: torch.Generator | None = None
+    uniform: float | None = None  # a seeded row's draw for this position (`seeded_uniform`); None: fresh
     mask: torch.Tensor | None = None  # packed allowed-token bits [W] from the sequence's grammar
 
 
@@ -59,7 +59,22 @@ def sampler_row(seq: Sequence, extra: Seq[int] = (), mask: torch.Tensor | None =
         output = seq.token_ids[seq.prompt_len:]
         if extra:
             output += extra
-    return SamplerRow(p, prompt, output, seq.generator, mask)
+    uniform = None if seq.seed is None else seeded_uniform(seq.seed, seq.num_tokens + len(extra))
+    return SamplerRow(p, prompt, output, uniform, mask)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform a seeded sequence draws its token at `position` with, in [0, 1): a counter-based generator
+    (splitmix64 of seed and position), so the draw depends on nothing but the two: not on the batch, on
+    whether the token was sampled in a plain step or verified after a draft, nor on how many draws came
+    before. That makes seeded output identical with and without speculative decoding."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
 
 
 def min_tokens_ban(params: SamplingParams, eos_token_ids: Set[int]) -> set[int]:
@@ -180,23 +195,30 @@ def processed_logits(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[
     return logits, random_rows, apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
 
 
-def draw(probs: torch.Tensor, generators: Seq[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs [R, V] (rows sum to about 1). A seeded row uses only its own generator, so
-    its draws do not depend on which other requests share the batch. On the GPU: the exponential race
-    argmax(p / E), E ~ Exp(1) (one fused pass, no sort, no sync); on the CPU: the inverse CDF, one uniform
-    per row (V exponentials cost ~100 us at V = 4096, a cumsum and a binary search a few us)."""
+def draw(probs: torch.Tensor, uniforms: Seq[float | None]) -> torch.Tensor:
+    """One token per row of probs [R, V] (rows sum to about 1): the inverse CDF at the row's uniform (a
+    seeded row's `seeded_uniform`, else a fresh one), so a seeded row's token depends only on its seed, its
+    position and its distribution. On the GPU the unseeded rows take the exponential race argmax(p / E),
+    E ~ Exp(1) (one fused pass, no sort, no sync); on the CPU the inverse CDF (V exponentials cost ~100 us
+    at V = 4096, a cumsum and a binary search a few us)."""
+    seeded = [j for j, u in enumerate(uniforms) if u is not None]
     if probs.is_cuda:
-        noise = torch.empty_like(probs).exponential_()
-        for j, g in enumerate(generators):
-            if g is not None:
-                noise[j].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        picked = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+        if seeded:
+            idx = torch.tensor(seeded, device=probs.device)
+            u = torch.tensor([uniforms[j] for j in seeded], dtype=probs.dtype, device=probs.device)[:, None]
+            picked[idx] = _inverse_cdf(probs[idx], u)
+        return picked
     u = torch.rand(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
-    for j, g in enumerate(generators):
-        if g is not None:
-            u[j] = torch.rand(1, generator=g, dtype=probs.dtype, device=probs.device)
+    for j in seeded:
+        u[j] = uniforms[j]
+    return _inverse_cdf(probs, u)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token of each row whose cumulative mass exceeds u * total (zero-probability tokens never
+    are); u [R, 1] in [0, 1)."""
     cdf = probs.cumsum(-1)
-    # the first token whose cumulative mass exceeds u * total (zero-probability tokens never are)
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
     over = picked >= probs.shape[1]
     if bool(over.any()):  # u * total rounded up to the total (u within 1e-7 of 1): the last token with mass
@@ -217,7 +239,7 @@ def sample(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]] 
     if random_rows:
         idx = torch.tensor(random_rows, device=device) if len(random_rows) < num_rows else None
         probs = x.softmax(dim=-1)
-        picked = draw(probs, [rows[i].generator for i in random_rows])
+        picked = draw(probs, [rows[i].uniform for i in random_rows])
         if idx is None:
             tokens = picked
         else:

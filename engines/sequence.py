@@ -10,8 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from engines.errors import EngineError
 from engines.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from engines.sampling_params import SamplingParams
@@ -62,7 +60,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the committed full blocks
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest admission
     admit_order: int = -1
-    generator: torch.Generator | None = None
+    seed: int | None = None  # a seeded choice's seed (the request's seed + index); draws by position
     detokenizer: object | None = None
     grammar: object | None = None  # the output constraint's state (engines.structured.Grammar)
     text: str = ""

@@ -80,10 +80,7 @@ class SpeculativeDecoder:
         chosen, states, ks = [], [], []
         spare = len(running) + 1
         for i, s in enumerate(seqs):
-            p = s.request.params
-            # a seeded sampling row always drafts k_max so its random draws do not depend on timing or batch
-            k_s = self.k_max if s.generator is not None and not p.greedy else (k if i < num_k else 0)
-            k_s = min(k_s, s.max_len - s.num_tokens)
+            k_s = min(k if i < num_k else 0, s.max_len - s.num_tokens)
             if k_s <= 0:
                 continue
             ds = self.drafter.reserve(s, k_s, spare)

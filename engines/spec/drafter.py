@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engines.kv_pool import KVPool
-from engines.sampler import draw, processed_logits, sampler_row
+from engines.sampler import draw, processed_logits, sampler_row, seeded_uniform
 from engines.sampling_params import SamplingParams
 from engines.scheduler import commit_full_blocks, extra_keys
 from engines.sequence import Sequence
@@ -107,7 +107,9 @@ class Drafter:
                 seq = seqs[active[0]]
                 prm = seq.request.params
                 probs = None if prm.greedy else torch.softmax(logits / prm.temperature, -1)
-                tokens = logits.argmax(-1) if probs is None else draw(probs, [seq.generator])
+                pos = seq.num_tokens + len(drafts[active[0]])
+                u = None if seq.seed is None else seeded_uniform(seq.seed, pos)
+                tokens = logits.argmax(-1) if probs is None else draw(probs, [u])
                 is_greedy = [prm.greedy]
             else:
                 rows = [sampler_row(seqs[i], drafts[i]) for i in active]
@@ -117,7 +119,7 @@ class Drafter:
                 probs = None
                 if random_rows:  # draw only the sampling rows: a greedy row has no distribution to draw from
                     probs = x.softmax(-1)
-                    sampled = draw(probs, [seqs[active[j]].generator for j in random_rows])
+                    sampled = draw(probs, [rows[j].uniform for j in random_rows])
                     if len(random_rows) == len(active):
                         tokens = sampled
                     else:

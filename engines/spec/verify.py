@@ -16,6 +16,7 @@ from engines.outputs import Logprob, PositionLogprobs
 from engines.sampler import (
     Sampled,
     SamplerRow,
+    draw,
     min_tokens_ban,
     processed_logits,
     sample_sequences,
@@ -84,18 +85,26 @@ def _accept(logits: torch.Tensor, spec: list[tuple[Sequence, int, int]], drafts:
     greedy, probs = processed_distributions(logits[index], rows, stop_ids)
     greedy_l = greedy.tolist()
     results: list[tuple[list[int], int] | None] = [None] * len(spec)
-    random_idx = []
+    random_idx, seeded_idx = [], []
     offset = 0
-    for i, ((seq, _, k), (d, _q)) in enumerate(zip(spec, windows)):
-        if seq.request.params.greedy:  # exact: keep drafts while they equal the target's argmax
-            target = greedy_l[offset:offset + k + 1]
-            acc = 0
-            while acc < k and d[acc] == target[acc]:
-                acc += 1
-            results[i] = (d[:acc] + [target[acc]], acc)
+    for i, (seq, _, k) in enumerate(spec):
+        if seq.request.params.greedy:
+            results[i] = _keep_while_equal(windows[i][0], greedy_l[offset:offset + k + 1])
+        elif seq.seed is not None:
+            seeded_idx.append((i, offset))
         else:
             random_idx.append((i, offset))
         offset += k + 1
+    if seeded_idx:
+        # a seeded row's token at each position is its own seeded draw from the target distribution, as in a
+        # plain step (exact, and identical with or without drafts): keep drafts while they equal those draws
+        at = [off + j for i, off in seeded_idx for j in range(spec[i][2] + 1)]
+        target_l = draw(probs[torch.tensor(at, device=probs.device)], [rows[r].uniform for r in at]).tolist()
+        pos = 0
+        for i, _ in seeded_idx:
+            k = spec[i][2]
+            results[i] = _keep_while_equal(windows[i][0], target_l[pos:pos + k + 1])
+            pos += k + 1
     if random_idx:
         for (i, _), r in zip(random_idx, _rejection(probs, spec, windows, random_idx)):
             results[i] = r
@@ -108,6 +117,14 @@ def _accept(logits: torch.Tensor, spec: list[tuple[Sequence, int, int]], drafts:
             lps = [_logprobs(lp_rows[j], tok, k_lp) for j, tok in enumerate(tokens)]
         out.append(Sampled(seq, tokens, acc, lps))
     return out
+
+
+def _keep_while_equal(drafts: list[int], target: list[int]) -> tuple[list[int], int]:
+    """Drafts up to the first that differs from the target's token at its position, then the target's token."""
+    acc = 0
+    while acc < len(drafts) and drafts[acc] == target[acc]:
+        acc += 1
+    return drafts[:acc] + [target[acc]], acc
 
 
 def _rejection(probs: torch.Tensor, spec, windows, random_idx) -> list[tuple[list[int], int]]:
@@ -126,12 +143,7 @@ def _rejection(probs: torch.Tensor, spec, windows, random_idx) -> list[tuple[lis
             q = torch.stack([windows[i][1] if windows[i][1] is not None
                              else torch.nn.functional.one_hot(draft_ids[j], p.shape[-1]).to(p.dtype)
                              for j, (i, _) in enumerate(group)])
-        # uniforms: a seeded sequence draws from its own generator, so batching never changes its draws
         u = torch.rand(b, k + 1, device=dev)
-        for j, (i, _) in enumerate(group):
-            gen = spec[i][0].generator
-            if gen is not None:
-                u[j] = torch.rand(k + 1, generator=gen, device=dev)
         if b == 1 and not p.is_cuda:
             results[group[0][0]] = rejection_sample_one(draft_ids[0], q, p[0], u[0])
             continue

@@ -1,8 +1,8 @@
 """Randomised differential test of the engine as traffic arrives: continuous batches mixing random sampling
 parameters (greedy, temperature, top-k/p, min-p, penalties, logit_bias, grammars, seeds, stop strings and ids,
 logprobs, n, max_tokens) and aborts at random steps, with and without speculation. Checked against references: nothing
-fails, greedy outputs equal plain decoding of the request alone, seeded outputs equal the same request run
-alone on the same engine, and the pool returns to zero pages. `TANDEM_DIFF_ROUNDS=N` runs more rounds."""
+fails, greedy and seeded outputs equal plain decoding of the request alone (seeded draws depend only on
+seed and position, so speculation and batching change nothing), and the pool returns to zero pages. `TANDEM_DIFF_ROUNDS=N` runs more rounds."""
 
 from __future__ import annotations
 
@@ -95,7 +95,6 @@ def test_mixed_random_traffic_never_fails_and_matches_references(models, specula
     rng = random.Random(1000 * round_seed + speculative)
     llm = make_llm(models, speculative)
     plain_ref = make_llm(models, False)
-    alone_ref = make_llm(models, speculative)  # seeded requests reproduce on the same kind of engine
     eng = llm.engine
     stop_texts = [" ", "e", "(", "\n", "in", "se"]
     n_req = 24
@@ -141,7 +140,7 @@ def test_mixed_random_traffic_never_fails_and_matches_references(models, specula
             assert [c.text for c in out.outputs] == [c.text for c in want.outputs]
             checked_greedy += 1
         elif p.seed is not None:
-            want = run_alone(alone_ref, prompts[i], p)
+            want = run_alone(plain_ref, prompts[i], p)
             assert [c.token_ids for c in out.outputs] == [c.token_ids for c in want.outputs], f"seeded {i}: {p}"
             checked_seeded += 1
     assert checked_greedy and checked_seeded  # both references were exercised

@@ -17,9 +17,8 @@ LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
-def rows(params: SamplingParams, n: int, seed: int | None = None) -> list[SamplerRow]:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return [SamplerRow(params, [0], [], gen) for _ in range(n)]
+def rows(params: SamplingParams, n: int) -> list[SamplerRow]:
+    return [SamplerRow(params, [0], []) for _ in range(n)]
 
 
 def expected_probs(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
@@ -66,23 +65,35 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
 
 
 def test_a_seeded_row_draws_the_same_tokens_whatever_else_is_in_the_batch():
+    from engines.sampler import seeded_uniform
+
     params = SamplingParams(temperature=1.0, seed=3)
     logits = torch.randn(1, 64)
-    g = torch.Generator().manual_seed(3)
-    seeded = SamplerRow(params, [0], [], g)
-    alone = []
-    for _ in range(20):
-        alone.append(sample(logits, [seeded]).token_ids[0])
-    g2 = torch.Generator().manual_seed(3)
-    seeded2 = SamplerRow(params, [0], [], g2)
+    alone = [sample(logits, [SamplerRow(params, [0], [], seeded_uniform(3, pos))]).token_ids[0] for pos in range(20)]
     crowd = [SamplerRow(SamplingParams(temperature=1.0), [0], []) for _ in range(5)]
     mixed = []
-    for step in range(20):
-        batch = crowd[: step % 5] + [seeded2] + crowd[step % 5:]
-        out = sample(torch.cat([torch.randn(step % 5, 64), logits, torch.randn(5 - step % 5, 64)]), batch)
-        mixed.append(out.token_ids[step % 5])
+    for pos in range(20):
+        batch = crowd[: pos % 5] + [SamplerRow(params, [0], [], seeded_uniform(3, pos))] + crowd[pos % 5:]
+        out = sample(torch.cat([torch.randn(pos % 5, 64), logits, torch.randn(5 - pos % 5, 64)]), batch)
+        mixed.append(out.token_ids[pos % 5])
     assert mixed == alone
     assert len(set(alone)) > 1  # it really sampled
+
+
+def test_seeded_uniforms_are_a_function_of_seed_and_position_and_look_uniform():
+    from scipy.stats import kstest
+
+    from engines.sampler import seeded_uniform
+
+    assert seeded_uniform(5, 17) == seeded_uniform(5, 17)
+    us = [seeded_uniform(seed, pos) for seed in (0, 1, 2 ** 64 - 1, -(2 ** 63)) for pos in range(2500)]
+    assert all(0.0 <= u < 1.0 for u in us) and len(set(us)) == len(us)
+    assert kstest(us, "uniform").pvalue > 1e-3
+    # neighbouring seeds and positions are not correlated (choice i of n uses seed + i)
+    a = [seeded_uniform(7, pos) for pos in range(4000)]
+    b = [seeded_uniform(8, pos) for pos in range(4000)]
+    c = [seeded_uniform(7, pos + 1) for pos in range(4000)]
+    assert abs(float(torch.corrcoef(torch.tensor([a, b, c]))[0, 1:].abs().max())) < 0.05
 
 
 def test_repetition_presence_and_frequency_penalties():
@@ -113,7 +124,7 @@ def test_min_tokens_bans_stop_ids_until_reached():
 def test_logprobs_are_the_raw_distribution_with_ranks_and_top_k():
     logits = torch.tensor([[0.1, 3.0, 2.0, -1.0, 0.5]])
     p = SamplingParams(temperature=2.0, top_k=2, logprobs=3, seed=0)
-    out = sample(logits, [SamplerRow(p, [0], [], torch.Generator().manual_seed(0))])
+    out = sample(logits, [SamplerRow(p, [0], [], 0.25)])
     raw = torch.log_softmax(logits[0], -1)
     tok = out.token_ids[0]
     lp = out.logprobs[0]
@@ -136,7 +147,7 @@ def test_the_cpu_draw_never_picks_a_token_without_mass_even_at_the_top_of_the_cd
     # u * total can round up to the total when u is within 1e-7 of 1: u = 1 is that case, past the cdf's end
     real_rand = torch.rand
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones_like(real_rand(*a, **k)))
-    assert draw(probs, [None, torch.Generator().manual_seed(0)]).tolist() == [2, 2]  # the last live tokens
+    assert draw(probs, [None, 1.0]).tolist() == [2, 2]  # the last live tokens
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -226,6 +226,25 @@ def test_seeded_sampling_with_speculation_reproduces_and_n_choices_differ(pair):
     assert spec.stats()["engine_spec_num_drafts"] > 0
 
 
+def test_seeded_sampling_is_identical_with_and_without_speculation_whatever_k(pair):
+    """A seeded row's token at each position is its own seeded draw from the target distribution, in a plain
+    step or after a draft: any k (and any trimming of drafts) gives plain decoding's output."""
+    _, target, _ = pair
+    plain = LLM(target, block_size=BLOCK)
+    prompts = random_prompts(3, 3, 20, seed=9)
+    params = [SamplingParams(temperature=0.9, seed=11, n=2, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.2, top_p=0.8, seed=12, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=20, presence_penalty=0.5, seed=13, max_tokens=30, ignore_eos=True)]
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                       params)]
+    for k in (1, 2, 4):
+        spec = spec_llm(pair, k=k)
+        got = spec.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [[c.token_ids for c in o.outputs] for o in got] == want, f"k={k}"
+        assert spec.stats()["engine_spec_num_accepted_tokens"] > 0  # drafts were verified, some accepted
+    assert want[0][0] != want[0][1]  # the n choices differ
+
+
 # ---- sampling: the target's distribution -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

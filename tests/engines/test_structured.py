@@ -133,11 +133,15 @@ def test_regex_choice_json_object_and_ebnf_constraints_hold_when_sampling(spec, 
 
 
 def test_json_object_answers_are_objects(plain):
-    # a prompt and seed after which the tiny code model closes its objects (often they nest past max_tokens)
-    outs = plain.generate('data = {"a": 1}\n', SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=60,
+    # the tiny code model often nests past max_tokens: every answer that ends is an object, and most end
+    outs = plain.generate('data = {"a": 1}\n', SamplingParams(temperature=0.8, seed=0, n=8, max_tokens=60,
                                                               structured=StructuredOutput("json_object")))
+    stopped = [c for c in outs[0].outputs if c.finish_reason == "stop"]
+    assert len(stopped) >= 4, [c.text for c in outs[0].outputs]
     for c in outs[0].outputs:
-        assert c.finish_reason == "stop" and isinstance(json.loads(c.text), dict), c.text
+        assert c.text.startswith("{") and c.finish_reason in ("stop", "length"), c.text
+    for c in stopped:
+        assert isinstance(json.loads(c.text), dict), c.text
 
 
 def test_min_tokens_and_ignore_eos_are_refused_with_a_constraint():
