@@ -68,3 +68,19 @@ def build_checkpoint(out_dir: Path, arch: str = "llama", *, vocab_size: int = 38
     if with_tokenizer:
         build_tokenizer(out_dir, vocab_size=vocab_size)
     return out_dir
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def with_chat_template(src: Path, dst: Path, template: str = CHATML) -> Path:
+    """A copy of checkpoint folder `src` at `dst` whose tokenizer_config.json carries `template`."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg_path = dst / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg))
+    return dst

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -20,31 +19,21 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from tiny_checkpoints import with_chat_template  # noqa: E402  (conftest puts tests/ on the path)
 
 from gateway.config import config_from_dict
 from gateway.routes import register_strategy
 from gateway.routing import Plan, RoutedRun, start_planned
 from gateway.server import ServerThread
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
-
-
-def _with_chat_template(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    cfg_path = dst / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHATML
-    cfg_path.write_text(json.dumps(cfg))
-    return dst
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gateway-ckpt")
-    return {"small": _with_chat_template(tiny_checkpoint("llama"), root / "small"),
-            "large": _with_chat_template(tiny_checkpoint("qwen2", hidden_size=96, num_heads=6, num_kv_heads=2,
+    return {"small": with_chat_template(tiny_checkpoint("llama"), root / "small"),
+            "large": with_chat_template(tiny_checkpoint("qwen2", hidden_size=96, num_heads=6, num_kv_heads=2,
                                                          seed=1), root / "large")}
 
 

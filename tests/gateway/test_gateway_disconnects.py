@@ -8,41 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import shutil
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
+from tiny_checkpoints import with_chat_template  # noqa: E402  (conftest puts tests/ on the path)
 
 from gateway.config import config_from_dict
 from gateway.server import ServerThread
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LONG = {"prompt": "Speculative decoding", "max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
 LEAVE_AFTER_S = 0.5  # the client's read timeout: it hangs up this long after sending
 NOTICED_WITHIN_S = 1.5  # the engines must be idle this soon after (a slowed generation takes 4+ s)
 
 
-def _with_chat_template(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    cfg_path = dst / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHATML
-    cfg_path.write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("disconnect-ckpt")
-    small = _with_chat_template(tiny_checkpoint("llama"), root / "small")
-    large = _with_chat_template(tiny_checkpoint("qwen2", hidden_size=96, num_heads=6, num_kv_heads=2, seed=1),
+    small = with_chat_template(tiny_checkpoint("llama"), root / "small")
+    large = with_chat_template(tiny_checkpoint("qwen2", hidden_size=96, num_heads=6, num_kv_heads=2, seed=1),
                                 root / "large")
     cfg = config_from_dict({
         "engines": {"tandem-small": {"checkpoint": str(small), "max_num_seqs": 1},  # one slot: the next waits

@@ -18,6 +18,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from tiny_checkpoints import with_chat_template  # noqa: E402  (conftest puts tests/ on the path)
 
 from engines.outputs import CompletionOutput, Logprob
 from gateway.cascade import CascadeStrategy, confidence
@@ -29,8 +30,6 @@ from router_model.data import read_examples
 from router_model.features import FeatureConfig
 from router_model.train import TrainOptions, train_router
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 FILLER = ("alpha beta gamma delta river stone cloud paper light music garden window yellow quiet hello there thanks "
           "good morning").split()
 EASY = [{"role": "system", "content": "You are a helpful assistant."},
@@ -38,15 +37,6 @@ EASY = [{"role": "system", "content": "You are a helpful assistant."},
 HARD = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "river stone cloud prove the theorem"}]
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
-
-
-def _with_chat_template(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    cfg_path = dst / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHATML
-    cfg_path.write_text(json.dumps(cfg))
-    return dst
 
 
 def _keyword_rows(n: int, seed: int = 0) -> list[dict]:
@@ -87,8 +77,8 @@ def spans() -> InMemorySpanExporter:
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory, router_dir, spans):
     root = tmp_path_factory.mktemp("routing-ckpt")
-    small = _with_chat_template(tiny_checkpoint("llama"), root / "small")
-    large = _with_chat_template(tiny_checkpoint("qwen2", hidden_size=96, num_heads=6, num_kv_heads=2, seed=1),
+    small = with_chat_template(tiny_checkpoint("llama"), root / "small")
+    large = with_chat_template(tiny_checkpoint("qwen2", hidden_size=96, num_heads=6, num_kv_heads=2, seed=1),
                                 root / "large")
     pair = ["tandem-small", "tandem-large"]
     cfg = config_from_dict({
@@ -296,7 +286,7 @@ def test_escalation_is_a_child_span_with_the_decision(client, spans):
 def test_escalation_verifies_the_small_answer_as_drafts(tiny_checkpoint, tmp_path, spans):
     """Two engines on the same weights: the large one accepts every token of the small answer in its
     verification pass (the draft path is real, not a plain regeneration)."""
-    ckpt = _with_chat_template(tiny_checkpoint("llama"), tmp_path / "twin")
+    ckpt = with_chat_template(tiny_checkpoint("llama"), tmp_path / "twin")
     cfg = config_from_dict({
         "engines": {"a": {"checkpoint": str(ckpt)}, "b": {"checkpoint": str(ckpt)}},
         "kv_pool": {"memory_bytes": 16 << 20},
