@@ -124,9 +124,10 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Coun
                 return
             data = b"".join([chunk async for chunk in r.aiter_bytes()])
             if stream:
-                if not data.rstrip().endswith(b"data: [DONE]"):
+                events = [line[6:] for line in data.split(b"\n") if line.startswith(b"data: ")]
+                if not events or events[-1] != b"[DONE]":
                     failures.append(f"stream without [DONE]: {data[-120:]!r}")
-                elif b'"error"' in data:
+                elif any("error" in json.loads(e) for e in events[:-1]):  # an error event, not a token's text
                     failures.append(f"stream error event: {data[-300:]!r}")
             else:
                 json.loads(data)
