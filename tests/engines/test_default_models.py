@@ -25,14 +25,7 @@ SMALL, LARGE = ROOT / "models" / "tandem-tiny-s", ROOT / "models" / "tandem-tiny
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # models this small gain nothing from a second thread, and on shared cores the extra threads' spinning
-    # made these tests 5-10x slower
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
