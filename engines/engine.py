@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -26,9 +27,11 @@ from engines.spec.decoder import SpeculativeDecoder
 from engines.spec.drafter import Drafter
 from engines.spec.verify import verify
 from engines.step_model import BatchCapController, StepTimer, step_clock
-from engines.structured import GrammarCompiler, InvalidConstraint, StructuredOutput
+from engines.structured import GrammarCompiler, InvalidConstraint, MaskPrefetch, StructuredOutput
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from engines.attention import StepBatch
     from engines.config import EngineSpec
     from engines.loaded import LoadedModel
@@ -72,6 +75,8 @@ class ModelEngine:
         self._live_ids: set[str] = set()  # ids accepted and not yet finished (guarded by the GIL's atomic ops)
         self.num_steps = 0
         self.grammars: GrammarCompiler | None = None  # built with the first constrained request
+        self._grammars_lock = threading.Lock()
+        self.mask_prefetch = MaskPrefetch()
 
     def _speculator(self, drafter: Drafter | None, k_max: int) -> SpeculativeDecoder:
         return SpeculativeDecoder(drafter, k_max, self.eos_token_ids, self.timer.clock, self._fail)
@@ -174,12 +179,22 @@ class ModelEngine:
             req.seqs.append(seq)
         return req
 
+    def needs_compile(self, so: StructuredOutput) -> bool:
+        """Whether validating a request with `so` would compile it (not cached yet): callers on an event loop
+        call `precompile` on a worker thread first."""
+        return self.tokenizer is not None and (self.grammars is None or not self.grammars.cached(so))
+
+    def precompile(self, so: StructuredOutput) -> None:
+        """Compile `so` into the cache (any thread); RequestRejected naming its field if it cannot be."""
+        self._compile(so)
+
     def _compile(self, so: StructuredOutput) -> object:
         """The constraint compiled for this engine's vocabulary (cached); RequestRejected naming its field."""
         if self.tokenizer is None:
             raise RequestRejected(f"{so.param}: engine {self.name!r} has no tokenizer to constrain the output with")
-        if self.grammars is None:
-            self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        with self._grammars_lock:  # built once, by whichever caller thread comes first
+            if self.grammars is None:
+                self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         try:
             return self.grammars.compile(so)
         except InvalidConstraint as e:
@@ -203,6 +218,7 @@ class ModelEngine:
         if not sched:
             return 0
         self._step_started(sched)
+        masks = self.mask_prefetch.start(sched.seqs, sched.drafts)  # grammar masks while the forward runs
         try:
             logits, batch = self.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
         except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
@@ -210,8 +226,10 @@ class ModelEngine:
             for req in _requests(sched.seqs):
                 self._fail(req, f"engine error during forward: {type(e).__name__}: {e}")
             self.timer.forward_failed()
+            if masks is not None:
+                masks.exception()  # wait: the grammars are the engine thread's again
             return 0
-        sampled, error = self._sample(logits, batch, sched)
+        sampled, error = self._sample(logits, batch, sched, masks)
         touched = self.scheduler.update(sched, sampled)
         self.speculator.rollback(sched.drafts, sampled)
         for req in touched:
@@ -223,15 +241,17 @@ class ModelEngine:
         self.speculator.observe_step(sched, *self.timer.step_finished())
         return sched.total_tokens
 
-    def _sample(self, logits: torch.Tensor, batch: StepBatch, sched: SchedulerOutput
+    def _sample(self, logits: torch.Tensor, batch: StepBatch, sched: SchedulerOutput, masks: Future | None
                 ) -> tuple[list[Sampled], str | None]:
         """Sample (or verify the drafts of) every sequence whose chunk reached its last token."""
-        if not batch.sample_seqs:
-            return [], None
         try:
+            ahead = masks.result() if masks is not None else None
+            if not batch.sample_seqs:
+                return [], None
             if sched.drafts:
-                return verify(logits, batch, sched.drafts, self.speculator.draft_probs, self.eos_token_ids), None
-            return sample_sequences(logits, batch.sample_seqs, self.eos_token_ids), None
+                return verify(logits, batch, sched.drafts, self.speculator.draft_probs, self.eos_token_ids,
+                              ahead), None
+            return sample_sequences(logits, batch.sample_seqs, self.eos_token_ids, ahead), None
         except Exception as e:
             log.exception("engine %s: sampling failed", self.name)
             return [], f"engine error during sampling: {type(e).__name__}: {e}"

@@ -5,8 +5,8 @@ per-row feature."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set
 from collections.abc import Sequence as Seq
-from collections.abc import Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -82,13 +82,22 @@ def min_tokens_ban(params: SamplingParams, eos_token_ids: Set[int]) -> set[int]:
     return eos_token_ids | set(params.stop_token_ids) if params.min_tokens else set()
 
 
-def sample_sequences(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Set[int]) -> list[Sampled]:
-    """One token per sequence from its logits row."""
-    result = sample(logits, [sampler_row(s) for s in seqs],
+def sample_sequences(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Set[int],
+                     masks: Mapping[int, torch.Tensor] | None = None) -> list[Sampled]:
+    """One token per sequence from its logits row. `masks`: seq_id -> grammar masks computed ahead
+    (`structured.MaskPrefetch`; row 0 is the next token's), else a constrained row computes its own."""
+    result = sample(logits, [sampler_row(s, mask=_first_mask(masks, s)) for s in seqs],
                     [min_tokens_ban(s.request.params, eos_token_ids) for s in seqs])
     lps = result.logprobs
     return [Sampled(s, [t], 0, None if lps[i] is None else [(result.sampled_logprobs[i], lps[i])])
             for i, (s, t) in enumerate(zip(seqs, result.token_ids))]
+
+
+def _first_mask(masks: Mapping[int, torch.Tensor] | None, seq: Sequence) -> torch.Tensor | None:
+    if masks is None or seq.grammar is None:
+        return None
+    m = masks.get(seq.seq_id)
+    return None if m is None else m[0]
 
 
 @dataclass

@@ -9,7 +9,9 @@ from __future__ import annotations
 import collections
 import json
 import threading
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +111,11 @@ class GrammarCompiler:
             raise InvalidConstraint(so.param, f"{so.param} cannot be compiled: {e}") from None
         raise InvalidConstraint(so.param, f"{so.param}: unknown constraint kind {so.kind!r}")
 
+    def cached(self, so: StructuredOutput) -> bool:
+        """Whether `compile(so)` would return at once (the caller can compile elsewhere otherwise)."""
+        with self._lock:
+            return (so.kind, so.spec) in self._cache
+
     def matcher(self, compiled: xgrammar.CompiledGrammar) -> Grammar:
         """A fresh per-sequence state over a compiled grammar."""
         return Grammar(self._xgr.GrammarMatcher(compiled), self.vocab_size)
@@ -171,6 +178,35 @@ class Grammar:
         finally:
             if taken:
                 m.rollback(taken)
+
+
+class MaskPrefetch:
+    """Computes a step's grammar masks on a worker thread while the forward pass runs (xgrammar releases the
+    GIL while it fills a mask). `start` takes the step's sequences and drafts and returns a future of
+    seq_id -> masks [k + 1, W]: row j is the mask after the first j drafts (a plain row has k = 0). Only
+    sequences with a grammar are touched; a step without any submits nothing. The engine thread must not
+    touch those grammars until the future is done (it waits for it before sampling)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, seqs: Seq, drafts: Mapping[int, list[int]]) -> Future | None:
+        todo = [(s.grammar, drafts.get(s.seq_id)) for s in seqs if s.grammar is not None]
+        if not todo:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        ids = [s.seq_id for s in seqs if s.grammar is not None]
+        return self._pool.submit(_masks_for, ids, todo)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _masks_for(ids: list[int], todo: list[tuple[Grammar, list[int] | None]]) -> dict[int, torch.Tensor]:
+    return {i: g.window_masks(d) if d else g.next_mask()[None] for i, (g, d) in zip(ids, todo)}
 
 
 def apply_masks(logits: torch.Tensor, rows: Seq[int], masks: Seq[torch.Tensor]) -> None:

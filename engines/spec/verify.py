@@ -30,10 +30,12 @@ if TYPE_CHECKING:
 
 
 def verify(logits: torch.Tensor, batch: StepBatch, drafts: Mapping[int, list[int]],
-           draft_probs: Mapping[int, torch.Tensor], eos_token_ids: Set[int]) -> list[Sampled]:
+           draft_probs: Mapping[int, torch.Tensor], eos_token_ids: Set[int],
+           masks: Mapping[int, torch.Tensor] | None = None) -> list[Sampled]:
     """logits: the 1 + k rows of every sampling sequence verifying k drafts (`batch.rows_per_seq`), one row for
     the others; drafts: seq_id -> the k scheduled drafts; draft_probs: seq_id -> q [k, V] for drafts sampled
-    from a distribution (absent: one-hot q, greedy or supplied drafts)."""
+    from a distribution (absent: one-hot q, greedy or supplied drafts); masks: seq_id -> grammar masks after
+    each draft prefix, computed ahead (`structured.MaskPrefetch`), else computed here."""
     plain_rows, plain_seqs, spec = [], [], []
     row = 0
     for seq, n in zip(batch.sample_seqs, batch.rows_per_seq):
@@ -46,9 +48,9 @@ def verify(logits: torch.Tensor, batch: StepBatch, drafts: Mapping[int, list[int
     out = []
     if plain_seqs:
         out = sample_sequences(logits[plain_rows] if len(plain_rows) < logits.shape[0] else logits, plain_seqs,
-                               eos_token_ids)
+                               eos_token_ids, masks)
     if spec:
-        out += _accept(logits, spec, drafts, draft_probs, eos_token_ids)
+        out += _accept(logits, spec, drafts, draft_probs, eos_token_ids, masks)
     return out
 
 
@@ -69,7 +71,8 @@ def processed_distributions(logits: torch.Tensor, rows: Seq[SamplerRow], stop_id
 
 
 def _accept(logits: torch.Tensor, spec: list[tuple[Sequence, int, int]], drafts: Mapping[int, list[int]],
-            draft_probs: Mapping[int, torch.Tensor], eos_token_ids: Set[int]) -> list[Sampled]:
+            draft_probs: Mapping[int, torch.Tensor], eos_token_ids: Set[int],
+            masks_ahead: Mapping[int, torch.Tensor] | None) -> list[Sampled]:
     rows, stop_ids, windows = [], [], []
     for seq, _, k in spec:
         d = drafts[seq.seq_id][:k]
@@ -77,7 +80,10 @@ def _accept(logits: torch.Tensor, spec: list[tuple[Sequence, int, int]], drafts:
         windows.append((d, None if q is None else q[:k]))
         stop = min_tokens_ban(seq.request.params, eos_token_ids)
         # a constrained row's masks after each draft prefix: a draft its grammar forbids is never accepted
-        masks = seq.grammar.window_masks(d) if seq.grammar is not None else None
+        masks = None
+        if seq.grammar is not None:
+            ahead = masks_ahead.get(seq.seq_id) if masks_ahead is not None else None
+            masks = ahead if ahead is not None and len(ahead) > k else seq.grammar.window_masks(d)
         for j in range(k + 1):  # each position's history includes the drafts before it
             rows.append(sampler_row(seq, d[:j], None if masks is None else masks[j]))
             stop_ids.append(stop)

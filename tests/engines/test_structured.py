@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -181,3 +182,91 @@ def test_masks_and_bias_apply_to_their_rows_only_in_a_mixed_batch(plain):
     assert torch.equal(out[[0, 3]], logits[[0, 3]])  # untouched rows
     assert int(out[1].argmax()) == 7 and out[1, 7] == logits[1, 7] + 100
     assert {int(t) for t in torch.isfinite(out[2]).nonzero()} == allowed
+
+
+def test_prefetched_masks_equal_the_ones_computed_inline_and_the_engine_uses_them(plain, spec, monkeypatch):
+    """The step computes grammar masks on a worker thread during the forward pass: they must be the masks the
+    sampler and the verifier would compute themselves (plain rows and speculative windows), and the sampler
+    must not recompute them."""
+    from engines.structured import Grammar, MaskPrefetch
+
+    compiler = GrammarCompiler(spec.tokenizer, spec.engine.config.vocab_size, spec.engine.eos_token_ids)
+    compiled = compiler.compile(StructuredOutput.json_schema(SCHEMAS[1]))
+
+    class Seq:
+        def __init__(self, seq_id, grammar):
+            self.seq_id, self.grammar = seq_id, grammar
+
+    a, b, c = (compiler.matcher(compiled) for _ in range(3))
+    for t in spec.tokenizer.encode('{"user": {"id": 12'):
+        b.matcher.accept_token(t)  # any prefix the grammar allows works; this one is mid-object
+    drafts = {2: spec.tokenizer.encode(', "role": "dev"}')}
+    prefetch = MaskPrefetch()
+    got = prefetch.start([Seq(1, a), Seq(2, b), Seq(3, None), Seq(4, c)], drafts).result()
+    prefetch.close()
+    assert sorted(got) == [1, 2, 4]
+    assert torch.equal(got[1][0], a.next_mask()) and torch.equal(got[4][0], c.next_mask())
+    assert torch.equal(got[2], b.window_masks(drafts[2]))
+    assert got[2].shape[0] == len(drafts[2]) + 1 and not torch.equal(got[2][0], got[2][-1])
+
+    def watch(name):  # which threads compute this kind of mask
+        seen, real = [], getattr(Grammar, name)
+        monkeypatch.setattr(Grammar, name, lambda self, *a: seen.append(threading.current_thread().name)
+                            or real(self, *a))
+        return seen
+
+    params = SamplingParams(temperature=0, max_tokens=40, structured=StructuredOutput.json_schema(SCHEMAS[0]))
+    plain_masks = watch("next_mask")
+    out = plain.generate(PROMPT, params)[0].outputs[0]  # plain decoding: every mask comes from the prefetch
+    jsonschema.validate(json.loads(out.text), SCHEMAS[0])
+    assert len(plain_masks) >= len(out.token_ids) and set(plain_masks) == {"grammar-masks_0"}
+    monkeypatch.undo()
+    windows = watch("window_masks")  # speculation: every verify window's masks come from the prefetch
+    got = spec.generate(PROMPT, params)[0].outputs[0]  # (the drafter's own masks are computed as it drafts)
+    assert got.token_ids == out.token_ids
+    assert windows and set(windows) == {"grammar-masks_0"}
+
+
+def test_the_async_engine_compiles_a_new_schema_off_the_event_loop(plain, monkeypatch):
+    import asyncio
+
+    from engines.async_engine import AsyncEngine
+
+    threads = []
+    real = GrammarCompiler.compile
+    monkeypatch.setattr(GrammarCompiler, "compile", lambda self, so: threads.append(threading.current_thread())
+                        or real(self, so))
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 3}}, "required": ["k"]}
+    params = SamplingParams(temperature=0, max_tokens=20, structured=StructuredOutput.json_schema(schema))
+
+    class Core:  # steps the engine on its own thread, as EngineCore does
+        def __init__(self):
+            self.wakeup, self.done = threading.Event(), False
+            self.thread = threading.Thread(target=self.loop, daemon=True)
+            self.thread.start()
+
+        def loop(self):
+            while not self.done:
+                self.wakeup.wait(0.05)
+                self.wakeup.clear()
+                while plain.engine.has_work():
+                    plain.engine.step()
+
+        def check_alive(self):
+            pass
+
+        def wake(self):
+            self.wakeup.set()
+
+    async def run():
+        core = Core()
+        try:
+            outs = [o async for o in AsyncEngine(core, plain.engine).generate(PROMPT, params)]
+        finally:
+            core.done = True
+            core.thread.join()
+        return outs[-1], threading.current_thread()
+
+    last, loop_thread = asyncio.run(run())
+    assert json.loads(last.outputs[0].text).keys() == {"k"}
+    assert threads and threads[0] is not loop_thread  # the first (uncached) compile ran on a worker thread
