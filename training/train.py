@@ -23,12 +23,9 @@ import numpy as np
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# ChatML with Hermes-style tools (a <tools> block in the system turn, <tool_call> JSON in assistant turns,
+# <tool_response> for role "tool"): the template the shipped models carry, so `tools` work on `make serve`
+CHATML_TEMPLATE = (Path(__file__).with_name("chat_template.jinja")).read_text()
 MAX_POSITIONS = 512
 
 

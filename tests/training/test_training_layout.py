@@ -41,3 +41,26 @@ def test_training_cli_runs_as_a_module():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "python -m training.train" in out.stdout
+
+
+def test_training_writes_the_tools_aware_chat_template_the_shipped_models_carry():
+    """Retraining the tiny models must not lose `tools`: train.py writes the template in
+    training/chat_template.jinja, the one both shipped checkpoints carry, and it renders tools and tool turns."""
+    import json
+
+    import jinja2
+
+    from training.train import CHATML_TEMPLATE
+
+    for name in ("tandem-tiny-s", "tandem-tiny-l"):
+        cfg = json.loads((ROOT / "models" / name / "tokenizer_config.json").read_text())
+        assert cfg["chat_template"] == CHATML_TEMPLATE, name
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "12C"}]
+    text = jinja2.Environment().from_string(CHATML_TEMPLATE).render(messages=messages, tools=[tool],
+                                                                     add_generation_prompt=True)
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\n12C\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
