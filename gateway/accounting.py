@@ -96,7 +96,7 @@ class Finisher:
         telemetry.observe_request(route=self.route.name, model=self.run.engine.name, ttft_s=ttft, tpot_s=tpot,
                                   e2e_s=e2e, itls=p.itls, output_tokens=output_tokens,
                                   prompt_tokens=prompt_tokens, finish_reason=reasons[0], queue_s=queue,
-                                  operation=self.operation, request_model=self.request_model)
+                                  operation=self.operation, request_model=self.request_model, output=out)
         if self.finished_ok:
             self.state.slo.observe_request(self.route.name, self.run.engine.name, ttft_s=ttft, tpot_s=tpot,
                                            prompt_tokens=prompt_tokens, output_tokens=output_tokens)

@@ -452,12 +452,16 @@ def test_request_span_is_a_server_span_joining_the_callers_trace(client, server,
                              key=lambda s: s.start_time)
     assert served.name == "chat fast"
     assert f"{served.context.trace_id:032x}" == trace_id and f"{served.parent.span_id:016x}" == parent_id
-    assert served.attributes["http.method"] == "POST" and served.attributes["http.status_code"] == 200
-    assert served.attributes["http.route"] == "POST /v1/chat/completions"
-    assert served.attributes["net.peer.ip"] == "127.0.0.1"
-    assert served.attributes["http.url"] == f"{server.url}/v1/chat/completions"
-    assert served.attributes["http.user_agent"].startswith("OpenAI/Python")
-    assert missing.parent is None and missing.attributes["http.status_code"] == 404
+    # the stable HTTP semantic conventions (the pre-stable names only with OTEL_SEMCONV_STABILITY_OPT_IN=http/dup)
+    assert served.attributes["http.request.method"] == "POST"
+    assert served.attributes["http.response.status_code"] == 200
+    assert served.attributes["http.route"] == "/v1/chat/completions"
+    assert served.attributes["url.path"] == "/v1/chat/completions" and served.attributes["url.scheme"] == "http"
+    assert served.attributes["client.address"] == "127.0.0.1"
+    assert served.attributes["server.address"] == "127.0.0.1" and served.attributes["server.port"] == server.port
+    assert served.attributes["user_agent.original"].startswith("OpenAI/Python")
+    assert "http.method" not in served.attributes and "http.status_code" not in served.attributes
+    assert missing.parent is None and missing.attributes["http.response.status_code"] == 404
     assert missing.status.status_code.name == "UNSET"  # a 4xx is the client's error, not the server's
 
 
