@@ -29,7 +29,8 @@ DECISIONS = "tandem:router_decisions_total"
 
 
 def parse_metrics(text: str) -> dict[str, Any]:
-    """One scrape: the tracked gauges and counters (summed over labels) and router decisions by choice."""
+    """One scrape: the tracked gauges and counters (summed over labels) and router decisions by choice, whatever
+    the server's metric prefix (`tandem:`, `vllm:`, ...)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {v: k for k, v in {**GAUGES, **COUNTERS}.items()}
@@ -37,11 +38,14 @@ def parse_metrics(text: str) -> dict[str, Any]:
     decisions: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == DECISIONS:
+            name = s.name
+            if ":" in name and not name.startswith("tandem:"):  # any [telemetry] metric_prefix ("vllm:", ...)
+                name = "tandem:" + name.split(":", 1)[1]
+            if name == DECISIONS:
                 choice = s.labels.get("choice", "?")
                 decisions[choice] = decisions.get(choice, 0.0) + s.value
                 continue
-            key = wanted.get(s.name)
+            key = wanted.get(name)
             if key is None:
                 continue
             if key == "kv_usage":

@@ -147,3 +147,13 @@ def test_prometheus_scrapes_become_gauges_counter_deltas_and_rates():
     assert s["spec_acceptance_rate"] is None and s["max_waiting"] == 5.0
     assert MetricsScraper("http://x", error="GET /metrics answered 404").summary() == {
         "available": False, "reason": "GET /metrics answered 404", "series": []}
+
+
+def test_scrapes_read_any_metric_prefix():
+    """A server run with `[telemetry] metric_prefix = "vllm"` reads the same (vLLM's own names)."""
+    from traces.server_metrics import parse_metrics
+
+    text = PROM_TEXT % {"q": 100, "h": 10, "s": 4, "n": 2, "t": 0.5}
+    tandem = parse_metrics(text)
+    assert tandem["prefix_queries"] == 100.0 and tandem["ttft_count"] == 2.0
+    assert parse_metrics(text.replace("tandem:", "vllm:")) == tandem
