@@ -1,0 +1,200 @@
+"""The Ray Serve application: `OpenAIIngress` (one OpenAI endpoint) in front of `TandemReplica` deployments,
+routed by `TandemRequestRouter`, fixed-size or autoscaled by `TandemAutoscalingPolicy`.
+
+    serve run deploy.ray_serve:app                      # defaults (2 replicas of the embedded config)
+    serve run deploy.ray_serve:build_app replicas=4 num_gpus=1 config=/etc/tandem.toml
+    python -m deploy.ray_serve --replicas 2 --port 8000   # starts Ray locally too
+
+Every knob is a field of `ScaleOutOptions` (docs/scale-out.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import msgspec
+from ray import serve
+from ray.serve import Application
+
+from deploy.ingress import OpenAIIngress
+from deploy.replica import TandemReplica
+
+log = logging.getLogger("tandem.deploy")
+
+ROUTER_CLASS = "deploy.router:TandemRequestRouter"
+POLICY_CLASS = "deploy.autoscale_policy:TandemAutoscalingPolicy"
+
+
+class ScaleOutOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How the application is laid out. `replicas` fixes the count; `autoscale` lets the policy move it between
+    `min_replicas` and `max_replicas` (starting at `replicas`)."""
+
+    config: str | None = None  # tandem TOML for every replica (default: $TANDEM_CONFIG or the embedded one)
+    overrides: dict[str, Any] = msgspec.field(default_factory=dict)  # dotted config keys, e.g. {"kv_pool.memory_bytes": "128MiB"}
+    replicas: int = 2
+    autoscale: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 8
+    # resources of one replica: a whole tandem (its engines, its KV pool) on one device
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    torch_threads: int = 1  # torch intra-op threads in a replica (CPU serving: one per core it holds)
+    pin_cpu: bool = False  # pin each replica to a core of its own (CPU machines)
+    max_ongoing_requests: int = 128  # per replica, above its engines' batch: the rest waits in tandem's queue
+    max_queued_requests: int = 1024  # per ingress handle; beyond it a 503 + Retry-After
+    graceful_shutdown_timeout_s: float = 60.0  # a scaled-down replica's in-flight requests get this long
+    health_check_period_s: float = 2.0
+    # routing
+    routing: str = "affinity"  # "affinity" (prefix + load) or "pow2" (power of two choices only)
+    allow_routing_override: bool = False  # honour a request's `x-tandem-routing: pow2` (benchmarks)
+    max_imbalance: float = 4.0  # requests in flight a prefix holder may exceed the least loaded replica by
+    kv_high: float = 0.95  # a prefix holder whose pool is fuller than this is passed over
+    routing_stats_period_s: float = 1.0  # how often replicas report KV usage and SLO headroom to routers
+    # autoscaling on tandem's signals (gateway.autoscale: the [autoscale] fields; see docs/autoscaling.md)
+    target_ongoing_requests: float | None = 16.0  # in flight per replica that weighs as the waiting target
+    target_waiting_per_replica: float = 8.0
+    target_kv_usage: float = 0.8
+    down_stabilization_s: float = 300.0
+    down_cooldown_s: float = 120.0
+    max_scale_up_step: int = 4
+    look_back_period_s: float = 10.0  # Ray averages the replicas' reports over this window
+    # the ingress
+    ingress_replicas: int = 1
+    ingress_num_cpus: float = 0.0  # the ingress parses bodies and hashes text: no core of its own
+    retries: int = 2  # replicas tried for a request whose replica died before its first byte
+    first_byte_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.routing not in ("affinity", "pow2"):
+            raise ValueError(f"routing = {self.routing!r}: expected 'affinity' or 'pow2'")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"min_replicas = {self.min_replicas}, max_replicas = {self.max_replicas}: "
+                             "expected 1 <= min_replicas <= max_replicas")
+        if self.autoscale and not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(f"replicas = {self.replicas} must lie within min_replicas..max_replicas when autoscaling")
+
+
+def _coerce(args: dict[str, Any]) -> ScaleOutOptions:
+    """`serve run ... key=value` passes strings: decode each as JSON when it parses (numbers, booleans,
+    objects), else keep the string."""
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        out[key] = value
+    return msgspec.convert(out, ScaleOutOptions, strict=False)
+
+
+def autoscaling_config(o: ScaleOutOptions) -> dict[str, Any]:
+    kwargs = {"target_ongoing_requests": o.target_ongoing_requests, "min_replicas": o.min_replicas,
+              "max_replicas": o.max_replicas, "target_waiting_per_replica": o.target_waiting_per_replica,
+              "target_kv_usage": o.target_kv_usage, "down_stabilization_s": o.down_stabilization_s,
+              "down_cooldown_s": o.down_cooldown_s, "max_scale_up_step": o.max_scale_up_step}
+    return {"min_replicas": o.min_replicas, "max_replicas": o.max_replicas, "initial_replicas": o.replicas,
+            "look_back_period_s": o.look_back_period_s,
+            "policy": {"policy_function": POLICY_CLASS, "policy_kwargs": kwargs}}
+
+
+class TandemReplicaDeployment(TandemReplica):
+    """The replica as Serve runs it (Serve calls an async `__del__` when it stops a replica)."""
+
+    async def __del__(self) -> None:  # type: ignore[misc]
+        await self.shutdown()
+
+
+def build_app(args: dict[str, Any] | ScaleOutOptions | None = None) -> Application:
+    """The application for `serve run deploy.ray_serve:build_app key=value ...` (or `serve.run`)."""
+    o = args if isinstance(args, ScaleOutOptions) else _coerce(args or {})
+    replica_options: dict[str, Any] = {
+        "name": "TandemReplica",
+        "ray_actor_options": {"num_cpus": o.num_cpus, "num_gpus": o.num_gpus},
+        "max_ongoing_requests": o.max_ongoing_requests,
+        "max_queued_requests": o.max_queued_requests,
+        "graceful_shutdown_timeout_s": o.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "health_check_period_s": o.health_check_period_s,
+        "request_router_config": {
+            "request_router_class": ROUTER_CLASS,
+            "request_router_kwargs": {"affinity": o.routing == "affinity", "max_imbalance": o.max_imbalance,
+                                      "kv_high": o.kv_high},
+            "request_routing_stats_period_s": o.routing_stats_period_s,
+            "request_routing_stats_timeout_s": max(1.0, 2 * o.routing_stats_period_s)},
+    }
+    if o.autoscale:
+        replica_options["autoscaling_config"] = autoscaling_config(o)
+    else:
+        replica_options["num_replicas"] = o.replicas
+    replicas = serve.deployment(TandemReplicaDeployment).options(**replica_options).bind(
+        o.config, o.overrides, torch_threads=o.torch_threads, pin_cpu=o.pin_cpu)
+    ingress = serve.deployment(OpenAIIngress).options(
+        name="OpenAIIngress", num_replicas=o.ingress_replicas, max_ongoing_requests=4 * o.max_queued_requests,
+        ray_actor_options={"num_cpus": o.ingress_num_cpus})
+    return ingress.bind(replicas, affinity=o.routing == "affinity", allow_routing_override=o.allow_routing_override,
+                        retries=o.retries, first_byte_timeout_s=o.first_byte_timeout_s)
+
+
+app = build_app({"config": os.environ.get("TANDEM_CONFIG")} if os.environ.get("TANDEM_CONFIG") else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m deploy.ray_serve` (and `tandem serve --ray`): start or join Ray, run the app, serve until
+    Ctrl-C or SIGTERM."""
+    parser = argparse.ArgumentParser(prog="tandem serve --ray", description="Run tandem replicas on Ray Serve.")
+    parser.add_argument("--config", default=None, help="tandem TOML for every replica")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--address", default=None, help="Ray cluster to join (default: start one here)")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--autoscale", action="store_true", help="scale between --min-replicas and --max-replicas")
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--max-replicas", type=int, default=8)
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
+    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
+    parser.add_argument("--routing", choices=["affinity", "pow2"], default="affinity")
+    parser.add_argument("--pin-cpu", action="store_true", help="pin each replica to a core of its own")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other ScaleOutOptions field (JSON value), repeatable")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fields: dict[str, Any] = {"config": args.config, "replicas": args.replicas, "autoscale": args.autoscale,
+                              "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                              "num_cpus": args.num_cpus, "num_gpus": args.num_gpus, "routing": args.routing,
+                              "pin_cpu": args.pin_cpu}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        fields[key] = value
+    try:
+        options = _coerce({k: v for k, v in fields.items() if v is not None})
+    except (msgspec.ValidationError, ValueError) as exc:
+        print(f"tandem serve --ray: {exc}", file=sys.stderr)
+        return 2
+    import ray
+
+    ray.init(address=args.address, ignore_reinit_error=True)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(options), name="tandem", route_prefix="/")
+    log.info("tandem on Ray Serve: http://%s:%d/v1 (%s)", args.host, args.port,
+             "autoscaled" if options.autoscale else f"{options.replicas} replicas")
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    try:
+        while not stop:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    serve.delete("tandem")  # replicas drain: in-flight requests finish (graceful_shutdown_timeout_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
