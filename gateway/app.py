@@ -29,6 +29,7 @@ from gateway.admission import AdmissionController
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.autoscale import Autoscaler, ScaleSignals, evaluate_periodically, signals_from
 from gateway.config import TandemConfig, engine_core_args
+from gateway.dashboard import HANDLERS as DASHBOARD_HANDLERS
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.lifecycle import resolve_route, serve
 from gateway.openapi import error_responses, publish, streaming
@@ -217,14 +218,15 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     provider = tracer_provider or build_tracer_provider(cfg.telemetry)
     slo = SLOAccounting(cfg.routes, window_s=cfg.telemetry.slo_window_s,
                         price_per_device_hour=cfg.cost.price_per_device_hour)
-    telemetry = Telemetry(provider, slo, meter_provider or build_meter_provider(cfg.telemetry))
+    telemetry = Telemetry(provider, slo, meter_provider or build_meter_provider(cfg.telemetry),
+                          prefix=cfg.telemetry.metric_prefix)
     keyring = KeyRing(cfg.auth)
     admission = AdmissionController(cfg.routes, cfg.admission, engine_slots={
         name: e.max_num_seqs for name, e in cfg.engines.items()}) if cfg.admission.enabled else None
     autoscaler = Autoscaler(cfg.autoscale)
     state = GatewayState(cfg=cfg, routes=Routes(cfg), keyring=keyring, telemetry=telemetry, slo=slo,
                          autoscaler=autoscaler, admission=admission)
-    telemetry.bind_engines(lambda: state.engines)
+    telemetry.bind_state(state)  # engines, admission and autoscaler for the scrape-time metrics
     build = host_factory or default_host_factory(cfg)
     loading: list[asyncio.Task] = []
     periodic: list[asyncio.Task] = []
@@ -270,7 +272,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
 
     app = Litestar(
         route_handlers=[health, ready, metrics, list_models, list_routes, autoscale, report_replicas, chat_completions,
-                        completions],
+                        completions, *DASHBOARD_HANDLERS],
         on_startup=[start_loading, start_autoscaling], on_shutdown=[stop],
         middleware=[AuthMiddleware(keyring)],
         plugins=[otel_plugin(provider)],

@@ -125,6 +125,8 @@ class TelemetryConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     record_content: bool = False  # prompts and completions enter spans/logs only when True
     otlp: bool = True  # export spans over OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set
     slo_window_s: Annotated[float, Meta(gt=0)] = 300.0  # sliding window for live SLO attainment
+    # Prometheus names are "<metric_prefix>:<name>"; "vllm" exports vLLM's exact names (docs/metrics.md)
+    metric_prefix: Annotated[str, Meta(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")] = "tandem"
 
 
 class AdmissionConfig(Struct, forbid_unknown_fields=True, kw_only=True):
