@@ -7,8 +7,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
-from engines.outputs import RequestOutput
+from engines.outputs import PositionLogprobs, RequestOutput
 from engines.sampling_params import SamplingParams
+from engines.scoring import score_async
 
 if TYPE_CHECKING:
     from engines.engine import ModelEngine
@@ -65,6 +66,12 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(req.request_id)
+
+    async def score_prompt(self, token_ids: list[int], top_k: int = 0) -> list[PositionLogprobs | None]:
+        """Each prompt token's logprob and top-k (the first: None), on the scoring thread beside the step loop
+        (engines/scoring.py); raises ScoringBusy when too many wait."""
+        self._core.check_alive()
+        return await score_async(self._engine.model, token_ids, top_k, self.tokenizer)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's KV pages are freed at the engine's next step."""

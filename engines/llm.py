@@ -1,5 +1,6 @@
 """The offline API, shaped like vLLM's: `LLM(model=DIR, **options).generate(prompts, params)` returns one
-`RequestOutput` per prompt in input order. It steps the engine in the calling thread (no background loop)."""
+`RequestOutput` per prompt in input order. It steps the engine in the calling thread (no background loop);
+`SamplingParams(prompt_logprobs=k)` adds each prompt token's logprob (engines/scoring.py) once it is done."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engines.errors import RequestRejected
 from engines.model import Transformer
 from engines.outputs import RequestOutput
 from engines.sampling_params import SamplingParams
+from engines.scoring import prompt_logprobs
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -73,7 +75,12 @@ class LLM:
             self.engine.submit(r, lambda out: results.__setitem__(out.request_id, out), stream=False)
         while self.engine.has_work():
             self.core.step()
-        return [results[r.request_id] for r in reqs]
+        outputs = [results[r.request_id] for r in reqs]
+        for out, sp in zip(outputs, params):
+            if sp.prompt_logprobs is not None:
+                out.prompt_logprobs = prompt_logprobs(self.engine.model, out.prompt_token_ids, sp.prompt_logprobs,
+                                                      self.tokenizer)
+        return outputs
 
     def stats(self) -> dict:
         """Pool (pages used/cached/free, prefix queries/hits) and engine (running, preemptions...) counters."""

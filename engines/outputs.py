@@ -61,3 +61,5 @@ class RequestOutput:
     error: EngineError | None = None  # set when the engine failed this request; `finished` is then True
     metrics: RequestMetrics | None = None
     model: str | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), engines/scoring.py
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

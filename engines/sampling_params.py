@@ -41,6 +41,9 @@ class SamplingParams:
     speculative: bool | None = None  # None: the engine decides; False: never draft for this request
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100] added to the logits
     structured: StructuredOutput | None = None  # the output must match this (engines.structured)
+    # None: off; k >= 0: each prompt token's logprob plus k top logprobs (the first token has none), computed
+    # beside the step loop by engines/scoring.py (LLM.generate and the gateway fill RequestOutput.prompt_logprobs)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +88,8 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, "between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", self.logprobs, "between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", self.prompt_logprobs, "between 0 and 20")
         for t, b in (self.logit_bias or {}).items():
             if t < 0 or not -100 <= b <= 100:
                 raise bad("logit_bias", {t: b}, "token ids >= 0 mapped to biases between -100 and 100")

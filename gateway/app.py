@@ -31,9 +31,9 @@ from gateway.autoscale import Autoscaler, ScaleSignals, evaluate_periodically, s
 from gateway.config import TandemConfig, engine_core_args
 from gateway.dashboard import HANDLERS as DASHBOARD_HANDLERS
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
-from gateway.lifecycle import resolve_route, serve
+from gateway.lifecycle import resolve_route, serve, serve_completion
 from gateway.openapi import error_responses, publish, streaming
-from gateway.prompts import chat_prompt, completion_prompt
+from gateway.prompts import chat_prompt
 from gateway.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -49,6 +49,8 @@ from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.state import EngineHost, GatewayState
 from gateway.telemetry import Telemetry, build_meter_provider, build_tracer_provider, otel_plugin
+from gateway.vllm_routes import HANDLERS as VLLM_HANDLERS
+from gateway.vllm_routes import SCHEMAS as VLLM_SCHEMAS
 
 log = logging.getLogger("tandem.gateway")
 
@@ -179,12 +181,7 @@ async def chat_completions(request: Request, data: JSONBody[ChatCompletionReques
                       "Completion events ending with `data: [DONE]`", generate_examples=False),
     **GENERATION_ERRORS})
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response | Stream:
-    state = _state(request)
-    route = resolve_route(request, state, data.model)
-    prompt, sent = completion_prompt(data)
-    if isinstance(sent, str):
-        return await serve(request, state, route, data, "text_completion", prompt, prompt_text=sent)
-    return await serve(request, state, route, data, "text_completion", prompt, prompt_token_ids=sent)
+    return await serve_completion(request, _state(request), data)
 
 
 # ------------------------------------------------------------------------------------------- the app
@@ -272,7 +269,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
 
     app = Litestar(
         route_handlers=[health, ready, metrics, list_models, list_routes, autoscale, report_replicas, chat_completions,
-                        completions, *DASHBOARD_HANDLERS],
+                        completions, *VLLM_HANDLERS, *DASHBOARD_HANDLERS],
         on_startup=[start_loading, start_autoscaling], on_shutdown=[stop],
         middleware=[AuthMiddleware(keyring)],
         plugins=[otel_plugin(provider)],
@@ -285,7 +282,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         debug=False,
     )
     publish(app, [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
-                  ModelList, Readiness])
+                  ModelList, Readiness, *VLLM_SCHEMAS])
     app.state.gateway = state
     app.state.on_error = telemetry.count_error
     return app

@@ -1,7 +1,7 @@
 """Bearer API-key authentication and per-key admission, as ASGI middleware on the `/v1` API.
 
-With no keys configured auth is off (every request is the anonymous key); `/health`, `/ready`, `/metrics` and
-`/schema` stay open so probes and scrapers need no key.
+With no keys configured auth is off (every request is the anonymous key); `/health`, `/ready`, `/metrics`,
+`/version` and `/schema` stay open so probes and scrapers need no key (`/tokenize` and `/detokenize` need one).
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from gateway.config import AuthConfig
 from gateway.errors import APIError
 from gateway.limits import ANONYMOUS, RateLimiter
+from gateway.protocol import InvalidParameter, client_request_id
 
 log = logging.getLogger("tandem.gateway")
+
+AUTHENTICATED_PATHS = frozenset({"/tokenize", "/detokenize"})  # beside /v1/...: they run the tokenizer
 
 
 class KeyRing:
@@ -66,14 +69,21 @@ class AuthMiddleware(ASGIMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         state = scope.setdefault("state", {})
-        state["request_id"] = os.urandom(16).hex()  # as random as uuid4().hex, a third of its cost
         state["arrival"] = time.monotonic()  # TTFT and E2E count from here, before the body is parsed
-        if scope["path"].startswith("/v1/"):
-            authorization = None
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    authorization = value.decode("latin-1")
-                    break
+        authorization = client_id = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"x-request-id":
+                client_id = value
+        state["request_id"] = os.urandom(16).hex()  # as random as uuid4().hex, a third of its cost
+        if client_id is not None:  # a client's own id is kept (validated): echoed and the response id's base
+            try:
+                state["request_id"] = client_request_id(client_id)
+            except InvalidParameter as exc:
+                raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+            state["client_request_id"] = True  # engine and admission ids then get a suffix: clients may reuse it
+        if scope["path"].startswith("/v1/") or scope["path"] in AUTHENTICATED_PATHS:
             key = self.keyring.identify(authorization)
             if self.keyring.limiter.active and scope["path"] not in ("/v1/models", "/v1/routes"):
                 self.keyring.limiter.admit(key)

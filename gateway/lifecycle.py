@@ -11,31 +11,39 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 from opentelemetry import trace
 
 from engines.errors import EngineDeadError, ErrorCode, RequestRejected
-from engines.outputs import RequestOutput
+from engines.outputs import CompletionOutput, RequestOutput
+from engines.scoring import ScoringBusy
 from gateway.accounting import Finisher, Progress
 from gateway.engine_errors import engine_api_error
 from gateway.errors import APIError
 from gateway.limits import TokenReservation
 from gateway.openai_format import Formatter
-from gateway.prompts import Prompt
+from gateway.prompts import Prompt, completion_prompts
 from gateway.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     ClientDisconnected,
+    Completion,
+    CompletionChoice,
     CompletionRequest,
     InvalidParameter,
+    Usage,
     encode,
     sampling_params,
+    sse,
 )
 from gateway.routing import ESCALATED, NO_LEDGER, Plan, Route, RoutedRun, RoutingContext
 from gateway.state import GatewayState
@@ -57,15 +65,28 @@ def resolve_route(request: Request, state: GatewayState, model: str) -> Route:
     return route
 
 
+def _engine_request_id(scope_state: dict[str, Any], part: int | None = None) -> str:
+    """The id engines and admission know a request by: the request's id, its prompt's index for one of several
+    prompts, and a random suffix when the client chose the id (a client may reuse one; live ids must not clash)."""
+    request_id = scope_state["request_id"]
+    if part is not None:
+        request_id += f"-{part}"
+    if scope_state.get("client_request_id"):
+        request_id += "-" + os.urandom(4).hex()
+    return request_id
+
+
 async def serve(request: Request, state: GatewayState, route: Route,
                 data: ChatCompletionRequest | CompletionRequest, operation: str, prompt: Prompt, *,
                 conversation: list[dict[str, Any]] | None = None, prompt_text: str | None = None,
-                prompt_token_ids: list[int] | None = None) -> Response | Stream:
+                prompt_token_ids: list[int] | None = None, part: int | None = None,
+                watch_client: bool = True) -> Response | Stream:
     """Admit, start and answer one parsed request on `route` (the handlers' common path). From admission to the
-    answer the client is watched: if it leaves, the wait is cancelled and every engine request is aborted."""
+    answer the client is watched: if it leaves, the wait is cancelled and every engine request is aborted.
+    `part`: the prompt's index in a completion of several prompts (whose caller watches the client)."""
     scope_state = request.scope["state"]
     arrival = scope_state.get("arrival") or time.monotonic()
-    request_id = scope_state["request_id"]
+    request_id = _engine_request_id(scope_state, part)
     prompt.check_size(state.engines[name] for name in route.config.engines)  # before any work
     span = trace.get_current_span()
     span.update_name(f"{operation} {data.model}")
@@ -90,9 +111,12 @@ async def serve(request: Request, state: GatewayState, route: Route,
     ctx = RoutingContext(request_id=request_id, route=route, params=params, prompt=prompt,
                          conversation=conversation, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                          ledger=state.admission if state.admission is not None else NO_LEDGER)
+    answer = _Answer(scope_state["request_id"], (part or 0) * params.n)
+    if not watch_client:
+        return await _answer(state, ctx, data, operation, span, arrival, tokens, answer)
     watch = ClientWatch(request.receive)  # the body is read: from here a client that leaves cancels the request
     try:
-        return await _answer(state, ctx, data, operation, span, arrival, tokens)
+        return await _answer(state, ctx, data, operation, span, arrival, tokens, answer)
     except asyncio.CancelledError:
         if not watch.uncancel_if_left():
             raise  # cancelled from elsewhere (server shutdown): not ours to swallow
@@ -101,8 +125,33 @@ async def serve(request: Request, state: GatewayState, route: Route,
         watch.stop()  # an SSE stream watches for itself from its first byte
 
 
+@dataclass
+class _Answer:
+    """What the answer says of the request: its id (the client's X-Request-Id when sent: echoed, and the base of
+    the response id) and its first choice's index (prompt i of several prompts starts at i * n)."""
+
+    request_id: str
+    index_base: int = 0
+
+
+def _prompt_logprobs_k(data: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many top logprobs the prompt's scoring needs (None: no scoring): echo with logprobs, prompt_logprobs."""
+    if not isinstance(data, CompletionRequest):
+        return None
+    wanted = [k for k in (data.logprobs if data.echo else None, data.prompt_logprobs) if k is not None]
+    return max(wanted) if wanted else None
+
+
+async def _score(engine: Any, token_ids: list[int], k: int) -> list[Any]:
+    try:
+        return await engine.score_prompt(token_ids, k)
+    except ScoringBusy as exc:
+        raise APIError(503, f"The server is overloaded: {exc}", code="overloaded", retry_after=1) from None
+
+
 async def _answer(state: GatewayState, ctx: RoutingContext, data: ChatCompletionRequest | CompletionRequest,
-                  operation: str, span: Any, arrival: float, tokens: TokenReservation | None) -> Response | Stream:
+                  operation: str, span: Any, arrival: float, tokens: TokenReservation | None,
+                  answer: _Answer) -> Response | Stream:
     """Start the request and wait for its first output (and for a JSON body, its last): what `serve` watches."""
     route, request_id, params = ctx.route, ctx.request_id, ctx.params
     run, route_span = await start_request(state, ctx, span, tokens)
@@ -120,10 +169,13 @@ async def _answer(state: GatewayState, ctx: RoutingContext, data: ChatCompletion
         # now.
         for key in run.attributes.keys() - decided:
             span.set_attribute(key, run.attributes[key])
-        headers = _answered_by(state, route, run, request_id, span)
-        response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + request_id
+        headers = _answered_by(state, route, run, answer.request_id, span)
+        response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + answer.request_id
+        k = _prompt_logprobs_k(data)
+        prompt_lps = None if k is None or first.error else await _score(run.engine, first.prompt_token_ids, k)
         fmt = Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
-                        params.logprobs, ctx.prompt_text)
+                        params.logprobs, ctx.prompt_text, index_base=answer.index_base,
+                        prompt_logprobs=prompt_lps)
     except BaseException as exc:
         dropped = isinstance(exc, APIError) and exc.code == ErrorCode.TTFT_EXPIRED
         if dropped:  # dropped late by the engine: a shed
@@ -331,3 +383,117 @@ async def _stream_events(first: RequestOutput, run: RoutedRun, progress: Progres
     finally:
         finish.close()
         await run.close()
+
+
+# ------------------------------------------------------------------------------ /v1/completions
+
+async def serve_completion(request: Request, state: GatewayState, data: CompletionRequest) -> Response | Stream:
+    """A legacy completion: one prompt (the common path), several (each served as its own engine request,
+    answered together, choices numbered prompt by prompt), or `max_tokens=0` with `echo` (the prompts and their
+    logprobs, scored without generating)."""
+    route = resolve_route(request, state, data.model)
+    prompts = completion_prompts(data)
+    if data.max_tokens == 0:
+        return await _serve_prompt_only(request, state, route, data, prompts)
+    if len(prompts) == 1:
+        prompt, sent = prompts[0]
+        if isinstance(sent, str):
+            return await serve(request, state, route, data, "text_completion", prompt, prompt_text=sent)
+        return await serve(request, state, route, data, "text_completion", prompt, prompt_token_ids=sent)
+    if data.stream:
+        raise APIError(400, "stream=true takes one prompt per request: send the prompts as separate requests, or "
+                       "without stream", param="stream", code="invalid_value")
+    watch = ClientWatch(request.receive)
+    try:
+        parts = await asyncio.gather(*(
+            serve(request, state, route, data, "text_completion", prompt, part=i, watch_client=False,
+                  **({"prompt_text": sent} if isinstance(sent, str) else {"prompt_token_ids": sent}))
+            for i, (prompt, sent) in enumerate(prompts)), return_exceptions=True)
+    except asyncio.CancelledError:
+        if not watch.uncancel_if_left():
+            raise
+        raise ClientDisconnected("The client closed the connection before its answer") from None
+    finally:
+        watch.stop()
+    for part in parts:  # each part's answer is complete: its accounting runs now (a JSON body's runs once sent)
+        if isinstance(part, Response) and part.background is not None:
+            await part.background()
+    failed = next((p for p in parts if isinstance(p, BaseException)), None)
+    if failed is not None:
+        raise failed
+    bodies = [msgspec.json.decode(part.content, type=Completion) for part in parts]
+    choices = sorted((c for body in bodies for c in body.choices), key=lambda c: c.index)
+    usage = Usage(prompt_tokens=sum(b.usage.prompt_tokens for b in bodies if b.usage),
+                  completion_tokens=sum(b.usage.completion_tokens for b in bodies if b.usage),
+                  total_tokens=sum(b.usage.total_tokens for b in bodies if b.usage))
+    first = bodies[0]
+    merged = Completion(id=first.id, created=first.created, model=first.model, choices=choices, usage=usage)
+    return Response(content=encode(merged), media_type="application/json", headers=dict(parts[0].headers))
+
+
+async def _serve_prompt_only(request: Request, state: GatewayState, route: Route, data: CompletionRequest,
+                             prompts: list[tuple[Prompt, str | list[int]]]) -> Response | Stream:
+    """`max_tokens=0` with `echo`: each prompt echoed n times, with its logprobs when asked (lm-eval's
+    log-likelihood requests), scored on the engine the route's strategy plans, and nothing generated."""
+    scope_state = request.scope["state"]
+    request_id = scope_state["request_id"]
+    try:
+        params = sampling_params(data, default_max_tokens=16, max_tokens_cap=route.config.max_tokens)
+    except InvalidParameter as exc:  # the other fields are checked as for any request
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    k = _prompt_logprobs_k(data)
+    tokens = state.keyring.limiter.reservation(scope_state.get("api_key"))
+    strategy = state.routes.strategy(route)
+    state.inflight += 1
+    try:
+        choices: list[CompletionChoice] = []
+        prompt_tokens = 0
+        engine = None
+        for i, (prompt, sent) in enumerate(prompts):
+            prompt.check_size(state.engines[name] for name in route.config.engines)
+            prompt.tokenize = True
+            ctx = RoutingContext(request_id=_engine_request_id(scope_state, i), route=route, params=params,
+                                 prompt=prompt, prompt_text=sent if isinstance(sent, str) else None,
+                                 prompt_token_ids=None if isinstance(sent, str) else sent)
+            engine = state.engines[strategy.plan(ctx, state.engines).engine]
+            ids = list(await prompt.get(engine))
+            if not ids:
+                raise APIError(400, "The prompt is empty: at least one token is needed", param=prompt.param,
+                               code="invalid_value")
+            if len(ids) > engine.max_model_len:
+                raise APIError(400, f"The prompt has {len(ids)} tokens but {engine.name!r} has a context of "
+                               f"{engine.max_model_len}", param=prompt.param, code="context_length_exceeded")
+            vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else None
+            if vocab is not None and max(ids) >= vocab:
+                raise APIError(400, f"prompt token ids must be below {vocab} for model {engine.name!r}",
+                               param=prompt.param, code="invalid_value")
+            if tokens is not None:
+                tokens.reserve(len(ids))
+                tokens.settle(len(ids))
+            prompt_tokens += len(ids)
+            scored = await _score(engine, ids, k) if k is not None else None
+            out = RequestOutput(request_id=ctx.request_id, prompt=sent if isinstance(sent, str) else None,
+                                prompt_token_ids=ids, finished=True, outputs=[
+                                    CompletionOutput(index=j, logprobs=[] if params.logprobs is not None else None,
+                                                     finish_reason="length") for j in range(params.n)])
+            fmt = Formatter("text_completion", "cmpl-" + request_id, int(time.time()), data.model, engine.tokenizer,
+                            data, params.logprobs, ctx.prompt_text, index_base=i * params.n, prompt_logprobs=scored)
+            choices += fmt.full(out).choices
+    finally:
+        state.inflight -= 1
+    body = Completion(id="cmpl-" + request_id, created=int(time.time()), model=data.model, choices=choices,
+                      usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens))
+    headers = {"x-request-id": request_id, "x-tandem-route": route.name,
+               "x-tandem-model": engine.name if engine is not None else ""}
+    if not data.stream:
+        return Response(content=encode(body), media_type="application/json", headers=headers)
+
+    async def events() -> AsyncIterator[bytes]:
+        usage = body.usage
+        body.usage = None
+        yield sse(body)
+        if data.stream_options and data.stream_options.include_usage:
+            yield sse(Completion(id=body.id, created=body.created, model=body.model, choices=[], usage=usage))
+        yield SSE_DONE
+
+    return EventStream(events(), media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"})

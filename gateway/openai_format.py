@@ -22,6 +22,7 @@ from gateway.protocol import (
     CompletionRequest,
     Delta,
     NamedToolChoice,
+    PromptLogprob,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -35,7 +36,14 @@ class Formatter:
 
     def __init__(self, operation: str, response_id: str, created: int, model: str, tokenizer: Any,
                  data: ChatCompletionRequest | CompletionRequest, logprobs: int | None,
-                 prompt_text: str | None = None):
+                 prompt_text: str | None = None, *, index_base: int = 0,
+                 prompt_logprobs: list[PositionLogprobs | None] | None = None):
+        """`index_base`: this prompt's first choice index (a completion of several prompts numbers prompt i's
+        n choices from i * n); `prompt_logprobs`: the prompt's own (engines/scoring.py), for `echo` with
+        `logprobs` and for vLLM's `prompt_logprobs`."""
+        self.index_base = index_base
+        self.prompt_lps = prompt_logprobs
+        self._vllm_plp: list[dict[int, PromptLogprob] | None] | None = None
         self.chat = operation == "chat"
         self.prompt_text = prompt_text  # a text prompt as sent (the engine may have been given its token ids)
         self.id, self.created, self.model, self.tokenizer = response_id, created, model, tokenizer
@@ -121,14 +129,18 @@ class Formatter:
                     events.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(),
                                                            finish_reason=_finish_reason(c))]))
             elif has_delta or c.finished:
-                text = c.delta_text
-                if self.echo and c.index not in self.started:
+                text, first = c.delta_text, c.index not in self.started
+                prompt_part = None
+                if self.echo and first:
                     text = self._echo(out, c.index) + text
+                    prompt_part = self._prompt_part(out)
                 self.started.add(c.index)
-                lp = self._completion_logprobs(c.index, c.delta_token_ids, c.delta_logprobs)
+                lp = _joined(prompt_part, self._completion_logprobs(c.index, c.delta_token_ids, c.delta_logprobs))
                 events.append(sse(Completion(id=self.id, created=self.created, model=self.model, usage=None,
-                                             choices=[CompletionChoice(index=c.index, text=text, logprobs=lp,
-                                                                       finish_reason=_finish_reason(c))])))
+                                             choices=[CompletionChoice(
+                                                 index=self.index_base + c.index, text=text, logprobs=lp,
+                                                 finish_reason=_finish_reason(c),
+                                                 prompt_logprobs=self._vllm_prompt_logprobs(out) if first else None)])))
             if c.finished:
                 self.finished.add(c.index)
         return events
@@ -143,10 +155,17 @@ class Formatter:
             return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=_usage(out),
                                   choices=[self._chat_choice(c) for c in out.outputs])
         return Completion(id=self.id, created=self.created, model=self.model, usage=_usage(out), choices=[
-            CompletionChoice(index=c.index, text=(self._echo(out, c.index) if self.echo else "") + c.text,
-                             finish_reason=_finish_reason(c),
-                             logprobs=self._completion_logprobs(c.index, c.token_ids, c.logprobs))
-            for c in out.outputs])
+            self._completion_choice(out, c) for c in out.outputs])
+
+    def _completion_choice(self, out: RequestOutput, c: CompletionOutput) -> CompletionChoice:
+        text, prompt_part = c.text, None
+        if self.echo:
+            text = self._echo(out, c.index) + text
+            prompt_part = self._prompt_part(out)
+        return CompletionChoice(index=self.index_base + c.index, text=text, finish_reason=_finish_reason(c),
+                                logprobs=_joined(prompt_part, self._completion_logprobs(c.index, c.token_ids,
+                                                                                         c.logprobs)),
+                                prompt_logprobs=self._vllm_prompt_logprobs(out))
 
     def _chat_choice(self, c: CompletionOutput) -> ChatChoice:
         logprobs = self._chat_logprobs(c.token_ids, c.logprobs)
@@ -167,6 +186,36 @@ class Formatter:
         return prompt
 
     # ---- logprobs
+    def _prompt_part(self, out: RequestOutput) -> CompletionLogprobs | None:
+        """An echoed prompt's tokens in the legacy logprobs shape (OpenAI's, vLLM's): the first token has no
+        logprob (null) and no top logprobs; offsets count from the prompt's start."""
+        if self.logprobs is None or self.prompt_lps is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for token_id, position in zip(out.prompt_token_ids, self.prompt_lps):
+            own = position.get(token_id) if position is not None else None
+            text = self._text(token_id, own)
+            tokens.append(text)
+            token_lps.append(_finite(own.logprob) if own is not None else None)
+            tops.append(dict(self._top(position)) if position is not None and self.logprobs > 0 else None)
+            offsets.append(offset)
+            offset += len(text)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets)
+
+    def _vllm_prompt_logprobs(self, out: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:
+        """vLLM's choices[].prompt_logprobs: per prompt token its own logprob and the top `prompt_logprobs`."""
+        k = None if self.chat else self.data.prompt_logprobs
+        if k is None or self.prompt_lps is None:
+            return None
+        if self._vllm_plp is None:
+            ids = out.prompt_token_ids
+            self._vllm_plp = [None if position is None else {
+                tid: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=self._text(tid, lp))
+                for tid, lp in position.items() if tid == ids[i] or (lp.rank is not None and lp.rank <= k)}
+                for i, position in enumerate(self.prompt_lps)]
+        return self._vllm_plp
+
     def _chat_logprobs(self, ids: list[int], positions: list[PositionLogprobs] | None) -> ChoiceLogprobs | None:
         if self.logprobs is None or positions is None:
             return None
@@ -217,6 +266,16 @@ def tool_mode(data: ChatCompletionRequest) -> str | None:
     if isinstance(data.tool_choice, NamedToolChoice):
         return "named"
     return "required" if data.tool_choice == "required" else "auto"
+
+
+def _joined(first: CompletionLogprobs | None, second: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    """An echoed prompt's logprobs followed by the generated tokens'."""
+    if first is None or second is None:
+        return second if first is None else first
+    return CompletionLogprobs(tokens=first.tokens + second.tokens,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              top_logprobs=first.top_logprobs + second.top_logprobs,
+                              text_offset=first.text_offset + second.text_offset)
 
 
 def _finite(x: float) -> float:

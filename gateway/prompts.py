@@ -12,7 +12,13 @@ from typing import Any
 import msgspec
 
 from gateway.errors import APIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, InvalidParameter, prompt_input
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidParameter,
+    prompt_input,
+    prompt_inputs,
+)
 
 # More characters per token than any tokenizer packs into its tokens: a longer text cannot fit the context.
 MAX_CHARS_PER_TOKEN = 16
@@ -106,10 +112,25 @@ def chat_prompt(data: ChatCompletionRequest, *, allow_request_template: bool) ->
     return Prompt(render, chars, "messages"), messages
 
 
+def _sent(prompt: str | list[int], param: str) -> tuple[Prompt, str | list[int]]:
+    return Prompt(lambda engine: prompt, len(prompt) if isinstance(prompt, str) else 0, param), prompt
+
+
 def completion_prompt(data: CompletionRequest) -> tuple[Prompt, str | list[int]]:
     """The prompt of a legacy completion request and the prompt as sent (text or token ids)."""
     try:
         prompt = prompt_input(data)
     except InvalidParameter as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
-    return Prompt(lambda engine: prompt, len(prompt) if isinstance(prompt, str) else 0, "prompt"), prompt
+    return _sent(prompt, "prompt")
+
+
+def completion_prompts(data: CompletionRequest) -> list[tuple[Prompt, str | list[int]]]:
+    """Each prompt of a legacy completion request (one or a list) and the prompt as sent."""
+    try:
+        prompts = prompt_inputs(data)
+    except InvalidParameter as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    if len(prompts) == 1:
+        return [_sent(prompts[0], "prompt")]
+    return [_sent(p, f"prompt[{i}]") for i, p in enumerate(prompts)]

@@ -180,34 +180,71 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-# msgspec takes one array type per union: the list forms are published here and checked by prompt_input
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each answered with n choices)
+# msgspec takes one array type per union: the list forms are published here and checked by prompt_inputs
 PromptInput = Annotated[str, Meta(min_length=1)] | Annotated[list[Any], Meta(
-    description="token ids, or a list holding one prompt (a string or token ids)",
-    extra_json_schema={"anyOf": [_TOKEN_IDS, {"minItems": 1, "maxItems": 1, "items": {
+    description=f"token ids, or a list of 1 to {MAX_PROMPTS} prompts (strings or token ids): n choices each",
+    extra_json_schema={"anyOf": [_TOKEN_IDS, {"minItems": 1, "maxItems": MAX_PROMPTS, "items": {
         "anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}}]})]
+CompletionMaxTokens = Annotated[int, _within("at least 0 (0 needs echo: the prompt's logprobs, nothing generated)",
+                                             ge=0)]
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: PromptInput
+    max_tokens: CompletionMaxTokens | None = None
     logprobs: CompletionTopLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM extra: each prompt token's logprob and this many top alternatives, in choices[].prompt_logprobs
+    prompt_logprobs: TopLogprobs | None = None
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def prompt_inputs(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a legacy completion request, each as text or token ids (OpenAI's four forms: a string,
+    token ids, a list of strings, a list of token-id lists)."""
+    prompt: Any = req.prompt
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise InvalidParameter("prompt", "prompt must not be empty")
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidParameter("prompt", f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request")
+    for i, one in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 and one is prompt else f"prompt[{i}]"
+        if not isinstance(one, str) and not _is_token_ids(one):
+            raise InvalidParameter(where, "prompt must be a string, a list of token ids, or a list of those")
+        if not one:
+            raise InvalidParameter(where, "prompt must not be empty")
+    return prompts
 
 
 def prompt_input(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a legacy completion request, as text or token ids."""
-    prompt: Any = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise InvalidParameter("prompt", f"prompt holds {len(prompt)} prompts; send one prompt per request")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise InvalidParameter("prompt", "prompt must be a string, a list of token ids, or a list holding one "
-                               "of those")
-    if not prompt:
-        raise InvalidParameter("prompt", "prompt must not be empty")
-    return prompt
+    """The one prompt of a legacy completion request (a 400 if it holds several)."""
+    prompts = prompt_inputs(req)
+    if len(prompts) != 1:
+        raise InvalidParameter("prompt", f"prompt holds {len(prompts)} prompts; one is expected here")
+    return prompts[0]
+
+
+# A client's X-Request-Id is kept (echoed in the response header, the base of the response id) when it is 1 to
+# 128 of these characters; anything else is a 400 naming the header (a log- or header-injection vector otherwise).
+REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+
+
+def client_request_id(value: bytes) -> str:
+    """A client's X-Request-Id header value, validated (raises InvalidParameter naming the header)."""
+    if REQUEST_ID.fullmatch(value) is None:
+        raise InvalidParameter("X-Request-Id", "The X-Request-Id header must be 1 to 128 characters of A-Z, a-z, "
+                               "0-9, '.', '_', ':' and '-'", code="invalid_request_id")
+    return value.decode("ascii")
 
 
 class InvalidParameter(ValueError):
@@ -382,6 +419,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_m
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         max_tokens, max_name = req.max_tokens, "max_tokens"
+        if max_tokens == 0:  # the caller answers a prompt-only request without the engine (gateway/lifecycle.py)
+            if not req.echo:
+                raise InvalidParameter("max_tokens", "max_tokens=0 needs echo=true: the answer is the prompt "
+                                       "(with its logprobs when logprobs is set), nothing is generated")
+            max_tokens = 1
         logprobs = req.logprobs
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidParameter("best_of", "best_of different from n is not supported")
@@ -402,7 +444,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_m
             seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens, max_tokens=max_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias,
-            structured=structured_output(req))
+            structured=structured_output(req),
+            prompt_logprobs=req.prompt_logprobs if isinstance(req, CompletionRequest) else None)
     except InvalidSamplingParameter as exc:
         raise InvalidParameter(max_name if exc.param == "max_tokens" else exc.param, str(exc)) from None
 
@@ -491,11 +534,21 @@ class CompletionLogprobs(Struct, kw_only=True):
     text_offset: list[int]
 
 
+class PromptLogprob(Struct, kw_only=True):
+    """vLLM's Logprob, one token of choices[].prompt_logprobs."""
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
 class CompletionChoice(Struct, kw_only=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # vLLM's: with prompt_logprobs, per prompt token (None for the first) its token id -> logprob, the prompt's
+    # own token and the top alternatives; in the first chunk of a stream
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class Completion(Struct, kw_only=True):

@@ -27,11 +27,14 @@ def register_strategy(name: str, factory: StrategyFactory) -> None:
 
 
 class Routes:
-    """Route name -> route and its strategy; engines are routes of their own (`model` = the engine's name)."""
+    """Route name -> route and its strategy; engines are routes of their own (`model` = the engine's name),
+    except those configured `served = false`."""
 
     def __init__(self, cfg: TandemConfig):
         self.routes: dict[str, Route] = {name: Route(name, rc) for name, rc in cfg.routes.items()}
-        for engine in cfg.engines:
+        for engine, ec in cfg.engines.items():
+            if not ec.served:  # a draft that only drafts: no route of its own
+                continue
             self.routes[engine] = Route(engine, RouteConfig(engines=[engine]), direct=True)
         self.strategies: dict[str, Strategy] = {
             name: STRATEGIES[route.config.strategy](name, route.config, cfg) for name, route in self.routes.items()}

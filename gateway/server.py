@@ -12,13 +12,15 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
 import signal
 import socket
 import sys
 import threading
 import time
+import tomllib
 from asyncio import TimerHandle, Transport
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,15 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from gateway.config import ConfigError, TandemConfig, check_checkpoints, load_config
+from gateway.config import (
+    DEFAULT_CONFIG_PATH,
+    PROJECT_ROOT,
+    ConfigError,
+    TandemConfig,
+    apply_env_overrides,
+    check_checkpoints,
+    config_from_dict,
+)
 
 log = logging.getLogger("tandem.gateway")
 
@@ -267,21 +277,132 @@ def build_server(cfg: TandemConfig, app: Any, *, sock: socket.socket | None = No
     return DrainingServer(config, draining)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem serve", description="Run the OpenAI-compatible gateway.")
-    parser.add_argument("--config", type=Path, default=None,
+# `tandem serve` flags, vLLM's names: (flag, type or choices, config key ("*": every engine), help). A flag given
+# overrides the config file and TANDEM_* variables; `--help` prints each one's key.
+ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
+    ("--max-model-len", int, "engines.*.max_model_len", "context length in tokens (prompt + output)"),
+    ("--dtype", ["auto", "float32", "bfloat16", "float16"], "engines.*.dtype", "the weights' dtype"),
+    ("--quantization", ["none", "int8", "int4"], "engines.*.quantization", "weight-only quantization"),
+    ("--max-num-seqs", int, "engines.*.max_num_seqs", "sequences in one step at most"),
+    ("--max-num-batched-tokens", int, "engines.*.max_num_batched_tokens", "tokens in one step at most"),
+    ("--num-speculative-tokens", int, "engines.*.num_speculative_tokens",
+     "draft tokens per step at most, for engines with a draft (default 4)"),
+]
+POOL_FLAGS: list[tuple[str, Any, str, str]] = [
+    ("--gpu-memory-utilization", float, "kv_pool.memory_fraction",
+     "fraction of free GPU memory the KV pool takes (and kv_pool.memory_bytes is cleared so it applies)"),
+    ("--kv-cache-dtype", ["auto", "float16", "bfloat16", "float32", "int8", "fp8"], "kv_pool.kv_cache_dtype",
+     "KV cache storage"),
+    ("--block-size", int, "kv_pool.block_size", "tokens per KV page"),
+]
+SERVE_EXAMPLES = """\
+examples:
+  tandem serve                                     # the embedded default: two tiny models, four routes
+  tandem serve models/tandem-tiny-l --served-model-name tiny --port 8011
+  tandem serve models/tandem-tiny-l --draft models/tandem-tiny-s --max-model-len 512 --port 8012
+  tandem serve --config gateway/default.toml --port 8013
+
+With MODEL the server runs exactly that checkpoint as one model (its draft, when given, only drafts): no
+TOML needed, and the configured engines and routes are not loaded (--config then still gives the [server],
+[auth], [telemetry]... sections). Precedence: flags > TANDEM_* variables > the config file > defaults.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem serve", description="Run the OpenAI-compatible gateway.",
+                                     epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="a Hugging Face checkpoint folder to serve as the only model (config: "
+                             "engines.NAME.checkpoint; default: the config's engines and routes)")
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="TOML config file (default: $TANDEM_CONFIG or the embedded default)")
-    parser.add_argument("--host", default=None, help="bind address (overrides server.host)")
-    parser.add_argument("--port", type=int, default=None, help="port (overrides server.port)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--draft", default=None, metavar="DIR",
+                        help="with MODEL: a checkpoint folder (same tokenizer) that drafts for it, speculative "
+                             "decoding (config: engines.NAME-draft.checkpoint and engines.NAME.draft)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="with MODEL: the name clients send as `model` (config: the NAME of "
+                             "[engines.NAME]; default: MODEL as given)")
+    for flag, kind, key, text in ENGINE_FLAGS + POOL_FLAGS:
+        if isinstance(kind, list):
+            parser.add_argument(flag, choices=kind, default=None, help=f"{text} (config: {key})")
+        else:
+            metavar = "N" if kind is int else "F"
+            parser.add_argument(flag, type=kind, default=None, metavar=metavar, help=f"{text} (config: {key})")
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require this bearer key; repeat for more (config: auth.api_keys)")
+    parser.add_argument("--host", default=None, help="bind address (config: server.host)")
+    parser.add_argument("--port", type=int, default=None, help="port (config: server.port)")
+    parser.add_argument("--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"],
+                        help="log level (config: server.log_level)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> TandemConfig:
+    """The configuration `tandem serve` runs with: the file (or the embedded default), TANDEM_* variables, then
+    the flags. With MODEL the engines and routes are replaced by one engine named --served-model-name."""
+    env = os.environ if env is None else env
+    if args.model is None:
+        for flag in ("draft", "served_model_name"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs MODEL: tandem serve MODEL "
+                                  f"--{flag.replace('_', '-')} ...")
+    path = args.config if args.config is not None else env.get("TANDEM_CONFIG") or None
+    raw: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None or args.model is None:
+        file = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+        try:
+            raw = tomllib.loads(file.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {file} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+        base = PROJECT_ROOT if path is None else file.resolve().parent
+        source = str(file)
+    else:
+        source = "tandem serve " + args.model
+    applied = apply_env_overrides(raw, env)
+    if applied:
+        source += f" (with {', '.join(applied)} from the environment)"
+    if args.model is not None:
+        name = args.served_model_name or args.model
+        engine: dict[str, Any] = {"checkpoint": str(Path(args.model).resolve())}
+        engines = {name: engine}
+        if args.draft is not None:
+            engine["draft"] = f"{name}-draft"
+            engines[f"{name}-draft"] = {"checkpoint": str(Path(args.draft).resolve()), "served": False}
+        raw["engines"], raw["routes"] = engines, {}
+    for flag, _, key, _ in ENGINE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            for entry in (raw.get("engines") or {}).values():
+                if isinstance(entry, dict) and (flag != "--num-speculative-tokens" or entry.get("draft")):
+                    entry[key.split(".")[-1]] = value
+
+    def section(name: str) -> dict[str, Any]:
+        table = raw.setdefault(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: {name} = {table!r} is invalid: expected a table [{name}]")
+        return table
+    for flag, _, key, _ in POOL_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            section("kv_pool")[key.split(".")[-1]] = value
+    if args.gpu_memory_utilization is not None:
+        section("kv_pool").pop("memory_bytes", None)  # a fixed size would win over the fraction
+    if args.api_key is not None:
+        section("auth")["api_keys"] = list(args.api_key)
+    for flag in ("host", "port", "log_level"):
+        if getattr(args, flag) is not None:
+            section("server")[flag] = getattr(args, flag)
+    return config_from_dict(raw, base_dir=base, source=source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides: dict[str, Any] = {}
-    if args.host is not None:
-        overrides["server.host"] = args.host
-    if args.port is not None:
-        overrides["server.port"] = args.port
     try:
-        cfg = load_config(args.config, overrides=overrides)
+        cfg = config_from_args(args)
         check_checkpoints(cfg)
     except ConfigError as exc:
         print(f"tandem serve: configuration error: {exc}", file=sys.stderr)

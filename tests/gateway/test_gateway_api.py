@@ -238,7 +238,9 @@ def test_legacy_completion_logprobs_format(client):
         assert len(top) <= 2 and token in top and max(top.values()) == pytest.approx(token_lp, abs=1e-5)
 
 
-def test_echo_prepends_the_prompt_and_offsets_count_from_its_end(client):
+def test_echo_prepends_the_prompt_and_its_tokens_logprobs(client):
+    """OpenAI's echo with logprobs: the prompt's tokens come first in logprobs (the first with a null logprob and
+    no top logprobs), offsets count from the prompt's start, the generated tokens follow."""
     prompt = "Hello world"
     for stream in (False, True):
         resp = client.completions.create(model="fast", prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
@@ -247,8 +249,12 @@ def test_echo_prepends_the_prompt_and_offsets_count_from_its_end(client):
         text = "".join(c.text for c in choices)
         offsets = [o for c in choices if c.logprobs for o in c.logprobs.text_offset]
         tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
-        assert text.startswith(prompt) and text == prompt + "".join(tokens)
-        assert offsets == [len(prompt) + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        token_lps = [lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs]
+        tops = [t for c in choices if c.logprobs for t in c.logprobs.top_logprobs]
+        assert text.startswith(prompt) and text == "".join(tokens)
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        assert token_lps[0] is None and tops[0] is None and all(lp <= 0 for lp in token_lps[1:])
+        assert len(tokens) > 3 and all(len(top) >= 1 for top in tops[1:])
 
 
 def test_legacy_completion_stream_and_token_id_prompt(client, server):

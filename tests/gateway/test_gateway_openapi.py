@@ -15,7 +15,13 @@ from litestar.testing import TestClient
 from engines.sampling_params import InvalidSamplingParameter, SamplingParams
 from gateway.app import create_app
 from gateway.config import config_from_dict
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, InvalidParameter, decode_request
+from gateway.protocol import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidParameter,
+    decode_request,
+)
 
 ERROR_BODY = {"$ref": "#/components/schemas/ErrorBody"}
 
@@ -146,8 +152,8 @@ def test_a_field_inside_a_bounded_list_is_not_worded_by_the_lists_bounds():
 def test_a_legacy_completion_prompt_is_documented_as_the_forms_it_takes(document):
     prompt = document["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
     assert prompt[0] == {"type": "string", "minLength": 1}
-    token_ids, one_prompt = prompt[1]["anyOf"]
-    assert token_ids["items"] == {"type": "integer", "minimum": 0} and one_prompt["maxItems"] == 1
+    token_ids, prompts = prompt[1]["anyOf"]
+    assert token_ids["items"] == {"type": "integer", "minimum": 0} and prompts["maxItems"] == MAX_PROMPTS
     with pytest.raises(InvalidParameter):
         decode_request(b'{"model": "m", "prompt": ""}', CompletionRequest)
 

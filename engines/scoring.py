@@ -1,0 +1,91 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`; OpenAI's `echo` with `logprobs`): the log-probability the model
+gives each prompt token after the tokens before it, with its rank and the top-k alternatives. The first token
+has none (nothing precedes it): None, as in vLLM.
+
+Scoring is one dense causal forward of the prompt (`Transformer.dense_logits`, no KV cache), outside the
+engine's step loop: `prompt_logprobs` is the computation (the offline `LLM` calls it in its own thread) and
+`score_async` runs it for asyncio callers on one scoring thread per device, so the event loop never waits on
+torch and at most `MAX_PENDING` scorings queue before a caller is told to retry (`ScoringBusy`).
+Logprobs are the raw model's (no temperature or penalties), as the engine's sampled-token logprobs are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from engines.outputs import Logprob, PositionLogprobs
+
+MAX_TOP_LOGPROBS = 20
+MAX_PENDING = 256  # scorings queued or running at once (all engines): beyond it ScoringBusy
+
+
+class ScoringBusy(RuntimeError):
+    """Too many prompt scorings are waiting: retry later."""
+
+
+def prompt_logprobs(model: Any, token_ids: list[int], top_k: int = 0, tokenizer: Any = None
+                    ) -> list[PositionLogprobs | None]:
+    """One entry per prompt token: None for the first; then {token: Logprob(logprob, rank)} for the prompt's
+    own token plus the `top_k` most likely tokens (ranks 1..top_k). `decoded_token` is filled when a
+    tokenizer is given."""
+    if not 0 <= top_k <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_k={top_k} is invalid: must be between 0 and {MAX_TOP_LOGPROBS}")
+    if len(token_ids) < 2:
+        return [None] * len(token_ids)
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        logits = model.dense_logits(ids)[0, :-1].float()  # position i predicts token i + 1
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = ids[0, 1:]
+        chosen = logprobs.gather(1, targets[:, None])  # [S-1, 1]
+        ranks = (logprobs > chosen).sum(-1) + 1
+        top = logprobs.topk(top_k, dim=-1) if top_k else None
+        chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
+        top_ids = top.indices.tolist() if top is not None else None
+        top_lps = top.values.tolist() if top is not None else None
+    text = tokenizer.token_text if tokenizer is not None else (lambda _: None)
+    out: list[PositionLogprobs | None] = [None]
+    for j, token in enumerate(token_ids[1:]):
+        position: PositionLogprobs = {token: Logprob(chosen_l[j], ranks_l[j], text(token))}
+        if top_ids is not None:
+            for r, (t, lp) in enumerate(zip(top_ids[j], top_lps[j]), start=1):
+                if t not in position:
+                    position[t] = Logprob(lp, r, text(t))
+        out.append(position)
+    return out
+
+
+_executors: dict[str, ThreadPoolExecutor] = {}
+_lock = threading.Lock()
+_pending = 0
+
+
+def _executor(device: torch.device) -> ThreadPoolExecutor:
+    key = str(device)
+    with _lock:
+        if key not in _executors:  # one thread per device: scorings run one at a time beside the engine loop
+            _executors[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tandem-scoring-{key}")
+        return _executors[key]
+
+
+async def score_async(model: Any, token_ids: list[int], top_k: int = 0, tokenizer: Any = None
+                      ) -> list[PositionLogprobs | None]:
+    """`prompt_logprobs` on the device's scoring thread; raises ScoringBusy past MAX_PENDING waiting."""
+    global _pending
+    with _lock:
+        if _pending >= MAX_PENDING:
+            raise ScoringBusy(f"{_pending} prompt scorings are already waiting; retry shortly")
+        _pending += 1
+    try:
+        loop = asyncio.get_running_loop()
+        device = next(model.parameters()).device
+        return await loop.run_in_executor(_executor(device), prompt_logprobs, model, token_ids, top_k, tokenizer)
+    finally:
+        with _lock:
+            _pending -= 1
