@@ -28,7 +28,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Status, StatusCode
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -39,6 +39,7 @@ from gateway.metrics import BY_NAME, DEFAULT_PREFIX, MetricSpec, TokenHistograms
 from gateway.slo import SLOAccounting
 
 log = logging.getLogger("tandem.gateway")
+disable_created_metrics()  # no `<name>_created` gauge beside every counter and histogram (vLLM exports none either)
 
 # The OpenTelemetry GenAI semantic conventions' bucket advisories for the server metrics.
 GENAI_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
@@ -484,6 +485,8 @@ class Telemetry:
                 self.router_decisions.labels(route, engine)
             if cfg.strategy == "cascade":
                 self.cascade_escalations.labels(route)
+            for status in ("429", "503"):  # rate-limited and shed
+                self.errors.labels(route, status)
         self.token_histograms = TokenHistograms(prefix, TOKEN_HISTOGRAMS, self._max_model_len)
         reg.register(self.token_histograms)
         reg.register(_ScrapeCollector(self))
