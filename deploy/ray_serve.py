@@ -143,6 +143,32 @@ def build_app(args: dict[str, Any] | ScaleOutOptions | None = None) -> Applicati
                         retries=o.retries, first_byte_timeout_s=o.first_byte_timeout_s)
 
 
+REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"
+
+
+def replica_actors(app_name: str = "tandem", deployment: str = "TandemReplica") -> dict[str, Any]:
+    """The live replicas of `deployment` as {replica id (as `x-tandem-replica` names it): actor handle}."""
+    import ray
+
+    prefix = f"{REPLICA_ACTOR_PREFIX}{app_name}#{deployment}#"
+    return {a["name"][len(prefix):]: ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+
+
+def replica_stats(app_name: str = "tandem", timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """Each live replica's `record_routing_stats` (its pool's prefix counters and pages included); a replica
+    that does not answer in time (dying, starting) is left out."""
+    import ray
+
+    out = {}
+    for rid, actor in replica_actors(app_name).items():
+        try:
+            out[rid] = ray.get(actor.record_routing_stats.remote(), timeout=timeout_s)
+        except Exception:  # dead or not yet initialised
+            continue
+    return out
+
+
 app = build_app({"config": os.environ.get("TANDEM_CONFIG")} if os.environ.get("TANDEM_CONFIG") else None)
 
 

@@ -82,10 +82,12 @@ def rank(replicas: Sequence[ReplicaLoad], route: str | None, hashes: Sequence[in
          settings: RoutingSettings, rng: random.Random) -> tuple[list[list[Any]], str]:
     """Ranked replica ids (first rank first) and why. Route-aware: only replicas reporting the route (all when
     none has reported yet). The prefix holder wins unless it is overloaded, its pool nearly full or its SLO
-    missed; otherwise power of two choices by cost."""
+    missed; otherwise power of two choices by cost. A route no replica reports goes to any (tandem's 404)."""
     serving = [r for r in replicas if r.routes is None or route is None or route in r.routes]
+    if not serving:  # an unknown model: any replica answers tandem's own 404
+        serving = list(replicas)
     if not serving:
-        return [], "no replica serves the route"
+        return [], "no replica"
     if settings.affinity and hashes:
         matched = table.matched_blocks(hashes, (r.id for r in serving))
         best = max(matched.values(), default=0)
@@ -139,6 +141,10 @@ class TandemRequestRouter(RequestRouter):
         settings = self.settings if affinity else RoutingSettings(**{**self.settings.__dict__, "affinity": False})
         ranks, why = rank([self._load(r) for r in candidate_replicas], route, hashes, self.table, settings, self.rng)
         self.decisions[why.split(":")[0]] = self.decisions.get(why.split(":")[0], 0) + 1
+        if hashes and ranks and affinity:
+            # claimed at once, not only once routed: a burst sharing a new prefix follows its first request
+            # (on_request_routed corrects it when a lower rank took the request)
+            self.table.record(hashes, ranks[0][0])
         return [[by_id[i] for i in group] for group in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
