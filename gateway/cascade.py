@@ -1,7 +1,13 @@
-"""The `cascade` route strategy: the small engine answers first (with token logprobs); when its confidence
-(mean or minimum token logprob) is under the route's threshold, the large engine verifies that answer as
-supplied draft tokens in one pass and regenerates from the first rejected token. Streaming buffers until the
-decision, so a client sees one answer, never a retracted one.
+"""The `cascade` route strategy: the small engine answers first (with token logprobs); then the route decides
+whether to escalate. `mode = "learned"`: the escalation scorer (a router artifact of kind "escalation",
+trained by `tandem router train --kind escalation` on task-success labels) reads the prompt, the small answer's
+text and its logprob statistics (router_model.scoring.answer_stats) and predicts P(the large model is right
+where the small one is wrong); escalate when it reaches the route's threshold (or the one that escalates
+`target_escalation_fraction` of held-out prompts). `mode = "mean" | "min"`: the raw confidence (mean or minimum
+token logprob) under `confidence_threshold` escalates. An escalation has the large engine verify the small
+answer as supplied draft tokens in one pass and regenerate from the first rejected token, so a greedy cascade
+returns exactly the large model's greedy answer when it escalates. Streaming buffers until the decision, so a
+client sees one answer, never a retracted one.
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ from typing import Any
 
 from engines.errors import RequestRejected
 from engines.outputs import CompletionOutput, RequestOutput
-from gateway.config import RouteConfig
+from gateway.config import DEFAULT_CASCADE_SCORER, ConfigError, RouteConfig
 from gateway.errors import APIError
+from gateway.router_strategy import conversation_of
 from gateway.routing import ESCALATED, Plan, RoutedRun, RoutingContext
+from router_model import Router, RouterArtifactError
+from router_model.scoring import ANSWER_STATS, ENTROPY_TOP_K, answer_stats
 
 log = logging.getLogger("tandem.gateway")
 
@@ -36,13 +45,53 @@ def confidence(output: CompletionOutput, mode: str) -> float:
     return min(values) if mode == "min" else sum(values) / len(values)
 
 
-def whole_answer(out: RequestOutput, keep_logprobs: bool) -> RequestOutput:
+def _trim(output: CompletionOutput, top: int | None):
+    """The logprobs the client asked for: None drops them; k keeps the chosen token plus the top k."""
+    if top is None or output.logprobs is None:
+        return None
+    return [{tid: lp for tid, lp in position.items() if tid == chosen or (lp.rank is not None and lp.rank <= top)}
+            for chosen, position in zip(output.token_ids, output.logprobs)]
+
+
+def whole_answer(out: RequestOutput, top_logprobs: int | None) -> RequestOutput:
     """The finished output as one delta carrying the whole answer (what a buffered stream sends at once);
-    logprobs the client did not ask for are dropped."""
-    choices = [dataclasses.replace(
-        c, logprobs=c.logprobs if keep_logprobs else None, delta_text=c.text, delta_token_ids=list(c.token_ids),
-        delta_logprobs=c.logprobs if keep_logprobs else None) for c in out.outputs]
+    logprobs beyond what the client asked for (`top_logprobs`; None: none) are dropped."""
+    choices = []
+    for c in out.outputs:
+        kept = _trim(c, top_logprobs)
+        choices.append(dataclasses.replace(c, logprobs=kept, delta_text=c.text, delta_token_ids=list(c.token_ids),
+                                           delta_logprobs=kept))
     return dataclasses.replace(out, outputs=choices)
+
+
+def load_cascade_scorer(name: str, route: RouteConfig) -> Router:
+    """The route's escalation scorer, or a ConfigError naming the route's setting and the fix."""
+    folder = route.cascade.scorer or str(DEFAULT_CASCADE_SCORER)
+    where = f"routes.{name}.cascade.scorer = {folder!r}"
+    try:
+        scorer = Router.load(folder)
+    except RouterArtifactError as exc:
+        raise ConfigError(f"{where} cannot be loaded: {exc}") from None
+    if scorer.kind != "escalation":
+        raise ConfigError(f"{where} is a {scorer.kind} artifact, not an escalation scorer; train one with "
+                          f"`tandem router train --kind escalation`")
+    unknown = [e for e in scorer.required_extras if e not in ANSWER_STATS]
+    if unknown:
+        raise ConfigError(f"{where} needs extra feature(s) {', '.join(unknown)}, which the cascade does not "
+                          f"compute (it supplies {', '.join(ANSWER_STATS)})")
+    return scorer
+
+
+def escalation_threshold(scorer: Router, route: RouteConfig) -> tuple[float, str]:
+    """(threshold, where it came from): the route's explicit one, else its target escalation fraction turned
+    into a threshold through the scorer's held-out score quantiles, else the artifact's own."""
+    cfg = route.cascade
+    if cfg.escalation_threshold is not None:
+        return cfg.escalation_threshold, "route escalation_threshold"
+    if cfg.target_escalation_fraction is not None:
+        f = cfg.target_escalation_fraction
+        return scorer.threshold_for_fraction(f), f"route target_escalation_fraction {f:g}"
+    return scorer.threshold, f"artifact threshold (target escalation fraction {scorer.target_large_fraction})"
 
 
 @dataclass
@@ -59,16 +108,29 @@ class CascadeRun(RoutedRun):
 class CascadeStrategy:
     """Small first; escalate to large (verifying the small answer as drafts) when it is not confident."""
 
-    def __init__(self, name: str, route: RouteConfig):
+    def __init__(self, name: str, route: RouteConfig, scorer: Router | None = None):
         self.name = name
         self.small, self.large = route.engines
         self.mode = route.cascade.mode
-        self.threshold = route.cascade.confidence_threshold
+        self.scorer: Router | None = None
+        if self.mode == "learned":
+            self.scorer = scorer or load_cascade_scorer(name, route)
+            self.threshold, self.threshold_source = escalation_threshold(self.scorer, route)
+        else:
+            self.threshold, self.threshold_source = route.cascade.confidence_threshold, "route confidence_threshold"
         self._same_vocab: dict[tuple[int, int], bool] = {}
 
-    def should_escalate(self, output: CompletionOutput) -> tuple[bool, float]:
-        score = confidence(output, self.mode)
-        return score < self.threshold, score
+    def should_escalate(self, output: CompletionOutput, conversation: Any = None,
+                        tokenizer: Any = None) -> tuple[bool, float]:
+        """(escalate?, score): the learned scorer's P(large needed) >= threshold, or the raw confidence below it."""
+        if self.scorer is None:
+            score = confidence(output, self.mode)
+            return score < self.threshold, score
+        pieces = ([tokenizer.decode([t], skip_special_tokens=False) for t in output.token_ids]
+                  if tokenizer is not None else None)
+        stats = answer_stats(output.token_ids, output.logprobs, pieces)
+        score = self.scorer.score(conversation if conversation is not None else "", stats, output.text)
+        return score >= self.threshold, score
 
     def plan(self, ctx: RoutingContext, engines: Mapping[str, Any]) -> Plan:
         if ctx.params.n != 1:
@@ -86,9 +148,12 @@ class CascadeStrategy:
 
     async def _outputs(self, run: CascadeRun, ctx: RoutingContext, small: Any, prompt: str | list[int],
                        large: Any) -> AsyncIterator[RequestOutput]:
-        asked = ctx.params.logprobs is not None
-        # The confidence needs the chosen tokens' logprobs even when the client did not ask for them.
-        small_params = ctx.params if asked else dataclasses.replace(ctx.params, logprobs=0)
+        asked = ctx.params.logprobs  # None: the client wants no logprobs; k: the chosen token plus the top k
+        # The decision needs the chosen tokens' logprobs even when the client did not ask for them; the learned
+        # scorer's entropy also needs the top ENTROPY_TOP_K at each position. The client sees only what it asked.
+        need = ENTROPY_TOP_K if self.scorer is not None else 0
+        small_params = ctx.params if asked is not None and asked >= need else dataclasses.replace(
+            ctx.params, logprobs=need if asked is None else max(asked, need))
         ledger = ctx.ledger  # admission booked the small engine; this run reports its first token and end
         final: RequestOutput | None = None
         try:
@@ -103,7 +168,7 @@ class CascadeStrategy:
         if final.error or answer.finish_reason in ("abort", "error") or run.aborted:
             yield whole_answer(final, asked)
             return
-        escalate, score = self.should_escalate(answer)
+        escalate, score = self.should_escalate(answer, conversation_of(ctx, small, large), small.tokenizer)
         run.attributes.update({"tandem.cascade.confidence": max(score, -1e9), "tandem.cascade.mode": self.mode,
                                "tandem.cascade.threshold": self.threshold,
                                "tandem.cascade.small_completion_tokens": len(answer.token_ids), ESCALATED: False})

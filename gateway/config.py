@@ -20,6 +20,7 @@ from engines.config import EngineOptions, PoolSpec, check_drafts, options_of
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "default.toml"
 DEFAULT_ROUTER_ARTIFACT = PROJECT_ROOT / "models" / "router"  # a router route without `artifact` uses it
+DEFAULT_CASCADE_SCORER = DEFAULT_ROUTER_ARTIFACT / "cascade"  # a learned cascade without `scorer` uses it
 ENV_PREFIX = "TANDEM_"
 
 # Route strategies a config may name; gateway.routes.register_strategy adds to it.
@@ -63,7 +64,11 @@ class RouterConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     confidence_threshold: Annotated[float, Meta(le=0)] = -1.0  # token logprob; below it -> escalate
-    mode: Literal["mean", "min"] = "mean"
+    # mean / min: the small answer's raw token-logprob confidence; learned: the escalation scorer (`scorer`)
+    mode: Literal["mean", "min", "learned"] = "mean"
+    scorer: str | None = None  # learned: escalation scorer folder (JSON + npz); unset: models/router/cascade
+    escalation_threshold: Annotated[float, Meta(ge=0, le=1)] | None = None  # learned: P >= this -> escalate
+    target_escalation_fraction: Fraction | None = None  # learned: or the threshold escalating this share
 
 
 class RouteConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -234,6 +239,8 @@ def config_from_dict(raw: dict[str, Any], *, base_dir: str | Path = ".", source:
     for route in cfg.routes.values():
         if route.router.artifact:
             route.router.artifact = _resolve(base, route.router.artifact)
+        if route.cascade.scorer:
+            route.cascade.scorer = _resolve(base, route.cascade.scorer)
     if isinstance(cfg.kv_pool.memory_bytes, str):
         cfg.kv_pool.memory_bytes = _parse_size(cfg.kv_pool.memory_bytes, source)
     _cross_check(cfg)

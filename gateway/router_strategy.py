@@ -25,6 +25,20 @@ def route_threshold(router: Router, route: RouteConfig) -> tuple[float, str]:
     return router.threshold, f"artifact threshold (target large fraction {router.target_large_fraction})"
 
 
+def conversation_of(ctx: RoutingContext, small: Any, large: Any) -> Conversation:
+    """What a router (or the cascade's escalation scorer) reads: every chat message, or the raw prompt
+    (token-id prompts decoded)."""
+    if ctx.conversation is not None:
+        return ctx.conversation
+    if ctx.prompt_text is not None:
+        return ctx.prompt_text
+    # no more than a context holds, and only ids the tokenizer has: the engine refuses a longer prompt or an
+    # unknown id (400), the router need not read them
+    longest = max(getattr(small, "max_model_len", 0) or 0, getattr(large, "max_model_len", 0) or 0) or None
+    vocab = small.tokenizer.vocab_size
+    return small.tokenizer.decode(t for t in (ctx.prompt_token_ids or [])[:longest] if 0 <= t < vocab)
+
+
 class RouterStrategy:
     """P(large needed) >= threshold -> the large engine, else the small one."""
 
@@ -35,17 +49,7 @@ class RouterStrategy:
         self.threshold, self.threshold_source = route_threshold(router, route)
 
     def conversation(self, ctx: RoutingContext, engines: Mapping[str, Any]) -> Conversation:
-        """What the router scores: every chat message, or the raw prompt (token-id prompts decoded)."""
-        if ctx.conversation is not None:
-            return ctx.conversation
-        if ctx.prompt_text is not None:
-            return ctx.prompt_text
-        small, large = engines[self.small], engines[self.large]
-        # no more than a context holds, and only ids the tokenizer has: the engine refuses a longer prompt or an
-        # unknown id (400), the router need not read them
-        longest = max(getattr(small, "max_model_len", 0) or 0, getattr(large, "max_model_len", 0) or 0) or None
-        vocab = small.tokenizer.vocab_size
-        return small.tokenizer.decode(t for t in (ctx.prompt_token_ids or [])[:longest] if 0 <= t < vocab)
+        return conversation_of(ctx, engines[self.small], engines[self.large])
 
     def decide(self, conversation: Conversation) -> tuple[str, float]:
         """("small" | "large", score) for one conversation under this route's threshold."""
@@ -67,6 +71,9 @@ def load_route_router(name: str, route: RouteConfig, cfg: TandemConfig) -> Route
         router = Router.load(folder)
     except RouterArtifactError as exc:
         raise ConfigError(f"{where} cannot be loaded: {exc}") from None
+    if router.kind != "router" or router.needs_answer:
+        raise ConfigError(f"{where} is a cascade escalation scorer (it reads the small answer), not a router; use "
+                          f"it as routes.<name>.cascade.scorer")
     if router.required_extras:
         # The gateway scores from text alone; model-derived features would need a small-model prefill first.
         raise ConfigError(f"{where} needs extra feature(s) {', '.join(router.required_extras)}, which the gateway "

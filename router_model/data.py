@@ -2,11 +2,15 @@
 
 A line has `prompt` (string) or `messages` (OpenAI-style), and either `small_score` + `large_score` (quality of
 each model's answer; higher is better) or a binary `label` (1 = the large model is needed). Optional: `group`
-(prompts sharing a group never straddle a train/test or cross-validation split) and `extras` (named features).
+(prompts sharing a group never straddle a train/test or cross-validation split), `extras` (named features),
+and for the cascade's escalation scorer `small_answer` (the small model's answer text) with
+`small_answer_stats` (its logprob statistics, router_model.scoring.answer_stats; read as extras). A file whose
+name ends in .gz is read through gzip.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterable
@@ -29,6 +33,7 @@ class RouterExample:
     label: int | None = None
     group: str | None = None
     extras: dict[str, float] = field(default_factory=dict)
+    answer: str | None = None  # the small model's answer (escalation scorer only)
 
     @property
     def has_scores(self) -> bool:
@@ -86,32 +91,46 @@ def parse_example(obj: Any, where: str) -> RouterExample:
     if not isinstance(extras, dict):
         raise DataError(f"{where}: 'extras' must be an object of name -> number")
     ex.extras = {str(k): _number(v, where, f"extras.{k}") for k, v in extras.items()}
+    if obj.get("small_answer") is not None:
+        if not isinstance(obj["small_answer"], str):
+            raise DataError(f"{where}: 'small_answer' must be a string")
+        ex.answer = obj["small_answer"]
+    stats = obj.get("small_answer_stats") or {}
+    if not isinstance(stats, dict):
+        raise DataError(f"{where}: 'small_answer_stats' must be an object of name -> number")
+    ex.extras |= {str(k): _number(v, where, f"small_answer_stats.{k}") for k, v in stats.items()}
     return ex
 
 
-def read_examples(path: str | Path) -> list[RouterExample]:
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file (gzip when the name ends in .gz), with errors naming the line."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file does not exist")
-    examples = []
-    with path.open(encoding="utf-8") as f:
+    rows = []
+    opener = gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
+    with opener as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            examples.append(parse_example(obj, f"{path}:{lineno}"))
-    if not examples:
+    if not rows:
         raise DataError(f"{path}: no examples (expected one JSON object per line)")
-    return examples
+    return rows
+
+
+def read_examples(path: str | Path) -> list[RouterExample]:
+    return [parse_example(obj, f"{path}:{i}") for i, obj in enumerate(read_rows(path), 1)]
 
 
 def write_examples(path: str | Path, rows: Iterable[dict[str, Any]]) -> int:
-    """Write already-built JSON rows, one per line; returns how many."""
+    """Write already-built JSON rows, one per line (gzip when the name ends in .gz); returns how many."""
     n = 0
-    with Path(path).open("w", encoding="utf-8") as f:
+    path = Path(path)
+    with (gzip.open(path, "wt", encoding="utf-8") if path.suffix == ".gz" else path.open("w", encoding="utf-8")) as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1

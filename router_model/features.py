@@ -1,15 +1,19 @@
-"""Prompt features for the router: cheap text statistics plus signed hashed word and character n-grams.
+"""Router features: hashed character n-grams of the prompt's tail (and, for the cascade's escalation scorer, of
+the small model's answer), cheap text statistics, and named extra numbers a caller supplies.
 
-Owns the conversation flattening (every message, roles marked), the stable numpy hashing (no Python `hash()`,
-so a feature index is the same in every process) and the optional extra features a caller fills in.
+The n-gram blocks are exactly scikit-learn's `HashingVectorizer(analyzer="char", alternate_sign=True,
+norm="l2", lowercase=False)`: murmurhash3 of each n-gram, stable across processes and machines. Training
+vectorises with `HashingVectorizer.transform` in bulk; a single request goes through `hash_block`, which builds
+the same vector from the vectorizer's own analyzer and `sklearn.utils.murmurhash3_32` without the per-call
+validation and sparse-matrix overhead (~0.4 ms; tests/router_model check the two agree bit for bit).
 """
 
 from __future__ import annotations
 
 import re
-import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -26,10 +30,19 @@ STAT_NAMES: tuple[str, ...] = (
     # where the conversation stops: what comes next depends most on the last line
     "ends_mid_line", "log_last_line_len", "last_line_indent", "last_line_is_comment", "inside_triple_quote",
 )
-# Extra features a caller may supply per request (the gateway fills them from the small engine's prefill).
+# Extra features a caller supplies per request: the small model's prefill, or (for the escalation scorer)
+# the statistics of the small answer's token logprobs (router_model.scoring.answer_stats).
 KNOWN_EXTRAS: dict[str, str] = {
     "small_prompt_logprob": "mean token log-probability of the prompt under the small model",
+    "answer_mean_logprob": "mean chosen-token logprob of the small answer",
+    "answer_min_logprob": "minimum chosen-token logprob of the small answer",
+    "answer_first_line_logprob": "mean chosen-token logprob over the small answer's first line",
+    "answer_entropy": "mean next-token entropy of the small answer (estimated from the top logprobs)",
+    "answer_log_tokens": "log(1 + tokens of the small answer)",
 }
+# what a hashed block reads: the end of the flattened conversation, or the small model's answer
+VIEWS = ("tail", "answer")
+MAX_STATS_CHARS = 2048  # ratios look at the last characters only; lengths stay exact
 
 _CODE_KEYWORDS = frozenset(
     "def class return import from if elif else for while try except finally with as lambda yield raise "
@@ -52,35 +65,55 @@ _CHAR_CLASS[ord("?")] = _QUESTION
 _CHAR_CLASS[ord("\n")] = _NEWLINE
 _CHAR_CLASS[128] = _NON_ASCII
 
-_ORDER_SALT = [np.uint64((n * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) for n in range(9)]
-_CHAR_MULT = np.uint64(0x100000001B3)
+
+@dataclass(frozen=True)
+class HashBlock:
+    """One HashingVectorizer block: char n-grams of the last `chars` characters of a view (0: all of it)."""
+
+    view: str = "tail"
+    chars: int = 300
+    ngrams: tuple[int, int] = (1, 5)
+    buckets: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        if self.view not in VIEWS:
+            raise ValueError(f"unknown view {self.view!r}; known: {', '.join(VIEWS)}")
+        lo, hi = self.ngrams
+        if not 1 <= lo <= hi <= 8:
+            raise ValueError(f"ngrams={self.ngrams} must satisfy 1 <= low <= high <= 8")
+        if self.chars < 0 or self.buckets < 2:
+            raise ValueError("chars must be >= 0 and buckets >= 2")
+
+    def vectorizer(self):
+        from sklearn.feature_extraction.text import HashingVectorizer
+
+        return HashingVectorizer(analyzer="char", ngram_range=tuple(self.ngrams), n_features=self.buckets,
+                                 alternate_sign=True, norm="l2", lowercase=False, dtype=np.float64)
+
+    def cut(self, text: str) -> str:
+        return text[-self.chars:] if self.chars else text
+
+
+DEFAULT_BLOCKS = (HashBlock("tail", 60, (1, 5), 1 << 16), HashBlock("tail", 300, (2, 5), 1 << 17))
 
 
 @dataclass(frozen=True)
 class FeatureConfig:
     """Everything that fixes the meaning of a feature vector; saved in the artifact and checked on load."""
 
-    word_buckets: int = 1 << 16
-    char_buckets: int = 1 << 16
-    word_ngrams: tuple[int, int] = (1, 2)
-    char_ngrams: tuple[int, int] = (3, 5)
-    max_chars: int = 2048  # hashing and ratios look at the last max_chars characters; lengths stay exact
-    tail_chars: int = 64  # the last characters get their own char n-grams too (0: off)
+    blocks: tuple[HashBlock, ...] = DEFAULT_BLOCKS
     stats: tuple[str, ...] = STAT_NAMES
     extras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(b if isinstance(b, HashBlock) else HashBlock(**b)
+                                                 for b in self.blocks))
         unknown = [s for s in self.stats if s not in STAT_NAMES]
         if unknown:
             raise ValueError(f"unknown statistic(s) {unknown}; known: {', '.join(STAT_NAMES)}")
         bad = [e for e in self.extras if e not in KNOWN_EXTRAS]
         if bad:
             raise ValueError(f"unknown extra feature(s) {bad}; known: {', '.join(KNOWN_EXTRAS)}")
-        for name, (lo, hi) in (("word_ngrams", self.word_ngrams), ("char_ngrams", self.char_ngrams)):
-            if not 1 <= lo <= hi <= 8:
-                raise ValueError(f"{name}={(lo, hi)} must satisfy 1 <= low <= high <= 8")
-        if not 0 <= self.tail_chars <= self.max_chars:
-            raise ValueError(f"tail_chars={self.tail_chars} must be between 0 and max_chars={self.max_chars}")
 
     @property
     def num_dense(self) -> int:
@@ -88,19 +121,30 @@ class FeatureConfig:
 
     @property
     def num_hashed(self) -> int:
-        return self.word_buckets + self.char_buckets
+        return sum(b.buckets for b in self.blocks)
+
+    @property
+    def needs_answer(self) -> bool:
+        return any(b.view == "answer" for b in self.blocks)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return {"blocks": [{"view": b.view, "chars": b.chars, "ngrams": list(b.ngrams), "buckets": b.buckets}
+                           for b in self.blocks],
+                "stats": list(self.stats), "extras": list(self.extras)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FeatureConfig:
-        known = {f for f in cls.__dataclass_fields__}
-        extra = set(d) - known
+        extra = set(d) - {"blocks", "stats", "extras"}
         if extra:
             raise ValueError(f"feature config has unknown field(s) {sorted(extra)}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        blocks = []
+        for b in d.get("blocks", ()):
+            unknown = set(b) - {"view", "chars", "ngrams", "buckets"}
+            if unknown:
+                raise ValueError(f"hash block has unknown field(s) {sorted(unknown)}")
+            blocks.append(HashBlock(view=b["view"], chars=int(b["chars"]), ngrams=tuple(b["ngrams"]),
+                                    buckets=int(b["buckets"])))
+        return cls(blocks=tuple(blocks), stats=tuple(d.get("stats", ())), extras=tuple(d.get("extras", ())))
 
 
 @dataclass
@@ -108,7 +152,7 @@ class PromptFeatures:
     """One prompt's features: a dense part (stats then extras) and a sparse hashed part (indices, values)."""
 
     dense: np.ndarray  # float64 [num_dense]
-    indices: np.ndarray  # int64, sorted, into the hashed space [0, word_buckets + char_buckets)
+    indices: np.ndarray  # int64, into the hashed space [0, num_hashed) (blocks in order)
     values: np.ndarray  # float64, same length as indices
     extras_missing: list[str] = field(default_factory=list)
 
@@ -133,59 +177,31 @@ def normalize_conversation(x: Conversation) -> list[tuple[str, str]]:
     return turns
 
 
-_WORD_HASHES: dict[str, int] = {}
+
+def flatten(turns: list[tuple[str, str]]) -> str:
+    """The text the tail blocks read: a plain prompt as is; messages as role-marked turns."""
+    if len(turns) == 1 and turns[0][0] == "user":
+        return turns[0][1]
+    return "".join(f"\x02{role}\x03{text}" for role, text in turns)
 
 
-def _word_hash(word: str) -> int:
-    """crc32 of the UTF-8 word, memoised (a bounded vocabulary; the cache is cleared when it grows large)."""
-    h = _WORD_HASHES.get(word)
-    if h is None:
-        if len(_WORD_HASHES) > 500_000:
-            _WORD_HASHES.clear()
-        h = _WORD_HASHES[word] = zlib.crc32(word.encode("utf-8"))
-    return h
+def hash_block(analyzer, text: str, buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted indices, values) equal to HashingVectorizer(analyzer=..., n_features=buckets,
+    alternate_sign=True, norm="l2").transform([text]) for one document."""
+    from sklearn.utils import murmurhash3_32
 
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: a stable, well-spread 64-bit hash of each uint64 (wrapping arithmetic)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def _hashed_part(word_hashes: list[np.ndarray], char_hashes: list[np.ndarray], word_buckets: int,
-                 char_buckets: int) -> tuple[np.ndarray, np.ndarray]:
-    """Signed feature hashing: index from the high bits, sign from the low bit; sublinear tf, each block
-    (words, chars) L2-normalised so that length lives in the statistics, not in the n-gram mass."""
-    blocks = []
-    for hashes, buckets, offset in ((word_hashes, word_buckets, 0), (char_hashes, char_buckets, word_buckets)):
-        if hashes:
-            h = np.concatenate(hashes)
-            blocks.append(((h >> np.uint64(32)) % np.uint64(buckets)).astype(np.int64) + offset)
-            blocks.append(h)
-    if not blocks:
-        return np.zeros(0, np.int64), np.zeros(0, np.float64)
-    # One sort of (index, sign bit) keys; the signed count of an index is (#positive - #negative).
-    keys = (np.concatenate(blocks[0::2]) << 1) | (np.concatenate(blocks[1::2]) & np.uint64(1)).astype(np.int64)
-    keys.sort()
-    idx = keys >> 1
-    sign = 1.0 - 2.0 * (keys & 1)
-    first = np.empty(idx.size, dtype=bool)
-    first[0] = True
-    np.not_equal(idx[1:], idx[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
-    uniq = idx[starts]
-    vals = np.add.reduceat(sign, starts)
-    vals = np.sign(vals) * np.log1p(np.abs(vals))
-    in_words = uniq < word_buckets
-    for mask in (in_words, ~in_words):
-        norm = np.sqrt(np.dot(vals[mask], vals[mask]))
-        if norm > 0:
-            vals[mask] /= norm
+    grams = analyzer(text)
+    if not grams:
+        return np.zeros(0, np.int64), np.zeros(0)
+    h = np.fromiter((murmurhash3_32(g, 0) for g in grams), dtype=np.int64, count=len(grams))
+    idx = np.abs(h) % buckets
+    sign = np.where(h >= 0, 1.0, -1.0)
+    uniq, inv = np.unique(idx, return_inverse=True)
+    vals = np.bincount(inv, weights=sign, minlength=uniq.size)
     keep = vals != 0
-    return uniq[keep], vals[keep]
+    uniq, vals = uniq[keep], vals[keep]
+    norm = np.sqrt(np.dot(vals, vals))
+    return uniq, (vals / norm if norm > 0 else vals)
 
 
 def _clip_turns(turns: list[tuple[str, str]], max_chars: int) -> list[tuple[str, str]]:
@@ -201,74 +217,78 @@ def _clip_turns(turns: list[tuple[str, str]], max_chars: int) -> list[tuple[str,
 
 
 class Featurizer:
-    """Turns a conversation into `PromptFeatures` under a fixed `FeatureConfig` (pure numpy, no sklearn)."""
+    """Turns a conversation (and, for an escalation scorer, the small answer) into `PromptFeatures`."""
 
     def __init__(self, config: FeatureConfig | None = None):
         self.config = config or FeatureConfig()
         self._stat_pos = [STAT_NAMES.index(s) for s in self.config.stats]
+        offsets = np.cumsum([0] + [b.buckets for b in self.config.blocks])
+        self._offsets = [int(o) for o in offsets[:-1]]
 
-    def __call__(self, x: Conversation, extras: Mapping[str, float] | None = None) -> PromptFeatures:
+    @cached_property
+    def vectorizers(self) -> list:
+        return [b.vectorizer() for b in self.config.blocks]
+
+    @cached_property
+    def _analyzers(self) -> list:
+        return [v.build_analyzer() for v in self.vectorizers]
+
+    def __call__(self, x: Conversation, extras: Mapping[str, float] | None = None,
+                 answer: str | None = None) -> PromptFeatures:
         cfg = self.config
-        full_turns = normalize_conversation(x)
-        turns = _clip_turns(full_turns, cfg.max_chars)
-        body = "\n".join(text for _, text in turns)
-        codes = np.frombuffer(body.encode("utf-32-le"), dtype=np.uint32)
-        words_per_turn = [_WORD_RE.findall(text.lower()) for _, text in turns]
+        turns = normalize_conversation(x)
+        views = {"tail": flatten(turns), "answer": answer or ""}
+        extra_vals, missing = self._extras(extras)
+        dense = np.concatenate([self.stats_of(turns), extra_vals])
+        idx_parts, val_parts = [], []
+        for block, analyzer, off in zip(cfg.blocks, self._analyzers, self._offsets):
+            i, v = hash_block(analyzer, block.cut(views[block.view]), block.buckets)
+            idx_parts.append(i + off)
+            val_parts.append(v)
+        return PromptFeatures(dense=dense, indices=np.concatenate(idx_parts) if idx_parts else np.zeros(0, np.int64),
+                              values=np.concatenate(val_parts) if val_parts else np.zeros(0),
+                              extras_missing=missing)
 
-        stats = self._stats(full_turns, body, codes, words_per_turn)[self._stat_pos]
-        extra_vals = np.zeros(len(cfg.extras))
+    def _extras(self, extras: Mapping[str, float] | None) -> tuple[np.ndarray, list[str]]:
+        vals = np.zeros(len(self.config.extras))
         missing = []
-        for i, name in enumerate(cfg.extras):
+        for i, name in enumerate(self.config.extras):
             value = None if extras is None else extras.get(name)
             if value is None:
                 missing.append(name)
             else:
-                extra_vals[i] = float(value)
+                vals[i] = float(value)
+        return vals, missing
 
-        indices, values = _hashed_part(self._word_hashes(turns, words_per_turn), self._char_hashes(turns),
-                                       cfg.word_buckets, cfg.char_buckets)
-        return PromptFeatures(dense=np.concatenate([stats, extra_vals]), indices=indices, values=values,
-                              extras_missing=missing)
+    def stats_of(self, turns: list[tuple[str, str]]) -> np.ndarray:
+        if not self._stat_pos:
+            return np.zeros(0)
+        clipped = _clip_turns(turns, MAX_STATS_CHARS)
+        body = "\n".join(text for _, text in clipped)
+        codes = np.frombuffer(body.encode("utf-32-le"), dtype=np.uint32)
+        words_per_turn = [_WORD_RE.findall(text.lower()) for _, text in clipped]
+        return self._stats(turns, body, codes, words_per_turn)[self._stat_pos]
 
-    def _word_hashes(self, turns: list[tuple[str, str]], words_per_turn: list[list[str]]) -> list[np.ndarray]:
-        # The role marker is a token of its own, so "<system> you are" and "<user> you are" differ as bigrams.
-        tokens: list[str] = []
-        for (role, _), words in zip(turns, words_per_turn):
-            tokens.append(f"<{role}>")
-            tokens.extend(words)
-        base = np.array([_word_hash(t) for t in tokens], dtype=np.uint64)
-        lo, hi = self.config.word_ngrams
-        out = []
-        for n in range(lo, hi + 1):
-            if base.size < n:
-                break
-            h = np.full(base.size - n + 1, _ORDER_SALT[n], dtype=np.uint64)
-            for k in range(n):
-                h = _mix64(h ^ base[k:base.size - n + 1 + k])
-            out.append(h)
-        return out
+    def transform(self, convs: Sequence[Conversation], extras: Sequence[Mapping[str, float] | None] | None = None,
+                  answers: Sequence[str | None] | None = None):
+        """(dense [n, num_dense], hashed CSR [n, num_hashed]) for many prompts, with HashingVectorizer in bulk."""
+        import scipy.sparse as sp
 
-    def _char_hashes(self, turns: list[tuple[str, str]]) -> list[np.ndarray]:
-        text = "".join(f"\x02{role}\x03{t.lower()}" for role, t in turns)
-        c = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
-        out = self._char_ngrams(c, salt=101)
-        if self.config.tail_chars:
-            # the same n-grams of the very end, in their own hash space: the continuation depends on them most
-            out += self._char_ngrams(c[-self.config.tail_chars:], salt=211)
-        return out
+        n = len(convs)
+        extras = extras if extras is not None else [None] * n
+        answers = answers if answers is not None else [None] * n
+        turns = [normalize_conversation(x) for x in convs]
+        views = {"tail": [flatten(t) for t in turns], "answer": [a or "" for a in answers]}
+        dense = np.zeros((n, self.config.num_dense))
+        for i in range(n):
+            vals, missing = self._extras(extras[i])
+            if missing:
+                raise ValueError(f"example {i}: extra feature(s) {missing} missing from its 'extras'")
+            dense[i] = np.concatenate([self.stats_of(turns[i]), vals])
+        blocks = [v.transform([b.cut(t) for t in views[b.view]]) for b, v in zip(self.config.blocks, self.vectorizers)]
+        hashed = sp.hstack(blocks, format="csr") if blocks else sp.csr_matrix((n, 0))
+        return dense, hashed
 
-    def _char_ngrams(self, c: np.ndarray, salt: int) -> list[np.ndarray]:
-        lo, hi = self.config.char_ngrams
-        out = []
-        for n in range(lo, hi + 1):
-            if c.size < n:
-                break
-            # polynomial hash of each window (vectorised over positions, looped over the n offsets), then mixed
-            h = np.full(c.size - n + 1, np.uint64(n + salt), dtype=np.uint64)
-            for k in range(n):
-                h = h * _CHAR_MULT + c[k:c.size - n + 1 + k]
-            out.append(_mix64(h))
-        return out
 
     @staticmethod
     def _stats(full_turns: list[tuple[str, str]], body: str, codes: np.ndarray,

@@ -1,7 +1,10 @@
-"""The trained router at serve time: a linear model over `Featurizer` features plus a probability calibration.
+"""The trained router at serve time: the k calibrated fold models of scikit-learn's CalibratedClassifierCV
+(each a logistic regression over `Featurizer` features plus its Platt or isotonic calibration), averaged.
 
 Owns the artifact format (router.json + router.npz, never pickle; the JSON records a version and the npz's
 sha256, both checked on load) and numpy-only inference: `score` -> P(large needed), `decide` -> route choice.
+The same artifact kind serves the cascade's escalation scorer (`kind = "escalation"`), which also reads the
+small model's answer and its logprob statistics.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import numpy as np
 from router_model.features import Conversation, FeatureConfig, Featurizer, PromptFeatures
 
 ARTIFACT_FORMAT = "tandem-router"
-ARTIFACT_VERSION = 1
+# 2: HashingVectorizer blocks + an ensemble of calibrated fold models (CalibratedClassifierCV); 1 was one model
+ARTIFACT_VERSION = 2
 JSON_NAME = "router.json"
 NPZ_NAME = "router.npz"
 CALIBRATIONS = ("sigmoid", "isotonic")
+KINDS = ("router", "escalation")  # escalation: the cascade's scorer, which also reads the small answer
 # 0..100th percentiles of the calibrated score on held-out data: maps a target large fraction to a threshold.
 NUM_QUANTILES = 101
 
@@ -38,20 +43,26 @@ class MissingExtraFeature(ValueError):
 
 @dataclass
 class Calibration:
-    """Raw linear margin z -> probability. sigmoid: 1/(1+exp(a*z+b)) (Platt); isotonic: clipped interpolation."""
+    """Raw linear margins z [k] of the k fold models -> probabilities [k]. sigmoid: 1/(1+exp(a*z+b)) (Platt,
+    as sklearn's _SigmoidCalibration); isotonic: clipped interpolation in each fold's table."""
 
     method: str
-    a: float = -1.0
-    b: float = 0.0
-    x: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    y: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    a: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    b: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    x: list[np.ndarray] = field(default_factory=list)
+    y: list[np.ndarray] = field(default_factory=list)
 
-    def __call__(self, z: np.ndarray | float) -> np.ndarray:
+    def __call__(self, z: np.ndarray) -> np.ndarray:
         z = np.asarray(z, dtype=np.float64)
         if self.method == "sigmoid":
             t = np.clip(self.a * z + self.b, -500.0, 500.0)
             return 1.0 / (1.0 + np.exp(t))
-        return np.interp(z, self.x, self.y)
+        return np.array([np.interp(zk, xk, yk) for zk, xk, yk in zip(z.T if z.ndim > 1 else z, self.x, self.y)]
+                        ).T
+
+    @property
+    def folds(self) -> int:
+        return int(self.a.size) if self.method == "sigmoid" else len(self.x)
 
 
 @dataclass
@@ -59,19 +70,23 @@ class Router:
     feature_config: FeatureConfig
     dense_mean: np.ndarray  # standardisation of the dense part (stats, extras) learnt on the training set
     dense_scale: np.ndarray
-    coef_dense: np.ndarray
-    coef_hashed: np.ndarray
-    intercept: float
+    coef: np.ndarray  # [k, num_dense + num_hashed]: one linear model per cross-validation fold
+    intercept: np.ndarray  # [k]
     calibration: Calibration
     score_quantiles: np.ndarray  # [NUM_QUANTILES] calibrated scores on held-out data, ascending (in the JSON)
     threshold: float = 0.5
     target_large_fraction: float | None = None
+    kind: str = "router"
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # the hashed weights are stored as float32; hold exactly those values so a saved copy scores the same
-        self.coef_hashed = np.asarray(self.coef_hashed, dtype=np.float32).astype(np.float64)
+        # the weights are stored as float32; hold exactly those values so a saved copy scores the same
+        self.coef = np.atleast_2d(np.asarray(self.coef, dtype=np.float32)).astype(np.float64)
+        self.intercept = np.atleast_1d(np.asarray(self.intercept, dtype=np.float64))
         self.featurizer = Featurizer(self.feature_config)
+        nd = self.feature_config.num_dense
+        self._coef_dense = self.coef[:, :nd]
+        self._coef_hashed = self.coef[:, nd:]
 
     # ---- inference -------------------------------------------------------------------------------------
     @property
@@ -79,27 +94,40 @@ class Router:
         """Extra feature names the caller must pass to `score` (empty for a text-only router)."""
         return self.feature_config.extras
 
-    def features(self, x: Conversation, extras: Mapping[str, float] | None = None) -> PromptFeatures:
-        feats = self.featurizer(x, extras)
+    @property
+    def needs_answer(self) -> bool:
+        """True for an escalation scorer: it reads the small model's answer text too."""
+        return self.feature_config.needs_answer
+
+    def features(self, x: Conversation, extras: Mapping[str, float] | None = None,
+                 answer: str | None = None) -> PromptFeatures:
+        feats = self.featurizer(x, extras, answer)
         if feats.extras_missing:
             raise MissingExtraFeature(
                 f"this router needs extra feature(s) {', '.join(feats.extras_missing)} "
-                f"(pass extras={{name: value}}; e.g. small_prompt_logprob from the small model's prefill)")
+                f"(pass extras={{name: value}}; e.g. answer statistics from router_model.scoring.answer_stats)")
         return feats
 
-    def margin_of(self, feats: PromptFeatures) -> float:
-        """The raw linear score (log-odds before calibration)."""
+    def margins_of(self, feats: PromptFeatures) -> np.ndarray:
+        """The raw linear scores of the k fold models (log-odds before calibration)."""
         dense = (feats.dense - self.dense_mean) / self.dense_scale
-        return float(self.intercept + dense @ self.coef_dense + feats.values @ self.coef_hashed[feats.indices])
+        return self.intercept + self._coef_dense @ dense + self._coef_hashed[:, feats.indices] @ feats.values
 
-    def score(self, x: Conversation, extras: Mapping[str, float] | None = None) -> float:
-        """P(the large model is needed) for a prompt string or a list of OpenAI-style messages."""
-        return float(self.calibration(self.margin_of(self.features(x, extras))))
+    def score(self, x: Conversation, extras: Mapping[str, float] | None = None, answer: str | None = None) -> float:
+        """P(the large model is needed): the mean of the k calibrated fold models (CalibratedClassifierCV's
+        ensemble) for a prompt string or a list of OpenAI-style messages (and the small answer, if it reads one)."""
+        return float(np.mean(self.calibration(self.margins_of(self.features(x, extras, answer)))))
 
-    def decide(self, x: Conversation, threshold: float | None = None,
-               extras: Mapping[str, float] | None = None) -> tuple[str, float]:
+    def score_many(self, dense: np.ndarray, hashed) -> np.ndarray:
+        """Scores of a featurised batch (`Featurizer.transform`'s output), equal to `score` row by row."""
+        z = self.intercept + ((dense - self.dense_mean) / self.dense_scale) @ self._coef_dense.T \
+            + np.asarray(hashed @ self._coef_hashed.T)
+        return np.mean(self.calibration(z), axis=1)
+
+    def decide(self, x: Conversation, threshold: float | None = None, extras: Mapping[str, float] | None = None,
+               answer: str | None = None) -> tuple[str, float]:
         """("large" | "small", score): large when the score reaches the threshold (the artifact's by default)."""
-        s = self.score(x, extras)
+        s = self.score(x, extras, answer)
         return ("large" if s >= (self.threshold if threshold is None else threshold) else "small"), s
 
     def threshold_for_fraction(self, fraction: float) -> float:
@@ -114,13 +142,18 @@ class Router:
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        cal = self.calibration
         arrays = {
             "dense_mean": self.dense_mean.astype(np.float64),
             "dense_scale": self.dense_scale.astype(np.float64),
-            "coef_dense": self.coef_dense.astype(np.float64),
-            "coef_hashed": self.coef_hashed.astype(np.float32),
-            "calibration_x": np.asarray(self.calibration.x, dtype=np.float64),
-            "calibration_y": np.asarray(self.calibration.y, dtype=np.float64),
+            "coef": self.coef.astype(np.float32),
+            "intercept": self.intercept.astype(np.float64),
+            "calibration_a": np.asarray(cal.a, dtype=np.float64),
+            "calibration_b": np.asarray(cal.b, dtype=np.float64),
+            # isotonic tables of the k folds, concatenated; calibration_sizes says where each ends
+            "calibration_x": np.concatenate(cal.x) if cal.x else np.zeros(0),
+            "calibration_y": np.concatenate(cal.y) if cal.y else np.zeros(0),
+            "calibration_sizes": np.array([len(v) for v in cal.x], dtype=np.int64),
         }
         buf = io.BytesIO()
         np.savez_compressed(buf, **arrays)
@@ -129,10 +162,10 @@ class Router:
         doc = {
             "format": ARTIFACT_FORMAT,
             "version": ARTIFACT_VERSION,
+            "kind": self.kind,
             "npz_sha256": hashlib.sha256(blob).hexdigest(),
             "feature_config": self.feature_config.to_dict(),
-            "intercept": self.intercept,
-            "calibration": {"method": self.calibration.method, "a": self.calibration.a, "b": self.calibration.b},
+            "calibration": {"method": cal.method, "folds": cal.folds},
             "threshold": self.threshold,
             "target_large_fraction": self.target_large_fraction,
             "score_quantiles": [float(v) for v in self.score_quantiles],
@@ -181,16 +214,21 @@ class Router:
             cal = doc["calibration"]
             if cal["method"] not in CALIBRATIONS:
                 raise ValueError(f"calibration method {cal['method']!r} is not one of {CALIBRATIONS}")
+            if doc.get("kind", "router") not in KINDS:
+                raise ValueError(f"kind {doc.get('kind')!r} is not one of {KINDS}")
+            ends = np.cumsum(arrays["calibration_sizes"])
+            xs = np.split(arrays["calibration_x"], ends[:-1]) if ends.size else []
+            ys = np.split(arrays["calibration_y"], ends[:-1]) if ends.size else []
             router = cls(
                 feature_config=fcfg,
                 dense_mean=arrays["dense_mean"], dense_scale=arrays["dense_scale"],
-                coef_dense=arrays["coef_dense"], coef_hashed=arrays["coef_hashed"].astype(np.float64),
-                intercept=float(doc["intercept"]),
-                calibration=Calibration(method=cal["method"], a=float(cal["a"]), b=float(cal["b"]),
-                                        x=arrays["calibration_x"], y=arrays["calibration_y"]),
+                coef=arrays["coef"], intercept=arrays["intercept"],
+                calibration=Calibration(method=cal["method"], a=arrays["calibration_a"],
+                                        b=arrays["calibration_b"], x=xs, y=ys),
                 score_quantiles=np.asarray(doc["score_quantiles"], dtype=np.float64),
                 threshold=float(doc["threshold"]),
                 target_large_fraction=doc.get("target_large_fraction"),
+                kind=doc.get("kind", "router"),
                 metadata=doc.get("metadata") or {},
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -200,15 +238,21 @@ class Router:
 
     def _check_shapes(self, folder: Path) -> None:
         cfg = self.feature_config
-        expected = {"dense_mean": cfg.num_dense, "dense_scale": cfg.num_dense, "coef_dense": cfg.num_dense,
-                    "coef_hashed": cfg.num_hashed, "score_quantiles": NUM_QUANTILES}
-        for name, n in expected.items():
-            arr = getattr(self, name)
-            if arr.shape != (n,):
-                raise RouterArtifactError(f"{folder / NPZ_NAME}: {name} has shape {arr.shape}, the feature "
+        k = self.intercept.size
+        where = folder / NPZ_NAME
+        for name, n in {"dense_mean": cfg.num_dense, "dense_scale": cfg.num_dense,
+                        "score_quantiles": NUM_QUANTILES}.items():
+            if getattr(self, name).shape != (n,):
+                raise RouterArtifactError(f"{where}: {name} has shape {getattr(self, name).shape}, the feature "
                                           f"config needs ({n},)")
-        if self.calibration.method == "isotonic" and (self.calibration.x.size < 1
-                                                      or self.calibration.x.shape != self.calibration.y.shape):
-            raise RouterArtifactError(f"{folder / NPZ_NAME}: isotonic calibration table is empty or ragged")
+        if self.coef.shape != (k, cfg.num_dense + cfg.num_hashed):
+            raise RouterArtifactError(f"{where}: coef has shape {self.coef.shape}, the feature config needs "
+                                      f"({k}, {cfg.num_dense + cfg.num_hashed})")
+        cal = self.calibration
+        if cal.method == "sigmoid" and (cal.a.shape != (k,) or cal.b.shape != (k,)):
+            raise RouterArtifactError(f"{where}: sigmoid calibration needs one (a, b) per fold model ({k})")
+        if cal.method == "isotonic" and (len(cal.x) != k or any(x.size < 1 or x.shape != y.shape
+                                                                for x, y in zip(cal.x, cal.y))):
+            raise RouterArtifactError(f"{where}: isotonic calibration tables are empty, ragged or not one per fold")
         if np.any(self.dense_scale <= 0):
-            raise RouterArtifactError(f"{folder / NPZ_NAME}: dense_scale must be positive")
+            raise RouterArtifactError(f"{where}: dense_scale must be positive")

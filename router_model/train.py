@@ -1,8 +1,10 @@
-"""Router training: features -> logistic regression with C chosen by grouped cross-validation -> calibration.
+"""Router training: features -> logistic regression, C chosen by grouped cross-validation, then scikit-learn's
+CalibratedClassifierCV over the same grouped folds (ensemble: one calibrated model per fold, averaged).
 
-The target is "the large model's answer is better by more than a margin" (or a given binary label). The
-served model is the average of the cross-validation fold models; probabilities are calibrated on their
-out-of-fold margins (Platt sigmoid by default, or isotonic), and the artifact keeps only numpy arrays.
+The target is "the large model's answer is better by more than a margin" (or a given binary label); with
+exact-match labels and margin 0 that is "the large model is right where the small one is wrong". The same
+training builds the cascade's escalation scorer (`kind="escalation"`): its features also read the small
+answer's text and logprob statistics. The artifact keeps only numpy arrays (router_model.router).
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ import scipy.sparse as sp
 
 from router_model.data import DataError, RouterExample
 from router_model.evaluate import evaluate_scores
-from router_model.features import FeatureConfig, Featurizer
+from router_model.features import FeatureConfig, Featurizer, HashBlock
 from router_model.router import CALIBRATIONS, NUM_QUANTILES, Calibration, Router
+from router_model.scoring import ANSWER_STATS
+
+# the escalation scorer's features: the prompt's tail, the small answer's text, the answer's logprob statistics
+ESCALATION_FEATURES = FeatureConfig(
+    blocks=(HashBlock("tail", 60, (1, 5), 1 << 16), HashBlock("tail", 300, (2, 5), 1 << 17),
+            HashBlock("answer", 200, (1, 4), 1 << 16)),
+    extras=ANSWER_STATS)
 
 
 @dataclass
@@ -25,12 +34,14 @@ class TrainOptions:
     feature_config: FeatureConfig = field(default_factory=FeatureConfig)
     margin: float = 0.0  # large "meaningfully better": large_score - small_score > margin
     margin_quantile: float | None = None  # if set, the margin is this quantile of the score gains instead
-    weighting: str = "gain"  # "gain": weight each example by |gain - margin| (big wins/losses count more)
+    weighting: str = "none"  # "gain": weight each example by |gain - margin| (big wins/losses count more)
     calibration: str = "sigmoid"
-    c_grid: tuple[float, ...] = (0.03, 0.1, 0.3, 1.0, 3.0)
+    c_grid: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0)
+    class_weight: str | None = None  # "balanced": reweight the rarer class up
     folds: int = 5
     seed: int = 0
     target_large_fraction: float = 0.3
+    kind: str = "router"  # or "escalation": the cascade's scorer (needs each example's small answer)
 
     def __post_init__(self) -> None:
         if self.calibration not in CALIBRATIONS:
@@ -41,65 +52,61 @@ class TrainOptions:
             raise ValueError(f"margin quantile must be in (0, 1), got {self.margin_quantile}")
         if self.folds < 2:
             raise ValueError("folds must be at least 2")
+        if self.kind not in ("router", "escalation"):
+            raise ValueError(f"kind must be 'router' or 'escalation', got {self.kind!r}")
 
 
 def featurize(examples: Sequence[RouterExample], featurizer: Featurizer) -> tuple[np.ndarray, sp.csr_matrix]:
     """(dense [n, num_dense], hashed CSR [n, num_hashed]) for a list of examples."""
-    cfg = featurizer.config
-    dense = np.zeros((len(examples), cfg.num_dense))
-    indptr, indices, values = [0], [], []
-    for i, ex in enumerate(examples):
-        f = featurizer(ex.conversation, ex.extras)
-        if f.extras_missing:
-            raise DataError(f"example {i}: extra feature(s) {f.extras_missing} missing from its 'extras'")
-        dense[i] = f.dense
-        indices.append(f.indices)
-        values.append(f.values)
-        indptr.append(indptr[-1] + f.indices.size)
-    hashed = sp.csr_matrix(
-        (np.concatenate(values) if values else np.zeros(0), np.concatenate(indices) if indices else np.zeros(0, int),
-         np.asarray(indptr)), shape=(len(examples), cfg.num_hashed))
-    return dense, hashed
+    if featurizer.config.needs_answer and any(ex.answer is None for ex in examples):
+        raise DataError("these features read the small model's answer: every line needs 'small_answer'")
+    try:
+        return featurizer.transform([ex.conversation for ex in examples], [ex.extras for ex in examples],
+                                    [ex.answer for ex in examples])
+    except ValueError as e:
+        raise DataError(str(e)) from None
 
 
 def _design(dense: np.ndarray, hashed: sp.csr_matrix, mean: np.ndarray, scale: np.ndarray) -> sp.csr_matrix:
     return sp.hstack([sp.csr_matrix((dense - mean) / scale), hashed], format="csr")
 
 
-def _folds(examples: Sequence[RouterExample], k: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Grouped folds when examples carry a group (a module never straddles folds), else shuffled folds."""
-    from sklearn.model_selection import GroupKFold, KFold
+def grouped_folds(examples: Sequence[RouterExample], k: int, seed: int,
+                  y: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Grouped folds when examples carry a group (a module never straddles folds), stratified by the target
+    when given (rare positives spread over every fold); else shuffled (stratified) folds."""
+    from sklearn.model_selection import KFold, StratifiedGroupKFold, StratifiedKFold
 
     n = len(examples)
     groups = [ex.group for ex in examples]
+    target = np.zeros(n, int) if y is None else y
     if all(g is not None for g in groups) and len(set(groups)) >= k:
-        return list(GroupKFold(n_splits=k).split(np.zeros(n), groups=groups))
-    return list(KFold(n_splits=k, shuffle=True, random_state=seed).split(np.zeros(n)))
+        folds = list(StratifiedGroupKFold(n_splits=k, shuffle=True, random_state=seed).split(
+            np.zeros(n), target, groups=groups))
+    elif y is not None and np.bincount(y).min() >= k:
+        folds = list(StratifiedKFold(n_splits=k, shuffle=True, random_state=seed).split(np.zeros(n), y))
+    else:
+        folds = list(KFold(n_splits=k, shuffle=True, random_state=seed).split(np.zeros(n)))
+    if y is not None:
+        for train_idx, _ in folds:
+            if np.unique(y[train_idx]).size < 2:
+                raise DataError(f"{int(y.sum())} of {n} examples are positive (large needed): too few for {k} "
+                                f"cross-validation folds; label more prompts, lower --folds or change the margin")
+    return folds
 
 
-def _fit(x: sp.csr_matrix, y: np.ndarray, w: np.ndarray, c: float):
+def _estimator(c: float, class_weight: str | None):
     from sklearn.linear_model import LogisticRegression
 
-    clf = LogisticRegression(C=c, solver="liblinear", max_iter=2000)
-    clf.fit(x, y, sample_weight=w)
-    return clf
-
-
-def _calibrate(z: np.ndarray, y: np.ndarray, method: str) -> Calibration:
-    if method == "sigmoid":
-        from sklearn.linear_model import LogisticRegression
-
-        platt = LogisticRegression(C=1e6, solver="lbfgs").fit(z.reshape(-1, 1), y)
-        return Calibration("sigmoid", a=-float(platt.coef_[0, 0]), b=-float(platt.intercept_[0]))
-    from sklearn.isotonic import IsotonicRegression
-
-    iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0).fit(z, y)
-    return Calibration("isotonic", x=np.asarray(iso.X_thresholds_, float), y=np.asarray(iso.y_thresholds_, float))
+    return LogisticRegression(C=c, solver="liblinear", max_iter=2000, class_weight=class_weight)
 
 
 def train_router(examples: Sequence[RouterExample], options: TrainOptions | None = None,
                  log=print) -> Router:
     """Fit a router on labelled examples; `metadata` records the choices and the cross-validated quality."""
+    from sklearn.calibration import CalibratedClassifierCV
+    from sklearn.model_selection import cross_val_predict
+
     opts = options or TrainOptions()
     t0 = time.perf_counter()
     if len(examples) < 4 * opts.folds:
@@ -128,36 +135,45 @@ def train_router(examples: Sequence[RouterExample], options: TrainOptions | None
     x = _design(dense, hashed, mean, scale)
     t_feat = time.perf_counter() - t0
 
-    folds = _folds(examples, opts.folds, opts.seed)
+    folds = grouped_folds(examples, opts.folds, opts.seed, y)
     qualities = np.array([ex.qualities() for ex in examples])
     best = None
     cv_table = []
     for c in opts.c_grid:
-        oof = np.zeros(len(examples))
-        coefs, intercepts = [], []
-        for train_idx, test_idx in folds:
-            clf = _fit(x[train_idx], y[train_idx], w[train_idx], c)
-            oof[test_idx] = clf.decision_function(x[test_idx])
-            coefs.append(clf.coef_.ravel())
-            intercepts.append(float(clf.intercept_[0]))
+        oof = cross_val_predict(_estimator(c, opts.class_weight), x, y, cv=folds, method="decision_function",
+                                params={"sample_weight": w})
         apgr = evaluate_scores(oof, qualities[:, 0], qualities[:, 1]).apgr
         auc = _auc(oof, y)
         cv_table.append({"C": c, "cv_apgr": apgr, "cv_auc": auc})
         key = apgr if scored else auc
         if best is None or key > best[0]:
-            best = (key, c, oof, np.mean(coefs, axis=0), float(np.mean(intercepts)))
+            best = (key, c)
         log(f"  C={c:<6g} cross-validated APGR {apgr:.4f}  AUC {auc:.4f}")
-    # The served model is the average of the fold models (a linear model again): its margins live on the same
-    # scale as the out-of-fold margins the calibration and the score quantiles were fitted on; a refit on all
-    # data would be sharper than them and shift the threshold.
-    _, c_best, oof, coef, intercept = best
-    calibration = _calibrate(oof, y, opts.calibration)
-    oof_scores = calibration(oof)
-    nd = opts.feature_config.num_dense
+    c_best = best[1]
+    cal = CalibratedClassifierCV(_estimator(c_best, opts.class_weight), method=opts.calibration, cv=folds,
+                                 ensemble=True).fit(x, y, sample_weight=w)
+    coefs, intercepts, a, b, xs, ys = [], [], [], [], [], []
+    for cc in cal.calibrated_classifiers_:
+        coefs.append(cc.estimator.coef_.ravel())
+        intercepts.append(float(cc.estimator.intercept_[0]))
+        calibrator = cc.calibrators[0]
+        if opts.calibration == "sigmoid":
+            a.append(float(calibrator.a_))
+            b.append(float(calibrator.b_))
+        else:
+            xs.append(np.asarray(calibrator.X_thresholds_, float))
+            ys.append(np.asarray(calibrator.y_thresholds_, float))
+    calibration = Calibration(opts.calibration, a=np.array(a), b=np.array(b), x=xs, y=ys)
+    coef = np.array(coefs)
+    # out-of-fold calibrated scores (each fold's own model on the prompts it never saw): the score quantiles
+    probs = calibration(np.asarray(x @ coef.T) + np.array(intercepts))
+    oof_scores = np.zeros(len(examples))
+    for k, (_, test_idx) in enumerate(folds):
+        oof_scores[test_idx] = probs[test_idx, k]
+    oof_eval = evaluate_scores(oof_scores, qualities[:, 0], qualities[:, 1])
     router = Router(
-        feature_config=opts.feature_config, dense_mean=mean, dense_scale=scale,
-        coef_dense=coef[:nd].astype(np.float64), coef_hashed=coef[nd:].astype(np.float64),
-        intercept=intercept, calibration=calibration,
+        feature_config=opts.feature_config, dense_mean=mean, dense_scale=scale, coef=coef,
+        intercept=np.array(intercepts), calibration=calibration, kind=opts.kind,
         score_quantiles=np.quantile(oof_scores, np.linspace(0.0, 1.0, NUM_QUANTILES)),
         metadata={
             "trained_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -168,6 +184,7 @@ def train_router(examples: Sequence[RouterExample], options: TrainOptions | None
             "options": {k: v for k, v in asdict(opts).items() if k != "feature_config"},
             "C": c_best,
             "cross_validation": cv_table,
+            "cv_apgr_calibrated": oof_eval.apgr,
             "num_folds": len(folds),
             "grouped_folds": all(ex.group is not None for ex in examples),
         },

@@ -27,7 +27,8 @@ from gateway.router_strategy import RouterStrategy, load_route_router, route_thr
 from gateway.routes import Routes
 from gateway.server import ServerThread
 from router_model.data import read_examples
-from router_model.features import FeatureConfig
+from router_model.features import FeatureConfig, HashBlock
+from router_model.scoring import ANSWER_STATS
 from router_model.train import TrainOptions, train_router
 
 FILLER = ("alpha beta gamma delta river stone cloud paper light music garden window yellow quiet hello there thanks "
@@ -64,8 +65,24 @@ def router_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("router")
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _keyword_rows(200)))
-    options = TrainOptions(feature_config=FeatureConfig(word_buckets=1 << 10, char_buckets=1 << 10),
+    options = TrainOptions(feature_config=FeatureConfig(blocks=(HashBlock("tail", 0, (2, 5), 1 << 10),)),
                            c_grid=(1.0,), folds=3, target_large_fraction=0.5)
+    return train_router(read_examples(data), options, log=lambda *a: None).save(root / "artifact")
+
+
+@pytest.fixture(scope="module")
+def scorer_dir(tmp_path_factory) -> Path:
+    """A tiny escalation scorer (the learned cascade's): the same keyword signal in the prompt; the rows also
+    carry a small answer and its logprob statistics, as `tandem router label` writes them."""
+    root = tmp_path_factory.mktemp("scorer")
+    rng = random.Random(1)
+    rows = [r | {"small_answer": " ".join(rng.choices(FILLER, k=3)),
+                 "small_answer_stats": {k: rng.uniform(-3, 0) for k in ANSWER_STATS}} for r in _keyword_rows(200)]
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    blocks = (HashBlock("tail", 0, (2, 5), 1 << 10), HashBlock("answer", 0, (1, 3), 1 << 8))
+    options = TrainOptions(feature_config=FeatureConfig(blocks=blocks, stats=(), extras=ANSWER_STATS),
+                           c_grid=(1.0,), folds=3, target_large_fraction=0.5, kind="escalation")
     return train_router(read_examples(data), options, log=lambda *a: None).save(root / "artifact")
 
 
@@ -75,7 +92,7 @@ def spans() -> InMemorySpanExporter:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory, router_dir, spans):
+def server(tiny_checkpoint, tmp_path_factory, router_dir, scorer_dir, spans):
     root = tmp_path_factory.mktemp("routing-ckpt")
     small = with_chat_template(tiny_checkpoint("llama"), root / "small")
     large = with_chat_template(tiny_checkpoint("qwen2", hidden_size=96, num_heads=6, num_kv_heads=2, seed=1),
@@ -89,7 +106,10 @@ def server(tiny_checkpoint, tmp_path_factory, router_dir, spans):
                    "cascade-always": {"strategy": "cascade", "engines": pair,
                                       "cascade": {"confidence_threshold": 0.0}},
                    "cascade-never": {"strategy": "cascade", "engines": pair,
-                                     "cascade": {"confidence_threshold": -1e9, "mode": "min"}}}})
+                                     "cascade": {"confidence_threshold": -1e9, "mode": "min"}},
+                   "cascade-learned": {"strategy": "cascade", "engines": pair,
+                                       "cascade": {"mode": "learned", "scorer": str(scorer_dir),
+                                                   "escalation_threshold": 0.5}}}})
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
     with ServerThread(cfg, tracer_provider=provider) as srv:
@@ -231,6 +251,47 @@ def test_greedy_cascade_answers_exactly_as_large_when_escalating_and_as_small_ot
     assert stay_headers["x-tandem-escalated"] == "false" and stay_headers["x-tandem-model"] == "tandem-small"
     assert _metric(server, "tandem:cascade_escalations_total", route="cascade-never") == 0
     assert stay.choices[0].logprobs is None  # logprobs were computed for the decision, not asked for
+
+
+def test_learned_cascade_escalates_by_the_scorer_and_answers_exactly_as_the_chosen_engine(server, client):
+    """The escalation scorer reads the prompt and the small answer: the hard prompt escalates (and returns the
+    large model's greedy answer), the easy one keeps the small model's, byte for byte."""
+    before = _metric(server, "tandem:cascade_escalations_total", route="cascade-learned")
+    for messages, engine, escalated in ((HARD, "tandem-large", "true"), (EASY, "tandem-small", "false")):
+        _, direct = _chat(client, engine, messages, **GREEDY)
+        headers, got = _chat(client, "cascade-learned", messages, **GREEDY)
+        assert headers["x-tandem-escalated"] == escalated and headers["x-tandem-model"] == engine
+        assert got.choices[0].message.content == direct.choices[0].message.content
+        assert got.choices[0].logprobs is None  # top logprobs were computed for the scorer, not asked for
+    _, small = _chat(client, "tandem-small", HARD, **GREEDY)
+    _, large = _chat(client, "tandem-large", HARD, **GREEDY)
+    assert small.choices[0].message.content != large.choices[0].message.content  # the check can tell them apart
+    assert _metric(server, "tandem:cascade_escalations_total", route="cascade-learned") == before + 1
+
+
+def test_learned_cascade_returns_only_the_logprobs_the_client_asked_for(client):
+    _, stay = _chat(client, "cascade-learned", EASY, logprobs=True, top_logprobs=2, **GREEDY)
+    content = stay.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(t.top_logprobs) == 2 for t in content)
+    _, direct = _chat(client, "tandem-small", EASY, logprobs=True, top_logprobs=2, **GREEDY)
+    assert [(t.token, [x.token for x in t.top_logprobs]) for t in content] == \
+        [(t.token, [x.token for x in t.top_logprobs]) for t in direct.choices[0].logprobs.content]
+
+
+def test_learned_cascade_threshold_comes_from_the_route_or_the_scorer(scorer_dir, router_dir):
+    def route(**cascade):
+        cfg = config_from_dict({"engines": {"s": {"checkpoint": "/s"}, "l": {"checkpoint": "/l"}},
+                                "routes": {"c": {"strategy": "cascade", "engines": ["s", "l"],
+                                                 "cascade": {"mode": "learned", **cascade}}}})
+        return cfg.routes["c"]
+
+    by_fraction = CascadeStrategy("c", route(scorer=str(scorer_dir), target_escalation_fraction=0.2))
+    assert by_fraction.threshold == pytest.approx(by_fraction.scorer.threshold_for_fraction(0.2))
+    assert CascadeStrategy("c", route(scorer=str(scorer_dir))).threshold == by_fraction.scorer.threshold
+    with pytest.raises(ConfigError, match="routes.c.cascade.scorer .* not an escalation scorer"):
+        CascadeStrategy("c", route(scorer=str(router_dir)))
+    with pytest.raises(ConfigError, match="routes.c.cascade.scorer .* cannot be loaded"):
+        CascadeStrategy("c", route(scorer=str(scorer_dir / "nowhere")))
 
 
 def test_cascade_on_legacy_completions(client):

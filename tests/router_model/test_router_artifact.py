@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from router_model.data import parse_example
-from router_model.features import FeatureConfig
+from router_model.features import FeatureConfig, HashBlock
 from router_model.router import JSON_NAME, NPZ_NAME, MissingExtraFeature, Router, RouterArtifactError
 from router_model.synthetic import synthetic_rows
 from router_model.train import TrainOptions, train_router
@@ -23,7 +23,8 @@ def _train(extras: tuple[str, ...] = (), calibration: str = "sigmoid") -> Router
     for i, r in enumerate(rows):
         r["extras"] = {"small_prompt_logprob": -1.0 - r["label"] + 0.01 * (i % 7)}
     examples = [parse_example(r, "r") for r in rows]
-    opts = TrainOptions(feature_config=FeatureConfig(word_buckets=512, char_buckets=512, extras=extras),
+    blocks = (HashBlock("tail", 60, (1, 4), 512), HashBlock("tail", 0, (3, 5), 512))
+    opts = TrainOptions(feature_config=FeatureConfig(blocks=blocks, extras=extras),
                         c_grid=(1.0,), folds=3, calibration=calibration)
     return train_router(examples, opts, log=lambda *_: None)
 
@@ -54,14 +55,15 @@ def test_npz_holds_plain_arrays_loadable_without_pickle(router, tmp_path):
     with np.load(tmp_path / NPZ_NAME, allow_pickle=False) as z:
         assert all(z[k].dtype != object for k in z.files)
     doc = json.loads((tmp_path / JSON_NAME).read_text())
-    assert doc["format"] == "tandem-router" and doc["version"] == 1 and len(doc["npz_sha256"]) == 64
+    assert doc["format"] == "tandem-router" and doc["version"] == 2 and len(doc["npz_sha256"]) == 64
+    assert doc["kind"] == "router" and doc["calibration"]["folds"] == 3
 
 
 def test_tampered_weights_fail_with_a_checksum_error(router, tmp_path):
     router.save(tmp_path)
     with np.load(tmp_path / NPZ_NAME, allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
-    arrays["coef_hashed"][3] += 1.0
+    arrays["coef"][0, 3] += 1.0
     np.savez_compressed(tmp_path / NPZ_NAME, **arrays)
     with pytest.raises(RouterArtifactError, match="sha256 .* does not match npz_sha256"):
         Router.load(tmp_path)
@@ -72,7 +74,11 @@ def test_wrong_version_fails_clearly(router, tmp_path):
     doc = json.loads((tmp_path / JSON_NAME).read_text())
     doc["version"] = 99
     (tmp_path / JSON_NAME).write_text(json.dumps(doc))
-    with pytest.raises(RouterArtifactError, match=r"version 99 is not supported .* \(expects version 1\)"):
+    with pytest.raises(RouterArtifactError, match=r"version 99 is not supported .* \(expects version 2\)"):
+        Router.load(tmp_path)
+    doc["version"] = 1  # the previous format (one model, hand-written hashing) is refused, not misread
+    (tmp_path / JSON_NAME).write_text(json.dumps(doc))
+    with pytest.raises(RouterArtifactError, match=r"version 1 is not supported"):
         Router.load(tmp_path)
 
 
@@ -88,9 +94,9 @@ def test_foreign_json_and_missing_files_fail_clearly(router, tmp_path):
 def test_feature_config_edit_that_breaks_shapes_fails_clearly(router, tmp_path):
     router.save(tmp_path)
     doc = json.loads((tmp_path / JSON_NAME).read_text())
-    doc["feature_config"]["char_buckets"] = 1024
+    doc["feature_config"]["blocks"][0]["buckets"] = 1024
     (tmp_path / JSON_NAME).write_text(json.dumps(doc))
-    with pytest.raises(RouterArtifactError, match="coef_hashed has shape"):
+    with pytest.raises(RouterArtifactError, match="coef has shape"):
         Router.load(tmp_path)
 
 
@@ -99,7 +105,7 @@ def test_pickled_npz_is_refused(router, tmp_path):
     # an object array inside the npz needs pickle to load; the checksum is updated so only pickle can stop it
     with np.load(tmp_path / NPZ_NAME, allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
-    arrays["coef_dense"] = np.array([object()] * arrays["coef_dense"].size, dtype=object)
+    arrays["intercept"] = np.array([object()] * arrays["intercept"].size, dtype=object)
     np.savez(tmp_path / NPZ_NAME, **arrays)
     import hashlib
 
@@ -121,6 +127,16 @@ def test_router_with_an_extra_feature_needs_it_at_score_time(tmp_path):
     assert loaded.score("hello", {"small_prompt_logprob": -2.0}) == r.score("hello", {"small_prompt_logprob": -2.0})
     # the extra carries the signal: a low prompt log-prob pushes towards large
     assert r.score("hello", {"small_prompt_logprob": -2.0}) > r.score("hello", {"small_prompt_logprob": -1.0})
+
+
+def test_score_is_the_mean_of_the_calibrated_fold_models(router):
+    feats = router.features(PROMPTS[0])
+    z = router.margins_of(feats)
+    assert z.shape == (3,)
+    platt = 1.0 / (1.0 + np.exp(router.calibration.a * z + router.calibration.b))
+    assert router.score(PROMPTS[0]) == pytest.approx(platt.mean())
+    dense, hashed = router.featurizer.transform(PROMPTS)
+    assert router.score_many(dense, hashed) == pytest.approx([router.score(p) for p in PROMPTS], abs=1e-12)
 
 
 def test_decide_uses_the_artifact_threshold_unless_given_one(router):

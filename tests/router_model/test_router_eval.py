@@ -73,3 +73,46 @@ def test_report_lists_every_policy_and_cost_point():
     for word in ("APGR", "CPT(50%)", "CPT(80%)", "random", "always-small", "always-large"):
         assert word in text
     assert "   100" in text and "    10" in text
+
+
+# ---- policy comparison with bootstrap intervals
+
+
+def test_comparison_curves_end_at_always_small_and_always_large_and_rank_policies():
+    from router_model.evaluate import compare_policies, format_comparison
+
+    rng = np.random.default_rng(1)
+    small = (rng.random(600) < 0.05).astype(float)
+    large = np.maximum(small, (rng.random(600) < 0.10).astype(float))
+    noisy = (large - small) + rng.normal(0, 0.3, 600)
+    curves = compare_policies({"good": noisy, "bad": -(large - small)}, small, large,
+                              groups=[i % 30 for i in range(600)], bootstrap=200)
+    for c in curves.values():
+        assert c.quality[0] == pytest.approx(small.mean()) and c.quality[-1] == pytest.approx(large.mean())
+        assert c.apgr_ci[0] <= c.apgr <= c.apgr_ci[1] or c.policy == "random"
+    assert curves["random"].apgr == pytest.approx(0.5)
+    assert curves["random"].quality[10] == pytest.approx((small.mean() + large.mean()) / 2)  # cost 50%
+    assert curves["oracle"].apgr >= curves["good"].apgr > 0.8 > 0.5 > curves["bad"].apgr
+    # the point estimate is the plain (unweighted) evaluation
+    assert curves["good"].apgr == pytest.approx(evaluate_scores(noisy, small, large).apgr)
+    # the oracle reaches always-large's quality once every large-only win is sent large
+    wins = np.mean(large > small)
+    assert curves["oracle"].cost_for_95 <= wins + 0.05
+    assert curves["bad"].cost_for_95 >= 0.9
+    text = format_comparison(curves, "exact match", small.mean(), large.mean())
+    assert "good" in text and "95% CI" in text and "cost @95%" in text
+
+
+def test_bootstrap_by_group_is_wider_when_groups_differ():
+    from router_model.evaluate import compare_policies
+
+    rng = np.random.default_rng(2)
+    groups = np.repeat(np.arange(20), 30)
+    helps = np.isin(groups, [0, 1, 2])  # the large model helps only in three groups
+    small = np.zeros(600)
+    large = helps.astype(float) * (rng.random(600) < 0.8)
+    scores = rng.random(600)
+    by_group = compare_policies({"r": scores}, small, large, groups=list(groups), bootstrap=300)["r"]
+    by_prompt = compare_policies({"r": scores}, small, large, groups=None, bootstrap=300)["r"]
+    width = lambda c: c.quality_ci[10][1] - c.quality_ci[10][0]  # noqa: E731
+    assert width(by_group) > width(by_prompt)

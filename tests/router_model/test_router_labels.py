@@ -1,63 +1,65 @@
-"""Label building for the default models: chunking, teacher-forced scoring (padding-free) and the split by module."""
+"""Task-success labels for the default models: line prompts cut at line boundaries of unseen modules, the
+greedy line completions through the engine (batched = one by one), CodeXGLUE-style scoring, split by module."""
 
 from __future__ import annotations
 
+import gzip
 import json
-import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from engines.loader import load_checkpoint
-from engines.model import Transformer
-from engines.model_config import ModelConfig
-from router_model.labels import Chunk, build, make_chunks, module_side, score_chunks
-from tests.tiny_checkpoints import build_tokenizer
+from router_model.labels import build, line_prompts, module_side
+from router_model.scoring import answer_stats, edit_similarity, exact_match, normalize
 
-
-def _random_checkpoint(folder, hidden: int, layers: int, seed: int):
-    """A random Llama checkpoint written with safetensors directly (no transformers import: keeps this fast)."""
-    from safetensors.torch import save_file
-
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 384, "hidden_size": hidden,
-           "intermediate_size": 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "bos_token_id": 0,
-           "eos_token_id": 1, "tie_word_embeddings": False, "torch_dtype": "float32"}
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig.from_dict(cfg))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.08) if p.dim() >= 2 else p.fill_(1.0)
-    folder.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # engines run here
+SMALL, LARGE = ROOT / "models" / "tandem-tiny-s", ROOT / "models" / "tandem-tiny-l"
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    small = _random_checkpoint(root / "s", hidden=32, layers=1, seed=1)
-    large = _random_checkpoint(root / "l", hidden=64, layers=2, seed=2)
-    build_tokenizer(small)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(small / name, large / name)
-    return small, large
+def test_scoring_is_whitespace_normalised_exact_match_and_edit_similarity():
+    assert normalize("  return  x +\t1 ") == "return x + 1"
+    assert exact_match("return x  + 1", "return x + 1") == 1.0
+    assert exact_match("return x + 2", "return x + 1") == 0.0
+    assert edit_similarity("abcd", "abcd") == 1.0 and edit_similarity("", "") == 1.0
+    assert edit_similarity("abcd", "abxd") == pytest.approx(0.75)  # difflib: 2 * 3 matches / 8 chars
+    assert edit_similarity("", "abc") == 0.0
 
 
-def test_chunks_are_prompt_then_true_continuation_within_bounds():
-    modules = [("a", list(range(1000))), ("b", list(range(5000, 5300))), ("tiny", [1, 2, 3])]
-    chunks = make_chunks(modules, num_prompts=50, continuation=8, min_prompt=4, max_prompt=40,
-                         per_module_cap=30, seed=0)
-    assert chunks == make_chunks(modules, 50, 8, 4, 40, 30, seed=0)
-    assert 0 < len(chunks) <= 50 and {c.module for c in chunks} == {"a", "b"}
-    assert sum(c.module == "a" for c in chunks) <= 30
-    for c in chunks:
-        assert 4 <= len(c.prompt_ids) <= 40 and len(c.continuation_ids) == 8
-        full = c.prompt_ids + c.continuation_ids
-        assert full == list(range(full[0], full[0] + len(full)))  # contiguous in the module
-        assert c.prompt_ids[0] - (5000 if c.module == "b" else 0) == c.start
+def test_answer_stats_from_top_logprobs():
+    class LP:
+        def __init__(self, v):
+            self.logprob = v
+
+    ids = [5, 7, 9]
+    lps = [{5: LP(np.log(0.5)), 6: LP(np.log(0.5))}, {7: LP(np.log(0.25)), 8: LP(np.log(0.25))}, {9: LP(0.0)}]
+    s = answer_stats(ids, lps, ["a", "b\n", "c"])
+    assert s["answer_mean_logprob"] == pytest.approx((np.log(0.5) + np.log(0.25)) / 3)
+    assert s["answer_min_logprob"] == pytest.approx(np.log(0.25))
+    assert s["answer_first_line_logprob"] == pytest.approx((np.log(0.5) + np.log(0.25)) / 2)
+    # entropies: ln 2; two 1/4 outcomes + 1/2 of remaining mass = 1.5 ln 2; 0
+    assert s["answer_entropy"] == pytest.approx((np.log(2) + 1.5 * np.log(2)) / 3)
+    assert s["answer_log_tokens"] == pytest.approx(np.log1p(3))
+    assert answer_stats([], [])["answer_mean_logprob"] == -20.0
+
+
+def test_line_prompts_stop_at_a_line_boundary_and_the_reference_is_the_rest_of_that_line():
+    from engines.tokenizer import Tokenizer
+    from router_model.labels import token_pieces
+
+    tok = Tokenizer.from_pretrained(SMALL)
+    text = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(60))
+    ids = tok.encode(text)
+    prompts = line_prompts([("m", ids)], token_pieces(tok), tok.decode, per_module_cap=1000, min_prompt=16,
+                           max_prompt=64, max_line_tokens=20, seed=0)
+    assert len(prompts) > 50
+    for p in prompts:
+        prompt = tok.decode(p.prompt_ids)
+        assert "\n" in tok.decode(p.prompt_ids[-1:]) and p.reference.strip()
+        assert (prompt + p.reference + "\n") in text  # the window, then exactly the rest of its line
+        assert 16 <= len(p.prompt_ids) <= 64 or p.start == 0
+    assert prompts == line_prompts([("m", ids)], token_pieces(tok), tok.decode, 1000, 16, 64, 20, seed=0)
 
 
 def test_module_side_is_stable_and_roughly_the_requested_share():
@@ -67,33 +69,42 @@ def test_module_side_is_stable_and_roughly_the_requested_share():
     assert 0.22 < sides.count("test") / len(sides) < 0.38
 
 
-def test_batched_scores_equal_direct_unpadded_log_likelihood(checkpoints):
-    model = load_checkpoint(checkpoints[0], dtype="float32").model
-    rng = np.random.default_rng(0)
-    chunks = [Chunk("m", 0, rng.integers(5, 380, size=p).tolist(), rng.integers(5, 380, size=6).tolist())
-              for p in (3, 17, 9, 30)]
-    cont, prompt, acc = score_chunks(model, chunks, batch_size=3)
-    for i, c in enumerate(chunks):
-        ids = torch.tensor([c.prompt_ids + c.continuation_ids])
-        with torch.no_grad():
-            lp = torch.log_softmax(model.dense_logits(ids).float()[0, :-1], -1)
-        tok_lp = lp.gather(-1, ids[0, 1:, None]).squeeze(-1).numpy()
-        p = len(c.prompt_ids)
-        assert cont[i] == pytest.approx(tok_lp[p - 1:].mean(), abs=1e-5)
-        assert prompt[i] == pytest.approx(tok_lp[:p - 1].mean(), abs=1e-5)
-        assert acc[i] == pytest.approx((lp.argmax(-1) == ids[0, 1:]).numpy()[p - 1:].mean())
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("labels")
+    summary = build(SMALL, LARGE, out, limit=40, max_modules=12, test_fraction=0.5, batch=16, log=lambda *_: None,
+                    dtype="float32")
+    rows = {}
+    for side in ("train", "test"):
+        with gzip.open(out / f"{side}.jsonl.gz", "rt") as f:
+            rows[side] = [json.loads(line) for line in f]
+    return summary, rows
 
 
-def test_build_writes_train_and_test_split_by_module(checkpoints, tmp_path):
-    small, large = checkpoints
-    summary = build(small, large, tmp_path, num_prompts=40, continuation=8, min_prompt=8, max_prompt=48,
-                    per_module_cap=3, test_fraction=0.35, batch_size=16, seed=0, log=lambda *_: None)
-    rows = {side: [json.loads(line) for line in (tmp_path / f"{side}.jsonl").read_text().splitlines()]
-            for side in ("train", "test")}
+def test_build_labels_held_out_lines_split_by_module(built):
+    summary, rows = built
     assert len(rows["train"]) + len(rows["test"]) == summary["prompts"] == 40
     assert rows["train"] and rows["test"]
     assert not {r["group"] for r in rows["train"]} & {r["group"] for r in rows["test"]}
+    from training.corpus import split_of
+
     for r in rows["train"] + rows["test"]:
-        assert r["prompt"] and r["small_score"] < 0 and r["large_score"] < 0
-        assert "small_prompt_logprob" in r["extras"]
-        assert r["small_score"] == r["small_logprob"] and 0 <= r["large_accuracy"] <= 1
+        assert split_of(r["group"]) in ("heldout", "validation")
+        assert r["small_score"] == r["small_exact"] == exact_match(r["small_answer"], r["reference"])
+        assert r["large_edit"] == pytest.approx(edit_similarity(r["large_answer"], r["reference"]), abs=1e-4)
+        assert "\n" not in r["small_answer"] and set(r["small_answer_stats"]) >= {"answer_mean_logprob",
+                                                                                  "answer_entropy"}
+
+
+def test_batched_label_answers_are_the_engines_own_greedy_answers(built):
+    from engines import LLM, SamplingParams
+    from engines.tokenizer import Tokenizer
+
+    _, rows = built
+    tok = Tokenizer.from_pretrained(SMALL)
+    llm = LLM(model=str(LARGE), dtype="float32", memory_bytes=64 << 20)
+    for r in (rows["train"] + rows["test"])[:4]:
+        ids = tok.encode(r["prompt"])
+        one = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
+                                                                       stop=["\n"]))[0].outputs[0].text
+        assert one == r["large_answer"]

@@ -10,12 +10,12 @@ import pytest
 from router_model.cli import main as router_main
 from router_model.data import DataError, RouterExample, parse_example, read_examples
 from router_model.evaluate import evaluate_scores
-from router_model.features import FeatureConfig
+from router_model.features import FeatureConfig, HashBlock
 from router_model.router import Router
 from router_model.synthetic import synthetic_rows
 from router_model.train import TrainOptions, train_router
 
-SMALL_FEATURES = FeatureConfig(word_buckets=1 << 10, char_buckets=1 << 10)
+SMALL_FEATURES = FeatureConfig(blocks=(HashBlock("tail", 0, (2, 5), 1 << 10),))
 
 
 def _examples(n: int, seed: int) -> list[RouterExample]:
@@ -101,8 +101,7 @@ def test_cli_trains_evaluates_and_saves_a_threshold(tmp_path, capsys):
     test = tmp_path / "test.jsonl"
     test.write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows(200, seed=7)))
     out = tmp_path / "router"
-    assert router_main(["train", "--data", str(data), "--out", str(out), "--C", "1", "--folds", "3",
-                        "--word-buckets", "1024", "--char-buckets", "1024"]) == 0
+    assert router_main(["train", "--data", str(data), "--out", str(out), "--C", "1", "--folds", "3"]) == 0
     metrics = tmp_path / "eval.json"
     assert router_main(["eval", "--data", str(test), "--router", str(out), "--target-large-fraction", "0.2",
                         "--json", str(metrics)]) == 0
