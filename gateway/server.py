@@ -300,7 +300,6 @@ examples:
   tandem serve                                     # the embedded default: two tiny models, four routes
   tandem serve models/tandem-tiny-l --served-model-name tiny --port 8011
   tandem serve models/tandem-tiny-l --draft models/tandem-tiny-s --max-model-len 512 --port 8012
-  tandem serve --config gateway/default.toml --port 8013
 
 With MODEL the server runs exactly that checkpoint as one model (its draft, when given, only drafts): no
 TOML needed, and the configured engines and routes are not loaded (--config then still gives the [server],

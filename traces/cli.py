@@ -11,11 +11,12 @@ from pathlib import Path
 
 from traces.workloads import workload_names
 
-EPILOG = """examples:
-  tandem loadtest --url http://127.0.0.1:8000 --workload chat --rate 2 --duration 30 \\
-      --tokenizer models/tandem-small --model auto --slo auto:ttft=500,tpot=50 --out runs/chat
-  tandem loadtest --url http://127.0.0.1:8000 --trace ../shared/traces/azure2023_conv.csv --rate 3 \\
-      --duration 60 --sweep 1,2,4,8 --slo ttft=2000,tpot=100 --price-per-hour 3.5 --out runs/sweep
+EPILOG = """examples (with `tandem serve` running: the embedded default, routes fast, best, auto, cascade):
+  tandem loadtest --url http://127.0.0.1:8000 --workload chat --rate 2 --duration 5 \\
+      --tokenizer models/tandem-tiny-s --model fast --slo fast:ttft=500,tpot=50 --out runs/chat
+  tandem loadtest --url http://127.0.0.1:8000 --trace tests/traces/fixtures/traces/azure_small.csv \\
+      --sweep 1,2 --duration 4 --model fast --model best --slo ttft=2000,tpot=100 --price-per-hour 3.5 \\
+      --out runs/sweep
 """
 
 
