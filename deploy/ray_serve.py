@@ -56,6 +56,7 @@ class ScaleOutOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_routing_override: bool = False  # honour a request's `x-tandem-routing: pow2` (benchmarks)
     max_imbalance: float = 4.0  # requests in flight a prefix holder may exceed the least loaded replica by
     kv_high: float = 0.95  # a prefix holder whose pool is fuller than this is passed over
+    slo_gap: float = 0.05  # ... and one missing its SLO when another replica's attainment is this much better
     routing_stats_period_s: float = 1.0  # how often replicas report KV usage and SLO headroom to routers
     # autoscaling on tandem's signals (gateway.autoscale: the [autoscale] fields; see docs/autoscaling.md)
     target_ongoing_requests: float | None = 16.0  # in flight per replica that weighs as the waiting target
@@ -126,7 +127,7 @@ def build_app(args: dict[str, Any] | ScaleOutOptions | None = None) -> Applicati
         "request_router_config": {
             "request_router_class": ROUTER_CLASS,
             "request_router_kwargs": {"affinity": o.routing == "affinity", "max_imbalance": o.max_imbalance,
-                                      "kv_high": o.kv_high},
+                                      "kv_high": o.kv_high, "slo_gap": o.slo_gap},
             "request_routing_stats_period_s": o.routing_stats_period_s,
             "request_routing_stats_timeout_s": max(1.0, 2 * o.routing_stats_period_s)},
     }

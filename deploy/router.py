@@ -35,7 +35,8 @@ class ReplicaLoad:
 class RoutingSettings:
     affinity: bool = True  # False: power of two choices only (the baseline)
     max_imbalance: float = 4.0  # a prefix holder is skipped when it has this many more in flight than the least loaded
-    kv_high: float = 0.95  # a holder whose pool is this full is skipped
+    kv_high: float = 0.95  # a holder whose pool is this full is skipped (unless every replica's is)
+    slo_gap: float = 0.05  # a holder missing its SLO is skipped when another's attainment is this much better
     table_blocks: int = 200_000  # remembered (route, block) entries, least recently routed evicted first
 
 
@@ -82,7 +83,7 @@ def rank(replicas: Sequence[ReplicaLoad], route: str | None, hashes: Sequence[in
          settings: RoutingSettings, rng: random.Random) -> tuple[list[list[Any]], str]:
     """Ranked replica ids (first rank first) and why. Route-aware: only replicas reporting the route (all when
     none has reported yet). The prefix holder wins unless it is overloaded, its pool nearly full or its SLO
-    missed; otherwise power of two choices by cost. A route no replica reports goes to any (tandem's 404)."""
+    missed where another replica's is met; otherwise power of two choices by cost. A route no replica reports goes to any (tandem's 404)."""
     serving = [r for r in replicas if r.routes is None or route is None or route in r.routes]
     if not serving:  # an unknown model: any replica answers tandem's own 404
         serving = list(replicas)
@@ -95,11 +96,11 @@ def rank(replicas: Sequence[ReplicaLoad], route: str | None, hashes: Sequence[in
             least = min(r.cost(settings.kv_high) for r in serving)
             holders = sorted((r for r in serving if matched[r.id] == best), key=lambda r: r.cost(settings.kv_high))
             kv_room = any(r.kv_usage < settings.kv_high for r in serving)
-            slo_room = any(r.slo_headroom >= 0 for r in serving)
+            best_headroom = max(r.slo_headroom for r in serving)
             for h in holders:  # a holder is skipped for pressure that another replica does not share
                 if (h.queue_len - least <= settings.max_imbalance
                         and (h.kv_usage < settings.kv_high or not kv_room)
-                        and (h.slo_headroom >= 0 or not slo_room)):
+                        and (h.slo_headroom >= 0 or h.slo_headroom >= best_headroom - settings.slo_gap)):
                     rest = sorted((r for r in serving if r.id != h.id), key=lambda r: r.cost(settings.kv_high))
                     return [[h.id]] + [[r.id] for r in rest], f"prefix: {best} blocks"
     pair = rng.sample(list(serving), min(2, len(serving)))

@@ -1,0 +1,305 @@
+"""Scale-out on Ray Serve (CPU, bounded): the load tester (traces/, as a library) against 1 vs 2 tandem
+replicas, each pinned to one core (num_cpus=1, torch threads 1, CPU affinity), with a shared-prefix workload
+(Mooncake-style chains: `--groups` system prompts of `--prefix-blocks` 16-token blocks, Zipf-popular, then a
+fresh question), and 2 replicas with affinity routing vs power of two choices. Prints throughput, TTFT p50/p99,
+goodput at the same SLO and the pools' prefix hit rate; then an autoscaling run (1 -> 2 replicas under a load
+step from 1x to 3x one replica's capacity, and back after the load ends) with its timeline. Writes
+bench/results/scale_out.json.
+
+    .venv/bin/python bench/scale_out.py                       # the full run (quiet machine: ~15 min)
+    .venv/bin/python bench/scale_out.py --smoke               # small sizes, a few minutes
+
+Targets: 2 replicas >= 1.6x the goodput of 1; affinity >= 1.5x the prefix hit rate of power of two; the
+autoscaled app grows to >= 2 replicas and shrinks back with no failed request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Replicas push autoscaling metrics every second (default 10 s): set before Ray starts its workers.
+os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+
+APP = "tandem"
+BLOCK = 16
+
+
+def plan_requests(args: argparse.Namespace, rate: float, duration_s: float, seed: int) -> list[Any]:
+    """Open-loop Poisson arrivals; each prompt = one of `groups` shared prefixes (Zipf-popular) + a fresh
+    question, with exact token counts from the served tokenizer."""
+    from traces.arrivals import poisson_arrivals
+    from traces.client import PlannedRequest
+    from traces.prompts import PromptSynthesizer
+    from traces.workloads import RequestSpec
+
+    rng = np.random.default_rng(seed)
+    synth = PromptSynthesizer(ROOT / "models" / "tandem-tiny-s", seed=seed)
+    weights = 1.0 / np.arange(1, args.groups + 1) ** args.zipf
+    weights /= weights.sum()
+    at = poisson_arrivals(rate, duration_s, seed=seed)
+    plan = []
+    for i, t in enumerate(at):
+        g = int(rng.choice(args.groups, p=weights))
+        chain = tuple(g * 1000 + b for b in range(args.prefix_blocks))
+        fresh = tuple(10**7 + i * 100 + k for k in range(-(-args.suffix_tokens // BLOCK)))
+        spec = RequestSpec(i, args.prefix_blocks * BLOCK + args.suffix_tokens, args.output_tokens,
+                           hash_ids=chain + fresh, block_tokens=BLOCK)
+        plan.append(PlannedRequest(i, float(t), args.route, synth.prompt(spec), spec.input_tokens,
+                                   spec.output_tokens))
+    return plan
+
+
+def pool_counters() -> dict[str, tuple[int, int]]:
+    from deploy.ray_serve import replica_stats
+
+    return {rid: (s["prefix_cache_queries"], s["prefix_cache_hits"]) for rid, s in replica_stats(APP).items()}
+
+
+def hit_rate(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> float | None:
+    q = sum(after[r][0] - before.get(r, (0, 0))[0] for r in after)
+    h = sum(after[r][1] - before.get(r, (0, 0))[1] for r in after)
+    return h / q if q else None
+
+
+def deploy(args: argparse.Namespace, *, replicas: int, routing: str, autoscale: bool = False,
+           target_ongoing: float | None = None) -> None:
+    from ray import serve
+
+    from deploy.ray_serve import ScaleOutOptions, build_app, replica_stats
+
+    overrides = {"kv_pool.memory_bytes": f"{args.pool_mib}MiB"}
+    if autoscale:
+        overrides["admission.enabled"] = False  # the step must queue, not shed: no failed request allowed
+    options = ScaleOutOptions(
+        config=str(args.config), overrides=overrides, replicas=replicas, routing=routing, pin_cpu=True,
+        num_cpus=1.0, torch_threads=1, routing_stats_period_s=0.5, autoscale=autoscale, min_replicas=1,
+        max_replicas=2, target_ongoing_requests=target_ongoing, down_stabilization_s=args.down_window_s,
+        down_cooldown_s=args.down_window_s / 2, look_back_period_s=3.0, graceful_shutdown_timeout_s=60.0)
+    serve.run(build_app(options), name=APP, route_prefix="/")
+    deadline = time.monotonic() + 300
+    while len(replica_stats(APP)) < replicas:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{replicas} replicas not up within 300 s")
+        time.sleep(0.5)
+
+
+def undeploy() -> None:
+    from ray import serve
+
+    from deploy.ray_serve import replica_actors
+
+    serve.delete(APP)
+    while replica_actors(APP):  # the cores' locks go with the processes
+        time.sleep(0.5)
+
+
+def run_load(url: str, plan: list[Any], slos: dict[str, Any]) -> dict[str, Any]:
+    from traces.client import run_requests
+    from traces.metrics import summarise
+
+    result = asyncio.run(run_requests(url, plan, api="completions", timeout_s=600.0))
+    span = max((r.at_s for r in plan), default=0.0) or 1.0
+    summary = summarise(result.records, window=(0.0, span + 1e-6), slos=slos)
+    return {"summary": summary, "records": result.records, "elapsed_s": result.elapsed_s}
+
+
+def row(name: str, replicas: int, routing: str, rate: float, load: dict[str, Any], rate_hits: float | None) -> dict:
+    s = load["summary"]
+    return {"config": name, "replicas": replicas, "routing": routing, "offered_rps": rate,
+            "completed": s["requests"]["completed"], "failed": s["requests"]["failed"], "shed": s["requests"]["shed"],
+            "throughput_rps": s["request_throughput_rps"], "output_tps": s["output_token_throughput_tps"],
+            "ttft_p50_ms": s["overall"]["ttft_ms"]["p50"], "ttft_p99_ms": s["overall"]["ttft_ms"]["p99"],
+            "goodput_rps": s.get("goodput_rps"), "slo_attainment": s.get("slo_attainment"),
+            "prefix_hit_rate": rate_hits}
+
+
+def measure(args: argparse.Namespace, url: str, name: str, replicas: int, routing: str, slos: dict,
+            seed: int) -> list[dict]:
+    deploy(args, replicas=replicas, routing=routing)
+    out = []
+    try:
+        warm = plan_requests(args, 1.0, 3.0, seed=10_000 + seed)  # other prompts: the pools start cold for the runs
+        run_load(url, warm, slos)
+        for k, rate in enumerate(args.rates):
+            plan = plan_requests(args, rate, args.duration, seed=seed * 100 + k)
+            before = pool_counters()
+            load = run_load(url, plan, slos)
+            r = row(name, replicas, routing, rate, load, hit_rate(before, pool_counters()))
+            print(f"  {name:<18} {rate:5.2f} req/s: {r['completed']} done, goodput {r['goodput_rps']:.2f}, "
+                  f"hit rate {r['prefix_hit_rate'] or 0:.3f}", flush=True)
+            out.append(r)
+    finally:
+        undeploy()
+    return out
+
+
+def replica_counts() -> tuple[int, int]:
+    """(running, starting or stopping) replicas of the tandem deployment."""
+    from ray import serve
+
+    states = serve.status().applications[APP].deployments["TandemReplica"].replica_states
+    running = states.get("RUNNING", 0)
+    return running, sum(states.values()) - running
+
+
+def autoscale_run(args: argparse.Namespace, url: str, capacity_rps: float, concurrency_1x: float,
+                  slos: dict) -> dict[str, Any]:
+    """Load 1x for `step_s`, 3x for `step_s`, then nothing; the replica count sampled every second."""
+    target = max(1.0, 1.5 * concurrency_1x)
+    deploy(args, replicas=1, routing="affinity", autoscale=True, target_ongoing=target)
+    timeline: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    stop = False
+
+    def sample() -> None:
+        while not stop:
+            try:
+                running, moving = replica_counts()
+            except Exception:  # the status call can fail while the controller reconciles
+                running, moving = -1, -1
+            timeline.append({"t_s": round(time.monotonic() - t0, 1), "running": running, "changing": moving})
+            time.sleep(1.0)
+
+    import threading
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        one = plan_requests(args, capacity_rps, args.step_s, seed=777)
+        three = plan_requests(args, 3 * capacity_rps, args.step_s, seed=778)
+        for r in three:
+            r.at_s += args.step_s
+            r.index += len(one)
+        plan = one + three
+        load = run_load(url, plan, slos)
+        load_end = time.monotonic() - t0
+        deadline = time.monotonic() + args.shrink_wait_s
+        peak = max((p["running"] for p in timeline), default=0)
+        while time.monotonic() < deadline:  # after the load: back to one replica
+            running, moving = replica_counts()
+            if peak >= 2 and running == 1 and moving == 0:
+                break
+            time.sleep(1.0)
+    finally:
+        stop = True
+        sampler.join(timeout=5)
+        undeploy()
+    s = load["summary"]
+    peak = max((p["running"] for p in timeline), default=0)
+    final = timeline[-1]["running"] if timeline else 0
+    grew_at = next((p["t_s"] for p in timeline if p["running"] >= 2), None)
+    shrank_at = next((p["t_s"] for p in timeline if p["t_s"] > load_end and p["running"] == 1 and p["changing"] == 0
+                      and peak >= 2), None)
+    return {"capacity_rps": capacity_rps, "target_ongoing_requests": target, "step_s": args.step_s,
+            "load_end_s": round(load_end, 1), "requests": s["requests"], "peak_replicas": peak,
+            "final_replicas": final, "grew_to_2_at_s": grew_at, "back_to_1_at_s": shrank_at,
+            "ttft_p99_ms": s["overall"]["ttft_ms"]["p99"], "timeline": timeline}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="small sizes (a few minutes; numbers not meaningful)")
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 4.0, 6.0])
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per point")
+    p.add_argument("--groups", type=int, default=24, help="shared prefixes (system prompts)")
+    p.add_argument("--prefix-blocks", type=int, default=16, help="16-token blocks per shared prefix")
+    p.add_argument("--suffix-tokens", type=int, default=24)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--zipf", type=float, default=0.8)
+    p.add_argument("--pool-mib", type=int, default=48, help="each replica's KV pool")
+    p.add_argument("--route", default="fast")
+    p.add_argument("--slo", default="ttft=2000,tpot=200", help="client-side SLO for goodput (ms)")
+    p.add_argument("--step-s", type=float, default=60.0, help="autoscaling: seconds at 1x, then at 3x")
+    p.add_argument("--down-window-s", type=float, default=20.0, help="autoscaling: scale-down stabilisation")
+    p.add_argument("--shrink-wait-s", type=float, default=120.0)
+    p.add_argument("--no-autoscale", action="store_true")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale_out.json")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.rates, args.duration, args.groups, args.step_s = [3.0], 12.0, 12, 20.0
+        args.down_window_s, args.shrink_wait_s = 10.0, 90.0
+        if args.out == ROOT / "bench" / "results" / "scale_out.json":
+            args.out = args.out.with_name("scale_out_smoke.json")
+
+    import ray
+    from ray import serve
+
+    from deploy.testing import default_config_with_routes
+    from gateway.server import free_port
+    from traces.metrics import parse_slo
+
+    args.config = default_config_with_routes(Path("/tmp") / f"tandem-scale-out-{os.getpid()}.toml")
+    route, slo = parse_slo(f"{args.route}:{args.slo}")
+    slos = {route: slo}
+    ray.init(num_cpus=2, object_store_memory=128 * 1024 * 1024, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    started = time.time()
+    rows: list[dict] = []
+    try:
+        print(f"shared-prefix workload: {args.groups} prefixes x {args.prefix_blocks * BLOCK} tokens + "
+              f"{args.suffix_tokens} fresh, {args.output_tokens} out, rates {args.rates} req/s, {args.duration:g} s each")
+        rows += measure(args, url, "1 replica", 1, "affinity", slos, seed=1)
+        rows += measure(args, url, "2 replicas", 2, "affinity", slos, seed=2)
+        rows += measure(args, url, "2 replicas pow2", 2, "pow2", slos, seed=3)
+        best = {name: max((r for r in rows if r["config"] == name), key=lambda r: r["goodput_rps"] or 0)
+                for name in ("1 replica", "2 replicas", "2 replicas pow2")}
+        scaling = (best["2 replicas"]["goodput_rps"] or 0) / max(1e-9, best["1 replica"]["goodput_rps"] or 0)
+        hits_aff = [r["prefix_hit_rate"] or 0 for r in rows if r["config"] == "2 replicas"]
+        hits_p2 = [r["prefix_hit_rate"] or 0 for r in rows if r["config"] == "2 replicas pow2"]
+        hit_ratio = float(np.median(hits_aff)) / max(1e-9, float(np.median(hits_p2)))
+        print(f"\n{'config':<18} {'rate':>5} {'done':>5} {'fail':>4} {'shed':>4} {'thr/s':>6} {'ttft50':>7} "
+              f"{'ttft99':>7} {'goodput':>7} {'hit':>6}")
+        for r in rows:
+            print(f"{r['config']:<18} {r['offered_rps']:5.2f} {r['completed']:5d} {r['failed']:4d} {r['shed']:4d} "
+                  f"{r['throughput_rps']:6.2f} {r['ttft_p50_ms'] or 0:7.0f} {r['ttft_p99_ms'] or 0:7.0f} "
+                  f"{r['goodput_rps'] or 0:7.2f} {r['prefix_hit_rate'] or 0:6.3f}")
+        print(f"\ngoodput 2 vs 1 replica (best point each): {scaling:.2f}x (target >= 1.6x)")
+        print(f"prefix hit rate affinity vs power of two (median over rates): {hit_ratio:.2f}x (target >= 1.5x)")
+        result: dict[str, Any] = {"rows": rows, "goodput_scaling": scaling, "hit_rate_ratio": hit_ratio}
+        if not args.no_autoscale:
+            one = best["1 replica"]
+            capacity = max(0.5, one["goodput_rps"] or one["throughput_rps"])
+            one_load = [r for r in rows if r["config"] == "1 replica" and r["offered_rps"] == one["offered_rps"]][0]
+            concurrency = capacity * ((one_load["ttft_p50_ms"] or 500) / 1000 + args.output_tokens * 0.05)
+            auto = autoscale_run(args, url, capacity, concurrency, slos)
+            print(f"\nautoscaling: 1x = {capacity:.2f} req/s for {args.step_s:g} s, then 3x; target_ongoing_requests "
+                  f"{auto['target_ongoing_requests']:.1f}")
+            print("  t_s  running  changing")
+            last = None
+            for pnt in auto["timeline"]:
+                key = (pnt["running"], pnt["changing"])
+                if key != last:
+                    print(f"  {pnt['t_s']:5.1f}  {pnt['running']:7d}  {pnt['changing']:8d}")
+                    last = key
+            print(f"  requests {auto['requests']}; peak {auto['peak_replicas']} replicas (2 at {auto['grew_to_2_at_s']} s),"
+                  f" load ended at {auto['load_end_s']} s, back to 1 at {auto['back_to_1_at_s']} s")
+            result["autoscale"] = auto
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    result["metadata"] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                          "cpus": os.cpu_count(), "wall_s": round(time.time() - started, 1),
+                          "note": "each replica pinned to one core; ingress, proxy and load generator share them"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The scale-out pieces without a Ray cluster: the prompt's chained block hashes, the router's policy (prefix
+affinity against load, KV and SLO pressure, power of two otherwise, route-aware), the autoscaling policy on
+tandem's signals (up at once, down after the window), the ingress's routing key, the in-process ASGI bridge
+(disconnect reaches the app), the application's options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray", reason="the ray extra is not installed (make test installs it)")
+
+from deploy.autoscale_policy import TandemAutoscalingPolicy, fleet_signals  # noqa: E402
+from deploy.ingress import routing_key  # noqa: E402
+from deploy.prefix import BLOCK_CHARS, block_hashes, prompt_text  # noqa: E402
+from deploy.ray_serve import ScaleOutOptions, _coerce, build_app  # noqa: E402
+from deploy.replica import call_asgi  # noqa: E402
+from deploy.router import AffinityTable, ReplicaLoad, RoutingSettings, rank  # noqa: E402
+
+PREFIX = "x" * (BLOCK_CHARS * 4)
+
+
+def test_block_hashes_chain_the_prefix_and_depend_on_the_route():
+    a = block_hashes("fast", PREFIX + "tail one")
+    b = block_hashes("fast", PREFIX + "y" * BLOCK_CHARS)
+    assert len(a) == 4 and len(b) == 5 and a == b[:4]  # full blocks only; equal prefixes, equal hashes
+    assert block_hashes("best", PREFIX) != a  # another route: another engine's pages
+    changed = block_hashes("fast", "z" + PREFIX[1:])
+    assert all(x != y for x, y in zip(changed, a))  # the chain: a change in block 0 changes every hash
+    assert block_hashes("fast", list(range(40))) == block_hashes("fast", list(range(32)) + [7])  # 2 token blocks
+    assert len(block_hashes("fast", list(range(40)))) == 2
+
+
+def test_prompt_text_reads_chat_and_completion_bodies():
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    assert prompt_text(chat) == "<system>Be brief.\n<user>Hi\n"
+    assert prompt_text({"prompt": "abc"}) == "abc" and prompt_text({"prompt": ["abc"]}) == "abc"
+    assert prompt_text({"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert prompt_text({}) is None
+
+
+def test_routing_key_only_for_generation_bodies_that_parse():
+    body = b'{"model": "fast", "prompt": "' + PREFIX.encode() + b'"}'
+    key = routing_key("/v1/completions", body, affinity=True)
+    assert key["route"] == "fast" and len(key["hashes"]) == 4 and key["affinity"] is True
+    assert routing_key("/v1/models", body, affinity=True) == {}
+    assert routing_key("/v1/completions", b"{bad", affinity=True) == {}  # the replica answers the 400
+
+
+def loads(*specs: tuple) -> list[ReplicaLoad]:
+    return [ReplicaLoad(id=i, queue_len=q, kv_usage=kv, slo_headroom=h, routes=frozenset(["fast", "best"]))
+            for i, q, kv, h in specs]
+
+
+def test_prefix_holder_wins_unless_it_is_overloaded():
+    table, settings, rng = AffinityTable(), RoutingSettings(max_imbalance=4), random.Random(0)
+    hashes = block_hashes("fast", PREFIX)
+    table.record(hashes, "b")
+    ranks, why = rank(loads(("a", 0, 0, 0), ("b", 3, 0, 0)), "fast", hashes, table, settings, rng)
+    assert ranks[0] == ["b"] and why == "prefix: 4 blocks"
+    ranks, why = rank(loads(("a", 0, 0, 0), ("b", 5, 0, 0)), "fast", hashes, table, settings, rng)
+    assert why == "power of two" and ranks[0] == ["a"]  # 5 more in flight than the idle one: balance wins
+
+
+def test_longest_chain_wins_and_a_broken_chain_does_not_count():
+    table, settings, rng = AffinityTable(), RoutingSettings(), random.Random(0)
+    long, short = block_hashes("fast", PREFIX), block_hashes("fast", PREFIX[:BLOCK_CHARS * 2])
+    table.record(short, "a")
+    table.record(long, "b")
+    table.record(long[2:], "c")  # later blocks without the first ones: no prefix of c's
+    assert table.matched_blocks(long, ["a", "b", "c"]) == {"a": 2, "b": 4, "c": 0}
+    ranks, _ = rank(loads(("a", 0, 0, 0), ("b", 0, 0, 0)), "fast", long, table, settings, rng)
+    assert ranks[0] == ["b"]
+
+
+def test_kv_and_slo_pressure_move_a_prefix_only_when_another_replica_has_room():
+    table, settings, rng = AffinityTable(), RoutingSettings(), random.Random(0)
+    hashes = block_hashes("fast", PREFIX)
+    table.record(hashes, "a")
+    _, why = rank(loads(("a", 0, 0.97, 0), ("b", 0, 0.2, 0)), "fast", hashes, table, settings, rng)
+    assert why == "power of two"
+    _, why = rank(loads(("a", 0, 0.97, 0), ("b", 0, 0.98, 0)), "fast", hashes, table, settings, rng)
+    assert why.startswith("prefix")  # every pool is full: the cached prefix still saves work
+    _, why = rank(loads(("a", 0, 0, -0.2), ("b", 0, 0, 0.0)), "fast", hashes, table, settings, rng)
+    assert why == "power of two"
+    _, why = rank(loads(("a", 0, 0, -0.2), ("b", 0, 0, -0.18)), "fast", hashes, table, settings, rng)
+    assert why.startswith("prefix")
+
+
+def test_affinity_off_is_power_of_two_and_routes_filter_replicas():
+    table, rng = AffinityTable(), random.Random(1)
+    hashes = block_hashes("fast", PREFIX)
+    table.record(hashes, "a")
+    picks = {rank(loads(("a", 0, 0, 0), ("b", 0, 0, 0)), "fast", hashes, table, RoutingSettings(affinity=False),
+                  rng)[0][0][0] for _ in range(40)}
+    assert picks == {"a", "b"}
+    mixed = [ReplicaLoad("a", 0, routes=frozenset(["fast"])), ReplicaLoad("b", 0, routes=frozenset(["best"]))]
+    assert rank(mixed, "best", [], table, RoutingSettings(), rng)[0] == [["b"]]
+    assert sorted(g[0] for g in rank(mixed, "nope", [], table, RoutingSettings(), rng)[0]) == ["a", "b"]
+
+
+def test_affinity_table_is_bounded_and_forgets_dead_replicas():
+    table = AffinityTable(capacity=3)
+    table.record([1, 2, 3, 4], "a")
+    assert len(table) == 3 and table.matched_blocks([1], ["a"]) == {"a": 0}  # the oldest block went
+    table.forget("a")
+    assert table.matched_blocks([2, 3], ["a"]) == {"a": 0}
+
+
+def ctx(current: int, target: int, metrics: dict) -> SimpleNamespace:
+    return SimpleNamespace(current_num_replicas=current, target_num_replicas=target, aggregated_metrics=metrics,
+                           capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4)
+
+
+def test_fleet_signals_weigh_ongoing_against_the_queue_target():
+    s = fleet_signals({"waiting": {"a": 0.0, "b": 2.0}, "ongoing": {"a": 16.0, "b": 16.0},
+                       "kv_usage": {"a": 0.2, "b": 0.4}, "slo_headroom": {"a": 0.0, "b": -0.1}}, 2,
+                      target_waiting=8.0, target_ongoing=8.0)
+    assert s.waiting_per_replica == 16.0 and s.kv_usage == pytest.approx(0.3)
+    assert s.slo_attainment["fleet"] == pytest.approx(0.9) and s.slo_targets["fleet"] == 1.0
+
+
+def test_policy_scales_up_at_once_and_down_only_after_the_window(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("deploy.autoscale_policy.time.monotonic", lambda: now[0])
+    policy = TandemAutoscalingPolicy(target_ongoing_requests=4.0, down_stabilization_s=30.0, down_cooldown_s=10.0,
+                                     max_replicas=4, slo_up_cooldown_s=1000.0)
+    busy = {"ongoing": {"r1": 12.0}, "waiting": {"r1": 0.0}, "kv_usage": {"r1": 0.1}}
+    n, state = policy(ctx(1, 1, busy))
+    assert n == 3 and "scale up 1 -> 3 at once" in state["reasons"]
+    idle = {"ongoing": {"a": 0.0, "b": 0.0, "c": 0.0}, "kv_usage": {"a": 0.0, "b": 0.0, "c": 0.0}}
+    decisions = []
+    for t in range(1, 60, 5):
+        now[0] = float(t)
+        decisions.append((t, policy(ctx(3, 3 if not decisions else decisions[-1][1], idle))[0]))
+    first_down = next(t for t, n in decisions if n < 3)
+    assert first_down >= 30  # the stabilisation window
+    assert decisions[-1][1] < 3 and all(b - a <= 1 for (_, a), (_, b) in zip(decisions[1:], decisions[:-1]))
+
+
+async def test_asgi_bridge_streams_and_tells_the_app_when_the_caller_leaves():
+    seen: list[str] = []
+
+    async def app(scope, receive, send):
+        assert (await receive())["type"] == "http.request"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        seen.append((await receive())["type"])  # blocks until the caller goes away
+
+    stream = call_asgi(app, "POST", "/v1/completions", [], b"{}", extra_headers={"x-tandem-replica": "r"})
+    start = await anext(stream)
+    assert start["status"] == 200 and ("x-tandem-replica", "r") in start["headers"]
+    assert await anext(stream) == b"data: 1\n\n"
+    await stream.aclose()
+    await asyncio.sleep(0)
+    assert seen == ["http.disconnect"]
+
+
+def test_options_from_serve_run_arguments_and_their_checks():
+    o = _coerce({"replicas": "3", "num_gpus": "1", "routing": "pow2", "overrides": '{"kv_pool.block_size": 32}'})
+    assert (o.replicas, o.num_gpus, o.routing, o.overrides) == (3, 1.0, "pow2", {"kv_pool.block_size": 32})
+    with pytest.raises(ValueError, match="routing"):
+        ScaleOutOptions(routing="random")
+    with pytest.raises(ValueError, match="min_replicas"):
+        ScaleOutOptions(autoscale=True, replicas=9, max_replicas=8)
+    app = build_app(ScaleOutOptions(autoscale=True, replicas=1, num_gpus=1))
+    assert app is not None
