@@ -117,7 +117,6 @@ def snapshot(state: GatewayState, latency: EngineLatency) -> dict[str, Any]:
             "tpot": {"p50_ms": r.tpot.p50_ms, "p99_ms": r.tpot.p99_ms, "target_ms": r.tpot.target_ms,
                      "attainment": r.tpot.attainment},
             "attainment": r.attainment, "goodput_share": r.goodput_share,
-            "goodput_rps": (r.attainment or 0.0) * r.requests / r.window_s,
             "waiting": state.admission.num_waiting(name) if state.admission is not None else None,
             "cost_per_1k_tokens": r.cost_per_1k_tokens})
     per_engine = latency.report(state)
