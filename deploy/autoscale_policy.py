@@ -7,12 +7,15 @@ down after a stabilisation window and cool-down, one replica at a time) on what 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import Any
 
 from gateway.autoscale import Autoscaler, ScaleSignals
 from gateway.config import AutoscaleConfig
+
+log = logging.getLogger("ray.serve")  # the Serve controller's log
 
 
 def fleet_signals(metrics: dict[str, dict[Any, float]], replicas: int, *, target_waiting: float,
@@ -50,4 +53,6 @@ class TandemAutoscalingPolicy:
             self.scaler.state = replace(self.scaler.state, desired=ctx.target_num_replicas)
         decision = self.scaler.evaluate(signals)
         n = max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, decision.desired_replicas))
+        if n != ctx.target_num_replicas:
+            log.info("tandem autoscaling %d -> %d: %s", ctx.target_num_replicas, n, "; ".join(decision.reasons))
         return n, {"reasons": decision.reasons, "utilization": decision.utilization}

@@ -103,6 +103,9 @@ def autoscaling_config(o: ScaleOutOptions) -> dict[str, Any]:
               "down_cooldown_s": o.down_cooldown_s, "max_scale_up_step": o.max_scale_up_step}
     return {"min_replicas": o.min_replicas, "max_replicas": o.max_replicas, "initial_replicas": o.replicas,
             "look_back_period_s": o.look_back_period_s,
+            # Serve wraps a custom policy in its own delays (30 s up, 600 s down by default); the policy's
+            # Autoscaler already holds tandem's hysteresis, so Serve's own is off.
+            "upscale_delay_s": 0.0, "downscale_delay_s": 0.0,
             "policy": {"policy_function": POLICY_CLASS, "policy_kwargs": kwargs}}
 
 
