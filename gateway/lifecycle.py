@@ -389,8 +389,8 @@ async def _stream_events(first: RequestOutput, run: RoutedRun, progress: Progres
 
 async def serve_completion(request: Request, state: GatewayState, data: CompletionRequest) -> Response | Stream:
     """A legacy completion: one prompt (the common path), several (each served as its own engine request,
-    answered together, choices numbered prompt by prompt), or `max_tokens=0` with `echo` (the prompts and their
-    logprobs, scored without generating)."""
+    answered together, choices numbered prompt by prompt; a stream merges theirs), or `max_tokens=0` with `echo`
+    (the prompts and their logprobs, scored without generating)."""
     route = resolve_route(request, state, data.model)
     prompts = completion_prompts(data)
     if data.max_tokens == 0:
@@ -400,9 +400,6 @@ async def serve_completion(request: Request, state: GatewayState, data: Completi
         if isinstance(sent, str):
             return await serve(request, state, route, data, "text_completion", prompt, prompt_text=sent)
         return await serve(request, state, route, data, "text_completion", prompt, prompt_token_ids=sent)
-    if data.stream:
-        raise APIError(400, "stream=true takes one prompt per request: send the prompts as separate requests, or "
-                       "without stream", param="stream", code="invalid_value")
     watch = ClientWatch(request.receive)
     try:
         parts = await asyncio.gather(*(
@@ -415,10 +412,12 @@ async def serve_completion(request: Request, state: GatewayState, data: Completi
         raise ClientDisconnected("The client closed the connection before its answer") from None
     finally:
         watch.stop()
-    for part in parts:  # each part's answer is complete: its accounting runs now (a JSON body's runs once sent)
-        if isinstance(part, Response) and part.background is not None:
-            await part.background()
     failed = next((p for p in parts if isinstance(p, BaseException)), None)
+    if data.stream and failed is None:
+        return _merged_stream(parts, data)
+    for part in parts:  # a JSON answer is complete: its accounting runs now; a stream that started is closed
+        if isinstance(part, Response | Stream) and part.background is not None:
+            await part.background()
     if failed is not None:
         raise failed
     bodies = [msgspec.json.decode(part.content, type=Completion) for part in parts]
@@ -429,6 +428,72 @@ async def serve_completion(request: Request, state: GatewayState, data: Completi
     first = bodies[0]
     merged = Completion(id=first.id, created=first.created, model=first.model, choices=choices, usage=usage)
     return Response(content=encode(merged), media_type="application/json", headers=dict(parts[0].headers))
+
+
+def _merged_stream(parts: list[Any], data: CompletionRequest) -> Stream:
+    """One SSE stream of several prompts' streams (their choices numbered prompt by prompt): events as they come,
+    each part's usage summed into one closing usage chunk, one [DONE]. Closing it closes every part."""
+    include_usage = bool(data.stream_options and data.stream_options.include_usage)
+    closed = False
+
+    async def close_parts() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            for part in parts:
+                await part.background()  # the part's stream ends, its request is finished or aborted
+
+    async def events() -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def pump(part: Any) -> None:
+            try:
+                async for chunk in part.iterator:
+                    await queue.put(chunk)
+            finally:
+                await queue.put(None)
+
+        pumps = [asyncio.create_task(pump(part)) for part in parts]
+        usage = Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        last: dict[str, Any] = {}
+        try:
+            live = len(parts)
+            while live:
+                chunk = await queue.get()
+                if chunk is None:
+                    live -= 1
+                    continue
+                out = []
+                for event in chunk.split(b"\n\n"):
+                    if not event or event == SSE_DONE.strip():
+                        continue
+                    body = json.loads(event[len(b"data: "):])
+                    if body.get("usage") and not body.get("choices"):  # a part's usage chunk: summed below
+                        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                            setattr(usage, key, getattr(usage, key) + body["usage"][key])
+                        last = body
+                        continue
+                    out.append(event + b"\n\n")
+                if out:
+                    yield b"".join(out)
+            if include_usage and last:
+                yield sse(Completion(id=last["id"], created=last["created"], model=last["model"], choices=[],
+                                     usage=usage))
+            yield SSE_DONE
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await close_parts()
+
+    stream = events()
+
+    async def after() -> None:
+        await stream.aclose()
+        await close_parts()  # the stream never started: the parts are closed here
+
+    return EventStream(stream, media_type="text/event-stream",
+                       headers=dict(parts[0].headers) | {"cache-control": "no-cache"}, background=BackgroundTask(after))
 
 
 async def _serve_prompt_only(request: Request, state: GatewayState, route: Route, data: CompletionRequest,
