@@ -170,14 +170,44 @@ class PagedAttentionPlan:
     # (q_start, q_len, context_len, pages, causal mask [q_len, context_len] when the queries are the last
     # q_len of context_len positions, else None: built once per step, not per layer)
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
+    # the sequences `engines.cpu_kernels.paged_attention` attends over the pages in place (no gather):
+    # [4, n] int64 (first query row, query count, context length, block-table row), their longest context,
+    # and the block tables as int64; None when every sequence takes the torch path
+    kernel_seqs: torch.Tensor | None = None
+    kernel_max_ctx: int = 0
+    kernel_tables: torch.Tensor | None = None
 
 
 def plan_paged_attention(block_tables: torch.Tensor, seq_lens: Seq[int], query_start_loc: Seq[int],
-                         block_size: int) -> PagedAttentionPlan:
+                         block_size: int, kernel_max_query: int = 0) -> PagedAttentionPlan:
     """block_tables [S, max_blocks] (padding entries must be pages the sequence owns, never foreign ones);
-    seq_lens: context length per sequence including this step's tokens; query_start_loc: S + 1 offsets."""
+    seq_lens: context length per sequence including this step's tokens; query_start_loc: S + 1 offsets.
+    kernel_max_query > 0: sequences of at most that many queries (decodes, verify windows) go to the CPU
+    kernel (`kernel_seqs`), the rest to the torch path."""
+    if kernel_max_query > 0:
+        kq = [[], [], [], []]
+        for i in range(len(seq_lens)):
+            q_len = query_start_loc[i + 1] - query_start_loc[i]
+            if q_len <= kernel_max_query:
+                kq[0].append(query_start_loc[i])
+                kq[1].append(q_len)
+                kq[2].append(seq_lens[i])
+                kq[3].append(i)
+        if kq[0]:
+            plan = _plan_torch(block_tables, seq_lens, query_start_loc, block_size, set(kq[3]))
+            plan.kernel_seqs = torch.tensor(kq, dtype=torch.int64)
+            plan.kernel_max_ctx = max(kq[2])
+            plan.kernel_tables = block_tables.to(torch.int64).contiguous()
+            return plan
+    return _plan_torch(block_tables, seq_lens, query_start_loc, block_size, set())
+
+
+def _plan_torch(block_tables: torch.Tensor, seq_lens: Seq[int], query_start_loc: Seq[int], block_size: int,
+                skip: set[int]) -> PagedAttentionPlan:
     dec, pre = [], []
     for i in range(len(seq_lens)):
+        if i in skip:
+            continue
         q_len = query_start_loc[i + 1] - query_start_loc[i]
         if q_len == 1:
             dec.append(i)
@@ -238,6 +268,11 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         plan = plan_paged_attention(block_tables, context_lens.tolist(), query_start_loc.tolist(),
                                     k_cache.shape[1])
     out = torch.empty_like(q)
+    if plan.kernel_seqs is not None:
+        from engines.cpu_kernels import paged_attention as paged_attention_cpu
+
+        paged_attention_cpu(q, k_cache, v_cache, plan.kernel_tables, plan.kernel_seqs, plan.kernel_max_ctx, scale,
+                            out=out)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[2]
     for g in plan.decode_groups:
@@ -288,7 +323,11 @@ class PagedAttention:
             return paged_attention(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens,
                                    max_query_len=b.max_query_len, max_context_len=b.max_context_len,
                                    k_scale=ks, v_scale=vs)
-        if ks is None:
+        if ks is None and b.plan.kernel_seqs is not None:  # float32 throughout: the kernels' own write
+            from engines.cpu_kernels import write_kv
+
+            write_kv(k, v, kc, vc, b.write_pages, b.write_offsets)
+        elif ks is None:
             kc[b.write_pages, b.write_offsets] = k.to(kc.dtype)
             vc[b.write_pages, b.write_offsets] = v.to(vc.dtype)
         else:

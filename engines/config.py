@@ -37,6 +37,10 @@ class EngineOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     # a waiting request past its TTFT deadline (before any token) ends with ErrorCode.TTFT_EXPIRED instead of
     # being served late: it can no longer count as goodput, and serving it delays requests that still can
     drop_expired_requests: bool = False
+    # CPU: torch's intra-op threads (and the CPU kernels'); process-wide, so the core applies the largest of
+    # its engines' values. 0: $TANDEM_THREADS if set, else torch's default (the physical cores, or
+    # $OMP_NUM_THREADS), capped at the CPUs this process may run on
+    threads: Annotated[int, Meta(ge=0, le=1024)] = 0
 
 
 class EngineSpec(EngineOptions, kw_only=False):

@@ -4,6 +4,7 @@ thread that owns the device (`LLM` steps it in the caller's thread instead)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,27 @@ def _pool_bytes(pool: PoolSpec, engines_: list[tuple[EngineSpec, LoadedModel]], 
     return min(1 << 30, -(-tokens // pool.block_size) * page_bytes)
 
 
+def cpu_threads(requested: int = 0) -> int:
+    """The torch intra-op threads for `requested` (EngineOptions.threads): itself when > 0, else
+    $TANDEM_THREADS, else torch's current setting; never more than the CPUs this process may run on (more
+    threads than cores only adds contention)."""
+    if requested <= 0:
+        env = os.environ.get("TANDEM_THREADS", "")
+        requested = int(env) if env.isdigit() and int(env) > 0 else torch.get_num_threads()
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(requested, cpus))
+
+
+def apply_cpu_threads(requested: int = 0) -> int:
+    n = cpu_threads(requested)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
 class EngineCore:
     """Loads every model, carves ONE KV pool shared by all of them, and steps every engine with work in one
     background thread (`start()` / `shutdown()`). Idle, the thread sleeps on a condition variable."""
@@ -52,6 +74,8 @@ class EngineCore:
         pool = pool or PoolSpec()
         validate(specs, pool)
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            self.threads = apply_cpu_threads(max(s.threads for s in specs))
         loaded = [(s, load_model(s, self.device)) for s in specs]
         geoms = []
         for _, lm in loaded:

@@ -15,6 +15,10 @@ import torch
 from engines.attention import PagedAttention, StepBatch, plan_paged_attention, resolve_backend
 from engines.sequence import Sequence
 
+# the longest query run (decode 1, a verify window 1 + k, a short prefill chunk) the CPU attention kernel takes;
+# longer prefill chunks go to torch's flash SDPA
+CPU_KERNEL_MAX_QUERY = 32
+
 
 class ModelRunner:
     """Runs one model over its view of the shared pool ([pages, 2, layers, block, kv_heads, head_dim])."""
@@ -40,6 +44,14 @@ class ModelRunner:
             self.k_scales = [kv_scales[:, 0, i] for i in range(layers)]
             self.v_scales = [kv_scales[:, 1, i] for i in range(layers)]
         self.decode_graphs = None  # engines.cuda_graphs.DecodeGraphs once enabled
+        # float32 on the CPU: decodes and verify windows attend over the pages in place (engines/cpu_kernels.c)
+        self.kernel_max_query = 0
+        if not self.use_kernel and self.device.type == "cpu" and kv_scales is None:
+            from engines.cpu_kernels import attention_fits, available
+
+            dtype = next(model.parameters()).dtype
+            if dtype == torch.float32 and available() and attention_fits(torch.empty(1, 1, 1), self.k_caches[0]):
+                self.kernel_max_query = CPU_KERNEL_MAX_QUERY
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
         """Replay decode-only steps of up to `max_batch` sequences from CUDA graphs (Triton attention only);
@@ -86,7 +98,8 @@ class ModelRunner:
         pages = block_tables[seq_index, positions // bs]
         dev = self.device
         tables_dev = block_tables.to(dev)
-        plan = None if self.use_kernel else plan_paged_attention(tables_dev, seq_lens, starts, bs)
+        plan = None if self.use_kernel else plan_paged_attention(tables_dev, seq_lens, starts, bs,
+                                                                         self.kernel_max_query)
         return StepBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=positions.to(dev),
             write_pages=pages.to(dev), write_offsets=(positions % bs).to(dev), block_tables=tables_dev,

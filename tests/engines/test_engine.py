@@ -457,11 +457,11 @@ def test_a_failed_sampling_pass_fails_its_requests_with_the_engine_error_code(ll
     real = engines.engine.sample_sequences
     calls = {"n": 0}
 
-    def broken_once(logits, seqs, eos):
+    def broken_once(logits, seqs, eos, *rest):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("sampler fell over")
-        return real(logits, seqs, eos)
+        return real(logits, seqs, eos, *rest)
 
     monkeypatch.setattr(engines.engine, "sample_sequences", broken_once)
     sink = Collector()

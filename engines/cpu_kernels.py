@@ -1,0 +1,228 @@
+"""tandem's CPU kernels: engines/cpu_kernels.c built with the system C compiler at first use (no torch headers,
+no ninja: one `cc -O3 -march=native` call, about a second), cached under `~/.cache/tandem/cpu_kernels` (or
+`$TANDEM_CPU_KERNELS_DIR`) by a hash of the source, the flags, the compiler and the CPU, and called through
+ctypes. Each kernel has its PyTorch reference here, which the tests compare it to and which runs wherever the
+kernels are unavailable (no compiler, no AVX2/FMA, or `TANDEM_CPU_KERNELS=0`).
+
+- `linear(x, weight, bias)`: y = x @ weight.T for a float32 nn.Linear weight stored column-major
+  (`engines.model.cpu_weight_layout`), the decode GEMV and skinny GEMM (few rows) at the memory's speed.
+- `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations.
+- `paged_attention(...)`: attention over float32 KV pages read in place, for decode, verify windows and
+  prefill chunks alike (the queries of a sequence are the last q_len of its context, causal).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_SRC = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+build_error: str | None = None  # why the kernels are unavailable, once `load()` has tried
+
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CPU_KERNELS_DIR") or Path.home() / ".cache" / "tandem" / "cpu_kernels")
+
+
+def _compile(cc: str, out: Path, openmp: bool) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *_FLAGS, *(["-fopenmp"] if openmp else ["-Wno-unknown-pragmas"]), "-o", tmp, str(_SRC), "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        os.replace(tmp, out)  # atomic: processes building at once each see a whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.tk_has_avx2.restype = _INT
+    lib.tk_linear_f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT]
+    lib.tk_linear_f32.restype = None
+    lib.tk_linear_i8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
+    lib.tk_linear_i8.restype = None
+    lib.tk_paged_attention_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64,
+                                           _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _PTR, _INT]
+    lib.tk_paged_attention_f32.restype = _INT
+    lib.tk_write_kv_f32.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
+    lib.tk_write_kv_f32.restype = None
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The built library, or None (reason in `build_error`). Builds once per process and machine."""
+    global _lib, _tried, build_error
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            _lib = _load()
+        except Exception as exc:  # no compiler, a failed build, an unloadable library: the torch paths serve
+            build_error = f"{type(exc).__name__}: {exc}"
+            _lib = None
+        _tried = True
+    return _lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global build_error
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        build_error = "disabled by TANDEM_CPU_KERNELS=0"
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        build_error = f"no AVX2 kernels for {platform.machine()}"
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        build_error = "no C compiler (cc / gcc) on PATH"
+        return None
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    lib = None
+    for openmp in (True, False):
+        key = hashlib.sha256(b"\0".join(s.encode() for s in (
+            _SRC.read_text(), " ".join(_FLAGS), str(openmp), version, _cpu_flags()))).hexdigest()[:20]
+        so = cache_dir() / f"tandem_cpu_kernels-{key}.so"
+        try:
+            if not so.exists():
+                _compile(cc, so, openmp)
+            lib = _bind(ctypes.CDLL(str(so)))
+            break
+        except (OSError, subprocess.SubprocessError) as exc:
+            build_error = f"{type(exc).__name__}: {getattr(exc, 'stderr', b'') or exc}"
+    if lib is None:
+        return None
+    if not lib.tk_has_avx2():
+        build_error = "the CPU has no AVX2/FMA: the torch paths are faster than the scalar build"
+        return None
+    build_error = None
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# ---- linear --------------------------------------------------------------------------------------------------
+
+
+def linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes this call: float32 on the CPU, a 2-D x, a column-major weight [N, K]."""
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2
+            and x.device.type == "cpu" and weight.stride(0) == 1 and weight.dim() == 2)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ weight.T (+ bias): weight [N, K] column-major (weight.t() contiguous)."""
+    lib = load()
+    if lib is None:
+        return F.linear(x, weight, bias)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib.tk_linear_f32(x.data_ptr(), m, k, weight.data_ptr(), weight.stride(1), n,
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), _threads())
+    return y
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x [M, K] float32 @ (q [N, K] int8 * scale [N] float32).T (+ bias), accumulated in float32."""
+    lib = load()
+    if lib is None:
+        return linear_int8_ref(x, q, scale, bias)
+    x = x.contiguous().float()
+    m, k = x.shape
+    n = q.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()
+    lib.tk_linear_i8(x.data_ptr(), m, k, q.contiguous().data_ptr(), scale.contiguous().data_ptr(), n,
+                     None if b is None else b.data_ptr(), y.data_ptr(), _threads())
+    return y
+
+
+def linear_int8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    return F.linear(x.float(), q.float() * scale.float()[:, None], None if bias is None else bias.float())
+
+
+# ---- paged attention -----------------------------------------------------------------------------------------
+
+
+def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """float32 queries over a float32 cache [pages, block, Hkv, D] whose tokens and heads are dense."""
+    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
+            and k_cache.stride(3) == 1 and k_cache.stride(2) == k_cache.shape[3]
+            and k_cache.stride(1) == k_cache.shape[2] * k_cache.shape[3])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seqs: torch.Tensor, max_context_len: int, scale: float | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] float32; k_cache/v_cache [num_pages, block, Hkv, D] float32 views with the same strides
+    (K/V of this step already written); block_tables [S, max_blocks] int64 contiguous; seqs [4, S'] int64: per
+    attended sequence its first query row, query count, context length and block-table row. A sequence's
+    queries are the last q_len of its context positions and attend causally. Writes those rows of `out`
+    (a new [T, Hq, D] tensor when None) and returns it. Call only when `available()` and `attention_fits`."""
+    lib = load()
+    q = q.contiguous()
+    t, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must share strides")
+    if out is None:
+        out = torch.empty_like(q)
+    n = seqs.shape[1]
+    p = seqs.data_ptr()
+    rc = lib.tk_paged_attention_f32(
+        q.data_ptr(), hq, d, k_cache.data_ptr(), v_cache.data_ptr(), hkv, bs, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.data_ptr(), block_tables.shape[1], p, p + 8 * n, p + 16 * n, p + 24 * n, n,
+        max_context_len, d ** -0.5 if scale is None else scale, out.data_ptr(), _threads())
+    if rc:
+        raise MemoryError("paged attention: scratch allocation failed")
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+             offsets: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] float32 into k_cache/v_cache [num_pages, block, Hkv, D] at (pages[t], offsets[t]) (int64);
+    the same as `k_cache[pages, offsets] = k`. Call only when `available()` and `attention_fits`."""
+    k, v = k.contiguous(), v.contiguous()
+    load().tk_write_kv_f32(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k.shape[0],
+                           k.shape[1] * k.shape[2], k_cache.stride(0), k_cache.stride(1), pages.data_ptr(),
+                           offsets.data_ptr())

@@ -1,0 +1,157 @@
+"""engines/cpu_kernels: the C kernels against their PyTorch references, and the engine's greedy outputs with the
+kernels against the torch paths."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines import cpu_kernels as ck
+from engines.attention import PagedAttention, StepBatch, paged_attention_torch, plan_paged_attention
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_AVX2 = platform.machine() == "x86_64" and " avx2 " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+
+
+def test_kernels_build_where_a_compiler_and_avx2_exist():
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert ck.available() == HAS_AVX2, ck.build_error
+    else:
+        assert not ck.available() and "compiler" in ck.build_error
+
+
+needs_kernels = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.build_error}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(256, 256), (704, 256), (37, 19), (4096, 64), (8, 3)])
+def test_linear_matches_torch(m, n, k):
+    g = torch.Generator().manual_seed(n * 31 + k + m)
+    w = torch.randn(n, k, generator=g).t().contiguous().t()  # column-major, as cpu_weight_layout stores it
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g)
+    torch.testing.assert_close(ck.linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ck.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ck.linear(x[:, :k].t().contiguous().t(), w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(256, 256), (30, 45), (7, 8)])
+def test_linear_int8_matches_reference(m, n, k):
+    from kernels.quant_matmul import quantize_int8
+
+    g = torch.Generator().manual_seed(n + k + m)
+    q, s = quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g)
+    torch.testing.assert_close(ck.linear_int8(x, q, s, b), ck.linear_int8_ref(x, q, s, b), rtol=1e-5, atol=1e-4)
+
+
+def _pages(num_pages=48, block=16, hkv=2, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(num_pages, 2, 3, block, hkv, d, generator=g)
+    return kv[:, 0, 1], kv[:, 1, 1]
+
+
+@needs_kernels
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (4, 4, 64), (6, 2, 12)])
+def test_paged_attention_matches_the_torch_path(hq, hkv, d):
+    """Decodes, verify windows and prefill chunks in one batch, GQA, contexts ending mid-page, shuffled pages:
+    the kernel's sequences (q_len <= 8) against the gather + SDPA path."""
+    bs = 16
+    kc, vc = _pages(hkv=hkv, d=d)
+    q_lens, ctxs = [1, 5, 1, 40, 3, 1], [17, 30, 1, 70, 50, 100]
+    perm = torch.randperm(kc.shape[0], generator=torch.Generator().manual_seed(1)).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctxs]
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(2))
+    qsl, cl = torch.tensor(starts), torch.tensor(ctxs)
+    ref = paged_attention_torch(q, kc, vc, bt, qsl, cl)
+    plan = plan_paged_attention(bt, ctxs, starts, bs, kernel_max_query=8)
+    assert plan.kernel_seqs[1].tolist() == [1, 5, 1, 3, 1] and len(plan.prefills) == 1
+    got = paged_attention_torch(q, kc, vc, bt, qsl, cl, plan=plan)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    # scale, and threads > 1 (OpenMP over sequence x KV head)
+    ref = paged_attention_torch(q, kc, vc, bt, qsl, cl, scale=0.3)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = paged_attention_torch(q, kc, vc, bt, qsl, cl, scale=0.3, plan=plan)
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_write_kv_is_the_indexed_store():
+    kc, vc = _pages()
+    kc2, vc2 = kc.clone(), vc.clone()
+    pages, offs = torch.tensor([3, 3, 7, 0]), torch.tensor([0, 15, 4, 9])
+    k, v = torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+    ck.write_kv(k, v, kc, vc, pages, offs)
+    kc2[pages, offs] = k
+    vc2[pages, offs] = v
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@needs_kernels
+def test_paged_attention_context_writes_then_attends():
+    kc, vc = _pages(hkv=2, d=32)
+    bt = torch.tensor([[5, 9], [2, 2]])
+    ctxs, starts = [20, 3], [0, 2, 3]
+    pos = torch.tensor([18, 19, 2])
+    wp, wo = torch.tensor([9, 9, 2]), pos % 16
+    q, k, v = torch.randn(3, 4, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    outs = []
+    for kmq in (0, 4):
+        kcs, vcs = [kc.clone()], [vc.clone()]
+        plan = plan_paged_attention(bt, ctxs, starts, 16, kmq)
+        b = StepBatch(None, pos, wp, wo, bt, torch.tensor(starts), torch.tensor(ctxs), 2, 20, plan, None, [], [])
+        outs.append((PagedAttention(kcs, vcs, b, False).forward(0, q, k, v), kcs[0], vcs[0]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(outs[1][1], outs[0][1]) and torch.equal(outs[1][2], outs[0][2])
+
+
+@needs_kernels
+def test_engine_greedy_outputs_match_the_torch_paths():
+    """tandem-tiny-l, greedy, batched: the kernels' engine against the same engine on the torch paths."""
+    from engines import LLM, SamplingParams
+
+    llm = LLM(ROOT / "models" / "tandem-tiny-l")
+    prompts = [[5 + (i * 7 + j * 3) % 200 for j in range(20 + i * 9)] for i in range(5)]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runner = llm.engine.runner
+    assert runner.kernel_max_query > 0
+    with_kernels = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    runner.kernel_max_query = 0
+    torch_path = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert with_kernels == torch_path
+
+
+def test_threads_knob(monkeypatch):
+    import os
+
+    from engines.config import EngineOptions
+    from engines.core import cpu_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    assert EngineOptions().threads == 0
+    assert cpu_threads(1) == 1
+    assert cpu_threads(10_000) == cpus  # capped at the CPUs this process may use
+    monkeypatch.setenv("TANDEM_THREADS", "1")
+    assert cpu_threads(0) == 1
+    monkeypatch.delenv("TANDEM_THREADS")
+    assert cpu_threads(0) == min(torch.get_num_threads(), cpus)
