@@ -22,6 +22,7 @@ from engines.outputs import Logprob, PositionLogprobs
 
 MAX_TOP_LOGPROBS = 20
 MAX_PENDING = 256  # scorings queued or running at once (all engines): beyond it ScoringBusy
+CHUNK = 512  # prompt positions whose log-softmax is taken at once (the logits are [positions, vocab])
 
 
 class ScoringBusy(RuntimeError):
@@ -38,17 +39,23 @@ def prompt_logprobs(model: Any, token_ids: list[int], top_k: int = 0, tokenizer:
     if len(token_ids) < 2:
         return [None] * len(token_ids)
     device = next(model.parameters()).device
+    chosen_l: list[float] = []
+    ranks_l: list[int] = []
+    top_ids: list[list[int]] | None = [] if top_k else None
+    top_lps: list[list[float]] | None = [] if top_k else None
     with torch.inference_mode():
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-        logits = model.dense_logits(ids)[0, :-1].float()  # position i predicts token i + 1
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logits = model.dense_logits(ids)[0, :-1]  # position i predicts token i + 1
         targets = ids[0, 1:]
-        chosen = logprobs.gather(1, targets[:, None])  # [S-1, 1]
-        ranks = (logprobs > chosen).sum(-1) + 1
-        top = logprobs.topk(top_k, dim=-1) if top_k else None
-        chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
-        top_ids = top.indices.tolist() if top is not None else None
-        top_lps = top.values.tolist() if top is not None else None
+        for start in range(0, logits.shape[0], CHUNK):  # float32 copies of CHUNK rows at a time, not all
+            logprobs = torch.log_softmax(logits[start:start + CHUNK].float(), dim=-1)
+            chosen = logprobs.gather(1, targets[start:start + CHUNK, None])  # [rows, 1]
+            chosen_l += chosen[:, 0].tolist()
+            ranks_l += ((logprobs > chosen).sum(-1) + 1).tolist()
+            if top_k:
+                top = logprobs.topk(top_k, dim=-1)
+                top_ids += top.indices.tolist()
+                top_lps += top.values.tolist()
     text = tokenizer.token_text if tokenizer is not None else (lambda _: None)
     out: list[PositionLogprobs | None] = [None]
     for j, token in enumerate(token_ids[1:]):

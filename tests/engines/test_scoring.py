@@ -87,3 +87,11 @@ def test_score_async_runs_off_the_event_loop_and_refuses_when_too_many_wait(llm,
     monkeypatch.setattr(scoring, "MAX_PENDING", 0)
     with pytest.raises(ScoringBusy):
         asyncio.run(score_async(model, PROMPT, 0))
+
+
+def test_scoring_in_chunks_of_positions_changes_nothing(llm, monkeypatch):
+    whole = prompt_logprobs(llm.engine.model, PROMPT * 3, top_k=2)
+    monkeypatch.setattr(scoring, "CHUNK", 5)  # 23 positions: four full chunks and a partial one
+    chunked = prompt_logprobs(llm.engine.model, PROMPT * 3, top_k=2)
+    assert [p and {t: (lp.logprob, lp.rank) for t, lp in p.items()} for p in chunked] == \
+        [p and {t: (lp.logprob, lp.rank) for t, lp in p.items()} for p in whole]
