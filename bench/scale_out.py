@@ -87,7 +87,7 @@ def deploy(args: argparse.Namespace, *, replicas: int, routing: str, autoscale: 
         config=str(args.config), overrides=overrides, replicas=replicas, routing=routing, pin_cpu=True,
         num_cpus=1.0, torch_threads=1, routing_stats_period_s=0.5, autoscale=autoscale, min_replicas=1,
         max_replicas=2, target_ongoing_requests=target_ongoing, down_stabilization_s=args.down_window_s,
-        down_cooldown_s=args.down_window_s / 2, look_back_period_s=3.0, graceful_shutdown_timeout_s=60.0)
+        down_cooldown_s=args.down_window_s / 2, look_back_period_s=5.0, graceful_shutdown_timeout_s=60.0)
     serve.run(build_app(options), name=APP, route_prefix="/")
     deadline = time.monotonic() + 300
     while len(replica_stats(APP)) < replicas:
@@ -220,9 +220,9 @@ def autoscale_run(args: argparse.Namespace, url: str, capacity_rps: float, concu
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="small sizes (a few minutes; numbers not meaningful)")
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 4.0, 6.0])
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per point")
-    p.add_argument("--groups", type=int, default=24, help="shared prefixes (system prompts)")
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[3.0, 6.0, 9.0, 12.0])
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
+    p.add_argument("--groups", type=int, default=16, help="shared prefixes (system prompts)")
     p.add_argument("--prefix-blocks", type=int, default=16, help="16-token blocks per shared prefix")
     p.add_argument("--suffix-tokens", type=int, default=24)
     p.add_argument("--output-tokens", type=int, default=16)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale_out.json")
     args = p.parse_args(argv)
     if args.smoke:
-        args.rates, args.duration, args.groups, args.step_s = [3.0], 12.0, 12, 20.0
+        args.rates, args.duration, args.groups, args.step_s = [8.0], 12.0, 12, 20.0
         args.down_window_s, args.shrink_wait_s = 10.0, 90.0
         if args.out == ROOT / "bench" / "results" / "scale_out.json":
             args.out = args.out.with_name("scale_out_smoke.json")

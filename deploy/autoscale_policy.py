@@ -20,12 +20,13 @@ log = logging.getLogger("ray.serve")  # the Serve controller's log
 
 def fleet_signals(metrics: dict[str, dict[Any, float]], replicas: int, *, target_waiting: float,
                   target_ongoing: float | None) -> ScaleSignals:
-    """The fleet's per-replica signals from the replicas' reports (name -> {replica: value}). Ongoing requests
+    """The fleet's per-replica signals from the replicas' reports (name -> {replica: value}, averaged over the
+    replicas that reported). Ongoing requests
     (running + waiting in tandem) count against the queue target in proportion, so `target_ongoing` in flight
     per replica weighs as `target_waiting` waiting; SLO headroom below 0 on any replica is an SLO miss."""
-    def mean(name: str) -> float:
+    def mean(name: str) -> float:  # over the replicas that reported: a missing report is not an idle replica
         values = metrics.get(name) or {}
-        return sum(values.values()) / max(1, replicas) if values else 0.0
+        return sum(values.values()) / len(values) if values else 0.0
 
     waiting = mean("waiting")
     if target_ongoing:
@@ -53,6 +54,10 @@ class TandemAutoscalingPolicy:
             self.scaler.state = replace(self.scaler.state, desired=ctx.target_num_replicas)
         decision = self.scaler.evaluate(signals)
         n = max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, decision.desired_replicas))
+        reported = set((ctx.aggregated_metrics or {}).get("ongoing", {}))
+        if n < ctx.target_num_replicas and not set(getattr(ctx, "running_replicas", reported)) <= reported:
+            # a running replica sent no stats in the window (too busy to answer in time): not a reason to shrink
+            n = ctx.target_num_replicas
         if n != ctx.target_num_replicas:
             log.info("tandem autoscaling %d -> %d: %s", ctx.target_num_replicas, n, "; ".join(decision.reasons))
         return n, {"reasons": decision.reasons, "utilization": decision.utilization}

@@ -2,8 +2,8 @@
 tiny models behind the Ray Serve OpenAI endpoint. The official openai client streams through it; requests
 sharing a long prefix land on one replica (the pools' prefix hit rate with affinity vs power of two is
 printed); killing a replica mid-stream ends its clients' streams with an error event, the next requests
-succeed on the other replica, Ray starts a replacement, and the survivor's pool holds no pages. One Ray
-session for the module.
+succeed on the other replica, Ray starts a replacement, and the survivor's pool holds no pages; scaling 2 -> 1
+drains the removed replica (its streams finish whole). One Ray session for the module.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 import uuid
 
 import httpx
+import msgspec
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (make test installs it)")
@@ -28,6 +29,7 @@ from gateway.server import free_port  # noqa: E402
 pytestmark = pytest.mark.ray
 
 APP = "tandem"
+OPTIONS: dict[str, ScaleOutOptions] = {}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,7 @@ def endpoint(tmp_path_factory):
                                   overrides={"kv_pool.memory_bytes": "64MiB"}, routing_stats_period_s=0.5,
                                   health_check_period_s=1.0, max_imbalance=64.0)
         serve.run(build_app(options), name=APP, route_prefix="/")
+        OPTIONS["deployed"] = options
         url = f"http://127.0.0.1:{port}"
         wait_for_replicas(2)
         yield url
@@ -125,19 +128,23 @@ def test_shared_prefixes_land_on_one_replica_and_hit_its_cache(endpoint):
     assert affinity_rate > pow2_rate
 
 
-def _stream_until_error(url: str, prompt: str, started: threading.Event, replica: list[str]) -> str:
+def _stream_until_error(url: str, prompt: str, started: threading.Event, replica: list[str],
+                        headers: dict[str, str] | None = None, max_tokens: int = 400) -> str:
     """Stream a long completion (the large model, to the 512-token context); returns how it ended: 'error: ...'
-    (an error event) or 'finished'."""
+    (an error event) or 'finished N' (N completion tokens)."""
     raw = client(url).completions.with_raw_response.create(
-        model="best", prompt=prompt, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+        model="best", prompt=prompt, max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True}, extra_headers=headers or {})
     replica.append(raw.headers["x-tandem-replica"])
+    usage = None
     try:
-        for n, _ in enumerate(raw.parse()):
+        for n, chunk in enumerate(raw.parse()):
             if n == 2:
                 started.set()
+            usage = chunk.usage or usage
     except openai.APIError as exc:
         return f"error: {exc}"
-    return "finished"
+    return f"finished {usage.completion_tokens if usage else None}"
 
 
 def test_killing_a_replica_mid_stream_ends_its_streams_and_the_next_requests_succeed(endpoint):
@@ -158,7 +165,7 @@ def test_killing_a_replica_mid_stream_ends_its_streams_and_the_next_requests_suc
         survivor = next(r for r in replica_actors(APP) if r != victim)
         ray.kill(replica_actors(APP)[victim])
         ends = [s.result(timeout=60) for s in streams]  # never a hang
-    assert all(e.startswith("error") and "replica" in e for e in ends), ends
+    assert all(e.startswith("error") and "replica" in e for e in ends), ends  # the error event, then the end
     for i in range(3):  # the next requests succeed on the surviving replica
         r = client(endpoint).completions.with_raw_response.create(model="fast", prompt=prompt + str(i), max_tokens=4)
         assert r.headers["x-tandem-replica"] != victim
@@ -167,3 +174,32 @@ def test_killing_a_replica_mid_stream_ends_its_streams_and_the_next_requests_suc
     assert survivor in replacement and len(replacement) == 2
     time.sleep(1.0)  # the survivor's requests have all finished: its pool holds no pages
     assert replica_stats(APP)[survivor]["used_pages"] == 0
+
+
+def test_scaling_down_drains_the_removed_replicas_streams(endpoint):
+    wait_for_replicas(2)
+    n = 4
+    started = [threading.Event() for _ in range(n)]
+    replicas: list[list[str]] = [[] for _ in range(n)]
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        streams = [pool.submit(_stream_until_error, endpoint, f"Drain test {i} {uuid.uuid4().hex}. " * 4, started[i],
+                               replicas[i], {"x-tandem-routing": "pow2"}, 300) for i in range(n)]
+        deadline = time.monotonic() + 120
+        while not all(e.is_set() for e in started):
+            assert time.monotonic() < deadline, "the streams did not start"
+            for s in streams:
+                if s.done():
+                    s.result()
+            time.sleep(0.05)
+        used = {r[0] for r in replicas}
+        assert not any(s.done() for s in streams)  # every stream is mid-flight when the count drops
+        serve.run(build_app(msgspec.structs.replace(OPTIONS["deployed"], replicas=1)), name=APP, route_prefix="/")
+        ends = [s.result(timeout=120) for s in streams]
+    assert ends == ["finished 300"] * n, ends  # in-flight requests finish on the replica being removed
+    assert len(used) == 2  # power of two spread them: one of the two replicas was drained
+    deadline = time.monotonic() + 60
+    while len(replica_actors(APP)) != 1:
+        assert time.monotonic() < deadline, "the removed replica did not stop"
+        time.sleep(0.5)
+    r = client(endpoint).completions.create(model="fast", prompt="after the drain", max_tokens=3)
+    assert r.usage.completion_tokens == 3

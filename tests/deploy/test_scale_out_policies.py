@@ -112,9 +112,10 @@ def test_affinity_table_is_bounded_and_forgets_dead_replicas():
     assert table.matched_blocks([2, 3], ["a"]) == {"a": 0}
 
 
-def ctx(current: int, target: int, metrics: dict) -> SimpleNamespace:
+def ctx(current: int, target: int, metrics: dict, running: list[str] | None = None) -> SimpleNamespace:
+    running = running if running is not None else sorted(metrics.get("ongoing", {}))
     return SimpleNamespace(current_num_replicas=current, target_num_replicas=target, aggregated_metrics=metrics,
-                           capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4)
+                           running_replicas=running, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4)
 
 
 def test_fleet_signals_weigh_ongoing_against_the_queue_target():
@@ -122,6 +123,8 @@ def test_fleet_signals_weigh_ongoing_against_the_queue_target():
                        "kv_usage": {"a": 0.2, "b": 0.4}, "slo_headroom": {"a": 0.0, "b": -0.1}}, 2,
                       target_waiting=8.0, target_ongoing=8.0)
     assert s.waiting_per_replica == 16.0 and s.kv_usage == pytest.approx(0.3)
+    half = fleet_signals({"ongoing": {"a": 16.0}}, 2, target_waiting=8.0, target_ongoing=8.0)
+    assert half.waiting_per_replica == 16.0  # b sent nothing: it is not counted as idle
     assert s.slo_attainment["fleet"] == pytest.approx(0.9) and s.slo_targets["fleet"] == 1.0
 
 
@@ -170,3 +173,14 @@ def test_options_from_serve_run_arguments_and_their_checks():
         ScaleOutOptions(autoscale=True, replicas=9, max_replicas=8)
     app = build_app(ScaleOutOptions(autoscale=True, replicas=1, num_gpus=1))
     assert app is not None
+
+
+def test_policy_does_not_shrink_while_a_running_replica_is_silent(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("deploy.autoscale_policy.time.monotonic", lambda: now[0])
+    policy = TandemAutoscalingPolicy(target_ongoing_requests=4.0, down_stabilization_s=0.0, down_cooldown_s=0.0)
+    idle_b = {"ongoing": {"b": 0.0}, "kv_usage": {"b": 0.0}}
+    now[0] = 10.0
+    assert policy(ctx(2, 2, idle_b, running=["a", "b"]))[0] == 2  # a, busy, missed its report
+    now[0] = 20.0
+    assert policy(ctx(2, 2, idle_b, running=["b"]))[0] == 1
