@@ -170,7 +170,7 @@ class PagedAttentionPlan:
     # (q_start, q_len, context_len, pages, causal mask [q_len, context_len] when the queries are the last
     # q_len of context_len positions, else None: built once per step, not per layer)
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
-    # the sequences `engines.cpu_kernels.paged_attention` attends over the pages in place (no gather):
+    # the sequences `kernels.cpu_kernels.paged_attention` attends over the pages in place (no gather):
     # [4, n] int64 (first query row, query count, context length, block-table row), their longest context,
     # and the block tables as int64; None when every sequence takes the torch path
     kernel_seqs: torch.Tensor | None = None
@@ -269,7 +269,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                     k_cache.shape[1])
     out = torch.empty_like(q)
     if plan.kernel_seqs is not None:
-        from engines.cpu_kernels import paged_attention as paged_attention_cpu
+        from kernels.cpu_kernels import paged_attention as paged_attention_cpu
 
         paged_attention_cpu(q, k_cache, v_cache, plan.kernel_tables, plan.kernel_seqs, plan.kernel_max_ctx, scale,
                             out=out)
@@ -324,7 +324,7 @@ class PagedAttention:
                                    max_query_len=b.max_query_len, max_context_len=b.max_context_len,
                                    k_scale=ks, v_scale=vs)
         if ks is None and b.plan.kernel_seqs is not None:  # float32 throughout: the kernels' own write
-            from engines.cpu_kernels import write_kv
+            from kernels.cpu_kernels import write_kv
 
             write_kv(k, v, kc, vc, b.write_pages, b.write_offsets)
         elif ks is None:

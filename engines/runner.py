@@ -44,10 +44,10 @@ class ModelRunner:
             self.k_scales = [kv_scales[:, 0, i] for i in range(layers)]
             self.v_scales = [kv_scales[:, 1, i] for i in range(layers)]
         self.decode_graphs = None  # engines.cuda_graphs.DecodeGraphs once enabled
-        # float32 on the CPU: decodes and verify windows attend over the pages in place (engines/cpu_kernels.c)
+        # float32 on the CPU: decodes and verify windows attend over the pages in place (kernels/cpu_kernels.c)
         self.kernel_max_query = 0
         if not self.use_kernel and self.device.type == "cpu" and kv_scales is None:
-            from engines.cpu_kernels import attention_fits, available
+            from kernels.cpu_kernels import attention_fits, available
 
             dtype = next(model.parameters()).dtype
             if dtype == torch.float32 and available() and attention_fits(torch.empty(1, 1, 1), self.k_caches[0]):

@@ -1,4 +1,4 @@
-"""tandem's CPU kernels: engines/cpu_kernels.c built with the system C compiler at first use (no torch headers,
+"""tandem's CPU kernels: kernels/cpu_kernels.c built with the system C compiler at first use (no torch headers,
 no ninja: one `cc -O3 -march=native` call, about a second), cached under `~/.cache/tandem/cpu_kernels` (or
 `$TANDEM_CPU_KERNELS_DIR`) by a hash of the source, the flags, the compiler and the CPU, and called through
 ctypes. Each kernel has its PyTorch reference here, which the tests compare it to and which runs wherever the

@@ -1,5 +1,5 @@
-/* tandem's CPU kernels (plain C, built by engines/cpu_kernels.py with the system C compiler at first use and
- * called through ctypes). Each has a PyTorch reference in engines/cpu_kernels.py that the tests compare it to.
+/* tandem's CPU kernels (plain C, built by kernels/cpu_kernels.py with the system C compiler at first use and
+ * called through ctypes). Each has a PyTorch reference in kernels/cpu_kernels.py that the tests compare it to.
  *
  *   tk_linear_f32    y[M, N] = x[M, K] @ wt[K, N] (+ bias): the decode GEMV / skinny GEMM over a column-major
  *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous)

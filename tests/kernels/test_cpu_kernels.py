@@ -1,4 +1,4 @@
-"""engines/cpu_kernels: the C kernels against their PyTorch references, and the engine's greedy outputs with the
+"""kernels/cpu_kernels: the C kernels against their PyTorch references, and the engine's greedy outputs with the
 kernels against the torch paths."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines import cpu_kernels as ck
 from engines.attention import PagedAttention, StepBatch, paged_attention_torch, plan_paged_attention
+from kernels import cpu_kernels as ck
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
