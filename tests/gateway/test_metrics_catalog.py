@@ -110,6 +110,19 @@ def test_grafana_dashboard_queries_only_metrics_a_live_server_exports(tandem_ser
     assert _total(exported, "tandem:autoscale_desired_replicas") >= 1
 
 
+def test_grafana_queries_are_valid_promql():
+    import promql_parser
+
+    dashboard = json.loads(GRAFANA.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 30
+    for expr in exprs:  # Grafana's variables as Prometheus would receive them
+        expr = expr.replace("$__rate_interval", "1m").replace("$route", ".*").replace("$model_name", ".*")
+        promql_parser.parse(expr)  # raises on a syntax or type error
+    with pytest.raises(Exception, match="matrix"):
+        promql_parser.parse("rate(tandem:prompt_tokens_total)")
+
+
 def test_grafana_json_is_what_its_generator_writes():
     sys.path.insert(0, str(GRAFANA.parent))
     try:
