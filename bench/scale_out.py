@@ -199,6 +199,7 @@ def autoscale_run(args: argparse.Namespace, url: str, capacity_rps: float, concu
         while time.monotonic() < deadline:  # after the load: back to one replica
             running, moving = replica_counts()
             if peak >= 2 and running == 1 and moving == 0:
+                timeline.append({"t_s": round(time.monotonic() - t0, 1), "running": running, "changing": moving})
                 break
             time.sleep(1.0)
     finally:
@@ -220,7 +221,7 @@ def autoscale_run(args: argparse.Namespace, url: str, capacity_rps: float, concu
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="small sizes (a few minutes; numbers not meaningful)")
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 3.0, 4.0])
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 4.0, 6.0, 8.0, 10.0])
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
     p.add_argument("--groups", type=int, default=12, help="shared prefixes (system prompts)")
     p.add_argument("--prefix-blocks", type=int, default=12, help="16-token blocks per shared prefix")
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale_out.json")
     args = p.parse_args(argv)
     if args.smoke:
-        args.rates, args.duration, args.step_s = [3.0], 15.0, 20.0
+        args.rates, args.duration, args.step_s = [4.0, 8.0], 12.0, 20.0
         args.down_window_s, args.shrink_wait_s = 10.0, 90.0
         if args.out == ROOT / "bench" / "results" / "scale_out.json":
             args.out = args.out.with_name("scale_out_smoke.json")
