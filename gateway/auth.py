@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 import time
 
 from litestar.enums import ScopeType
@@ -23,6 +24,7 @@ from gateway.protocol import InvalidParameter, client_request_id
 log = logging.getLogger("tandem.gateway")
 
 AUTHENTICATED_PATHS = frozenset({"/tokenize", "/detokenize"})  # beside /v1/...: they run the tokenizer
+_UNLIMITED = re.compile(r"/v1/(models|routes)(/|$)")  # listings spend no request of a key's requests/minute
 
 
 class KeyRing:
@@ -85,7 +87,7 @@ class AuthMiddleware(ASGIMiddleware):
             state["client_request_id"] = True  # engine and admission ids then get a suffix: clients may reuse it
         if scope["path"].startswith("/v1/") or scope["path"] in AUTHENTICATED_PATHS:
             key = self.keyring.identify(authorization)
-            if self.keyring.limiter.active and scope["path"] not in ("/v1/models", "/v1/routes"):
+            if self.keyring.limiter.active and not _UNLIMITED.match(scope["path"]):
                 self.keyring.limiter.admit(key)
             state["api_key"] = key
         await next_app(scope, receive, send)

@@ -321,3 +321,24 @@ def test_a_client_leaving_a_stream_of_several_prompts_aborts_every_one(server):
             break  # six engine requests of 500 tokens would still be running: they were aborted, their KV freed
         assert time.monotonic() < deadline, lines
         time.sleep(0.2)
+
+
+def test_tokenizer_endpoints_need_a_key_and_model_lookups_spend_no_requests():
+    """With keys, /tokenize and /detokenize are authenticated and rate limited like /v1; /v1/models/{id} (like
+    /v1/models) spends none of a key's requests/minute; /version stays open."""
+    from litestar.testing import TestClient
+
+    from gateway.app import create_app
+    from gateway.config import config_from_dict
+
+    cfg = config_from_dict({"engines": {"m": {"checkpoint": "/nowhere"}},
+                            "auth": {"api_keys": ["sk-1"], "requests_per_minute": 1}})
+    client = TestClient(create_app(cfg, host_factory=lambda: None))  # no lifespan: the engines never load
+    key = {"Authorization": "Bearer sk-1"}
+    assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
+    assert client.post("/detokenize", json={"tokens": [1]}).status_code == 401
+    assert client.get("/version").status_code == 200
+    for _ in range(3):
+        assert client.get("/v1/models/m", headers=key).json()["id"] == "m"
+    assert client.post("/tokenize", json={"prompt": "x"}, headers=key).status_code == 503  # the one request
+    assert client.post("/tokenize", json={"prompt": "x"}, headers=key).status_code == 429
