@@ -499,7 +499,9 @@ def _merged_stream(parts: list[Any], data: CompletionRequest) -> Stream:
 async def _serve_prompt_only(request: Request, state: GatewayState, route: Route, data: CompletionRequest,
                              prompts: list[tuple[Prompt, str | list[int]]]) -> Response | Stream:
     """`max_tokens=0` with `echo`: each prompt echoed n times, with its logprobs when asked (lm-eval's
-    log-likelihood requests), scored on the engine the route's strategy plans, and nothing generated."""
+    log-likelihood requests), scored on the engine the route's strategy plans, and nothing generated. No engine
+    request runs, so admission and the engine metrics do not see it; the key's tokens/minute count its prompt
+    tokens, [server] max_inflight_requests counts it, and the HTTP span says what it was."""
     scope_state = request.scope["state"]
     request_id = scope_state["request_id"]
     try:
@@ -507,6 +509,11 @@ async def _serve_prompt_only(request: Request, state: GatewayState, route: Route
     except InvalidParameter as exc:  # the other fields are checked as for any request
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     k = _prompt_logprobs_k(data)
+    span = trace.get_current_span()
+    span.update_name(f"text_completion {data.model}")
+    span.set_attributes({"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "tandem",
+                         "gen_ai.request.model": data.model, "tandem.route": route.name,
+                         "gen_ai.request.max_tokens": 0})
     tokens = state.keyring.limiter.reservation(scope_state.get("api_key"))
     strategy = state.routes.strategy(route)
     state.inflight += 1
@@ -548,6 +555,9 @@ async def _serve_prompt_only(request: Request, state: GatewayState, route: Route
         state.inflight -= 1
     body = Completion(id="cmpl-" + request_id, created=int(time.time()), model=data.model, choices=choices,
                       usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=0, total_tokens=prompt_tokens))
+    span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": 0})
+    if engine is not None:
+        span.set_attribute("gen_ai.response.model", engine.name)
     headers = {"x-request-id": request_id, "x-tandem-route": route.name,
                "x-tandem-model": engine.name if engine is not None else ""}
     if not data.stream:
