@@ -302,3 +302,28 @@ void tk_write_kv_f32(const float *k, const float *v, float *kc, float *vc, int64
         memcpy(vc + at, v + t * HD, sizeof(float) * HD);
     }
 }
+
+/* RoPE (the half-split "rotate_half" convention) in place on heads [h0, h1) of rows x [T, *] (row stride ldx,
+ * head h at h * D): x = x * cos + rotate_half(x) * sin, cos/sin [T, D]. Each product and the sum rounded on
+ * their own (no FMA contraction), as torch's separate mul/add ops round them: bit-identical to
+ * engines.model.apply_rope. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void tk_rope_f32(float *x, int64_t T, int64_t ldx, int64_t h0, int64_t h1, int64_t D, const float *cos,
+                 const float *sin) {
+    int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = h0; h < h1; h++) {
+            float *v = x + t * ldx + h * D;
+            for (int64_t d = 0; d < half; d++) {
+                float a = v[d], b = v[d + half];
+                float pa = a * c[d], qa = b * s[d];
+                float pb = b * c[d + half], qb = a * s[d + half];
+                v[d] = pa - qa;
+                v[d + half] = pb + qb;
+            }
+        }
+    }
+}
+#pragma GCC pop_options

@@ -8,7 +8,8 @@ kernels are unavailable (no compiler, no AVX2/FMA, or `TANDEM_CPU_KERNELS=0`).
   (`engines.model.cpu_weight_layout`), the decode GEMV and skinny GEMM (few rows) at the memory's speed.
 - `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations.
 - `paged_attention(...)`: attention over float32 KV pages read in place, for decode, verify windows and
-  prefill chunks alike (the queries of a sequence are the last q_len of its context, causal).
+  prefill chunks alike (the queries of a sequence are the last q_len of its context, causal); `write_kv`.
+- `rope_(...)`: RoPE in place on the q/k columns of a fused projection, bit-identical to torch's ops.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_paged_attention_f32.restype = _INT
     lib.tk_write_kv_f32.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_write_kv_f32.restype = None
+    lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
+    lib.tk_rope_f32.restype = None
     return lib
 
 
@@ -226,3 +229,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     load().tk_write_kv_f32(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k.shape[0],
                            k.shape[1] * k.shape[2], k_cache.stride(0), k_cache.stride(1), pages.data_ptr(),
                            offsets.data_ptr())
+
+
+def rope_(x: torch.Tensor, heads: tuple[int, int], head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE in place on heads [h0, h1) of x [T, *] float32 (last dim dense, head h at h * head_dim; e.g. the
+    q and k columns of a fused q/k/v projection), cos/sin [T, head_dim] contiguous: bit-identical to
+    `engines.model.apply_rope`. Call only when `available()`."""
+    if x.stride(1) != 1 or cos.stride() != (head_dim, 1) or sin.stride() != (head_dim, 1):
+        raise ValueError("rope_ needs a dense last dimension and contiguous cos/sin")
+    load().tk_rope_f32(x.data_ptr(), x.shape[0], x.stride(0), heads[0], heads[1], head_dim, cos.data_ptr(),
+                       sin.data_ptr())

@@ -155,3 +155,23 @@ def test_threads_knob(monkeypatch):
     assert cpu_threads(0) == 1
     monkeypatch.delenv("TANDEM_THREADS")
     assert cpu_threads(0) == min(torch.get_num_threads(), cpus)
+
+
+@needs_kernels
+def test_rope_is_bit_identical_to_apply_rope():
+    from engines.model import apply_rope
+
+    g = torch.Generator().manual_seed(3)
+    t, hq, hkv, d = 7, 4, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    pos = torch.arange(t) * 13.0
+    freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+    want_q = apply_rope(q.reshape(t, hq, d), cos, sin)
+    want_k = apply_rope(k.reshape(t, hkv, d), cos, sin)
+    v_before = v.clone()
+    ck.rope_(qkv, (0, hq + hkv), d, cos, sin)
+    assert torch.equal(q.reshape(t, hq, d), want_q) and torch.equal(k.reshape(t, hkv, d), want_k)
+    assert torch.equal(v, v_before)
