@@ -89,29 +89,42 @@ def _stop(proc: subprocess.Popen) -> int:
     return proc.returncode
 
 
-@pytest.mark.parametrize("argv", SERVE, ids=[" ".join(a) for a in SERVE])
-def test_serve_example_runs(argv):
-    proc, url = _start(argv)
-    try:
-        models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
-        if "--served-model-name" in argv:
-            assert models == [argv[argv.index("--served-model-name") + 1]]
-        elif len(argv) > 1 and not argv[1].startswith("-"):
-            assert models == [argv[1]]  # MODEL as given is the model's name; a --draft is not a model
-        else:
-            assert {"fast", "best", "tandem-small", "tandem-large"} <= set(models)
-        r = httpx.post(url + "/v1/completions", json={"model": models[0], "prompt": "Hello", "max_tokens": 2},
-                       timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    finally:
-        assert _stop(proc) == 0
+def _check_serving(url: str, argv: list[str]) -> None:
+    models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+    if "--served-model-name" in argv:
+        assert models == [argv[argv.index("--served-model-name") + 1]]
+    elif len(argv) > 1 and not argv[1].startswith("-"):
+        assert models == [argv[1]]  # MODEL as given is the model's name; a --draft is not a model
+    else:
+        assert {"fast", "best", "tandem-small", "tandem-large"} <= set(models)
+    r = httpx.post(url + "/v1/completions", json={"model": models[0], "prompt": "Hello", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
 @pytest.fixture(scope="module")
 def default_server():
+    """The bare `tandem serve` example (the embedded default), shared with the loadtest examples."""
+    assert ["serve"] in SERVE
     proc, url = _start(["serve"])
     yield url
-    assert _stop(proc) == 0
+    assert _stop(proc) == 0  # it drains and exits 0
+
+
+def test_the_bare_serve_example_runs(default_server):
+    _check_serving(default_server, ["serve"])
+
+
+OTHER_SERVE = [argv for argv in SERVE if argv != ["serve"]]
+
+
+@pytest.mark.parametrize("argv", OTHER_SERVE, ids=[" ".join(a) for a in OTHER_SERVE])
+def test_serve_example_runs(argv):
+    proc, url = _start(argv)
+    try:
+        _check_serving(url, argv)
+    finally:
+        assert _stop(proc) == 0
 
 
 @pytest.mark.parametrize("argv", LOADTEST, ids=[f"loadtest-{i}" for i in range(len(LOADTEST))])
