@@ -1,0 +1,391 @@
+"""tandem against llama.cpp's `llama-server` on the same model, the same client and the same threads: output
+tokens/s, TTFT and TPOT p50/p99 at 1, 8 and 32 concurrent streams (closed loop, streaming, greedy, ignore_eos),
+the two servers' runs alternated, and the ratio tandem / llama.cpp per cell. Prints a table and writes
+bench/results/vs_llamacpp.json.
+
+llama-server is found (`--llama-server PATH`, `$LLAMA_SERVER`, or a previous `--build`) or built with `--build`:
+the llama-cpp-python sdist (`pip download`, its vendored llama.cpp) configured with cmake and its llama-server
+target built with `-j2` into `~/.cache/tandem/llama.cpp` (outside the repository; never part of `make test`;
+about 20-40 minutes on 2 cores). The models are converted to GGUF here (this file's own converter, through the
+`gguf` package vendored in that llama.cpp tree): tandem-tiny-l and, with `--models tiny-l,llama80m`, a random
+~80M-parameter Llama built with the same tokenizer; f32, and 8-bit (q8_0 for llama.cpp, tandem's weight-only
+int8; the tied embedding / output head stays f32 in both).
+
+    .venv/bin/python bench/vs_llamacpp.py --build              # once: build llama-server
+    .venv/bin/python bench/vs_llamacpp.py [--models tiny-l,llama80m] [--quant f32,8bit] [--streams 1 8 32]
+        [--threads 1] [--rounds 2] [--max-tokens 64] [--prompt-tokens 64] [--seconds 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+CACHE = Path(os.environ.get("TANDEM_BENCH_CACHE", Path.home() / ".cache" / "tandem"))
+LLAMA_CPP_PYTHON = "0.3.16"
+
+
+# ---- llama-server ------------------------------------------------------------------------------------------
+
+
+def llama_source() -> Path:
+    return CACHE / "llama.cpp" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+
+
+def build_llama_server(jobs: int = 2) -> Path:
+    base = CACHE / "llama.cpp"
+    base.mkdir(parents=True, exist_ok=True)
+    if not llama_source().exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                        "--no-binary", ":all:", "--no-deps", "-d", str(base)], check=True)
+        with tarfile.open(base / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as tar:
+            tar.extractall(base, filter="data")
+    build = base / "build"
+    subprocess.run(["cmake", "-S", str(llama_source()), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], check=True)
+    return build / "bin" / "llama-server"
+
+
+def find_llama_server(explicit: str | None) -> Path | None:
+    for cand in (explicit, os.environ.get("LLAMA_SERVER"), CACHE / "llama.cpp" / "build" / "bin" / "llama-server",
+                 shutil.which("llama-server")):
+        if cand and Path(cand).is_file():
+            return Path(cand)
+    return None
+
+
+def gguf_module(server: Path):
+    """The `gguf` package: installed, or the one vendored beside the llama-server's sources."""
+    try:
+        import gguf
+        return gguf
+    except ImportError:
+        pass
+    for src in (llama_source(), server.parents[2] / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"):
+        if (src / "gguf-py").is_dir():
+            sys.path.insert(0, str(src / "gguf-py"))
+            import gguf
+            return gguf
+    raise SystemExit("the gguf package is missing: pip install gguf, or build llama-server with --build")
+
+
+# ---- models and GGUF conversion ----------------------------------------------------------------------------
+
+
+def llama80m(folder: Path) -> Path:
+    """A random ~80M-parameter Llama with tandem-tiny-l's tokenizer (vocab 4096)."""
+    if (folder / "model.safetensors").exists():
+        return folder
+    from tiny_checkpoints import build_checkpoint
+
+    build_checkpoint(folder, "llama", vocab_size=4096, hidden_size=768, num_layers=12, num_heads=12,
+                     num_kv_heads=4, intermediate_size=2048, max_position_embeddings=2048, with_tokenizer=False,
+                     tie_word_embeddings=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "models" / "tandem-tiny-l" / name, folder / name)
+    return folder
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF's rotate-half q/k rows -> llama.cpp's interleaved RoPE order (what convert_hf_to_gguf.py does)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool) -> Path:
+    if out.exists():
+        return out
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    sd = {k: v.to(torch.float32).numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name(folder.name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_rope_dimension_count(hd)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if eight_bit else gguf.LlamaFileType.ALL_F32)
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {t["id"]: t for t in tok.get("added_tokens", [])}
+    tokens = [t for t, _ in vocab]
+    for i, t in added.items():
+        if i < len(tokens):
+            tokens[i] = t["content"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in added else gguf.TokenType.NORMAL for i in range(len(tokens))])
+    merges = tok["model"].get("merges", [])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(cfg.get("bos_token_id", 0))
+    eos = cfg.get("eos_token_id", 1)
+    w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    w.add_add_bos_token(False)
+
+    def add(name: str, arr: np.ndarray, quant: bool) -> None:
+        if quant and arr.ndim == 2 and arr.shape[1] % 32 == 0:
+            from gguf.quants import quantize
+
+            q = quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(arr))
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"], False)  # the tied output head stays f32
+    add("output_norm.weight", sd["model.norm.weight"], False)
+    if not cfg.get("tie_word_embeddings", False):
+        add("output.weight", sd["lm_head.weight"], False)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"], False)
+        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], False)
+        add(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], nh), eight_bit)
+        add(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], nkv), eight_bit)
+        add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], eight_bit)
+        add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], eight_bit)
+        add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], eight_bit)
+        add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], eight_bit)
+        add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], eight_bit)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+# ---- servers -----------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def start_llama(server: Path, gguf_path: Path, threads: int, slots: int, ctx: int, log: Path):
+    port = free_port()
+    cmd = [str(server), "-m", str(gguf_path), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+           "-c", str(ctx * slots), "--port", str(port), "--host", "127.0.0.1", "-ngl", "0", "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    wait_ready(f"http://127.0.0.1:{port}/health", proc)
+    return proc, f"http://127.0.0.1:{port}", "llama"
+
+
+def start_tandem(folder: Path, threads: int, eight_bit: bool, ctx: int, log: Path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", str(folder), "--served-model-name", "tandem",
+           "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning"]
+    if eight_bit:
+        cmd += ["--quantization", "int8"]
+    env = dict(os.environ, TANDEM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    wait_ready(f"http://127.0.0.1:{port}/ready", proc)
+    return proc, f"http://127.0.0.1:{port}", "tandem"
+
+
+def server_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---- the client --------------------------------------------------------------------------------------------
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    times = []
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError(f"{url}: no tokens streamed")
+    ttft = times[0] - t0
+    tpot = (times[-1] - times[0]) / (max_tokens - 1) if max_tokens > 1 else 0.0
+    return {"ttft": ttft, "tpot": tpot, "tokens": max_tokens, "end": times[-1]}
+
+
+async def greedy_text(url: str, model: str, prompt: list[int], n: int) -> str:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        r = await client.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": n,
+                                                             "temperature": 0, "ignore_eos": True}, timeout=120)
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+
+
+async def closed_loop(url: str, model: str, prompts: list[list[int]], streams: int, max_tokens: int,
+                      seconds: float) -> dict:
+    import httpx
+
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        await one_request(client, url, model, prompts[0], 4)  # warm
+        t0 = time.perf_counter()
+        stop = t0 + seconds
+
+        async def worker(w: int) -> None:
+            i = w
+            while time.perf_counter() < stop:
+                results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+                i += streams
+
+        await asyncio.gather(*(worker(w) for w in range(streams)))
+        wall = time.perf_counter() - t0
+    return {"requests": len(results), "tok_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50_ms": 1e3 * float(np.percentile([r["ttft"] for r in results], 50)),
+            "ttft_p99_ms": 1e3 * float(np.percentile([r["ttft"] for r in results], 99)),
+            "tpot_p50_ms": 1e3 * float(np.percentile([r["tpot"] for r in results], 50)),
+            "tpot_p99_ms": 1e3 * float(np.percentile([r["tpot"] for r in results], 99)), "wall_s": wall}
+
+
+def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 4000, length).tolist() for _ in range(n)]
+
+
+# ---- main --------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", action="store_true", help="build llama-server into the cache, then exit")
+    ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--models", default="tiny-l", help="comma list: tiny-l, llama80m")
+    ap.add_argument("--quant", default="f32,8bit")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=12.0, help="closed-loop seconds per run")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_llamacpp.json"))
+    args = ap.parse_args(argv)
+    if args.build:
+        print(build_llama_server())
+        return 0
+    server = find_llama_server(args.llama_server)
+    if server is None:
+        raise SystemExit("llama-server not found: pass --llama-server PATH, set LLAMA_SERVER, or run --build")
+    gguf = gguf_module(server)
+    work = CACHE / "vs_llamacpp"
+    work.mkdir(parents=True, exist_ok=True)
+    folders = {"tiny-l": ROOT / "models" / "tandem-tiny-l", "llama80m": None}
+    ctx = args.prompt_tokens + args.max_tokens + 16
+    prompts = make_prompts(64, args.prompt_tokens, 0)
+    cells = []
+    load0 = os.getloadavg()
+    for name in args.models.split(","):
+        folder = folders[name] or llama80m(work / "llama80m")
+        for quant in args.quant.split(","):
+            eight = quant == "8bit"
+            path = to_gguf(gguf, folder, work / f"{name}-{'q8_0' if eight else 'f32'}.gguf", eight)
+            for streams in args.streams:
+                runs: dict[str, list[dict]] = {"llama": [], "tandem": []}
+                procs = [start_llama(server, path, args.threads, streams, ctx, work / "llama.log"),
+                         start_tandem(folder, args.threads, eight, ctx, work / "tandem.log")]
+                agree = None
+                try:
+                    # the conversion check: both servers' greedy continuations of two prompts
+                    texts = [[asyncio.run(greedy_text(url, "tandem" if kind == "tandem" else "m", p, 16))
+                              for p in prompts[:2]] for _, url, kind in procs]
+                    agree = texts[0] == texts[1]
+                    print(f"  {name} {quant}: greedy 16 tokens agree: {agree} {texts[0][0]!r} / {texts[1][0]!r}")
+                    for r in range(args.rounds):
+                        order = procs if r % 2 == 0 else procs[::-1]
+                        for proc, url, kind in order:
+                            c0 = server_cpu_s(proc.pid)
+                            res = asyncio.run(closed_loop(url, "tandem" if kind == "tandem" else "m", prompts,
+                                                          streams, args.max_tokens, args.seconds))
+                            res["server_cpu_s"] = server_cpu_s(proc.pid) - c0
+                            res["tok_per_cpu_s"] = res["tok_s"] * res["wall_s"] / max(res["server_cpu_s"], 1e-9)
+                            runs[kind].append(res)
+                            print(f"  {name} {quant} streams={streams} round {r} {kind}: {res['tok_s']:.1f} tok/s "
+                                  f"TTFT p50 {res['ttft_p50_ms']:.1f} ms TPOT p50/p99 {res['tpot_p50_ms']:.2f}/"
+                                  f"{res['tpot_p99_ms']:.2f} ms", flush=True)
+                finally:
+                    for proc, _, _ in procs:
+                        proc.terminate()
+                        proc.wait(timeout=30)
+                med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+                cells.append({"model": name, "quant": quant, "streams": streams, "runs": runs, "median": med,
+                              "greedy_agree": agree,
+                              "ratio_tok_s": med["tandem"]["tok_s"] / med["llama"]["tok_s"],
+                              "ratio_tpot_p99": med["tandem"]["tpot_p99_ms"] / med["llama"]["tpot_p99_ms"]})
+    hdr = ("| model | weights | streams | tandem tok/s | llama.cpp tok/s | ratio | TTFT p50 ms t / l | "
+           "TPOT p50 ms t / l | TPOT p99 ms t / l | tok per server CPU-s t / l |")
+    print(hdr)
+    print("|" + "---|" * 10)
+    for c in cells:
+        t, ll = c["median"]["tandem"], c["median"]["llama"]
+        print(f"| {c['model']} | {c['quant']} | {c['streams']} | {t['tok_s']:.1f} | {ll['tok_s']:.1f} | "
+              f"{c['ratio_tok_s']:.2f}x | {t['ttft_p50_ms']:.1f} / {ll['ttft_p50_ms']:.1f} | "
+              f"{t['tpot_p50_ms']:.2f} / {ll['tpot_p50_ms']:.2f} | {t['tpot_p99_ms']:.2f} / {ll['tpot_p99_ms']:.2f} | "
+              f"{t['tok_per_cpu_s']:.0f} / {ll['tok_per_cpu_s']:.0f} |")
+    out = {"cells": cells, "args": vars(args), "llama_server": str(server), "machine": platform.processor(),
+           "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
