@@ -42,21 +42,27 @@ class RoutingSettings:
 
 @dataclass
 class AffinityTable:
-    """(route, block hash) -> the replicas that were sent it, in least-recently-routed order."""
+    """(route, block hash) -> the replicas that were sent it, each with how many requests it was sent, in
+    least-recently-routed order. The count names a prefix's home: a request sent elsewhere once (its home
+    was busy) does not split the prefix between two replicas for good."""
 
     capacity: int = 200_000
-    _blocks: OrderedDict[int, set] = field(default_factory=OrderedDict)
+    _blocks: OrderedDict[int, dict] = field(default_factory=OrderedDict)
 
     def record(self, hashes: Iterable[int], replica: Any) -> None:
         for h in hashes:
             holders = self._blocks.get(h)
             if holders is None:
-                holders = self._blocks[h] = set()
+                holders = self._blocks[h] = {}
             else:
                 self._blocks.move_to_end(h)
-            holders.add(replica)
+            holders[replica] = holders.get(replica, 0) + 1
         while len(self._blocks) > self.capacity:
             self._blocks.popitem(last=False)
+
+    def sent(self, block: int, replica: Any) -> int:
+        """Requests with this block sent to `replica`."""
+        return (self._blocks.get(block) or {}).get(replica, 0)
 
     def matched_blocks(self, hashes: Sequence[int], replicas: Iterable[Any]) -> dict[Any, int]:
         """How many leading blocks of `hashes` each replica was sent (the chain: a miss ends a replica's run)."""
@@ -64,7 +70,7 @@ class AffinityTable:
         out = dict.fromkeys(alive, 0)
         for i, h in enumerate(hashes):
             holders = self._blocks.get(h)
-            alive &= holders if holders else set()
+            alive &= holders.keys() if holders else set()
             if not alive:
                 break
             for r in alive:
@@ -73,7 +79,7 @@ class AffinityTable:
 
     def forget(self, replica: Any) -> None:
         for holders in self._blocks.values():
-            holders.discard(replica)
+            holders.pop(replica, None)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -94,7 +100,9 @@ def rank(replicas: Sequence[ReplicaLoad], route: str | None, hashes: Sequence[in
         best = max(matched.values(), default=0)
         if best > 0:
             least = min(r.cost(settings.kv_high) for r in serving)
-            holders = sorted((r for r in serving if matched[r.id] == best), key=lambda r: r.cost(settings.kv_high))
+            deepest = hashes[best - 1]  # home first (most requests with the prefix), then the least loaded
+            holders = sorted((r for r in serving if matched[r.id] == best),
+                             key=lambda r: (-table.sent(deepest, r.id), r.cost(settings.kv_high)))
             kv_room = any(r.kv_usage < settings.kv_high for r in serving)
             best_headroom = max(r.slo_headroom for r in serving)
             for h in holders:  # a holder is skipped for pressure that another replica does not share
@@ -142,10 +150,11 @@ class TandemRequestRouter(RequestRouter):
         settings = self.settings if affinity else RoutingSettings(**{**self.settings.__dict__, "affinity": False})
         ranks, why = rank([self._load(r) for r in candidate_replicas], route, hashes, self.table, settings, self.rng)
         self.decisions[why.split(":")[0]] = self.decisions.get(why.split(":")[0], 0) + 1
-        if hashes and ranks and affinity:
-            # claimed at once, not only once routed: a burst sharing a new prefix follows its first request
-            # (on_request_routed corrects it when a lower rank took the request)
-            self.table.record(hashes, ranks[0][0])
+        if hashes and ranks and affinity and why == "power of two" and not self.table.sent(hashes[0], ranks[0][0]):
+            # a new prefix is claimed at once, not only once routed: a burst sharing it follows its first
+            # request (on_request_routed records where each request really went)
+            if not any(self.table.sent(hashes[0], r.replica_id) for r in candidate_replicas):
+                self.table.record(hashes[:1], ranks[0][0])
         return [[by_id[i] for i in group] for group in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

@@ -184,3 +184,13 @@ def test_policy_does_not_shrink_while_a_running_replica_is_silent(monkeypatch):
     assert policy(ctx(2, 2, idle_b, running=["a", "b"]))[0] == 2  # a, busy, missed its report
     now[0] = 20.0
     assert policy(ctx(2, 2, idle_b, running=["b"]))[0] == 1
+
+
+def test_a_prefix_stays_with_its_home_after_one_request_went_elsewhere():
+    table, settings, rng = AffinityTable(), RoutingSettings(), random.Random(0)
+    hashes = block_hashes("fast", PREFIX)
+    for _ in range(3):
+        table.record(hashes, "home")
+    table.record(hashes, "other")  # once, while home was busy
+    ranks, why = rank(loads(("home", 2, 0, 0), ("other", 0, 0, 0)), "fast", hashes, table, settings, rng)
+    assert ranks[0] == ["home"] and why.startswith("prefix")
