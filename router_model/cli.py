@@ -4,6 +4,7 @@ escalation scorer) from JSONL data; label prompts by task success."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -40,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--target-large-fraction", type=float, default=0.3,
                    help="fraction of traffic to send large (or escalate); the threshold is that score quantile")
+    t.add_argument("--hash-bits", type=int, default=None,
+                   help="2**BITS buckets per n-gram block instead of the defaults (2**16-2**17); smaller is faster")
     t.add_argument("--extras", nargs="*", default=None, choices=sorted(KNOWN_EXTRAS),
                    help="extra per-request features read from each line's 'extras' (the caller must fill them)")
 
@@ -91,6 +94,11 @@ def _train(args: argparse.Namespace) -> int:
             blocks=ESCALATION_FEATURES.blocks, extras=tuple(args.extras))
     else:
         fcfg = FeatureConfig(extras=tuple(args.extras or ()))
+    if args.hash_bits is not None:
+        if not 1 <= args.hash_bits <= 24:
+            raise ValueError(f"--hash-bits must be in 1..24, got {args.hash_bits}")
+        fcfg = dataclasses.replace(fcfg, blocks=tuple(dataclasses.replace(b, buckets=1 << args.hash_bits)
+                                                      for b in fcfg.blocks))
     opts = TrainOptions(feature_config=fcfg, margin=args.margin, margin_quantile=args.margin_quantile,
                         weighting=args.weighting, calibration=args.calibration, folds=args.folds, seed=args.seed,
                         target_large_fraction=args.target_large_fraction, class_weight=args.class_weight,
@@ -164,6 +172,14 @@ def _eval(args: argparse.Namespace) -> int:
     examples = [parse_example(r, f"{args.data}:{i}") for i, r in enumerate(rows, 1)]
     policies = policy_scores(rows, examples, router, cascade)
     metrics = _metrics_of(rows, examples, args.metric)
+    skipped = [m for m, (small, large) in metrics.items() if small.mean() == large.mean()]
+    for m in skipped:
+        print(f"quality = {m}: both models have the same mean ({metrics[m][0].mean():.4f}) on this data, so PGR is "
+              f"undefined; not reported")
+    metrics = {m: v for m, v in metrics.items() if m not in skipped}
+    if not metrics:
+        raise DataError(f"{args.data}: the two models score the same on average under every metric: nothing to "
+                        f"route on")
     groups = [ex.group for ex in examples] if all(ex.group is not None for ex in examples) else None
     first = next(iter(metrics))
     ev = evaluate_scores(policies["router"], *metrics[first])
@@ -188,6 +204,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         doc = ev.to_dict() | {"data": str(args.data), "router": str(args.router), "cascade": args.cascade,
                               "threshold": router.threshold, "target_large_fraction": router.target_large_fraction,
-                              "primary_metric": first, "bootstrap": args.bootstrap, "comparison": comparison}
+                              "primary_metric": first, "bootstrap": args.bootstrap, "comparison": comparison,
+                              "skipped_metrics": skipped}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 0

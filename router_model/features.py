@@ -233,6 +233,10 @@ class Featurizer:
     def _analyzers(self) -> list:
         return [v.build_analyzer() for v in self.vectorizers]
 
+    def warm(self) -> None:
+        """Import scikit-learn and build the analyzers (the first request would pay for it otherwise)."""
+        self._analyzers  # noqa: B018
+
     def __call__(self, x: Conversation, extras: Mapping[str, float] | None = None,
                  answer: str | None = None) -> PromptFeatures:
         cfg = self.config

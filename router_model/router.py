@@ -84,6 +84,7 @@ class Router:
         self.coef = np.atleast_2d(np.asarray(self.coef, dtype=np.float32)).astype(np.float64)
         self.intercept = np.atleast_1d(np.asarray(self.intercept, dtype=np.float64))
         self.featurizer = Featurizer(self.feature_config)
+        self.featurizer.warm()  # build the analyzers now, not on the first request
         nd = self.feature_config.num_dense
         self._coef_dense = self.coef[:, :nd]
         self._coef_hashed = self.coef[:, nd:]

@@ -101,7 +101,8 @@ def test_cli_trains_evaluates_and_saves_a_threshold(tmp_path, capsys):
     test = tmp_path / "test.jsonl"
     test.write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows(200, seed=7)))
     out = tmp_path / "router"
-    assert router_main(["train", "--data", str(data), "--out", str(out), "--C", "1", "--folds", "3"]) == 0
+    assert router_main(["train", "--data", str(data), "--out", str(out), "--C", "1", "--folds", "3",
+                        "--hash-bits", "10"]) == 0
     metrics = tmp_path / "eval.json"
     assert router_main(["eval", "--data", str(test), "--router", str(out), "--target-large-fraction", "0.2",
                         "--json", str(metrics)]) == 0

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # engines run here
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL, LARGE = ROOT / "models" / "tandem-tiny-s", ROOT / "models" / "tandem-tiny-l"
-TRAIN = ["--C", "1", "--folds", "3"]
+TRAIN = ["--C", "1", "--folds", "3", "--hash-bits", "10"]
 
 
 def _write(path: Path, rows: list[dict]) -> Path:
@@ -55,21 +55,22 @@ def _train_and_eval(tmp_path: Path, labels: Path, capsys) -> dict:
 
 
 def test_reference_answers_are_generated_scored_trained_and_evaluated(tmp_path, capsys):
-    data = _write(tmp_path / "prompts.jsonl", _line_rows(48))
+    data = _write(tmp_path / "prompts.jsonl", _line_rows(64))
     labels = tmp_path / "labels"
     assert router_main(["label", "--data", str(data), "--small", str(SMALL), "--large", str(LARGE),
                         "--metric", "edit", "--stop", "\\n", "--max-tokens", "20", "--out-dir", str(labels),
-                        "--test-fraction", "0.4"]) == 0
+                        "--test-fraction", "0.5"]) == 0
     rows = read_rows(labels / "train.jsonl") + read_rows(labels / "test.jsonl")
-    assert len(rows) == 48
+    assert len(rows) == 64
     for r in rows:
         assert "\n" not in r["small_answer"] and "\n" not in r["large_answer"]
         assert r["small_score"] == r["small_edit"] == pytest.approx(edit_similarity(r["small_answer"],
                                                                                     r["reference"]), abs=1e-4)
         assert "answer_mean_logprob" in r["small_answer_stats"]
-    assert json.loads((labels / "summary.json").read_text())["forms"]["reference"] == 48
+    assert json.loads((labels / "summary.json").read_text())["forms"]["reference"] == 64
     ev = _train_and_eval(tmp_path, labels, capsys)
-    assert set(ev["comparison"]) == {"exact", "edit"}  # both metrics are kept and reported
+    # both metrics are kept; one is reported unless both models tie on it in this small test split
+    assert set(ev["comparison"]) | set(ev["skipped_metrics"]) == {"exact", "edit"} and "edit" in ev["comparison"]
     assert {"router", "random", "oracle", "cascade (mean logprob)"} <= set(ev["comparison"]["edit"])
     # and the cascade's escalation scorer trains on the same file (it reads the small answers)
     assert router_main(["train", "--kind", "escalation", "--data", str(labels / "train.jsonl"),
