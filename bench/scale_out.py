@@ -221,16 +221,16 @@ def autoscale_run(args: argparse.Namespace, url: str, capacity_rps: float, concu
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="small sizes (a few minutes; numbers not meaningful)")
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2.0, 4.0, 6.0, 8.0, 10.0])
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[4.0, 6.0, 8.0, 10.0, 12.0])
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
-    p.add_argument("--groups", type=int, default=12, help="shared prefixes (system prompts)")
+    p.add_argument("--groups", type=int, default=24, help="shared prefixes (system prompts)")
     p.add_argument("--prefix-blocks", type=int, default=12, help="16-token blocks per shared prefix")
     p.add_argument("--suffix-tokens", type=int, default=24)
     p.add_argument("--output-tokens", type=int, default=48)
     p.add_argument("--zipf", type=float, default=0.3)
-    p.add_argument("--pool-mib", type=int, default=48, help="each replica's KV pool")
+    p.add_argument("--pool-mib", type=int, default=64, help="each replica's KV pool")
     p.add_argument("--route", default="best", help="the large model: replicas, not the Ray proxy, are the bottleneck")
-    p.add_argument("--slo", default="ttft=2000,tpot=150", help="client-side SLO for goodput (ms)")
+    p.add_argument("--slo", default="ttft=1000,tpot=100", help="client-side SLO for goodput (ms)")
     p.add_argument("--step-s", type=float, default=60.0, help="autoscaling: seconds at 1x, then at 3x")
     p.add_argument("--down-window-s", type=float, default=20.0, help="autoscaling: scale-down stabilisation")
     p.add_argument("--shrink-wait-s", type=float, default=120.0)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale_out.json")
     args = p.parse_args(argv)
     if args.smoke:
-        args.rates, args.duration, args.step_s = [4.0, 8.0], 12.0, 20.0
+        args.rates, args.duration, args.step_s = [6.0, 10.0], 12.0, 20.0
         args.down_window_s, args.shrink_wait_s = 10.0, 90.0
         if args.out == ROOT / "bench" / "results" / "scale_out.json":
             args.out = args.out.with_name("scale_out_smoke.json")
