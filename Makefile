@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --upgrade pip
 	# torch first: the CPU build of 2.13.0 avoids downloading a multi-GB CUDA build
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -c constraints.txt -e '.[test,ray]'
+	$(PY) -m pip install -c constraints.txt -e '.[test,ray,eval]'
 	touch $(STAMP)
 
 serve: $(STAMP)
