@@ -301,6 +301,8 @@ examples:
   tandem serve models/tandem-tiny-l --served-model-name tiny --port 8011
   tandem serve models/tandem-tiny-l --draft models/tandem-tiny-s --max-model-len 512 --port 8012
 
+`tandem serve --ray ...` runs tandem replicas on Ray Serve instead (`tandem serve --ray --help`; docs/scale-out.md).
+
 With MODEL the server runs exactly that checkpoint as one model (its draft, when given, only drafts): no
 TOML needed, and the configured engines and routes are not loaded (--config then still gives the [server],
 [auth], [telemetry]... sections). Precedence: flags > TANDEM_* variables > the config file > defaults.
@@ -398,6 +400,11 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--ray" in argv:  # replicas on Ray Serve (docs/scale-out.md); `tandem serve --ray --help` lists its flags
+        from deploy.ray_serve import main as ray_main
+
+        return ray_main([a for a in argv if a != "--ray"])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

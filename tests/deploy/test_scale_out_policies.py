@@ -194,3 +194,13 @@ def test_a_prefix_stays_with_its_home_after_one_request_went_elsewhere():
     table.record(hashes, "other")  # once, while home was busy
     ranks, why = rank(loads(("home", 2, 0, 0), ("other", 0, 0, 0)), "fast", hashes, table, settings, rng)
     assert ranks[0] == ["home"] and why.startswith("prefix")
+
+
+def test_tandem_serve_ray_hands_over_to_the_ray_serve_runner(capsys):
+    from gateway.server import main as serve_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main(["--ray", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tandem serve --ray") and "--replicas" in out and "--routing" in out
