@@ -52,19 +52,20 @@ def plot(results: dict, path: Path) -> None:
             ax.plot(x, y, ls=ls, color=color, lw=1.6 if name in ("router", "cascade (learned)") else 1.0,
                     label=f"{name} (APGR {c['apgr']:.2f})" if name != "random" else "random (APGR 0.50)")
             if name in ("router", "cascade (learned)"):
-                lo = np.array([v[0] for v in c["quality_ci"]]) / q_large * 100
-                hi = np.array([v[1] for v in c["quality_ci"]]) / q_large * 100
+                lo = np.array([v[0] for v in c["relative_ci"]]) * 100
+                hi = np.array([v[1] for v in c["relative_ci"]]) * 100
                 ax.fill_between(x, lo, hi, color=color, alpha=0.12, lw=0)
         ax.scatter([0, 100], [curves["random"]["quality"][0] / q_large * 100, 100], color="k", marker="s", zorder=5,
                    label="always-small / always-large")
         ax.axhline(95, ls="--", lw=0.7, color="grey")
         ax.axvline(50, ls="--", lw=0.7, color="grey")
-        ax.set_ylim(bottom=min(40, curves["random"]["quality"][0] / q_large * 100 - 5))
+        ax.set_ylim(min(40, curves["random"]["quality"][0] / q_large * 100 - 5), 125)
         ax.set_xlabel("cost: prompts answered by the large model (%)")
         ax.set_ylabel(f"{METRICS.get(metric, metric)} (% of always-large)")
         ax.set_title(f"held-out test modules: {METRICS.get(metric, metric)}")
         ax.legend(loc="lower right", fontsize=7)
-    fig.suptitle("tandem routing, default tiny pair, line completion (bands: 95% bootstrap over modules)",
+    fig.suptitle("tandem routing, default tiny pair, line completion (bands: 95% bootstrap over modules of the "
+                 "quality relative to always-large)",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -116,6 +116,7 @@ class PolicyCurve:
     quality: list[float]  # mean quality at each cost
     quality_ci: list[tuple[float, float]]
     relative: list[float]  # quality / always-large quality
+    relative_ci: list[tuple[float, float]]  # of each resample's quality / its own always-large quality
     cost_for_95: float | None  # least cost whose quality reaches 95% of always-large's (None: never)
 
     def to_dict(self) -> dict:
@@ -173,6 +174,9 @@ def compare_policies(policies: dict[str, np.ndarray], small: np.ndarray, large: 
         lo, hi = np.nanpercentile(apgr[1:], [2.5, 97.5]) if bootstrap else (apgr[0], apgr[0])
         qlo, qhi = (np.percentile(quality[1:], [2.5, 97.5], axis=0) if bootstrap else (quality[0], quality[0]))
         rel = quality[0] / q_large[0]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel_all = quality[1:] / q_large[1:, None]
+        rlo, rhi = (np.nanpercentile(rel_all, [2.5, 97.5], axis=0) if bootstrap else (rel, rel))
         reach = np.flatnonzero(rel >= 0.95 - 1e-12)
         if scores is None:
             cpt50, cpt80 = 0.5, 0.8
@@ -183,6 +187,7 @@ def compare_policies(policies: dict[str, np.ndarray], small: np.ndarray, large: 
             policy=name, apgr=float(apgr[0]), apgr_ci=(float(lo), float(hi)), cpt50=cpt50, cpt80=cpt80,
             costs=[float(c) for c in cost_arr], quality=[float(v) for v in quality[0]],
             quality_ci=[(float(a), float(b)) for a, b in zip(qlo, qhi)], relative=[float(v) for v in rel],
+            relative_ci=[(float(a), float(b)) for a, b in zip(rlo, rhi)],
             cost_for_95=float(cost_arr[reach[0]]) if reach.size else None)
     return out
 

@@ -208,7 +208,8 @@ def test_default_config_routes_build_with_the_shipped_router():
     assert auto.threshold == pytest.approx(auto.router.threshold_for_fraction(0.3))
     assert (auto.small, auto.large) == ("tandem-small", "tandem-large")
     cascade = routes.strategies["cascade"]
-    assert isinstance(cascade, CascadeStrategy) and cascade.mode == "mean" and cascade.threshold < 0
+    assert isinstance(cascade, CascadeStrategy) and cascade.mode == "learned"
+    assert cascade.scorer.kind == "escalation" and cascade.threshold == cascade.scorer.threshold_for_fraction(0.3)
 
 
 def test_broken_router_artifact_fails_at_start_up_naming_the_setting(router_dir, tmp_path):
