@@ -213,7 +213,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None
 def start_llama(server: Path, gguf_path: Path, threads: int, slots: int, ctx: int, log: Path):
     port = free_port()
     cmd = [str(server), "-m", str(gguf_path), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-           "-c", str(ctx * slots), "--port", str(port), "--host", "127.0.0.1", "-ngl", "0", "--no-webui"]
+           "-c", str(ctx * slots), "--port", str(port), "--host", "127.0.0.1", "-ngl", "0", "--no-webui",
+           "--threads-http", str(slots + 4)]  # one HTTP thread per stream: its default is the core count
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     wait_ready(f"http://127.0.0.1:{port}/health", proc)
     return proc, f"http://127.0.0.1:{port}", "llama"
@@ -275,7 +276,8 @@ async def closed_loop(url: str, model: str, prompts: list[list[int]], streams: i
     import httpx
 
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    # idle connections expire before llama-server's 5 s keep-alive timeout closes them under us
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4, keepalive_expiry=2.0)
     async with httpx.AsyncClient(limits=limits) as client:
         await one_request(client, url, model, prompts[0], 4)  # warm
         t0 = time.perf_counter()
@@ -284,7 +286,10 @@ async def closed_loop(url: str, model: str, prompts: list[list[int]], streams: i
         async def worker(w: int) -> None:
             i = w
             while time.perf_counter() < stop:
-                results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+                try:
+                    results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens))
+                except (httpx.RemoteProtocolError, httpx.ReadError):  # a keep-alive connection the server closed
+                    results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens))
                 i += streams
 
         await asyncio.gather(*(worker(w) for w in range(streams)))
