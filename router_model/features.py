@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -185,15 +185,74 @@ def flatten(turns: list[tuple[str, str]]) -> str:
     return "".join(f"\x02{role}\x03{text}" for role, text in turns)
 
 
-def hash_block(analyzer, text: str, buckets: int) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted indices, values) equal to HashingVectorizer(analyzer=..., n_features=buckets,
-    alternate_sign=True, norm="l2").transform([text]) for one document."""
-    from sklearn.utils import murmurhash3_32
+_WHITE_SPACES = re.compile(r"\s\s+")  # what the char analyzer collapses to one space (sklearn's own pattern)
+_C1, _C2 = np.uint32(0xCC9E2D51), np.uint32(0x1B873593)
 
-    grams = analyzer(text)
-    if not grams:
+
+def _rotl(x: np.ndarray, r: int) -> np.ndarray:
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+@lru_cache(maxsize=2048)
+def _windows(length: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every char n-gram window of a `length`-byte text (n in lo..hi): the byte positions [T, 8] (clipped),
+    the mask of bytes inside the window [T, 8] and n [T]."""
+    ns = list(range(lo, min(hi, length) + 1))
+    starts = np.concatenate([np.arange(length - n + 1) for n in ns]) if ns else np.zeros(0, np.int64)
+    lens = np.concatenate([np.full(length - n + 1, n) for n in ns]) if ns else np.zeros(0, np.int64)
+    j = np.arange(8)
+    pos = np.minimum(starts[:, None] + j, max(length - 1, 0))
+    return pos, j[None, :] < lens[:, None], lens.astype(np.uint32)
+
+
+def _mix(k: np.ndarray) -> np.ndarray:
+    return _rotl(k * _C1, 15) * _C2
+
+
+def _murmur_ngrams(b: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """murmurhash3_x86_32 (seed 0, signed) of every n-gram (n in lo..hi <= 8 bytes) of `b`, all at once."""
+    pos, inside, ns = _windows(b.size, lo, hi)
+    if ns.size == 0:
+        return np.zeros(0, np.int64)
+    w = np.ascontiguousarray(np.where(inside, b[pos], 0).astype(np.uint8)).view("<u4")  # [T, 2] words
+    w0, w1 = w[:, 0], w[:, 1]
+    nb = ns >> np.uint32(2)
+    h = np.zeros(ns.size, np.uint32)
+    step = np.uint32(0xE6546B64)
+    h = np.where(nb >= 1, _rotl(h ^ _mix(w0), 13) * np.uint32(5) + step, h)
+    h = np.where(nb >= 2, _rotl(h ^ _mix(w1), 13) * np.uint32(5) + step, h)
+    h ^= _mix(np.where(nb == 0, w0, np.where(nb == 1, w1, np.uint32(0))))  # the tail (bytes past n are 0)
+    h ^= ns
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    return h.view(np.int32).astype(np.int64)
+
+
+def _char_ngram_hashes(text: str, ngrams: tuple[int, int]) -> np.ndarray | None:
+    """The murmurhash3 of every char n-gram the analyzer would produce, for ASCII text (None otherwise: there a
+    character is not one byte)."""
+    if not text.isascii():
+        return None
+    b = np.frombuffer(_WHITE_SPACES.sub(" ", text).encode("ascii"), dtype=np.uint8)
+    return _murmur_ngrams(b, *ngrams)
+
+
+def hash_block(analyzer, text: str, buckets: int, ngrams: tuple[int, int] | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted indices, values) equal to HashingVectorizer(analyzer=..., n_features=buckets,
+    alternate_sign=True, norm="l2").transform([text]) for one document. With `ngrams` given, ASCII text is hashed
+    by the vectorised murmurhash3 above (the same function, ~5x faster than one call per n-gram)."""
+    h = _char_ngram_hashes(text, ngrams) if ngrams is not None else None
+    if h is None:
+        from sklearn.utils import murmurhash3_32
+
+        grams = analyzer(text)
+        h = np.fromiter((murmurhash3_32(g, 0) for g in grams), dtype=np.int64, count=len(grams))
+    if h.size == 0:
         return np.zeros(0, np.int64), np.zeros(0)
-    h = np.fromiter((murmurhash3_32(g, 0) for g in grams), dtype=np.int64, count=len(grams))
     idx = np.abs(h) % buckets
     sign = np.where(h >= 0, 1.0, -1.0)
     uniq, inv = np.unique(idx, return_inverse=True)
@@ -246,7 +305,7 @@ class Featurizer:
         dense = np.concatenate([self.stats_of(turns), extra_vals])
         idx_parts, val_parts = [], []
         for block, analyzer, off in zip(cfg.blocks, self._analyzers, self._offsets):
-            i, v = hash_block(analyzer, block.cut(views[block.view]), block.buckets)
+            i, v = hash_block(analyzer, block.cut(views[block.view]), block.buckets, block.ngrams)
             idx_parts.append(i + off)
             val_parts.append(v)
         return PromptFeatures(dense=dense, indices=np.concatenate(idx_parts) if idx_parts else np.zeros(0, np.int64),
