@@ -88,6 +88,7 @@ class Router:
         nd = self.feature_config.num_dense
         self._coef_dense = self.coef[:, :nd]
         self._coef_hashed = self.coef[:, nd:]
+        self._coef_hashed_rows = np.ascontiguousarray(self._coef_hashed.T)  # [num_hashed, k]: one gather a request
 
     # ---- inference -------------------------------------------------------------------------------------
     @property
@@ -112,7 +113,7 @@ class Router:
     def margins_of(self, feats: PromptFeatures) -> np.ndarray:
         """The raw linear scores of the k fold models (log-odds before calibration)."""
         dense = (feats.dense - self.dense_mean) / self.dense_scale
-        return self.intercept + self._coef_dense @ dense + self._coef_hashed[:, feats.indices] @ feats.values
+        return self.intercept + self._coef_dense @ dense + feats.values @ self._coef_hashed_rows[feats.indices]
 
     def score(self, x: Conversation, extras: Mapping[str, float] | None = None, answer: str | None = None) -> float:
         """P(the large model is needed): the mean of the k calibrated fold models (CalibratedClassifierCV's
