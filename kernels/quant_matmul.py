@@ -220,15 +220,16 @@ def cpu_packed_op_fits(mode: str, out_features: int, in_features: int) -> bool:
             and _has_cpu_op("_convert_weight_to_int4pack_for_cpu"))
 
 
-# decode / verify rows up to this many take kernels/cpu_kernels.c's int8 GEMV (float32 activations, exact to
-# float rounding against the dequantised weight); longer prefill chunks the packed op (bf16 activations)
-CPU_KERNEL_MAX_ROWS = 16
+# up to this many rows take kernels/cpu_kernels.c's int8 kernel (float32 activations, exact to float rounding
+# against the dequantised weight): 1.3-2.3x the packed op with bf16 activations from 1 to 16 rows, 1.4-1.5x
+# at 16-128 (thread CPU time, tandem-tiny-l and 80M shapes); more rows the packed op
+CPU_KERNEL_MAX_ROWS = 1024
 
 
 class QuantLinear(nn.Module):
     """Weight-only int8/int4 replacement for nn.Linear (same in/out features, same bias).
 
-    CUDA: the Triton kernel. CPU: int8 at up to `CPU_KERNEL_MAX_ROWS` rows the AVX2 GEMV of kernels/cpu_kernels.c;
+    CUDA: the Triton kernel. CPU: int8 at up to `CPU_KERNEL_MAX_ROWS` rows the AVX2 kernel of kernels/cpu_kernels.c;
     else torch's packed ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
     fed bf16 activations, their fast path, where the build has them and the shape fits
     (`cpu_packed_op_fits`); else the reference.
@@ -291,7 +292,7 @@ class QuantLinear(nn.Module):
         if self.mode == "int8" and x.shape[0] <= CPU_KERNEL_MAX_ROWS and x.dtype == torch.float32:
             from kernels import cpu_kernels
 
-            if cpu_kernels.available():  # float32 activations, AVX2: 1.3-2.3x the packed op at 1-16 rows
+            if cpu_kernels.available():
                 return cpu_kernels.linear_int8(x, self.weight, self.scale)
         if not cpu_packed_op_fits(self.mode, self.out_features, self.in_features):
             return wq_matmul_ref(x, self.weight, self.scale, self.zero)
