@@ -184,13 +184,13 @@ def test_masks_and_bias_apply_to_their_rows_only_in_a_mixed_batch(plain):
     assert {int(t) for t in torch.isfinite(out[2]).nonzero()} == allowed
 
 
-def test_prefetched_masks_equal_the_ones_computed_inline_and_the_engine_uses_them(plain, spec, monkeypatch):
+def test_prefetched_masks_equal_the_ones_computed_inline_and_the_engine_uses_them(plain, monkeypatch):
     """The step computes grammar masks on a worker thread during the forward pass: they must be the masks the
     sampler and the verifier would compute themselves (plain rows and speculative windows), and the sampler
     must not recompute them."""
     from engines.structured import Grammar, MaskPrefetch
 
-    compiler = GrammarCompiler(spec.tokenizer, spec.engine.config.vocab_size, spec.engine.eos_token_ids)
+    compiler = GrammarCompiler(plain.tokenizer, plain.engine.config.vocab_size, plain.engine.eos_token_ids)
     compiled = compiler.compile(StructuredOutput.json_schema(SCHEMAS[1]))
 
     class Seq:
@@ -198,9 +198,9 @@ def test_prefetched_masks_equal_the_ones_computed_inline_and_the_engine_uses_the
             self.seq_id, self.grammar = seq_id, grammar
 
     a, b, c = (compiler.matcher(compiled) for _ in range(3))
-    for t in spec.tokenizer.encode('{"user": {"id": 12'):
+    for t in plain.tokenizer.encode('{"user": {"id": 12'):
         b.matcher.accept_token(t)  # any prefix the grammar allows works; this one is mid-object
-    drafts = {2: spec.tokenizer.encode(', "role": "dev"}')}
+    drafts = {2: plain.tokenizer.encode(', "role": "dev"}')}
     prefetch = MaskPrefetch()
     got = prefetch.start([Seq(1, a), Seq(2, b), Seq(3, None), Seq(4, c)], drafts).result()
     prefetch.close()
@@ -221,8 +221,9 @@ def test_prefetched_masks_equal_the_ones_computed_inline_and_the_engine_uses_the
     jsonschema.validate(json.loads(out.text), SCHEMAS[0])
     assert len(plain_masks) >= len(out.token_ids) and set(plain_masks) == {"grammar-masks_0"}
     monkeypatch.undo()
-    windows = watch("window_masks")  # speculation: every verify window's masks come from the prefetch
-    got = spec.generate(PROMPT, params)[0].outputs[0]  # (the drafter's own masks are computed as it drafts)
+    windows = watch("window_masks")  # verifying drafts: every window's masks come from the prefetch
+    # supplied drafts are verified whatever adaptive k decides (the drafter's own masks are computed as it drafts)
+    got = plain.generate(PROMPT, params, draft_token_ids=out.token_ids[:8])[0].outputs[0]
     assert got.token_ids == out.token_ids
     assert windows and set(windows) == {"grammar-masks_0"}
 

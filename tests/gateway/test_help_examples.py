@@ -15,11 +15,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from live_server import start_serve  # conftest puts tests/ on the path
 
 from gateway.server import build_parser as serve_parser
 from gateway.server import free_port
@@ -67,20 +67,8 @@ def _start(argv: list[str]) -> tuple[subprocess.Popen, str]:
         argv[argv.index("--port") + 1] = port
     else:
         argv += ["--port", port]
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *argv], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"{shlex.join(argv)} never became ready: {proc.communicate(timeout=10)[0]}")
-        time.sleep(0.2)
+    assert argv[0] == "serve", argv
+    return start_serve(argv[1:], _env(), int(port), timeout_s=120)
 
 
 def _stop(proc: subprocess.Popen) -> int:

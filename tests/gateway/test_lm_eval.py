@@ -16,11 +16,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from live_server import start_serve, stop  # conftest puts tests/ on the path
 
 from gateway.server import free_port
 
@@ -44,26 +43,12 @@ def _offline_env(tmp: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", str(MODEL), "--served-model-name",
-                             "tiny", "--port", str(port), "--log-level", "warning"], cwd=ROOT,
-                            env=_offline_env(tmp_path_factory.mktemp("serve")),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
+    proc, url = start_serve([str(MODEL), "--served-model-name", "tiny", "--port", str(port), "--log-level",
+                             "warning"], _offline_env(tmp_path_factory.mktemp("serve")), port)
     try:
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"tandem serve never became ready: {proc.communicate(timeout=5)[0]}")
-            time.sleep(0.1)
         yield url
     finally:
-        proc.terminate()
-        proc.communicate(timeout=60)
+        stop(proc)
 
 
 def _samples(out_dir: Path) -> list[dict]:

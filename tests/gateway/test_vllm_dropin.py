@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from live_server import start_serve, stop  # conftest puts tests/ on the path
 
 from gateway.routes import Routes
 from gateway.server import build_parser, config_from_args, free_port
@@ -36,25 +37,11 @@ def server():
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_LOG_LEVEL": "warning"}
     env.pop("TANDEM_CONFIG", None)
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "models/tandem-tiny-l",
-                             "--served-model-name", "tiny", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
+    proc, url = start_serve(["models/tandem-tiny-l", "--served-model-name", "tiny", "--port", str(port)], env, port)
     try:
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"tandem serve never became ready: {proc.communicate(timeout=5)[0]}")
-            time.sleep(0.1)
         yield url
     finally:
-        proc.terminate()
-        proc.communicate(timeout=60)
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
