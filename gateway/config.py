@@ -190,12 +190,10 @@ class TandemConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Any] | None = None) -> TandemConfig:
-    """Load `path` (default: the embedded default config), apply `TANDEM_*` env overrides, validate."""
-    env = os.environ if env is None else env
-    if path is None and env.get("TANDEM_CONFIG"):
-        path = env["TANDEM_CONFIG"]
+def read_config_file(path: str | Path | None) -> tuple[Path, dict[str, Any], Path]:
+    """(the file, its parsed TOML, the folder its relative paths start from) for `path`, or the embedded default
+    when None; ConfigError for a missing file or bad TOML. The embedded default names checkpoints relative to
+    the project root; a user's file relative to itself."""
     file = Path(path) if path is not None else DEFAULT_CONFIG_PATH
     try:
         raw = tomllib.loads(file.read_text())
@@ -203,8 +201,16 @@ def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None
         raise ConfigError(f"config file {file} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
-    # The embedded default names checkpoints relative to the project root; a user's file relative to itself.
-    base = PROJECT_ROOT if path is None else file.resolve().parent
+    return file, raw, PROJECT_ROOT if path is None else file.resolve().parent
+
+
+def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> TandemConfig:
+    """Load `path` (default: the embedded default config), apply `TANDEM_*` env overrides, validate."""
+    env = os.environ if env is None else env
+    if path is None and env.get("TANDEM_CONFIG"):
+        path = env["TANDEM_CONFIG"]
+    file, raw, base = read_config_file(path)
     applied = apply_env_overrides(raw, env)
     for dotted, value in (overrides or {}).items():
         _set_path(raw, dotted.split("."), value, f"override {dotted}")

@@ -18,7 +18,6 @@ import socket
 import sys
 import threading
 import time
-import tomllib
 from asyncio import TimerHandle, Transport
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,13 +29,12 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.config import (
-    DEFAULT_CONFIG_PATH,
-    PROJECT_ROOT,
     ConfigError,
     TandemConfig,
     apply_env_overrides,
     check_checkpoints,
     config_from_dict,
+    read_config_file,
 )
 
 log = logging.getLogger("tandem.gateway")
@@ -351,14 +349,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     raw: dict[str, Any] = {}
     base = Path.cwd()
     if path is not None or args.model is None:
-        file = Path(path) if path is not None else DEFAULT_CONFIG_PATH
-        try:
-            raw = tomllib.loads(file.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {file} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
-        base = PROJECT_ROOT if path is None else file.resolve().parent
+        file, raw, base = read_config_file(path)
         source = str(file)
     else:
         source = "tandem serve " + args.model
