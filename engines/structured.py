@@ -191,13 +191,12 @@ class MaskPrefetch:
         self._pool: ThreadPoolExecutor | None = None
 
     def start(self, seqs: Seq, drafts: Mapping[int, list[int]]) -> Future | None:
-        todo = [(s.grammar, drafts.get(s.seq_id)) for s in seqs if s.grammar is not None]
+        todo = [(s.seq_id, s.grammar, drafts.get(s.seq_id)) for s in seqs if s.grammar is not None]
         if not todo:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        ids = [s.seq_id for s in seqs if s.grammar is not None]
-        return self._pool.submit(_masks_for, ids, todo)
+        return self._pool.submit(_masks_for, todo)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -205,8 +204,8 @@ class MaskPrefetch:
             self._pool = None
 
 
-def _masks_for(ids: list[int], todo: list[tuple[Grammar, list[int] | None]]) -> dict[int, torch.Tensor]:
-    return {i: g.window_masks(d) if d else g.next_mask()[None] for i, (g, d) in zip(ids, todo)}
+def _masks_for(todo: list[tuple[int, Grammar, list[int] | None]]) -> dict[int, torch.Tensor]:
+    return {i: g.window_masks(d) if d else g.next_mask()[None] for i, g, d in todo}
 
 
 def apply_masks(logits: torch.Tensor, rows: Seq[int], masks: Seq[torch.Tensor]) -> None:
