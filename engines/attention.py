@@ -124,17 +124,19 @@ class ContiguousCache:
 
 @dataclass
 class StepBatch:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    write_pages: torch.Tensor  # [T] page of each new token's K/V (slot mapping = page * block + offset)
-    write_offsets: torch.Tensor  # [T]
+    # the tensors the PyTorch forward reads are None in a step the C forward ran (ModelRunner's
+    # `_execute_cpu_forward` builds only the block tables and the sampling layout)
+    input_ids: torch.Tensor | None  # [T]
+    positions: torch.Tensor | None  # [T]
+    write_pages: torch.Tensor | None  # [T] page of each new token's K/V (slot mapping = page * block + offset)
+    write_offsets: torch.Tensor | None  # [T]
     block_tables: torch.Tensor  # [S, max_blocks]
-    query_start_loc: torch.Tensor  # [S + 1]
-    context_lens: torch.Tensor  # [S]
+    query_start_loc: torch.Tensor | None  # [S + 1]
+    context_lens: torch.Tensor | None  # [S]
     max_query_len: int
     max_context_len: int
     plan: PagedAttentionPlan | None  # torch path only
-    logits_indices: torch.Tensor  # rows of the hidden states that sample
+    logits_indices: torch.Tensor | None  # rows of the hidden states that sample
     sample_seqs: list[Sequence]  # sequences that sample, in order
     rows_per_seq: list[int]  # logits rows of each sampling sequence: 1, or 1 + k when verifying k drafts
 

@@ -7,6 +7,7 @@ The runner's contract, which the drafter's `LeanDraftRunner` keeps too: `execute
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
@@ -52,6 +53,13 @@ class ModelRunner:
             dtype = next(model.parameters()).dtype
             if dtype == torch.float32 and available() and attention_fits(torch.empty(1, 1, 1), self.k_caches[0]):
                 self.kernel_max_query = CPU_KERNEL_MAX_QUERY
+        # ... and such steps run the whole decoder stack in one C call (kernels/cpu_forward.py) where it covers
+        # the model; TANDEM_CPU_FORWARD=0 keeps the PyTorch forward
+        self.cpu_forward = None
+        if self.kernel_max_query and os.environ.get("TANDEM_CPU_FORWARD", "1") != "0":
+            from kernels.cpu_forward import CpuForward
+
+            self.cpu_forward = CpuForward.build(model, self.k_caches, self.v_caches)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
         """Replay decode-only steps of up to `max_batch` sequences from CUDA graphs (Triton attention only);
@@ -116,6 +124,8 @@ class ModelRunner:
         returns fp32 logits for the sequences that sample, in `batch.sample_seqs` order: one row each, or
         1 + k consecutive rows for a sequence verifying k drafts (`rows_per_seq`), the distributions after its
         last known token and after each draft."""
+        if self.cpu_forward is not None and max(num_tokens) <= self.kernel_max_query:
+            return self._execute_cpu_forward(seqs, num_tokens, drafts)
         batch = self.prepare(seqs, num_tokens, drafts)
         if self.decode_graphs is not None and self.decode_graphs.fits(batch):
             hidden = self.decode_graphs.run(batch)
@@ -126,3 +136,45 @@ class ModelRunner:
         if not batch.sample_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), batch
         return self.model.compute_logits(hidden[batch.logits_indices]), batch
+
+    def _execute_cpu_forward(self, seqs: Seq[Sequence], num_tokens: Seq[int],
+                             drafts: Mapping[int, list[int]] | None) -> tuple[torch.Tensor, StepBatch]:
+        """`execute` through `CpuForward`: the index arrays built in one pass, the stack in one call."""
+        ids: list[int] = []
+        positions: list[int] = []
+        meta: list[list[int]] = [[], [], [], []]  # first row, query count, context length, table row
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        rows_per_seq: list[int] = []
+        max_blocks = max(len(s.pages) for s in seqs)
+        row = 0
+        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
+            c = seq.num_computed
+            toks = seq.token_ids[c:c + n]
+            k = n - len(toks)
+            if k:
+                toks = toks + drafts[seq.seq_id][:k]
+            ids.extend(toks)
+            positions.extend(range(c, c + n))
+            meta[0].append(row)
+            meta[1].append(n)
+            meta[2].append(c + n)
+            meta[3].append(i)
+            row += n
+            if c + n - k == seq.num_tokens:
+                sample_rows.extend(range(row - 1 - k, row))
+                sample_seqs.append(seq)
+                rows_per_seq.append(1 + k)
+        tables = torch.tensor([s.pages + [s.pages[0]] * (max_blocks - len(s.pages)) for s in seqs],
+                              dtype=torch.long)
+        hidden = self.cpu_forward.forward(torch.tensor(ids, dtype=torch.long),
+                                          torch.tensor(positions, dtype=torch.long), tables,
+                                          torch.tensor(meta, dtype=torch.long), max(meta[2]))
+        batch = StepBatch(input_ids=None, positions=None, write_pages=None, write_offsets=None, block_tables=tables,
+                          query_start_loc=None, context_lens=None, max_query_len=max(num_tokens),
+                          max_context_len=max(meta[2]), plan=None, logits_indices=None, sample_seqs=sample_seqs,
+                          rows_per_seq=rows_per_seq)
+        if not sample_seqs:
+            return hidden.new_empty((0, 0), dtype=torch.float32), batch
+        rows = hidden if len(sample_rows) == len(ids) else hidden[torch.tensor(sample_rows, dtype=torch.long)]
+        return self.cpu_forward.logits(rows), batch

@@ -28,74 +28,106 @@ int tk_has_avx2(void) { return TK_AVX2; }
 
 /* ---- float32 linear over wt [K, N] (row stride ldw) ------------------------------------------------------ */
 
+/* An external SGEMM (the Fortran-ABI `SGEMM` of the MKL that torch ships, its address given by
+ * tk_set_sgemm): the many-row case, where a blocked, packed GEMM is 2x our register tiles. NULL: ours. */
+typedef void (*tk_sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                            const float *, const int *, const float *, const int *, const float *, float *,
+                            const int *);
+static tk_sgemm_fn tk_sgemm = 0;
+void tk_set_sgemm(void *fn) { tk_sgemm = (tk_sgemm_fn)fn; }
+
+/* up to this many rows stream the weight (each byte read once, in address order; the rows' outputs stay in
+ * L1); more rows in blocks of STREAM_ROWS, or the external SGEMM from SGEMM_MIN_ROWS rows */
+#define STREAM_ROWS 4
+#define SGEMM_MIN_ROWS 13
+
 #if TK_AVX2
-#define TK_DEF_LIN(MR, NV)                                                                                     \
-    static void lin_##MR##_##NV(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y, \
-                                int64_t ldy, const float *bias) {                                            \
-        __m256 acc[MR][NV];                                                                                    \
-        for (int r = 0; r < MR; r++)                                                                           \
-            for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_ps();                                      \
-        for (int64_t k = 0; k < K; k++) {                                                                      \
-            const float *wr = w + k * ldw;                                                                     \
-            __m256 wv[NV];                                                                                     \
-            for (int v = 0; v < NV; v++) wv[v] = _mm256_loadu_ps(wr + 8 * v);                                  \
+/* y[MR rows, n0:n1] (+)= x[MR, K] @ w[K, n0:n1]: four weight rows per pass over y */
+#define TK_DEF_STREAM(MR)                                                                                      \
+    static void stream_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y,   \
+                            int64_t ldy, int64_t n0, int64_t n1) {                                            \
+        for (int r = 0; r < MR; r++) memset(y + r * ldy + n0, 0, sizeof(float) * (size_t)(n1 - n0));         \
+        int64_t k = 0;                                                                                         \
+        for (; k + 4 <= K; k += 4) {                                                                           \
+            const float *w0 = w + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;                   \
+            __m256 xb[MR][4];                                                                                  \
+            for (int r = 0; r < MR; r++)                                                                       \
+                for (int j = 0; j < 4; j++) xb[r][j] = _mm256_broadcast_ss(x + r * ldx + k + j);              \
+            int64_t n = n0;                                                                                    \
+            for (; n + 8 <= n1; n += 8) {                                                                      \
+                __m256 a = _mm256_loadu_ps(w0 + n), b = _mm256_loadu_ps(w1 + n);                               \
+                __m256 c = _mm256_loadu_ps(w2 + n), d = _mm256_loadu_ps(w3 + n);                               \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    float *yr = y + r * ldy + n;                                                               \
+                    __m256 acc = _mm256_loadu_ps(yr);                                                          \
+                    acc = _mm256_fmadd_ps(xb[r][0], a, acc);                                                   \
+                    acc = _mm256_fmadd_ps(xb[r][1], b, acc);                                                   \
+                    acc = _mm256_fmadd_ps(xb[r][2], c, acc);                                                   \
+                    acc = _mm256_fmadd_ps(xb[r][3], d, acc);                                                   \
+                    _mm256_storeu_ps(yr, acc);                                                                 \
+                }                                                                                              \
+            }                                                                                                  \
+            for (; n < n1; n++)                                                                                \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    const float *xr = x + r * ldx + k;                                                         \
+                    y[r * ldy + n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];          \
+                }                                                                                              \
+        }                                                                                                      \
+        for (; k < K; k++) {                                                                                   \
+            const float *wk = w + k * ldw;                                                                     \
             for (int r = 0; r < MR; r++) {                                                                     \
-                __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                              \
-                for (int v = 0; v < NV; v++) acc[r][v] = _mm256_fmadd_ps(xb, wv[v], acc[r][v]);                \
+                float xv = x[r * ldx + k];                                                                     \
+                for (int64_t n = n0; n < n1; n++) y[r * ldy + n] += xv * wk[n];                               \
             }                                                                                                  \
         }                                                                                                      \
-        for (int r = 0; r < MR; r++)                                                                           \
-            for (int v = 0; v < NV; v++) {                                                                     \
-                __m256 o = acc[r][v];                                                                          \
-                if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias + 8 * v));                                 \
-                _mm256_storeu_ps(y + r * ldy + 8 * v, o);                                                      \
-            }                                                                                                  \
     }
-TK_DEF_LIN(1, 8)
-TK_DEF_LIN(2, 6)
-TK_DEF_LIN(3, 4)
-TK_DEF_LIN(4, 3)
-TK_DEF_LIN(1, 1)
-TK_DEF_LIN(2, 1)
-TK_DEF_LIN(3, 1)
-TK_DEF_LIN(4, 1)
-
-typedef void (*lin_fn)(const float *, int64_t, int64_t, const float *, int64_t, float *, int64_t, const float *);
-static const lin_fn LIN_WIDE[5] = {0, lin_1_8, lin_2_6, lin_3_4, lin_4_3};
-static const int LIN_NV[5] = {0, 8, 6, 4, 3};
-static const lin_fn LIN_ONE[5] = {0, lin_1_1, lin_2_1, lin_3_1, lin_4_1};
+TK_DEF_STREAM(1)
+TK_DEF_STREAM(2)
+TK_DEF_STREAM(3)
+TK_DEF_STREAM(4)
+typedef void (*stream_fn)(const float *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t,
+                          int64_t);
+static const stream_fn STREAM[5] = {0, stream_1, stream_2, stream_3, stream_4};
 #endif
 
-/* columns [n0, n1) of rows [0, M) */
+/* columns [n0, n1) of rows [0, M), bias added */
 static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, const float *bias,
                         float *y, int64_t N, int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        int mr = (int)(M - m0 < 4 ? M - m0 : 4);
-        const float *xm = x + m0 * K;
-        float *ym = y + m0 * N;
-        int64_t n = n0;
+    for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
+        int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
 #if TK_AVX2
-        int64_t width = 8 * LIN_NV[mr];
-        for (; n + width <= n1; n += width)
-            LIN_WIDE[mr](xm, K, K, wt + n, ldw, ym + n, N, bias ? bias + n : 0);
-        for (; n + 8 <= n1; n += 8) LIN_ONE[mr](xm, K, K, wt + n, ldw, ym + n, N, bias ? bias + n : 0);
-#endif
-        for (; n < n1; n++)
-            for (int r = 0; r < mr; r++) {
+        STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
+#else
+        for (int r = 0; r < mr; r++)
+            for (int64_t n = n0; n < n1; n++) {
                 float s = 0.f;
-                for (int64_t k = 0; k < K; k++) s += xm[r * K + k] * wt[k * ldw + n];
-                ym[r * N + n] = s + (bias ? bias[n] : 0.f);
+                for (int64_t k = 0; k < K; k++) s += x[(m0 + r) * K + k] * wt[k * ldw + n];
+                y[(m0 + r) * N + n] = s;
             }
+#endif
+        if (bias)
+            for (int r = 0; r < mr; r++)
+                for (int64_t n = n0; n < n1; n++) y[(m0 + r) * N + n] += bias[n];
     }
 }
 
 void tk_linear_f32(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, int64_t N,
                    const float *bias, float *y, int nthreads) {
+    if (tk_sgemm && M >= SGEMM_MIN_ROWS && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)) {
+        /* row-major y[M,N] = x[M,K] wt[K,N] is column-major y^T = wt^T x^T */
+        int n = (int)N, m = (int)M, k = (int)K, lw = (int)ldw;
+        float one = 1.f, zero = 0.f;
+        tk_sgemm("N", "N", &n, &m, &k, &one, wt, &lw, x, &k, &zero, y, &n);
+        if (bias)
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t c = 0; c < N; c++) y[r * N + c] += bias[c];
+        return;
+    }
     if (nthreads <= 1 || N < 128) {
         linear_cols(x, M, K, wt, ldw, bias, y, N, 0, N);
         return;
     }
-    int64_t chunk = ((N + nthreads - 1) / nthreads + 63) / 64 * 64;
+    int64_t chunk = ((N + nthreads - 1) / nthreads + 15) / 16 * 16;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int t = 0; t < nthreads; t++) {
         int64_t a = t * chunk, b = a + chunk < N ? a + chunk : N;
@@ -149,6 +181,27 @@ TK_DEF_I8(3)
 TK_DEF_I8(4)
 typedef void (*i8_fn)(const float *, int64_t, const int8_t *, const int8_t *, float *, float *);
 static const i8_fn I8[5] = {0, i8_2x1, i8_2x2, i8_2x3, i8_2x4};
+
+/* one activation row, four weight rows, two accumulators each (eight FMA chains: the one-row GEMV is
+ * bound by converting int8 to float, not by the FMA latency) */
+static void i8_4x1(const float *x, int64_t K, const int8_t *q, float *s) {
+    __m256 a[4][2];
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int i = 0; i < 4; i++) {
+            const int8_t *qi = q + i * K + k;
+            a[i][0] = _mm256_fmadd_ps(x0, i8x8(qi), a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(x1, i8x8(qi + 8), a[i][1]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        float t = hsum256(_mm256_add_ps(a[i][0], a[i][1]));
+        for (int64_t j = k; j < K; j++) t += x[j] * q[i * K + j];
+        s[i] = t;
+    }
+}
 #endif
 
 /* rows [n0, n1) of the weight for every x row: two weight rows at a time (read from memory once; the
@@ -158,6 +211,11 @@ static void linear_i8_rows(const float *x, int64_t M, int64_t K, const int8_t *q
     int64_t n = n0;
 #if TK_AVX2
     float s0[4], s1[4];
+    if (M == 1)
+        for (; n + 4 <= n1; n += 4) {
+            i8_4x1(x, K, q + n * K, s0);
+            for (int i = 0; i < 4; i++) y[n + i] = s0[i] * scale[n + i] + (bias ? bias[n + i] : 0.f);
+        }
     for (; n + 2 <= n1; n += 2) {
         const int8_t *q0 = q + n * K, *q1 = q0 + K;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -217,7 +275,7 @@ static inline void axpy_f(float *y, float a, const float *x, int64_t D) {
 
 typedef struct {
     const float *q, *kc, *vc;
-    int64_t Hq, Hkv, D, bs, page_stride, tok_stride, head_stride, max_blocks;
+    int64_t Hq, Hkv, D, bs, page_stride, tok_stride, head_stride, max_blocks, q_ld, o_ld;
     const int64_t *block_tables, *qstart, *qlen, *ctx, *rows;
     float scale;
     float *out;
@@ -232,8 +290,8 @@ static void attend_one(const attn_args *a, int64_t s, int64_t g, float *p) {
     const float *kbase = a->kc + g * a->head_stride, *vbase = a->vc + g * a->head_stride;
     for (int64_t i = 0; i < qlen; i++) {
         int64_t n = ctx - qlen + i + 1; /* keys 0 .. n-1 */
-        const float *qi = a->q + ((q0 + i) * a->Hq + g * rep) * D;
-        float *oi = a->out + ((q0 + i) * a->Hq + g * rep) * D;
+        const float *qi = a->q + (q0 + i) * a->q_ld + g * rep * D;
+        float *oi = a->out + (q0 + i) * a->o_ld + g * rep * D;
         for (int64_t r = 0; r < rep; r++) {
             float *pr = p + r * ctx;
             float mx = -INFINITY;
@@ -263,14 +321,22 @@ static void attend_one(const attn_args *a, int64_t s, int64_t g, float *p) {
 /* S sequences: sequence s's qlen[s] queries start at row qstart[s] of q [T, Hq, D] and are the last qlen[s]
  * of its ctx[s] positions; its pages are row rows[s] of block_tables [*, max_blocks]. Rows of `out` that no
  * sequence names are left as they are. */
+static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthreads);
+
 int tk_paged_attention_f32(const float *q, int64_t Hq, int64_t D, const float *kc, const float *vc, int64_t Hkv,
                            int64_t bs, int64_t page_stride, int64_t tok_stride, int64_t head_stride,
                            const int64_t *block_tables, int64_t max_blocks, const int64_t *qstart,
                            const int64_t *qlen, const int64_t *ctx, const int64_t *rows, int64_t S, int64_t max_ctx,
                            float scale, float *out, int nthreads) {
-    attn_args a = {q, kc, vc, Hq, Hkv, D, bs, page_stride, tok_stride, head_stride, max_blocks, block_tables,
-                   qstart, qlen, ctx, rows, scale, out};
-    int64_t rep = Hq / Hkv, work = S * Hkv;
+    attn_args a = {q, kc, vc, Hq, Hkv, D, bs, page_stride, tok_stride, head_stride, max_blocks, Hq * D, Hq * D,
+                   block_tables, qstart, qlen, ctx, rows, scale, out};
+    return attend_all(&a, S, max_ctx, nthreads);
+}
+
+static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthreads) {
+    const attn_args a = *ap;
+    int64_t Hkv = a.Hkv;
+    int64_t rep = a.Hq / Hkv, work = S * Hkv;
     size_t need = sizeof(float) * (size_t)(rep * (max_ctx > 0 ? max_ctx : 1));
     if (nthreads <= 1 || work < 2) {
         float *p = (float *)malloc(need);
@@ -327,3 +393,138 @@ void tk_rope_f32(float *x, int64_t T, int64_t ldx, int64_t h0, int64_t h1, int64
     }
 }
 #pragma GCC pop_options
+
+/* ---- a Llama-family decoder stack in one call ---------------------------------------------------------------
+ * For steps whose every sequence runs at most a few queries (decodes, verify windows, short chunks): the
+ * whole forward of T tokens without returning to Python, so a tiny model's step costs its weight reads, not
+ * ~100 framework ops of dispatch. Same math as engines.model.Transformer.forward over the paged pool (float
+ * rounding aside: the GEMV sums in another order). Weights are float32 `wt [K, N]` (row stride ld) or
+ * weight-only int8 `q [N, K]` with per-row scales. */
+
+typedef struct {
+    const void *w; /* float32 wt [K, N] (row stride ld) or int8 q [N, K] */
+    const float *scale; /* int8: [N]; NULL for float32 */
+    const float *bias;  /* [N] or NULL */
+    int64_t ld;
+} tk_lin;
+
+typedef struct {
+    const float *in_norm, *post_norm; /* [H] */
+    tk_lin qkv, o, gate_up, down;     /* qkv: [H -> (Hq + 2 Hkv) D], gate_up: [H -> 2 I] (gate then up) */
+    float *kc, *vc;                   /* this layer's caches [pages, bs, Hkv, D] (token/head dense) */
+} tk_layer;
+
+typedef struct {
+    int64_t L, H, Hq, Hkv, D, I, bs, page_stride, tok_stride, head_stride;
+    float eps, attn_scale;
+    const float *embed; /* [V, H] at strides (embed_s0, embed_s1) */
+    int64_t embed_s0, embed_s1;
+    const float *final_norm; /* [H] */
+    const float *inv_freq;   /* [D / 2] */
+    const tk_layer *layers;
+} tk_model;
+
+static void lin_apply(const tk_lin *l, const float *x, int64_t M, int64_t K, int64_t N, float *y, int nthreads) {
+    if (l->scale)
+        tk_linear_i8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);
+    else
+        tk_linear_f32(x, M, K, (const float *)l->w, l->ld, N, l->bias, y, nthreads);
+}
+
+/* out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), as engines.model.RMSNorm rounds it */
+static void rms_norm(const float *x, int64_t T, int64_t H, const float *w, float eps, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * H;
+        float ss = 0.f;
+        int64_t h = 0;
+#if TK_AVX2
+        __m256 acc = _mm256_setzero_ps();
+        for (; h + 8 <= H; h += 8) {
+            __m256 v = _mm256_loadu_ps(xr + h);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        ss = hsum256(acc);
+#endif
+        for (; h < H; h++) ss += xr[h] * xr[h];
+        float r = 1.f / sqrtf(ss / (float)H + eps);
+        float *o = out + t * H;
+        for (h = 0; h < H; h++) o[h] = w[h] * (xr[h] * r);
+    }
+}
+
+static inline void add_into(float *x, const float *y, int64_t n) {
+    int64_t i = 0;
+#if TK_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) x[i] += y[i];
+}
+
+/* T tokens `ids` at `pos`; S sequences: sequence s's qlen[s] tokens start at row qstart[s] and are the last
+ * qlen[s] of its ctx[s] positions, its pages row rows[s] of block_tables [*, max_blocks] (int64). Writes
+ * this step's K/V into the pages, attends, and leaves the final-normed hidden states in out [T, H].
+ * Returns 0, or 1 when a scratch allocation failed. */
+int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64_t *pos,
+                   const int64_t *block_tables, int64_t max_blocks, const int64_t *qstart, const int64_t *qlen,
+                   const int64_t *ctx, const int64_t *rows, int64_t S, int64_t max_ctx, float *out, int nthreads) {
+    const int64_t H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv, I = m->I, half = D / 2;
+    const int64_t nqkv = (Hq + 2 * Hkv) * D, nq = Hq * D, nkv = Hkv * D;
+    int64_t width = nqkv > 2 * I ? nqkv : 2 * I;
+    size_t floats = (size_t)T * (size_t)(3 * H + width + nq + I + 2 * D);
+    float *buf = (float *)malloc(sizeof(float) * floats);
+    int64_t *slot = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)(T > 0 ? T : 1));
+    if (!buf || !slot) {
+        free(buf);
+        free(slot);
+        return 1;
+    }
+    float *x = buf, *h = x + T * H, *y = h + T * H, *wide = y + T * H, *att = wide + T * width,
+          *act = att + T * nq, *cs = act + T * I, *sn = cs + T * D;
+    for (int64_t t = 0; t < T; t++) {
+        const float *e = m->embed + ids[t] * m->embed_s0;
+        for (int64_t c = 0; c < H; c++) x[t * H + c] = e[c * m->embed_s1];
+        float p = (float)pos[t];
+        for (int64_t d = 0; d < half; d++) {
+            float f = p * m->inv_freq[d];
+            cs[t * D + d] = cs[t * D + d + half] = cosf(f);
+            sn[t * D + d] = sn[t * D + d + half] = sinf(f);
+        }
+    }
+    /* each token's slot: page and offset from its sequence's table */
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t i = 0; i < qlen[s]; i++) {
+            int64_t t = qstart[s] + i, p = ctx[s] - qlen[s] + i;
+            slot[2 * t] = block_tables[rows[s] * max_blocks + p / m->bs];
+            slot[2 * t + 1] = p % m->bs;
+        }
+    int rc = 0;
+    for (int64_t l = 0; l < m->L && !rc; l++) {
+        const tk_layer *ly = m->layers + l;
+        rms_norm(x, T, H, ly->in_norm, m->eps, h);
+        lin_apply(&ly->qkv, h, T, H, nqkv, wide, nthreads);
+        tk_rope_f32(wide, T, nqkv, 0, Hq + Hkv, D, cs, sn);
+        for (int64_t t = 0; t < T; t++) {
+            int64_t at = slot[2 * t] * m->page_stride + slot[2 * t + 1] * m->tok_stride;
+            memcpy(ly->kc + at, wide + t * nqkv + nq, sizeof(float) * (size_t)nkv);
+            memcpy(ly->vc + at, wide + t * nqkv + nq + nkv, sizeof(float) * (size_t)nkv);
+        }
+        attn_args a = {wide, ly->kc, ly->vc, Hq, Hkv, D, m->bs, m->page_stride, m->tok_stride, m->head_stride,
+                       max_blocks, nqkv, nq, block_tables, qstart, qlen, ctx, rows, m->attn_scale, att};
+        rc = attend_all(&a, S, max_ctx, nthreads);
+        lin_apply(&ly->o, att, T, nq, H, y, nthreads);
+        add_into(x, y, T * H);
+        rms_norm(x, T, H, ly->post_norm, m->eps, h);
+        lin_apply(&ly->gate_up, h, T, H, 2 * I, wide, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            const float *g = wide + t * 2 * I, *u = g + I;
+            float *o = act + t * I;
+            for (int64_t c = 0; c < I; c++) o[c] = g[c] / (1.f + expf(-g[c])) * u[c];
+        }
+        lin_apply(&ly->down, act, T, I, H, y, nthreads);
+        add_into(x, y, T * H);
+    }
+    if (!rc) rms_norm(x, T, H, m->final_norm, m->eps, out);
+    free(buf);
+    free(slot);
+    return rc;
+}

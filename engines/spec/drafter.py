@@ -25,7 +25,7 @@ def _plain_params(p: SamplingParams, vocab: int) -> bool:
 
 class Drafter:
     """Drafts with `model` through `runner` (the small engine's), or through the lean CPU runner when it
-    supports the model and a pass has few tokens per sequence."""
+    supports the model, the runner has no C forward, and a pass has few tokens per sequence."""
 
     def __init__(self, model: torch.nn.Module, runner, pool: KVPool, model_id: int):
         self.model = model
@@ -33,8 +33,11 @@ class Drafter:
         self.pool = pool
         self.model_id = model_id
         self.block_size = pool.block_size
+        # the runner's one-call C forward (kernels/cpu_forward.py) beats the lean runner's torch ops wherever
+        # it covers the model
         self.lean = (LeanDraftRunner(model, runner.kv_view, self.block_size)
-                     if LeanDraftRunner.supported(model, runner) else None)
+                     if getattr(runner, "cpu_forward", None) is None and LeanDraftRunner.supported(model, runner)
+                     else None)
         self.num_prefix_hit_tokens = 0  # draft KV found in the prefix cache (e.g. the small engine's prompts)
         self.caught_up = False  # the latest `draft` first computed a sequence's missed tokens (not a steady step)
 

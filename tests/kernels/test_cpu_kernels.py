@@ -31,7 +31,7 @@ needs_kernels = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unav
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 13, 33])
 @pytest.mark.parametrize("n,k", [(256, 256), (704, 256), (37, 19), (4096, 64), (8, 3)])
 def test_linear_matches_torch(m, n, k):
     g = torch.Generator().manual_seed(n * 31 + k + m)
@@ -45,7 +45,7 @@ def test_linear_matches_torch(m, n, k):
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("n,k", [(256, 256), (30, 45), (7, 8)])
+@pytest.mark.parametrize("n,k", [(256, 256), (30, 45), (7, 8), (6, 40), (4096, 64)])
 def test_linear_int8_matches_reference(m, n, k):
     from kernels.quant_matmul import quantize_int8
 

@@ -1,0 +1,202 @@
+"""The whole decoder stack of a Llama-family model in one C call (`tk_forward_f32` in kernels/cpu_kernels.c) for
+CPU steps whose every sequence runs a few queries (decodes, verify windows, short chunks).
+
+A tiny model's decode step through PyTorch is ~100 framework ops (norms, matmuls, RoPE, residuals), each
+~5-20 us of dispatch: more than the arithmetic. Here Python builds the step's index arrays once and C runs
+every layer: the projections stream each weight once (float32 `wt [K, N]`, the column-major layout
+`engines.model.cpu_weight_layout` stores, or weight-only int8 `[N, K]` with per-row scales), many-row steps
+call the MKL SGEMM torch ships, K/V go into their pages and attention reads the pages in place.
+
+`CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (Qwen3's q/k norm, a
+sliding window, int4, bfloat16 weights, biases on norms...); those keep the PyTorch forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kernels import cpu_kernels
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _PTR), ("post_norm", _PTR), ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin),
+                ("down", _Lin), ("kc", _PTR), ("vc", _PTR)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, _I64) for n in ("L", "H", "Hq", "Hkv", "D", "I", "bs", "page_stride", "tok_stride",
+                                    "head_stride")] + [
+        ("eps", _F32), ("attn_scale", _F32), ("embed", _PTR), ("embed_s0", _I64), ("embed_s1", _I64),
+        ("final_norm", _PTR), ("inv_freq", _PTR), ("layers", ctypes.POINTER(_Layer))]
+
+
+_sgemm_set = False
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The forward's signature, and the MKL SGEMM of the torch build (when it exports one) for many-row steps."""
+    global _sgemm_set
+    if not _sgemm_set:
+        lib.tk_forward_f32.argtypes = [ctypes.POINTER(_Model), _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                                       _PTR, _I64, _I64, _PTR, ctypes.c_int]
+        lib.tk_forward_f32.restype = ctypes.c_int
+        lib.tk_set_sgemm.argtypes = [_PTR]
+        lib.tk_set_sgemm.restype = None
+        lib.tk_set_sgemm(sgemm_address())
+        _sgemm_set = True
+    return lib
+
+
+def sgemm_address() -> int | None:
+    """The address of `SGEMM` (Fortran ABI, 32-bit ints) in the MKL linked into torch, or None."""
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        fn = ctypes.CDLL(str(path)).SGEMM
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuForward:
+    """`forward(ids, positions, tables, seqs, max_ctx) -> hidden [T, H]` over the model's pool view."""
+
+    def __init__(self, model: nn.Module, layers: list[_Layer], keep: list[torch.Tensor], k_cache: torch.Tensor):
+        cfg = model.config
+        self.lib = _bind(cpu_kernels.load())
+        self.hidden = cfg.hidden_size
+        # every tensor the C structs point into (detached aliases: their storage stays alive even if a module's
+        # `.data` is rebound later)
+        self._keep = keep + [model.model.embed_tokens.weight.detach(), model.model.norm.weight.detach()] + [
+            p.detach() for lay in model.model.layers
+            for p in (lay.input_layernorm.weight, lay.post_attention_layernorm.weight)]
+        self._layers = (_Layer * len(layers))(*layers)
+        emb = model.model.embed_tokens.weight
+        self._inv_freq = model.inv_freq.float().contiguous()
+        self._model = _Model(
+            L=cfg.num_layers, H=cfg.hidden_size, Hq=cfg.num_heads, Hkv=cfg.num_kv_heads, D=cfg.head_dim,
+            I=cfg.intermediate_size, bs=k_cache.shape[1], page_stride=k_cache.stride(0),
+            tok_stride=k_cache.stride(1), head_stride=k_cache.stride(2), eps=cfg.rms_norm_eps,
+            attn_scale=cfg.head_dim ** -0.5, embed=emb.data_ptr(), embed_s0=emb.stride(0), embed_s1=emb.stride(1),
+            final_norm=model.model.norm.weight.data_ptr(), inv_freq=self._inv_freq.data_ptr(), layers=self._layers)
+        self._mref = ctypes.byref(self._model)
+        head = model.lm_head
+        self._head = head.weight if (type(head) is nn.Linear and head.bias is None
+                                     and cpu_kernels.linear_fits(torch.empty(1, 1), head.weight)) else None
+        self._model_ref = model
+
+    @classmethod
+    def build(cls, model: nn.Module, k_caches: Seq[torch.Tensor], v_caches: Seq[torch.Tensor]
+              ) -> CpuForward | None:
+        """The fast forward for `model` over these per-layer caches, or None where it does not apply."""
+        from engines.model import Attention, Transformer
+
+        if not isinstance(model, Transformer) or not cpu_kernels.available():
+            return None
+        cfg = model.config
+        if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim % 2:
+            return None
+        emb = model.model.embed_tokens.weight
+        if emb.dtype != torch.float32 or emb.device.type != "cpu" or model.inv_freq.device.type != "cpu":
+            return None
+        if not cpu_kernels.attention_fits(torch.empty(1, 1, 1), k_caches[0]):
+            return None
+        keep: list[torch.Tensor] = []
+        layers = []
+        for i, lay in enumerate(model.model.layers):
+            att, mlp = lay.self_attn, lay.mlp
+            if not isinstance(att, Attention) or type(lay.input_layernorm.weight) is not nn.Parameter:
+                return None
+            qkv = _lin_group([att.q_proj, att.k_proj, att.v_proj], att.fused, keep)
+            gu = _lin_group([mlp.gate_proj, mlp.up_proj], mlp.fused, keep)
+            o, down = _lin_group([att.o_proj], None, keep), _lin_group([mlp.down_proj], None, keep)
+            norms = (lay.input_layernorm.weight, lay.post_attention_layernorm.weight)
+            if None in (qkv, gu, o, down) or any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+                return None
+            kc, vc = k_caches[i], v_caches[i]
+            if kc.stride() != k_caches[0].stride() or vc.stride() != kc.stride():
+                return None
+            layers.append(_Layer(in_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), qkv=qkv, o=o,
+                                 gate_up=gu, down=down, kc=kc.data_ptr(), vc=vc.data_ptr()))
+        if model.model.norm.weight.dtype != torch.float32:
+            return None
+        return cls(model, layers, keep, k_caches[0])
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
+                max_ctx: int) -> torch.Tensor:
+        """ids/positions [T] int64; tables [S, max_blocks] int64 contiguous; seqs [4, S] int64 (first row,
+        query count, context length, table row per sequence). Writes the step's K/V; returns [T, H] float32."""
+        t = ids.shape[0]
+        out = torch.empty((t, self.hidden), dtype=torch.float32)
+        n = seqs.shape[1]
+        p = seqs.data_ptr()
+        rc = self.lib.tk_forward_f32(self._mref, t, ids.data_ptr(), positions.data_ptr(), tables.data_ptr(),
+                                     tables.shape[1], p, p + 8 * n, p + 16 * n, p + 24 * n, n, max_ctx,
+                                     out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError("cpu forward: scratch allocation failed")
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of hidden rows [N, H]: the head through the streaming GEMV / SGEMM where it is a plain
+        column-major float32 Linear, else the model's own `compute_logits`."""
+        if self._head is not None:
+            return cpu_kernels.linear(hidden, self._head)
+        return self._model_ref.compute_logits(hidden)
+
+
+def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.Tensor]) -> _Lin | None:
+    """One projection over the same input: float32 (the fused [K, sum N] weight of cpu_weight_layout, or one
+    column-major weight) or int8 QuantLinears (their rows stacked into one [sum N, K] weight the modules then
+    view, so nothing is stored twice)."""
+    from kernels.quant_matmul import QuantLinear
+
+    if all(type(lin) is nn.Linear for lin in linears):
+        if fused is not None:
+            w, b, _ = fused
+        elif len(linears) == 1:
+            w, b = linears[0].weight.t(), linears[0].bias
+        else:
+            return None
+        if w.dtype != torch.float32 or w.device.type != "cpu" or w.stride(1) != 1:
+            return None
+        keep.append(w)  # a later cpu_weight_layout of the same module (a second engine) may rebind it
+        if b is not None:
+            b = b.detach().float().contiguous()
+            keep.append(b)
+        return _Lin(w=w.data_ptr(), scale=None, bias=_ptr(b), ld=w.stride(0))
+    if all(isinstance(lin, QuantLinear) and lin.mode == "int8" and lin.weight.device.type == "cpu"
+           for lin in linears):
+        if len({lin.bias is None for lin in linears}) != 1:
+            return None
+        with torch.no_grad():
+            if len(linears) == 1:
+                q, s = linears[0].weight.contiguous(), linears[0].scale.float().contiguous()
+            else:
+                q = torch.cat([lin.weight for lin in linears]).contiguous()
+                s = torch.cat([lin.scale.float() for lin in linears]).contiguous()
+                start = 0
+                for lin in linears:
+                    n = lin.out_features
+                    lin.weight.data, lin.scale.data = q[start:start + n], s[start:start + n]
+                    start += n
+            b = None
+            if linears[0].bias is not None:
+                b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
+        keep.extend([q, s] + ([b] if b is not None else []))
+        return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1])
+    return None

@@ -1,0 +1,178 @@
+"""kernels/cpu_forward: the one-call C decoder stack against the PyTorch forward, the way traffic arrives:
+mixed batches of decodes, verify windows and chunks over shared pages, float32 and int8 weights, GQA, Qwen2's
+q/k/v bias; and whole engines (prefix hits, n > 1, sampling with seeds, speculation) with it on and off."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_kernels as ck
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.build_error}")]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from tiny_checkpoints import build_checkpoint
+
+    base = tmp_path_factory.mktemp("cpu_forward")
+    return {"llama-gqa": build_checkpoint(base / "llama", "llama", hidden_size=64, num_layers=2, num_heads=4,
+                                          num_kv_heads=2, seed=3),
+            "qwen2-bias": build_checkpoint(base / "qwen2", "qwen2", hidden_size=64, num_layers=2, num_heads=4,
+                                           num_kv_heads=1, seed=4)}
+
+
+def _engine(path, **opts):
+    from engines import LLM
+
+    return LLM(path, max_model_len=256, **opts)
+
+
+def _requests(seed: int, n: int, vocab: int):
+    from engines import SamplingParams
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(4, vocab) for _ in range(40)]
+    prompts, params = [], []
+    for _ in range(n):
+        own = [rng.randrange(4, vocab) for _ in range(rng.randrange(1, 60))]
+        prompts.append((shared[:rng.choice([0, 16, 33, 40])] + own) or [5])
+        if rng.random() < 0.5:
+            params.append(SamplingParams(temperature=0, max_tokens=rng.randrange(1, 30), ignore_eos=True,
+                                         logprobs=2))
+        else:
+            params.append(SamplingParams(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
+                                         seed=rng.randrange(1 << 30), n=rng.choice([1, 2]),
+                                         max_tokens=rng.randrange(1, 30), ignore_eos=True, logprobs=2))
+    return prompts, params
+
+
+def _run(llm, prompts, params, fast: bool):
+    runner = llm.engine.runner
+    saved = runner.cpu_forward
+    if not fast:
+        runner.cpu_forward = None
+    try:
+        return llm.generate(prompts, params)
+    finally:
+        runner.cpu_forward = saved
+
+
+def _compare(a, b, logprob_tol=2e-4):
+    """Same tokens, and each chosen token's logprob to float tolerance."""
+    for ra, rb in zip(a, b):
+        for ca, cb in zip(ra.outputs, rb.outputs):
+            assert ca.token_ids == cb.token_ids
+            for la, lb, tok in zip(ca.logprobs, cb.logprobs, ca.token_ids):
+                assert abs(la[tok].logprob - lb[tok].logprob) < logprob_tol
+
+
+@pytest.mark.parametrize("name,quant", [("llama-gqa", "none"), ("qwen2-bias", "none"), ("llama-gqa", "int8")])
+def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant):
+    llm = _engine(checkpoints[name], quantization=quant, max_num_batched_tokens=96)
+    assert llm.engine.runner.cpu_forward is not None
+    for seed in range(3):
+        prompts, params = _requests(seed, 12, 384)
+        _compare(_run(llm, prompts, params, fast=True), _run(llm, prompts, params, fast=False))
+
+
+def test_step_logits_match_on_mixed_batches(checkpoints):
+    """Random steps straight through the runner: decodes, verify windows (drafts) and chunks of up to 32
+    queries in one batch, each against the torch forward on a copy of the same pages."""
+
+    llm = _engine(checkpoints["llama-gqa"])
+    runner = llm.engine.runner
+    fast = runner.cpu_forward
+    rng = random.Random(7)
+    pool = llm.core.pool
+
+    class S:  # the few Sequence fields the runner reads
+        def __init__(self, sid, toks, pages, computed):
+            self.seq_id, self.token_ids, self.pages, self.num_computed = sid, toks, pages, computed
+
+        @property
+        def num_tokens(self):
+            return len(self.token_ids)
+
+    bs = runner.block_size
+    for _ in range(20):
+        seqs, num, drafts = [], [], {}
+        for i in range(rng.randrange(1, 7)):
+            length = rng.randrange(1, 120)
+            toks = [rng.randrange(4, 384) for _ in range(length)]
+            n = rng.choice([1, 1, 2, 5, 17, 32])
+            k = min(rng.choice([0, 0, 3]), n - 1)
+            computed = max(0, length - (n - k))
+            n = length - computed + k
+            if n > 32:
+                continue
+            pages = pool.allocate(runner_model_id(llm), -(-(length + k) // bs))
+            seqs.append(S(i, toks, pages, computed))
+            num.append(n)
+            if k:
+                drafts[i] = [rng.randrange(4, 384) for _ in range(k)]
+        if not seqs:
+            continue
+        # the cached prefix of each sequence: written by the torch forward (both paths read the same bytes)
+        for s in seqs:
+            if s.num_computed:
+                c = s.num_computed
+                s.num_computed = 0
+                runner.cpu_forward = None
+                runner.execute([s], [c], None)
+                runner.cpu_forward = fast
+                s.num_computed = c
+        snapshot = runner.kv_view.clone()
+        runner.cpu_forward = None
+        ref, ref_batch = runner.execute(seqs, num, drafts)
+        after_ref = runner.kv_view.clone()
+        runner.kv_view.copy_(snapshot)
+        runner.cpu_forward = fast
+        got, batch = runner.execute(seqs, num, drafts)
+        assert [s.seq_id for s in batch.sample_seqs] == [s.seq_id for s in ref_batch.sample_seqs]
+        assert batch.rows_per_seq == ref_batch.rows_per_seq
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(runner.kv_view, after_ref, rtol=1e-5, atol=1e-5)  # the same K/V written
+        for s in seqs:
+            pool.release(s.pages)
+
+
+def runner_model_id(llm) -> int:
+    return llm.engine.model_id
+
+
+def test_speculative_engine_matches_with_and_without(checkpoints):
+    """tandem-tiny-l drafting with tandem-tiny-s: greedy and seeded sampling, the C forward in both the
+    target and the draft against the torch forward in both."""
+    from engines import SamplingParams
+
+    llm = _engine(ROOT / "models" / "tandem-tiny-l", draft_model=ROOT / "models" / "tandem-tiny-s")
+    draft_runner = llm.core.engines["default-draft"].runner
+    assert llm.engine.runner.cpu_forward is not None and draft_runner.cpu_forward is not None
+    prompts = ["def add(a, b):\n    return", "import os\n\ndef main():\n", "class Stack:\n    def push(self, x):"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=40, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, logprobs=1)]
+    fast = llm.generate(prompts, params)
+    saved = (llm.engine.runner.cpu_forward, draft_runner.cpu_forward)
+    llm.engine.runner.cpu_forward = draft_runner.cpu_forward = None
+    try:
+        slow = llm.generate(prompts, params)
+    finally:
+        llm.engine.runner.cpu_forward, draft_runner.cpu_forward = saved
+    _compare(fast, slow, logprob_tol=1e-3)
+
+
+def test_models_it_does_not_cover_keep_the_torch_forward(tmp_path):
+    from tiny_checkpoints import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "q3", "qwen3", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
+    assert _engine(path).engine.runner.cpu_forward is None  # q/k norm
+    assert _engine(ROOT / "models" / "tandem-tiny-s", quantization="int4").engine.runner.cpu_forward is None
