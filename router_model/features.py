@@ -4,8 +4,9 @@ the small model's answer), cheap text statistics, and named extra numbers a call
 The n-gram blocks are exactly scikit-learn's `HashingVectorizer(analyzer="char", alternate_sign=True,
 norm="l2", lowercase=False)`: murmurhash3 of each n-gram, stable across processes and machines. Training
 vectorises with `HashingVectorizer.transform` in bulk; a single request goes through `hash_block`, which builds
-the same vector from the vectorizer's own analyzer and `sklearn.utils.murmurhash3_32` without the per-call
-validation and sparse-matrix overhead (~0.4 ms; tests/router_model check the two agree bit for bit).
+the same vector in one C pass (router_model.native), or in numpy where the helper cannot be built, without the
+vectorizer's per-call validation and sparse-matrix overhead (tests/router_model check all three agree bit for
+bit).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
+
+from router_model import native
 
 # One prompt: a plain string (one user turn) or OpenAI-style messages.
 Conversation = str | Sequence[Mapping[str, Any]]
@@ -50,6 +53,12 @@ _CODE_KEYWORDS = frozenset(
     "function var let const int void public private static struct include fn impl match".split()
 )
 _WORD_RE = re.compile(r"\w+")  # punctuation is left to the character n-grams
+_CODE_KEYWORD_BYTES = frozenset(w.encode("ascii") for w in _CODE_KEYWORDS)
+# ASCII bytes -> what `\w+` over the lowered text sees: word characters lowered, every other byte a space
+_ASCII_WORD_BYTES = bytes(c if chr(c).isalnum() or c == ord("_") else ord(" ")
+                          for c in range(128)).lower() + b" " * 128
+# str.split()'s white space by code point (none lies above U+3000; the last slot stands for all of those)
+_IS_SPACE = np.array([chr(c).isspace() for c in range(0x3001)] + [False])
 
 # Character classes, counted with one bincount over a lookup table (code points >= 128 share the last slot).
 _OTHER, _DIGIT, _UPPER, _SPACE, _BRACKET, _QUOTE, _QUESTION, _PUNCT, _NEWLINE, _NON_ASCII = range(10)
@@ -240,11 +249,31 @@ def _char_ngram_hashes(text: str, ngrams: tuple[int, int]) -> np.ndarray | None:
     return _murmur_ngrams(b, *ngrams)
 
 
+def _collapsed_utf8(text: str) -> tuple[bytes, int] | None:
+    """What the char analyzer hashes: white space runs as one space, as (UTF-8 bytes, characters); None for a
+    text with a lone surrogate, which the reference path rejects as scikit-learn does."""
+    collapsed = _WHITE_SPACES.sub(" ", text)
+    try:
+        return collapsed.encode("utf-8"), len(collapsed)
+    except UnicodeEncodeError:
+        return None
+
+
 def hash_block(analyzer, text: str, buckets: int, ngrams: tuple[int, int] | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
     """(sorted indices, values) equal to HashingVectorizer(analyzer=..., n_features=buckets,
-    alternate_sign=True, norm="l2").transform([text]) for one document. With `ngrams` given, ASCII text is hashed
-    by the vectorised murmurhash3 above (the same function, ~5x faster than one call per n-gram)."""
+    alternate_sign=True, norm="l2").transform([text]) for one document. With `ngrams` given, the C helper
+    (router_model.native) hashes the text in one pass; without it, `hash_block_numpy`."""
+    data = _collapsed_utf8(text) if ngrams is not None and native.hash_block_fn() is not None else None
+    if data is None:
+        return hash_block_numpy(analyzer, text, buckets, ngrams)
+    return native.hash_blocks([data], [(*ngrams, buckets, 0)])
+
+
+def hash_block_numpy(analyzer, text: str, buckets: int, ngrams: tuple[int, int] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """`hash_block` in numpy: ASCII text by the vectorised murmurhash3 above (~5x faster than one call per
+    n-gram), other text n-gram by n-gram with `sklearn.utils.murmurhash3_32`."""
     h = _char_ngram_hashes(text, ngrams) if ngrams is not None else None
     if h is None:
         from sklearn.utils import murmurhash3_32
@@ -281,8 +310,10 @@ class Featurizer:
     def __init__(self, config: FeatureConfig | None = None):
         self.config = config or FeatureConfig()
         self._stat_pos = [STAT_NAMES.index(s) for s in self.config.stats]
+        self._all_stats = self._stat_pos == list(range(len(STAT_NAMES)))
         offsets = np.cumsum([0] + [b.buckets for b in self.config.blocks])
         self._offsets = [int(o) for o in offsets[:-1]]
+        self._native_blocks = [(*b.ngrams, b.buckets, off) for b, off in zip(self.config.blocks, self._offsets)]
 
     @cached_property
     def vectorizers(self) -> list:
@@ -293,8 +324,9 @@ class Featurizer:
         return [v.build_analyzer() for v in self.vectorizers]
 
     def warm(self) -> None:
-        """Import scikit-learn and build the analyzers (the first request would pay for it otherwise)."""
+        """Import scikit-learn, build the analyzers and the C helper (the first request would pay otherwise)."""
         self._analyzers  # noqa: B018
+        native.hash_block_fn()
 
     def __call__(self, x: Conversation, extras: Mapping[str, float] | None = None,
                  answer: str | None = None) -> PromptFeatures:
@@ -303,14 +335,21 @@ class Featurizer:
         views = {"tail": flatten(turns), "answer": answer or ""}
         extra_vals, missing = self._extras(extras)
         dense = np.concatenate([self.stats_of(turns), extra_vals])
-        idx_parts, val_parts = [], []
-        for block, analyzer, off in zip(cfg.blocks, self._analyzers, self._offsets):
-            i, v = hash_block(analyzer, block.cut(views[block.view]), block.buckets, block.ngrams)
-            idx_parts.append(i + off)
-            val_parts.append(v)
-        return PromptFeatures(dense=dense, indices=np.concatenate(idx_parts) if idx_parts else np.zeros(0, np.int64),
-                              values=np.concatenate(val_parts) if val_parts else np.zeros(0),
-                              extras_missing=missing)
+        indices, values = self._hashed([block.cut(views[block.view]) for block in cfg.blocks])
+        return PromptFeatures(dense=dense, indices=indices, values=values, extras_missing=missing)
+
+    def _hashed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The hashed blocks of one request, concatenated: one C call a block into one buffer where it can."""
+        if native.hash_block_fn() is not None:
+            data = [_collapsed_utf8(t) for t in texts]
+            if None not in data:
+                return native.hash_blocks(data, self._native_blocks)
+        parts = [hash_block_numpy(analyzer, text, block.buckets, block.ngrams)
+                 for block, analyzer, text in zip(self.config.blocks, self._analyzers, texts)]
+        if not parts:
+            return np.zeros(0, np.int64), np.zeros(0)
+        return (np.concatenate([i + off for (i, _), off in zip(parts, self._offsets)]),
+                np.concatenate([v for _, v in parts]))
 
     def _extras(self, extras: Mapping[str, float] | None) -> tuple[np.ndarray, list[str]]:
         vals = np.zeros(len(self.config.extras))
@@ -326,11 +365,9 @@ class Featurizer:
     def stats_of(self, turns: list[tuple[str, str]]) -> np.ndarray:
         if not self._stat_pos:
             return np.zeros(0)
-        clipped = _clip_turns(turns, MAX_STATS_CHARS)
-        body = "\n".join(text for _, text in clipped)
-        codes = np.frombuffer(body.encode("utf-32-le"), dtype=np.uint32)
-        words_per_turn = [_WORD_RE.findall(text.lower()) for _, text in clipped]
-        return self._stats(turns, body, codes, words_per_turn)[self._stat_pos]
+        body = "\n".join(text for _, text in _clip_turns(turns, MAX_STATS_CHARS))
+        stats = _stats(turns, body)
+        return stats if self._all_stats else stats[self._stat_pos]
 
     def transform(self, convs: Sequence[Conversation], extras: Sequence[Mapping[str, float] | None] | None = None,
                   answers: Sequence[str | None] | None = None):
@@ -353,57 +390,84 @@ class Featurizer:
         return dense, hashed
 
 
-    @staticmethod
-    def _stats(full_turns: list[tuple[str, str]], body: str, codes: np.ndarray,
-               words_per_turn: list[list[str]]) -> np.ndarray:
-        """Lengths and turn counts from the whole conversation; ratios from the clipped tail (`body`)."""
-        n = max(codes.size, 1)
-        total_chars = sum(len(t) for _, t in full_turns) + max(len(full_turns) - 1, 0)
-        total_lines = sum(t.count("\n") for _, t in full_turns) + max(len(full_turns), 1)
-        total_words = sum(len(t.split()) for _, t in full_turns)
-        counts = np.bincount(_CHAR_CLASS[np.minimum(codes, 128)], minlength=_NUM_CLASSES)
-        lines = body.split("\n")
-        words = [w for ws in words_per_turn for w in ws]
-        starts = np.flatnonzero(codes[:-1] == 10) + 1
-        first = np.concatenate([codes[:1], codes[starts]])
-        line_starts = np.bincount(_CHAR_CLASS[np.minimum(first, 128)], minlength=_NUM_CLASSES)
-        hash_lines = np.count_nonzero((first == 35) | (first == 47))  # '#' or '/' comments
-        num_lines = max(first.size, 1)
-        roles = [r for r, _ in full_turns]
-        last_chars = len(full_turns[-1][1]) if full_turns else 0
-        punct = counts[_BRACKET] + counts[_QUOTE] + counts[_QUESTION] + counts[_PUNCT]
-        last_line = lines[-1] if lines else ""
-        stripped = last_line.lstrip(" \t")
-        # an odd number of triple quotes so far: the conversation stops inside a docstring or long string
-        triple = (body.count('"""') + body.count("'''")) % 2
-        return np.array([
-            np.log1p(total_chars),
-            np.log1p(total_words),
-            np.log1p(total_lines),
-            np.log1p(last_chars),
-            sum(map(len, words)) / len(words) if words else 0.0,
-            np.log1p(len(body) / max(len(lines), 1)),
-            np.log1p(max(map(len, lines))),
-            counts[_DIGIT] / n,
-            punct / n,
-            counts[_UPPER] / n,
-            counts[_SPACE] / n,
-            counts[_NON_ASCII] / n,
-            line_starts[_SPACE] / num_lines,
-            line_starts[_NEWLINE] / num_lines,
-            hash_lines / num_lines,
-            sum(1 for w in words if w in _CODE_KEYWORDS) / max(len(words), 1),
-            counts[_BRACKET] / n,
-            counts[_QUOTE] / n,
-            counts[_QUESTION] / num_lines,
-            np.log1p(len(full_turns)),
-            float(roles.count("user")),
-            float(roles.count("assistant")),
-            float("system" in roles or "developer" in roles),
-            last_chars / max(total_chars, 1),
-            float(bool(last_line)),
-            np.log1p(len(last_line)),
-            np.log1p(len(last_line) - len(stripped)),
-            float(stripped.startswith(("#", "//"))),
-            float(triple),
-        ], dtype=np.float64)
+# the statistics that are log(1 + x) of a count or length: one log1p call for all of them
+_LOG_STATS = np.array([STAT_NAMES.index(s) for s in (
+    "log_chars", "log_words", "log_lines", "log_last_message_chars", "log_mean_line_len", "log_max_line_len",
+    "log_turns", "log_last_line_len", "last_line_indent")])
+
+
+def _count_words(codes: np.ndarray) -> int:
+    """len(text.split()) from the text's code points: the non-space characters that start it or follow a space
+    (no allocation per word, so a long prompt costs a few array passes)."""
+    if codes.size == 0:
+        return 0
+    space = _IS_SPACE[np.minimum(codes, _IS_SPACE.size - 1)]
+    return int(not space[0]) + int(np.count_nonzero(space[:-1] > space[1:]))
+
+
+def _words(body: str) -> tuple[int, int, int]:
+    """(words, their characters, code keywords among them) of `body`'s lowered text, words being `\\w+` runs.
+    ASCII text (the common case) goes through bytes.translate and split, several times faster than the regex."""
+    if body.isascii():
+        words = body.encode("ascii").translate(_ASCII_WORD_BYTES).split()
+        return len(words), sum(map(len, words)), sum(map(_CODE_KEYWORD_BYTES.__contains__, words))
+    words = _WORD_RE.findall(body.lower())  # the newlines between turns end words as the turns' ends do
+    return len(words), sum(map(len, words)), sum(map(_CODE_KEYWORDS.__contains__, words))
+
+
+def _stats(turns: list[tuple[str, str]], body: str) -> np.ndarray:
+    """STAT_NAMES of a conversation: lengths and turn counts from all of it; ratios from the clipped tail `body`
+    (its turns joined by newlines). Plain Python on strings but for one bincount of the character classes."""
+    n = max(len(body), 1)
+    total_chars = sum(len(t) for _, t in turns) + max(len(turns) - 1, 0)
+    total_lines = sum(t.count("\n") for _, t in turns) + max(len(turns), 1)
+    codes = np.frombuffer(body.encode("utf-32-le"), dtype=np.uint32)
+    whole = codes if len(body) == total_chars else np.frombuffer(  # the body is the whole conversation unless clipped
+        "\n".join(t for _, t in turns).encode("utf-32-le"), dtype=np.uint32)
+    total_words = _count_words(whole)
+    counts = np.bincount(_CHAR_CLASS[np.minimum(codes, 128)], minlength=_NUM_CLASSES).tolist()
+    lines = body.split("\n")
+    # the first character of each line ("\n" for an empty one); a trailing newline starts no line
+    heads = "".join([line[:1] or "\n" for line in lines])[:len(lines) - (not lines[-1])]
+    num_lines = max(len(heads), 1)
+    num_words, word_chars, keywords = _words(body)
+    roles = [r for r, _ in turns]
+    last_chars = len(turns[-1][1]) if turns else 0
+    punct = counts[_BRACKET] + counts[_QUOTE] + counts[_QUESTION] + counts[_PUNCT]
+    last_line = lines[-1]
+    stripped = last_line.lstrip(" \t")
+    # an odd number of triple quotes so far: the conversation stops inside a docstring or long string
+    triple = (body.count('"""') + body.count("'''")) % 2
+    out = np.array([
+        total_chars,
+        total_words,
+        total_lines,
+        last_chars,
+        word_chars / num_words if num_words else 0.0,
+        len(body) / len(lines),
+        max(map(len, lines)),
+        counts[_DIGIT] / n,
+        punct / n,
+        counts[_UPPER] / n,
+        counts[_SPACE] / n,
+        counts[_NON_ASCII] / n,
+        (heads.count(" ") + heads.count("\t")) / num_lines,
+        heads.count("\n") / num_lines,
+        (heads.count("#") + heads.count("/")) / num_lines,  # '#' or '//' comments
+        keywords / max(num_words, 1),
+        counts[_BRACKET] / n,
+        counts[_QUOTE] / n,
+        counts[_QUESTION] / num_lines,
+        len(turns),
+        roles.count("user"),
+        roles.count("assistant"),
+        "system" in roles or "developer" in roles,
+        last_chars / max(total_chars, 1),
+        bool(last_line),
+        len(last_line),
+        len(last_line) - len(stripped),
+        stripped.startswith(("#", "//")),
+        triple,
+    ], dtype=np.float64)
+    out[_LOG_STATS] = np.log1p(out[_LOG_STATS])
+    return out

@@ -52,12 +52,13 @@ def answer_stats(token_ids: Sequence[int], logprobs: Sequence[Mapping[int, Any]]
     float. An empty answer, or one without logprobs, gets the most doubtful values (-20, entropy 5)."""
     n = len(token_ids)
     chosen, entropies = [], []
+    exp, log = math.exp, math.log
     for tid, pos in zip(token_ids, logprobs or ()):
         values = {int(k): float(getattr(v, "logprob", v)) for k, v in pos.items()}
         chosen.append(max(values.get(int(tid), -20.0), -20.0))
-        ps = [math.exp(v) for v in values.values()]
-        rest = max(0.0, 1.0 - sum(ps))
-        entropies.append(-sum(p * math.log(p) for p in ps + [rest] if p > 0.0))
+        ps = [exp(v) for v in values.values()]
+        ps.append(max(0.0, 1.0 - sum(ps)))  # the mass outside the top logprobs
+        entropies.append(-sum([p * log(p) for p in ps if p > 0.0]))
     if n == 0 or len(chosen) < n:
         return {"answer_mean_logprob": -20.0, "answer_min_logprob": -20.0, "answer_first_line_logprob": -20.0,
                 "answer_entropy": 5.0, "answer_log_tokens": math.log1p(n)}
