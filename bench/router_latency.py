@@ -32,6 +32,7 @@ from engines.outputs import CompletionOutput, Logprob  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
 from gateway.cascade import CascadeStrategy  # noqa: E402
 from gateway.config import config_from_dict  # noqa: E402
+from router_model import native  # noqa: E402
 from router_model.data import parse_example, read_rows  # noqa: E402
 from router_model.router import Router  # noqa: E402
 from router_model.scoring import ENTROPY_TOP_K  # noqa: E402
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = {"held-out prompts": [ex.conversation for ex in examples], "4-turn chat": [CHAT] * 300,
             "8k-char prompt": ["x = compute(a, b)  # step\n" * 320] * 100}
     results = {}
+    load_start = os.getloadavg()[0]
     for name, items in sets.items():
         pairs = [(x, answers[i % len(answers)]) for i, x in enumerate(items)]
         results[name] = {
@@ -105,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             "escalation": _time(lambda xa: cascade.should_escalate(xa[1], xa[0], tok), pairs, args.repeat),
         }
     load = os.getloadavg()[0]
+    hashing = "C helper" if native.hash_block_fn() is not None else f"numpy ({native.build_error})"
     print(f"router {args.router}, escalation scorer {args.cascade} ({platform.processor() or platform.machine()}, "
-          f"numpy {np.__version__}, {os.cpu_count()} CPUs, load average {load:.1f} while measuring)")
+          f"numpy {np.__version__}, {os.cpu_count()} CPUs, 1-min load average {load_start:.1f} -> {load:.1f} while "
+          f"measuring; n-gram hashing: {hashing})")
     print(f"{'prompt set':<18} {'chars':>6} {'decision':<11} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
           f"{'p99 best-of':>11}")
     for name, r in results.items():
@@ -119,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target p99 <= 1 ms: {'met' if ok else 'NOT met'} on the raw p99; "
           f"{'met' if ok_best else 'NOT met'} on the p99 of each request's best of {args.repeat}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"router": args.router, "cascade": args.cascade, "loadavg_1m": load,
+    Path(args.out).write_text(json.dumps({"router": args.router, "cascade": args.cascade, "loadavg_1m_start": load_start,
+                                          "loadavg_1m": load,
+                                          "ngram_hashing": hashing,
                                           "results": results, "target_met_raw_p99": ok,
                                           "target_met_best_of_repeats": ok_best}, indent=2) + "\n")
     return 0

@@ -398,10 +398,10 @@ _LOG_STATS = np.array([STAT_NAMES.index(s) for s in (
 
 def _count_words(codes: np.ndarray) -> int:
     """len(text.split()) from the text's code points: the non-space characters that start it or follow a space
-    (no allocation per word, so a long prompt costs a few array passes)."""
+    (no allocation per word: a long prompt costs a few array passes)."""
     if codes.size == 0:
         return 0
-    space = _IS_SPACE[np.minimum(codes, _IS_SPACE.size - 1)]
+    space = _IS_SPACE.take(codes, mode="clip")
     return int(not space[0]) + int(np.count_nonzero(space[:-1] > space[1:]))
 
 
@@ -409,8 +409,9 @@ def _words(body: str) -> tuple[int, int, int]:
     """(words, their characters, code keywords among them) of `body`'s lowered text, words being `\\w+` runs.
     ASCII text (the common case) goes through bytes.translate and split, several times faster than the regex."""
     if body.isascii():
-        words = body.encode("ascii").translate(_ASCII_WORD_BYTES).split()
-        return len(words), sum(map(len, words)), sum(map(_CODE_KEYWORD_BYTES.__contains__, words))
+        kept = body.encode("ascii").translate(_ASCII_WORD_BYTES)
+        words = kept.split()
+        return len(words), len(kept) - kept.count(b" "), sum(map(_CODE_KEYWORD_BYTES.__contains__, words))
     words = _WORD_RE.findall(body.lower())  # the newlines between turns end words as the turns' ends do
     return len(words), sum(map(len, words)), sum(map(_CODE_KEYWORDS.__contains__, words))
 
@@ -421,11 +422,12 @@ def _stats(turns: list[tuple[str, str]], body: str) -> np.ndarray:
     n = max(len(body), 1)
     total_chars = sum(len(t) for _, t in turns) + max(len(turns) - 1, 0)
     total_lines = sum(t.count("\n") for _, t in turns) + max(len(turns), 1)
+    if len(body) == total_chars:  # not clipped: the body is the whole conversation (newlines split words too)
+        total_words = len(body.split())
+    else:
+        total_words = _count_words(np.frombuffer("\n".join(t for _, t in turns).encode("utf-32-le"), np.uint32))
     codes = np.frombuffer(body.encode("utf-32-le"), dtype=np.uint32)
-    whole = codes if len(body) == total_chars else np.frombuffer(  # the body is the whole conversation unless clipped
-        "\n".join(t for _, t in turns).encode("utf-32-le"), dtype=np.uint32)
-    total_words = _count_words(whole)
-    counts = np.bincount(_CHAR_CLASS[np.minimum(codes, 128)], minlength=_NUM_CLASSES).tolist()
+    counts = np.bincount(_CHAR_CLASS.take(codes, mode="clip"), minlength=_NUM_CLASSES).tolist()
     lines = body.split("\n")
     # the first character of each line ("\n" for an empty one); a trailing newline starts no line
     heads = "".join([line[:1] or "\n" for line in lines])[:len(lines) - (not lines[-1])]

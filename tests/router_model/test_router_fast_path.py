@@ -77,8 +77,10 @@ def test_c_helper_equals_hashing_vectorizer_and_numpy_on_held_out_prompts(helper
 
 
 @pytest.mark.parametrize("block", [HashBlock("tail", 0, (1, 8), 1000), HashBlock("tail", 7, (3, 3), 2),
-                                   HashBlock("tail", 50, (6, 8), 3 * 7 * 11 * 13), HashBlock("tail", 0, (2, 2), 1 << 20)])
+                                   HashBlock("tail", 50, (6, 8), 3 * 7 * 11 * 13), HashBlock("tail", 0, (2, 2), 1 << 20),
+                                   HashBlock("tail", 0, (1, 3), (1 << 20) + 1), HashBlock("tail", 90, (1, 4), 1 << 22)])
 def test_c_helper_handles_odd_bucket_counts_long_ngrams_and_multibyte_text(helper, block):
+    """Up to MAX_SCRATCH_BUCKETS the helper sums in scratch (left all-zero), beyond it sorts: both exact."""
     rng = random.Random(3)
     alphabet = list("ab \t\n_Zé€😀Σ\u00a0\u3000#")
     texts = AWKWARD + ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300))) for _ in range(60)]
@@ -88,6 +90,10 @@ def test_c_helper_handles_odd_bucket_counts_long_ngrams_and_multibyte_text(helpe
         ref_idx, ref_val = _vectorizer_row(block, block.cut(text))
         assert np.array_equal(idx, ref_idx) and np.array_equal(val, ref_val), repr(text[:40])
         assert idx.size == 0 or (idx.min() >= 0 and idx.max() < block.buckets and np.all(np.diff(idx) > 0))
+    held = getattr(native._local, "scratch", None)
+    if block.buckets <= native.MAX_SCRATCH_BUCKETS:
+        assert held is not None and held[0].size >= block.buckets
+    assert held is None or (not held[0].any() and not held[1].any())
 
 
 def test_featurizer_without_the_helper_gives_the_same_vectors(helper, held_out, monkeypatch):
