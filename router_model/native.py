@@ -228,10 +228,7 @@ def hash_block_fn():
 
 
 def _scratch(buckets: int) -> tuple[int, int]:
-    """This thread's all-zero scratch for `buckets` (addresses of int32 counts and the uint64 bitmap), or
-    (0, 0) beyond MAX_SCRATCH_BUCKETS, where the helper sorts instead."""
-    if buckets > MAX_SCRATCH_BUCKETS:
-        return 0, 0
+    """This thread's all-zero scratch for up to `buckets` (addresses of int32 counts and the uint64 bitmap)."""
     held = getattr(_local, "scratch", None)
     if held is None or held[0].size < buckets:
         counts, seen = np.zeros(buckets, np.int32), np.zeros((buckets + 63) // 64, np.uint64)
@@ -248,7 +245,7 @@ def hash_blocks(texts: Sequence[tuple[bytes, int]], blocks: Sequence[tuple[int, 
     idx = np.empty(cap, np.int64)
     val = np.empty(cap, np.float64)
     pi, pv = idx.ctypes.data, val.ctypes.data
-    counts, seen = _scratch(max(b for _, _, b, _ in blocks)) if blocks else (0, 0)
+    counts, seen = _scratch(min(max(b for _, _, b, _ in blocks), MAX_SCRATCH_BUCKETS)) if blocks else (0, 0)
     m = 0
     for (data, chars), (lo, hi, buckets, offset) in zip(texts, blocks):
         scratch = (counts, seen) if buckets <= MAX_SCRATCH_BUCKETS else (0, 0)

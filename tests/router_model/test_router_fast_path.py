@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "router"
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "reference_scores.json").read_text(encoding="utf-8"))
 AWKWARD = ["", "a", "ab", "é", "é😀 naïve", "ΣΑΣ σς İstanbul ß", "数据处理 函数 的", "\n\n\n", "  \t  x  \u00a0\u3000 y\u2028",
-           "tab\tand\r\nnew\x0bline\x0c\x1c\x1f\x85", "x" * 2000, "😀" * 40, "def f(x):\n    return x  # Ünïcödé\n" * 9]
+           "tab\tand\r\nnew\x0bline\x0c\x1c\x1f\x85\x00nul", "x" * 2000, "😀" * 40, "def f(x):\n    return x  # Ünïcödé\n" * 9]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,8 @@ def test_c_helper_handles_odd_bucket_counts_long_ngrams_and_multibyte_text(helpe
 
 
 def test_featurizer_without_the_helper_gives_the_same_vectors(helper, held_out, monkeypatch):
-    cfg = FeatureConfig(blocks=DEFAULT_BLOCKS + (HashBlock("answer", 0, (1, 4), 1 << 12),))
+    cfg = FeatureConfig(blocks=DEFAULT_BLOCKS + (HashBlock("answer", 0, (1, 4), 1 << 12),
+                                                 HashBlock("answer", 30, (2, 3), 1 << 21)))  # the sorting path
     convs = held_out[:150] + AWKWARD + [[{"role": "system", "content": "Be terse."}, {"role": "user", "content": t}]
                                         for t in AWKWARD]
     fast = [Featurizer(cfg)(c, answer=str(c)[:50]) for c in convs]
