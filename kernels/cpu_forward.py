@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence as Seq
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -41,31 +40,17 @@ class _Model(ctypes.Structure):
         ("final_norm", _PTR), ("inv_freq", _PTR), ("layers", ctypes.POINTER(_Layer))]
 
 
-_sgemm_set = False
+_bound = False
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """The forward's signature, and the MKL SGEMM of the torch build (when it exports one) for many-row steps."""
-    global _sgemm_set
-    if not _sgemm_set:
+    global _bound
+    if not _bound:
         lib.tk_forward_f32.argtypes = [ctypes.POINTER(_Model), _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                                        _PTR, _I64, _I64, _PTR, ctypes.c_int]
         lib.tk_forward_f32.restype = ctypes.c_int
-        lib.tk_set_sgemm.argtypes = [_PTR]
-        lib.tk_set_sgemm.restype = None
-        lib.tk_set_sgemm(sgemm_address())
-        _sgemm_set = True
+        _bound = True
     return lib
-
-
-def sgemm_address() -> int | None:
-    """The address of `SGEMM` (Fortran ABI, 32-bit ints) in the MKL linked into torch, or None."""
-    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    try:
-        fn = ctypes.CDLL(str(path)).SGEMM
-    except (OSError, AttributeError):
-        return None
-    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

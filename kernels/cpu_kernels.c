@@ -38,7 +38,7 @@ void tk_set_sgemm(void *fn) { tk_sgemm = (tk_sgemm_fn)fn; }
 
 /* up to this many rows stream the weight (each byte read once, in address order; the rows' outputs stay in
  * L1); more rows in blocks of STREAM_ROWS, or the external SGEMM from SGEMM_MIN_ROWS rows */
-#define STREAM_ROWS 4
+#define STREAM_ROWS 8
 #define SGEMM_MIN_ROWS 13
 
 #if TK_AVX2
@@ -85,9 +85,14 @@ TK_DEF_STREAM(1)
 TK_DEF_STREAM(2)
 TK_DEF_STREAM(3)
 TK_DEF_STREAM(4)
+TK_DEF_STREAM(5)
+TK_DEF_STREAM(6)
+TK_DEF_STREAM(7)
+TK_DEF_STREAM(8)
 typedef void (*stream_fn)(const float *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t,
                           int64_t);
-static const stream_fn STREAM[5] = {0, stream_1, stream_2, stream_3, stream_4};
+static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, stream_5, stream_6, stream_7,
+                                    stream_8};
 #endif
 
 /* columns [n0, n1) of rows [0, M), bias added */
@@ -236,8 +241,36 @@ static void linear_i8_rows(const float *x, int64_t M, int64_t K, const int8_t *q
         }
 }
 
+/* many rows: the weight widened to float32 once (a per-thread scratch kept between calls: no page faults per
+ * call) and the external SGEMM, then the per-row scale: the int8 GEMM's conversions amortised over all rows */
+static __thread float *i8_scratch = 0;
+static __thread size_t i8_scratch_cap = 0;
+
+static int linear_i8_sgemm(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+                           const float *bias, float *y) {
+    size_t need = (size_t)N * (size_t)K;
+    if (need > i8_scratch_cap) {
+        float *p = (float *)realloc(i8_scratch, sizeof(float) * need);
+        if (!p) return 1;
+        i8_scratch = p;
+        i8_scratch_cap = need;
+    }
+    float *wf = i8_scratch;
+    for (size_t i = 0; i < need; i++) wf[i] = (float)q[i];
+    /* row-major y[M,N] = x[M,K] wf[N,K]^T: column-major y^T = wf^T' x^T with wf read as [K,N] col-major, 'T' */
+    int n = (int)N, m = (int)M, k = (int)K;
+    float one = 1.f, zero = 0.f;
+    tk_sgemm("T", "N", &n, &m, &k, &one, wf, &k, x, &k, &zero, y, &n);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t c = 0; c < N; c++) y[r * N + c] = y[r * N + c] * scale[c] + (bias ? bias[c] : 0.f);
+    return 0;
+}
+
 void tk_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
                   const float *bias, float *y, int nthreads) {
+    if (tk_sgemm && M >= SGEMM_MIN_ROWS && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)
+        && (int64_t)N * K < ((int64_t)1 << 31) && !linear_i8_sgemm(x, M, K, q, scale, N, bias, y))
+        return;
     if (nthreads <= 1 || N < 128) {
         linear_i8_rows(x, M, K, q, scale, bias, y, N, 0, N);
         return;
@@ -333,15 +366,119 @@ int tk_paged_attention_f32(const float *q, int64_t Hq, int64_t D, const float *k
     return attend_all(&a, S, max_ctx, nthreads);
 }
 
+#if TK_AVX2
+/* exp of 8 floats (Cephes' polynomial after a 2^n range reduction; relative error ~2e-7, inputs <= 0 here) */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* the eight sums of a0..a7's lanes, as one vector */
+static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                             __m256 a7) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* attend_one for D a multiple of 8 (up to 128): every (query, head) pair of the group scores a block of
+ * eight keys at once (one horizontal reduction per block, not per key; the block stays in L1 across the
+ * pairs), softmax with a vector exp, then each pair's output accumulated in registers over the values.
+ * `p` holds qlen * rep * ctx floats. */
+static void attend_one_blocked(const attn_args *a, int64_t s, int64_t g, float *p) {
+    int64_t rep = a->Hq / a->Hkv, D = a->D, bs = a->bs, nv = D / 8;
+    int64_t q0 = a->qstart[s], qlen = a->qlen[s], ctx = a->ctx[s];
+    const int64_t *bt = a->block_tables + a->rows[s] * a->max_blocks;
+    const float *kbase = a->kc + g * a->head_stride, *vbase = a->vc + g * a->head_stride;
+    int64_t pairs = qlen * rep, cpad = (ctx + 7) / 8 * 8;
+    const float *kp[8];
+    for (int64_t j0 = 0; j0 < ctx; j0 += 8) {
+        for (int t = 0; t < 8; t++) {
+            int64_t j = j0 + t < ctx ? j0 + t : ctx - 1;
+            kp[t] = kbase + bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride;
+        }
+        for (int64_t pr = 0; pr < pairs; pr++) {
+            int64_t i = pr / rep, r = pr % rep;
+            const float *qi = a->q + (q0 + i) * a->q_ld + (g * rep + r) * D;
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+            for (int64_t v = 0; v < nv; v++) {
+                __m256 qv = _mm256_loadu_ps(qi + 8 * v);
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[t] + 8 * v), acc[t]);
+            }
+            __m256 sc = _mm256_mul_ps(hsum8x8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]),
+                                      _mm256_set1_ps(a->scale));
+            _mm256_storeu_ps(p + pr * cpad + j0, sc);
+        }
+    }
+    for (int64_t pr = 0; pr < pairs; pr++) {
+        int64_t i = pr / rep, r = pr % rep;
+        int64_t n = ctx - qlen + i + 1; /* keys 0 .. n-1 */
+        float *pp = p + pr * cpad;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; j++) mx = pp[j] > mx ? pp[j] : mx;
+        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pp + j), vmx));
+            _mm256_storeu_ps(pp + j, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum256(vsum);
+        for (; j < n; j++) {
+            pp[j] = expf(pp[j] - mx);
+            sum += pp[j];
+        }
+        float inv = 1.f / sum;
+        __m256 o[16];
+        for (int64_t v = 0; v < nv; v++) o[v] = _mm256_setzero_ps();
+        for (j = 0; j < n; j++) {
+            const float *vj = vbase + bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride;
+            __m256 w = _mm256_set1_ps(pp[j]);
+            for (int64_t v = 0; v < nv; v++) o[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * v), o[v]);
+        }
+        float *oi = a->out + (q0 + i) * a->o_ld + (g * rep + r) * D;
+        __m256 vinv = _mm256_set1_ps(inv);
+        for (int64_t v = 0; v < nv; v++) _mm256_storeu_ps(oi + 8 * v, _mm256_mul_ps(o[v], vinv));
+    }
+}
+#endif
+
+/* the work of one (sequence, KV head) */
+static inline void attend_pair(const attn_args *a, int64_t s, int64_t g, float *p) {
+#if TK_AVX2
+    if (a->D % 8 == 0 && a->D <= 128) {
+        attend_one_blocked(a, s, g, p);
+        return;
+    }
+#endif
+    attend_one(a, s, g, p);
+}
+
 static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthreads) {
     const attn_args a = *ap;
     int64_t Hkv = a.Hkv;
-    int64_t rep = a.Hq / Hkv, work = S * Hkv;
-    size_t need = sizeof(float) * (size_t)(rep * (max_ctx > 0 ? max_ctx : 1));
+    int64_t rep = a.Hq / Hkv, work = S * Hkv, max_q = 1;
+    for (int64_t s = 0; s < S; s++) max_q = a.qlen[s] > max_q ? a.qlen[s] : max_q;
+    /* attend_pair's scores: every (query, head) pair of a group, contexts padded to a multiple of 8 */
+    int64_t ctx_pad = ((max_ctx > 0 ? max_ctx : 1) + 7) / 8 * 8;
+    size_t need = sizeof(float) * (size_t)(rep * max_q * ctx_pad);
     if (nthreads <= 1 || work < 2) {
         float *p = (float *)malloc(need);
         if (!p) return 1;
-        for (int64_t w = 0; w < work; w++) attend_one(&a, w / Hkv, w % Hkv, p);
+        for (int64_t w = 0; w < work; w++) attend_pair(&a, w / Hkv, w % Hkv, p);
         free(p);
         return 0;
     }
@@ -350,9 +487,9 @@ static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthre
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int64_t w = 0; w < work; w++)
-        attend_one(&a, w / Hkv, w % Hkv, buf + (need / sizeof(float)) * omp_get_thread_num());
+        attend_pair(&a, w / Hkv, w % Hkv, buf + (need / sizeof(float)) * omp_get_thread_num());
 #else
-    for (int64_t w = 0; w < work; w++) attend_one(&a, w / Hkv, w % Hkv, buf);
+    for (int64_t w = 0; w < work; w++) attend_pair(&a, w / Hkv, w % Hkv, buf);
 #endif
     free(buf);
     return 0;

@@ -5,8 +5,10 @@ ctypes. Each kernel has its PyTorch reference here, which the tests compare it t
 kernels are unavailable (no compiler, no AVX2/FMA, or `TANDEM_CPU_KERNELS=0`).
 
 - `linear(x, weight, bias)`: y = x @ weight.T for a float32 nn.Linear weight stored column-major
-  (`engines.model.cpu_weight_layout`), the decode GEMV and skinny GEMM (few rows) at the memory's speed.
-- `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations.
+  (`engines.model.cpu_weight_layout`): up to 12 rows the weight is streamed once in address order (the
+  decode GEMV and skinny GEMM at the memory's speed), more rows go to the MKL `SGEMM` torch ships.
+- `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations; many
+  rows widen the weight to float32 once and take the SGEMM too.
 - `paged_attention(...)`: attention over float32 KV pages read in place, for decode, verify windows and
   prefill chunks alike (the queries of a sequence are the last q_len of its context, causal); `write_kv`.
 - `rope_(...)`: RoPE in place on the q/k columns of a fused projection, bit-identical to torch's ops.
@@ -77,7 +79,20 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_write_kv_f32.restype = None
     lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_rope_f32.restype = None
+    lib.tk_set_sgemm.argtypes = [_PTR]
+    lib.tk_set_sgemm.restype = None
+    lib.tk_set_sgemm(sgemm_address())  # many-row linears: the MKL SGEMM torch ships, where it exports one
     return lib
+
+
+def sgemm_address() -> int | None:
+    """The address of `SGEMM` (Fortran ABI, 32-bit ints) in the MKL linked into torch, or None."""
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        fn = ctypes.CDLL(str(path)).SGEMM
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def load() -> ctypes.CDLL | None:

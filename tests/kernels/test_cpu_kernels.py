@@ -44,7 +44,7 @@ def test_linear_matches_torch(m, n, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 33])
 @pytest.mark.parametrize("n,k", [(256, 256), (30, 45), (7, 8), (6, 40), (4096, 64)])
 def test_linear_int8_matches_reference(m, n, k):
     from kernels.quant_matmul import quantize_int8
@@ -175,3 +175,10 @@ def test_rope_is_bit_identical_to_apply_rope():
     ck.rope_(qkv, (0, hq + hkv), d, cos, sin)
     assert torch.equal(q.reshape(t, hq, d), want_q) and torch.equal(k.reshape(t, hkv, d), want_k)
     assert torch.equal(v, v_before)
+
+
+@needs_kernels
+def test_the_torch_build_exports_the_sgemm_many_row_linears_take():
+    """The pinned x86 torch wheel links MKL: `linear`/`linear_int8` of 13+ rows call its SGEMM (the m=13/33 cases
+    above check its results); without it they would silently fall back to the streaming kernel."""
+    assert ck.sgemm_address() is not None
