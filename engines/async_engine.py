@@ -51,6 +51,9 @@ class AsyncEngine:
             except RuntimeError:  # the caller's loop is closed: nobody is listening any more
                 pass
 
+        # the engine hands a step's outputs for this loop over in one call (ModelEngine._emit_many)
+        emit.loop, emit.put = loop, queue.put_nowait
+
         if params.structured is not None and self._engine.needs_compile(params.structured):
             await asyncio.to_thread(self._engine.precompile, params.structured)  # never on the event loop
         req = self._engine.add_request(prompt, params, request_id, priority=priority,

@@ -232,8 +232,7 @@ class ModelEngine:
         sampled, error = self._sample(logits, batch, sched, masks)
         touched = self.scheduler.update(sched, sampled)
         self.speculator.rollback(sched.drafts, sampled)
-        for req in touched:
-            self._emit(req, final=req.finished)
+        self._emit_many(touched)
         if error is not None:
             for req in _requests(batch.sample_seqs):
                 self._fail(req, error)
@@ -293,17 +292,44 @@ class ModelEngine:
                 self._fail(req, message, code)
 
     def _emit(self, req: Request, final: bool) -> None:
+        out = self._output(req, final)
+        if out is not None:
+            self._deliver(req, out)
+
+    def _output(self, req: Request, final: bool) -> RequestOutput | None:
         if final:
             req.metrics.finished_time = time.monotonic()
             self.requests.pop(req.request_id, None)
             self._live_ids.discard(req.request_id)
         if req.emit is None or not (final or req.stream):
-            return
-        out = self.output.build(req, final)
+            return None
+        return self.output.build(req, final)
+
+    def _deliver(self, req: Request, out: RequestOutput) -> None:
         try:
             req.emit(out)
         except Exception:  # a consumer that went away must not take the engine down
             log.exception("engine %s: delivering output of %s failed", self.name, req.request_id)
+
+    def _emit_many(self, reqs: list[Request]) -> None:
+        """A step's outputs: those for an asyncio consumer (an `emit` with `loop` and `put`, as AsyncEngine
+        makes) handed to each event loop in one `call_soon_threadsafe` (one wake-up per step, not one per
+        request), the rest delivered one by one."""
+        by_loop: dict[int, tuple[object, list]] = {}
+        for req in reqs:
+            out = self._output(req, req.finished)
+            if out is None:
+                continue
+            loop = getattr(req.emit, "loop", None)
+            if loop is None:
+                self._deliver(req, out)
+            else:
+                by_loop.setdefault(id(loop), (loop, []))[1].append((req.emit.put, out))
+        for loop, items in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
 
     def stats(self) -> dict:
         pool = self.pool.stats()
@@ -328,6 +354,11 @@ class ModelEngine:
         return {"slo_scheduling": True, "batch_cap_decode_seqs": caps.max_decode_seqs,
                 "batch_cap_prefill_tokens": caps.max_prefill_tokens, "batch_cap_limited_by": caps.limited_by,
                 "tpot_target_s": caps.target_s, "step_model_s": [a, b, c]}
+
+
+def _put_all(items: list) -> None:
+    for put, out in items:
+        put(out)
 
 
 def _requests(seqs: list[Sequence]) -> list[Request]:

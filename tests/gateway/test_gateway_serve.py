@@ -45,18 +45,23 @@ def _serve_ready(ckpt: Path, tmp_path: Path, grace_period_s: float) -> tuple[sub
     raise AssertionError(f"server never became ready: {proc.communicate()[0]}")
 
 
-def _streams(url: str, count: int, max_tokens: int) -> tuple[list[threading.Thread], threading.Barrier, list[dict]]:
-    """`count` completion streams of n=4 x `max_tokens`; the barrier passes once each has its first chunk."""
+def _streams(url: str, count: int, max_tokens: int, n: int = 4, resume: threading.Event | None = None
+             ) -> tuple[list[threading.Thread], threading.Barrier, list[dict]]:
+    """`count` completion streams of `n` x `max_tokens`; the barrier passes once each has its first chunk.
+    `resume`: each stream stops reading after its first chunk until it is set (a body far larger than the
+    socket buffers then keeps the request in flight however fast the engine is)."""
     started = threading.Barrier(count + 1)
     results: list[dict] = []
 
     def stream() -> None:
-        body = {"model": "tiny", "prompt": "hello", "max_tokens": max_tokens, "n": 4, "ignore_eos": True,
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": max_tokens, "n": n, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
             lines = r.iter_lines()
             first = next(lines)
             started.wait()
+            if resume is not None:
+                resume.wait(timeout=60)
             rest = [line for line in lines if line]
         results.append({"first": first, "rest": rest})
 
@@ -108,7 +113,9 @@ def test_sigterm_answers_new_requests_503_with_retry_after_while_in_flight_ones_
     pooled = httpx.Client(timeout=10)
     try:
         assert pooled.get(url + "/health").status_code == 200  # a keep-alive connection, idle from here
-        threads, started, results = _streams(url, 1, max_tokens=400)
+        resume = threading.Event()
+        # 12 x 450 tokens (~1 MB of events) not read until the drain is checked: the stream stays in flight
+        threads, started, results = _streams(url, 1, max_tokens=450, n=12, resume=resume)
         started.wait(timeout=60)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # the drain has begun: the stream is still running
@@ -116,6 +123,7 @@ def test_sigterm_answers_new_requests_503_with_retry_after_while_in_flight_ones_
                               timeout=10),
                    httpx.get(url + "/ready", timeout=10),  # new connections, each told rather than refused
                    pooled.get(url + "/health")]  # and the idle one, told rather than closed under the client
+        resume.set()
         for t in threads:
             t.join(timeout=120)
         out, _ = proc.communicate(timeout=60)
@@ -128,7 +136,7 @@ def test_sigterm_answers_new_requests_503_with_retry_after_while_in_flight_ones_
         assert r.json()["error"]["code"] == "shutting_down" and r.json()["error"]["type"] == "service_unavailable"
     [stream] = results
     assert stream["rest"][-1] == "data: [DONE]"
-    assert json.loads(stream["rest"][-2][6:])["usage"]["completion_tokens"] == 4 * 400  # not cut
+    assert json.loads(stream["rest"][-2][6:])["usage"]["completion_tokens"] == 12 * 450  # not cut
     assert proc.returncode == 0, out
     assert "Traceback" not in out
 
