@@ -137,12 +137,14 @@ class ModelRunner:
             return hidden.new_empty((0, 0), dtype=torch.float32), batch
         return self.model.compute_logits(hidden[batch.logits_indices]), batch
 
-    def _execute_cpu_forward(self, seqs: Seq[Sequence], num_tokens: Seq[int],
-                             drafts: Mapping[int, list[int]] | None) -> tuple[torch.Tensor, StepBatch]:
-        """`execute` through `CpuForward`: the index arrays built in one pass, the stack in one call."""
+    def _cpu_step_arrays(self, seqs: Seq[Sequence], num_tokens: Seq[int],
+                         drafts: Mapping[int, list[int]] | None) -> tuple:
+        """The C forward's inputs for a step, built in one pass: token ids, positions, block tables, the
+        [4, S] (first row, query count, context length, table row) array, the longest context, and the
+        sampling layout (rows, sequences, rows per sequence)."""
         ids: list[int] = []
         positions: list[int] = []
-        meta: list[list[int]] = [[], [], [], []]  # first row, query count, context length, table row
+        meta: list[list[int]] = [[], [], [], []]
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         rows_per_seq: list[int] = []
@@ -167,14 +169,36 @@ class ModelRunner:
                 rows_per_seq.append(1 + k)
         tables = torch.tensor([s.pages + [s.pages[0]] * (max_blocks - len(s.pages)) for s in seqs],
                               dtype=torch.long)
-        hidden = self.cpu_forward.forward(torch.tensor(ids, dtype=torch.long),
-                                          torch.tensor(positions, dtype=torch.long), tables,
-                                          torch.tensor(meta, dtype=torch.long), max(meta[2]))
+        return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), tables,
+                torch.tensor(meta, dtype=torch.long), max(meta[2]), sample_rows, sample_seqs, rows_per_seq)
+
+    def _execute_cpu_forward(self, seqs: Seq[Sequence], num_tokens: Seq[int],
+                             drafts: Mapping[int, list[int]] | None) -> tuple[torch.Tensor, StepBatch]:
+        """`execute` through `CpuForward`: the index arrays built in one pass, the stack in one call."""
+        ids, positions, tables, meta, max_ctx, sample_rows, sample_seqs, rows_per_seq = self._cpu_step_arrays(
+            seqs, num_tokens, drafts)
+        hidden = self.cpu_forward.forward(ids, positions, tables, meta, max_ctx)
         batch = StepBatch(input_ids=None, positions=None, write_pages=None, write_offsets=None, block_tables=tables,
                           query_start_loc=None, context_lens=None, max_query_len=max(num_tokens),
-                          max_context_len=max(meta[2]), plan=None, logits_indices=None, sample_seqs=sample_seqs,
+                          max_context_len=max_ctx, plan=None, logits_indices=None, sample_seqs=sample_seqs,
                           rows_per_seq=rows_per_seq)
         if not sample_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), batch
         rows = hidden if len(sample_rows) == len(ids) else hidden[torch.tensor(sample_rows, dtype=torch.long)]
         return self.cpu_forward.logits(rows), batch
+
+    def can_draft_greedy(self, num_tokens: Seq[int]) -> bool:
+        """Whether `draft_greedy` takes a draft of sequences computing `num_tokens` first."""
+        return (self.cpu_forward is not None and self.cpu_forward.can_draft
+                and max(num_tokens) <= self.kernel_max_query)
+
+    @torch.inference_mode()
+    def draft_greedy(self, seqs: Seq[Sequence], num_tokens: Seq[int], k: int) -> list[list[int]]:
+        """k greedy tokens for each sequence, whose first `num_tokens` uncomputed tokens end at its last known
+        one (every sequence samples): k forwards, heads and argmaxes in one C call. Writes the K/V of the
+        computed tokens and of the first k - 1 drafts; the caller appends the drafts and advances
+        num_computed by sum(num_tokens) + k - 1 per sequence."""
+        ids, positions, tables, meta, max_ctx, _, sample_seqs, _ = self._cpu_step_arrays(seqs, num_tokens, None)
+        if len(sample_seqs) != len(seqs):
+            raise ValueError("draft_greedy: every sequence must reach its last known token")
+        return self.cpu_forward.draft_greedy(ids, positions, tables, meta, max_ctx, k).tolist()

@@ -49,6 +49,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.tk_forward_f32.argtypes = [ctypes.POINTER(_Model), _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                                        _PTR, _I64, _I64, _PTR, ctypes.c_int]
         lib.tk_forward_f32.restype = ctypes.c_int
+        lib.tk_draft_greedy_f32.argtypes = [ctypes.POINTER(_Model), _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
+                                            _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_int]
+        lib.tk_draft_greedy_f32.restype = ctypes.c_int
         _bound = True
     return lib
 
@@ -134,6 +137,28 @@ class CpuForward:
                                      out.data_ptr(), torch.get_num_threads())
         if rc:
             raise MemoryError("cpu forward: scratch allocation failed")
+        return out
+
+    @property
+    def can_draft(self) -> bool:
+        """Whether `draft_greedy` applies (the head is a plain column-major float32 Linear)."""
+        return self._head is not None
+
+    def draft_greedy(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
+                     max_ctx: int, k: int) -> torch.Tensor:
+        """k greedy tokens per sequence [S, k]: `forward` of this step's rows (as there; `seqs` is overwritten),
+        the head and argmax of each sequence's last row, and that token fed back, k times in one C call. The
+        K/V of every pass but the last token's is written to the pages."""
+        n = seqs.shape[1]
+        out = torch.empty((n, k), dtype=torch.long)
+        p = seqs.data_ptr()
+        head = self._head.t()  # [H, V] contiguous
+        rc = self.lib.tk_draft_greedy_f32(self._mref, head.data_ptr(), head.shape[1], head.stride(0), ids.shape[0],
+                                          ids.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                          p, p + 8 * n, p + 16 * n, p + 24 * n, n, max_ctx, k, out.data_ptr(),
+                                          torch.get_num_threads())
+        if rc:
+            raise MemoryError("cpu draft: scratch allocation failed")
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -665,3 +665,54 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
     free(slot);
     return rc;
 }
+
+/* k greedy draft tokens per sequence in one call: tk_forward_f32 over the step's rows (the first pass may
+ * catch up on several tokens per sequence), the head over each sequence's last row (wt [H, V], row stride
+ * head_ld), argmax (the first maximum, as torch's), and the argmax fed back as the next pass's one token per
+ * sequence, k times. qstart/qlen/ctx are scratch (overwritten). Writes out[s * k + t]; returns 0, or 1 on a
+ * failed allocation. */
+int tk_draft_greedy_f32(const tk_model *m, const float *head_wt, int64_t V, int64_t head_ld, int64_t T,
+                        const int64_t *ids, const int64_t *pos, const int64_t *block_tables, int64_t max_blocks,
+                        int64_t *qstart, int64_t *qlen, int64_t *ctx, const int64_t *rows, int64_t S,
+                        int64_t max_ctx, int64_t k, int64_t *out, int nthreads) {
+    const int64_t H = m->H;
+    int64_t rows_max = T > S ? T : S;
+    float *hid = (float *)malloc(sizeof(float) * (size_t)(rows_max * H));
+    float *sel = (float *)malloc(sizeof(float) * (size_t)(S * H));
+    float *logits = (float *)malloc(sizeof(float) * (size_t)(S * V));
+    int64_t *cur = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * S + T));
+    int rc = (!hid || !sel || !logits || !cur);
+    if (!rc) {
+        int64_t *tok = cur, *tpos = cur + S;
+        const int64_t *pid = ids, *ppos = pos;
+        for (int64_t t = 0; t < k && !rc; t++) {
+            rc = tk_forward_f32(m, T, pid, ppos, block_tables, max_blocks, qstart, qlen, ctx, rows, S, max_ctx, hid,
+                                nthreads);
+            if (rc) break;
+            for (int64_t s = 0; s < S; s++)
+                memcpy(sel + s * H, hid + (qstart[s] + qlen[s] - 1) * H, sizeof(float) * (size_t)H);
+            tk_linear_f32(sel, S, H, head_wt, head_ld, V, 0, logits, nthreads);
+            for (int64_t s = 0; s < S; s++) {
+                const float *l = logits + s * V;
+                int64_t best = 0;
+                for (int64_t v = 1; v < V; v++)
+                    if (l[v] > l[best]) best = v;
+                tok[s] = best;
+                out[s * k + t] = best;
+                tpos[s] = ctx[s]; /* the draft's position: after the sequence's context */
+                qstart[s] = s;
+                qlen[s] = 1;
+                ctx[s] += 1;
+            }
+            T = S;
+            max_ctx += 1;
+            pid = tok;
+            ppos = tpos;
+        }
+    }
+    free(hid);
+    free(sel);
+    free(logits);
+    free(cur);
+    return rc;
+}

@@ -81,17 +81,51 @@ class Drafter:
         ds.shadow_len = min(ds.shadow_len, ds.num_computed)
         commit_full_blocks(self.pool, self.model_id, ds, ds.num_computed // self.block_size, extra_keys(seq))
 
+    def _greedy_in_one_call(self, seqs: list[Sequence], states: list[DraftState], ks: list[int],
+                            stop_ids: list[set[int]]) -> list[int]:
+        """The sequences (indices) whose whole draft runs in one C call: greedy on the raw logits (no
+        penalties, bans or constraints), the batch's largest k, the runner's C forward able to take them; no
+        Python runs between their draft tokens. The others take the loop."""
+        can = getattr(self.runner, "can_draft_greedy", None)
+        if self.lean is not None or can is None:
+            return []
+        vocab, k = self.model.config.vocab_size, max(ks)
+        picked = [i for i, s in enumerate(seqs) if ks[i] == k and not stop_ids[i] and s.request.params.greedy
+                  and _plain_params(s.request.params, vocab)]
+        if picked and can([states[i].num_tokens - states[i].num_computed for i in picked]):
+            return picked
+        return []
+
+    def _draft_greedy(self, states: list[DraftState], k: int, cost: CostModel) -> list[list[int]]:
+        t0 = cost.clock()
+        num_new = [s.num_tokens - s.num_computed for s in states]
+        drafts = self.runner.draft_greedy(states, num_new, k)
+        for s, n, d in zip(states, num_new, drafts):
+            s.num_computed += n + k - 1
+            s.token_ids.extend(d)
+        if sum(num_new) <= 2 * len(num_new):  # decode-like: k draft passes' cost, as the loop below counts it
+            per_pass = (cost.clock() - t0) / k
+            for _ in range(k):
+                cost.observe(len(states), per_pass)
+        return drafts
+
     @torch.inference_mode()
     def draft(self, seqs: list[Sequence], states: list[DraftState], ks: list[int], stop_ids: list[set[int]],
               cost: CostModel) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """k_i tokens for sequence i, sampled from the draft's processed distribution q (greedy rows take
         its argmax), appended to its state; returns (the drafts, q rows [k_i, V] per sequence: None for
         deterministic drafts, whose q is one-hot)."""
+        # more than the last draft and the bonus token to compute first: a prompt or tokens missed
+        self.caught_up = max(s.num_tokens - s.num_computed for s in states) > 2
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
-        # more than the last draft and the bonus token to compute first: a prompt or tokens missed
-        self.caught_up = max(s.num_tokens - s.num_computed for s in states) > 2
+        one_call = self._greedy_in_one_call(seqs, states, ks, stop_ids)
+        if one_call:
+            for i, d in zip(one_call, self._draft_greedy([states[i] for i in one_call], ks[one_call[0]], cost)):
+                drafts[i] = d
+            chosen = set(one_call)
+            active = [i for i in active if i not in chosen]
         while active:
             t0 = cost.clock()
             act_states = [states[i] for i in active]

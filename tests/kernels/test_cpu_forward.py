@@ -160,7 +160,12 @@ def test_speculative_engine_matches_with_and_without(checkpoints):
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0.8, seed=11, max_tokens=40, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, logprobs=1)]
+    calls = []
+    one_call = draft_runner.draft_greedy
+    draft_runner.draft_greedy = lambda *a: calls.append(1) or one_call(*a)
     fast = llm.generate(prompts, params)
+    assert calls  # the greedy requests' drafts ran in one C call each (tk_draft_greedy_f32)
+    del draft_runner.draft_greedy
     saved = (llm.engine.runner.cpu_forward, draft_runner.cpu_forward)
     llm.engine.runner.cpu_forward = draft_runner.cpu_forward = None
     try:
