@@ -1,10 +1,13 @@
 """Scale-out on Ray Serve (CPU, bounded): the load tester (traces/, as a library) against 1 vs 2 tandem
 replicas, each pinned to one core (num_cpus=1, torch threads 1, CPU affinity), with a shared-prefix workload
-(Mooncake-style chains: `--groups` system prompts of `--prefix-blocks` 16-token blocks, Zipf-popular, then a
-fresh question), and 2 replicas with affinity routing vs power of two choices. Prints throughput, TTFT p50/p99,
-goodput at the same SLO and the pools' prefix hit rate; then an autoscaling run (1 -> 2 replicas under a load
-step from 1x to 3x one replica's capacity, and back after the load ends) with its timeline. Writes
-bench/results/scale_out.json.
+(a system-prompt mix: `--groups` distinct prefixes of `--prefix-blocks` 16-token blocks, Zipf-popular, then a
+fresh question), and 2 replicas with affinity routing vs power of two choices. The pools are sized so the
+distinct prefixes do not fit in one replica's pool but do in two (`--pool-mib`; the JSON records the measured
+ratio): the case prefix affinity is for. Prints throughput, TTFT p50/p99, goodput at the same SLO, the pools'
+prefix hit rate, and the CPU time each process took per request (replicas, Ray proxy, ingress, load generator,
+Ray's own processes, everything else on the machine) with the upper bound on 2-replica throughput it implies;
+then an autoscaling run (1 -> 2 replicas under a load step from 1x to 3x one replica's capacity, and back
+after the load ends) with its timeline. Writes bench/results/scale_out.json.
 
     .venv/bin/python bench/scale_out.py                       # the full run (quiet machine: ~15 min)
     .venv/bin/python bench/scale_out.py --smoke               # small sizes, a few minutes
@@ -35,6 +38,89 @@ os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1"
 
 APP = "tandem"
 BLOCK = 16
+PAGES_PER_BLOCK = 1  # the "best" route's large model, speculation off (a draft would add a page some steps)
+# Serve's --ray-mode throughput: Ray's throughput-optimised data plane (gRPC between deployments, user code on
+# the replica's own loop, GC frozen after start-up), with the HTTP proxy kept (direct ingress needs HAProxy
+# or per-replica ports); set before Ray starts its workers
+THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+COMPONENTS = ("replicas", "proxy", "ingress", "load generator", "controller", "ray system", "other")
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def component_of(pid: int, cmdline: str) -> str:
+    """Which part of the run a process is, from its title (Ray names its workers `ray::<actor>`)."""
+    if pid == os.getpid():
+        return "load generator"  # this process: the open-loop client (and the Ray driver, idle meanwhile)
+    if f"ServeReplica:{APP}:TandemReplica" in cmdline:
+        return "replicas"
+    if f"ServeReplica:{APP}:OpenAIIngress" in cmdline:
+        return "ingress"
+    if "ProxyActor" in cmdline:
+        return "proxy"
+    if "ServeController" in cmdline:
+        return "controller"
+    if any(k in cmdline for k in ("gcs_server", "raylet", "ray/dashboard", "log_monitor", "runtime_env",
+                                  "default_worker.py", "ray::", "ray/_private", "monitor.py")):
+        return "ray system"
+    return "other"
+
+
+def process_cpu() -> dict[int, tuple[str, float]]:
+    """Every process's CPU seconds so far (user + system, all threads) and its component."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended meanwhile
+            continue
+        pid = int(name)
+        out[pid] = (component_of(pid, cmdline), (int(fields[11]) + int(fields[12])) / CLOCK_TICK)
+    return out
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:8]]
+    return (sum(values) - values[3] - values[4]) / CLOCK_TICK  # less idle and iowait
+
+
+class CpuMeter:
+    """CPU seconds per component between `start` and `stop` (a process that ended meanwhile is not counted;
+    one that started counts from zero)."""
+
+    def start(self) -> None:
+        self.loadavg_before = os.getloadavg()
+        self.t0, self.busy0, self.before = time.monotonic(), machine_busy_s(), process_cpu()
+
+    def stop(self) -> dict[str, Any]:
+        after, wall = process_cpu(), time.monotonic() - self.t0
+        by: dict[str, float] = dict.fromkeys(COMPONENTS, 0.0)
+        per_replica: list[float] = []
+        for pid, (comp, cpu) in after.items():
+            prev = self.before.get(pid)
+            delta = cpu - (prev[1] if prev and prev[0] == comp else 0.0)
+            by[comp] += delta
+            if comp == "replicas":
+                per_replica.append(round(delta, 2))
+        return {"wall_s": round(wall, 2), "cpu_s": {k: round(v, 3) for k, v in by.items()},
+                "replica_cpu_s": sorted(per_replica, reverse=True),
+                "machine_busy_s": round(machine_busy_s() - self.busy0, 2),
+                "loadavg_before": [round(x, 2) for x in self.loadavg_before],
+                "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+
+
+def cpu_per_request(cpu: dict[str, Any], completed: int) -> dict[str, float]:
+    """CPU seconds per completed request, each component, plus `overhead` (all ours but the replicas)."""
+    n = max(1, completed)
+    out = {k: v / n for k, v in cpu["cpu_s"].items()}
+    out["overhead"] = sum(out[k] for k in ("proxy", "ingress", "load generator", "controller", "ray system"))
+    return out
 
 
 def plan_requests(args: argparse.Namespace, rate: float, duration_s: float, seed: int) -> list[Any]:
@@ -46,15 +132,15 @@ def plan_requests(args: argparse.Namespace, rate: float, duration_s: float, seed
     from traces.workloads import RequestSpec
 
     rng = np.random.default_rng(seed)
-    synth = PromptSynthesizer(ROOT / "models" / "tandem-tiny-s", seed=seed)
+    synth = PromptSynthesizer(ROOT / "models" / "tandem-tiny-s", seed=0)  # the same system prompts every run
     weights = 1.0 / np.arange(1, args.groups + 1) ** args.zipf
     weights /= weights.sum()
     at = poisson_arrivals(rate, duration_s, seed=seed)
     plan = []
     for i, t in enumerate(at):
         g = int(rng.choice(args.groups, p=weights))
-        chain = tuple(g * 1000 + b for b in range(args.prefix_blocks))
-        fresh = tuple(10**7 + i * 100 + k for k in range(-(-args.suffix_tokens // BLOCK)))
+        chain = tuple(g * 1000 + b for b in range(args.prefix_blocks))  # group g's system prompt
+        fresh = tuple(10**7 + (seed * 10**5 + i) * 100 + k for k in range(-(-args.suffix_tokens // BLOCK)))
         spec = RequestSpec(i, args.prefix_blocks * BLOCK + args.suffix_tokens, args.output_tokens,
                            hash_ids=chain + fresh, block_tokens=BLOCK)
         plan.append(PlannedRequest(i, float(t), args.route, synth.prompt(spec), spec.input_tokens,
@@ -62,38 +148,50 @@ def plan_requests(args: argparse.Namespace, rate: float, duration_s: float, seed
     return plan
 
 
-def pool_counters() -> dict[str, tuple[int, int]]:
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "chunks", "served")
+
+
+def pool_counters() -> dict[str, tuple[int, ...]]:
     from deploy.ray_serve import replica_stats
 
-    return {rid: (s["prefix_cache_queries"], s["prefix_cache_hits"]) for rid, s in replica_stats(APP).items()}
+    return {rid: tuple(s[k] for k in COUNTERS) for rid, s in replica_stats(APP).items()}
 
 
-def hit_rate(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> float | None:
-    q = sum(after[r][0] - before.get(r, (0, 0))[0] for r in after)
-    h = sum(after[r][1] - before.get(r, (0, 0))[1] for r in after)
-    return h / q if q else None
+def counter_deltas(before: dict[str, tuple[int, ...]], after: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    zero = (0,) * len(COUNTERS)
+    return {k: sum(after[r][i] - before.get(r, zero)[i] for r in after) for i, k in enumerate(COUNTERS)}
+
+
+def hit_rate(deltas: dict[str, int]) -> float | None:
+    """Prompt tokens found in the pools / prompt tokens looked up (both models of the route)."""
+    q = deltas["prefix_cache_queries"]
+    return deltas["prefix_cache_hits"] / q if q else None
 
 
 def deploy(args: argparse.Namespace, *, replicas: int, routing: str, autoscale: bool = False,
-           target_ongoing: float | None = None) -> None:
+           target_ongoing: float | None = None) -> dict[str, dict[str, Any]]:
     from ray import serve
 
     from deploy.ray_serve import ScaleOutOptions, build_app, replica_stats
 
-    overrides = {"kv_pool.memory_bytes": f"{args.pool_mib}MiB"}
+    # speculation off: adaptive k drafts on some steps only, and a drafting step keeps the draft's pages too, so
+    # the pool's prefix capacity would wander; without it each 16-token block is one page
+    overrides: dict[str, Any] = {"kv_pool.memory_bytes": f"{args.pool_mib}MiB", "engines.tandem-large.draft": None,
+                                 "engines.tandem-large.num_speculative_tokens": 0}
     if autoscale:
         overrides["admission.enabled"] = False  # the step must queue, not shed: no failed request allowed
     options = ScaleOutOptions(
         config=str(args.config), overrides=overrides, replicas=replicas, routing=routing, pin_cpu=True,
-        num_cpus=1.0, torch_threads=1, routing_stats_period_s=0.5, autoscale=autoscale, min_replicas=1,
+        num_cpus=1.0, torch_threads=1, routing_stats_period_s=0.5, stream_interval_ms=args.stream_interval_ms, autoscale=autoscale, min_replicas=1,
         max_replicas=2, target_ongoing_requests=target_ongoing, down_stabilization_s=args.down_window_s,
         down_cooldown_s=args.down_window_s / 2, look_back_period_s=5.0, graceful_shutdown_timeout_s=60.0)
     serve.run(build_app(options), name=APP, route_prefix="/")
     deadline = time.monotonic() + 300
-    while len(replica_stats(APP)) < replicas:
+    while len(stats := replica_stats(APP)) < replicas:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{replicas} replicas not up within 300 s")
         time.sleep(0.5)
+    return stats
 
 
 def undeploy() -> None:
@@ -124,30 +222,44 @@ def mean_in_flight(records: list[Any]) -> float:
     return sum(e - b for b, e in spans) / max(1e-9, max(e for _, e in spans) - min(b for b, _ in spans))
 
 
-def row(name: str, replicas: int, routing: str, rate: float, load: dict[str, Any], rate_hits: float | None) -> dict:
+def row(name: str, replicas: int, routing: str, rate: float, load: dict[str, Any], rate_hits: float | None,
+        cpu: dict[str, Any]) -> dict:
     s = load["summary"]
+    per_req = cpu_per_request(cpu, s["requests"]["completed"])
     return {"config": name, "replicas": replicas, "routing": routing, "offered_rps": rate,
             "completed": s["requests"]["completed"], "failed": s["requests"]["failed"], "shed": s["requests"]["shed"],
             "throughput_rps": s["request_throughput_rps"], "output_tps": s["output_token_throughput_tps"],
             "ttft_p50_ms": s["overall"]["ttft_ms"]["p50"], "ttft_p99_ms": s["overall"]["ttft_ms"]["p99"],
             "goodput_rps": s.get("goodput_rps"), "slo_attainment": s.get("slo_attainment"),
-            "prefix_hit_rate": rate_hits, "mean_in_flight": mean_in_flight(load["records"])}
+            "prefix_hit_rate": rate_hits, "mean_in_flight": mean_in_flight(load["records"]),
+            "cpu": cpu, "cpu_s_per_request": {k: round(v, 5) for k, v in per_req.items()},
+            "cores_used": {k: round(v / max(1e-9, cpu["wall_s"]), 3) for k, v in cpu["cpu_s"].items()}}
 
 
 def measure(args: argparse.Namespace, url: str, name: str, replicas: int, routing: str, slos: dict,
             seed: int) -> list[dict]:
-    deploy(args, replicas=replicas, routing=routing)
+    pool_pages = min(s["num_pages"] for s in deploy(args, replicas=replicas, routing=routing).values())
     out = []
     try:
-        warm = plan_requests(args, 1.0, 3.0, seed=10_000 + seed)  # other prompts: the pools start cold for the runs
-        run_load(url, warm, slos)
+        # the system prompts have been seen before (a steady state, not a cold start): one warm-up pass
+        run_load(url, plan_requests(args, args.warm_rps, args.warm_s, seed=10_000 + seed), slos)
         for k, rate in enumerate(args.rates):
             plan = plan_requests(args, rate, args.duration, seed=seed * 100 + k)
             before = pool_counters()
+            meter = CpuMeter()
+            meter.start()
             load = run_load(url, plan, slos)
-            r = row(name, replicas, routing, rate, load, hit_rate(before, pool_counters()))
+            cpu = meter.stop()
+            deltas = counter_deltas(before, pool_counters())
+            r = row(name, replicas, routing, rate, load, hit_rate(deltas), cpu)
+            r["chunks_per_request"] = deltas["chunks"] / max(1, deltas["served"])  # the start message included
+            c = r["cpu_s_per_request"]
             print(f"  {name:<18} {rate:5.2f} req/s: {r['completed']} done, goodput {r['goodput_rps']:.2f}, "
-                  f"hit rate {r['prefix_hit_rate'] or 0:.3f}", flush=True)
+                  f"hit rate {r['prefix_hit_rate'] or 0:.3f}; CPU ms/request: replicas {1e3 * c['replicas']:.0f}, "
+                  f"proxy {1e3 * c['proxy']:.1f}, ingress {1e3 * c['ingress']:.1f}, "
+                  f"load gen {1e3 * c['load generator']:.1f}, ray {1e3 * (c['ray system'] + c['controller']):.1f}, "
+                  f"other {1e3 * c['other']:.0f}; loadavg {cpu['loadavg_after'][0]:.2f}", flush=True)
+            r["pool_pages"] = pool_pages
             out.append(r)
     finally:
         undeploy()
@@ -218,17 +330,65 @@ def autoscale_run(args: argparse.Namespace, url: str, capacity_rps: float, concu
             "ttft_p99_ms": s["overall"]["ttft_ms"]["p99"], "timeline": timeline}
 
 
+def cpu_bound(rows: list[dict], best: dict[str, dict]) -> dict[str, Any]:
+    """What the CPU accounting allows. At 2 replicas every process shares the machine's 2 cores, so throughput
+    X2 <= cores / (replica + overhead CPU-s per request); the single replica has a core of its own while its
+    overhead runs on the other, so X1 <= 1 / (replica CPU-s per request). The bound on the 2-vs-1 goodput ratio
+    is X2's bound over the measured 1-replica goodput (noisy: another tenant's load slows the single replica
+    too), and, noise-free, over 1 / its CPU per request (`ideal_scaling_bound`: 2 r1 / (r2 + overhead)); with
+    the rest of the machine's measured load (other processes) taken out of the 2 cores, it is tighter still. Per-request costs come from each configuration's
+    point of highest offered load (the replicas saturated: their batch at its largest)."""
+    def at_peak(name: str) -> dict:
+        return max((r for r in rows if r["config"] == name), key=lambda r: r["offered_rps"])
+
+    one, two = at_peak("1 replica"), at_peak("2 replicas")
+    cores = float(os.cpu_count() or 2)
+    r2, o2 = two["cpu_s_per_request"]["replicas"], two["cpu_s_per_request"]["overhead"]
+    other_cores = two["cores_used"]["other"]
+    x1 = best["1 replica"]["goodput_rps"] or 0.0
+    x2_max, x2_max_shared = cores / (r2 + o2), max(0.0, cores - other_cores) / (r2 + o2)
+    return {"cores": cores, "one_replica_cpu_s_per_request": one["cpu_s_per_request"],
+            "two_replicas_cpu_s_per_request": two["cpu_s_per_request"],
+            "one_replica_cores_used": one["cores_used"], "two_replicas_cores_used": two["cores_used"],
+            "overhead_share_of_work": o2 / (r2 + o2),
+            "x1_goodput_rps": x1, "x1_max_rps": 1.0 / max(1e-9, one["cpu_s_per_request"]["replicas"]),
+            "x2_max_rps": x2_max, "x2_max_rps_with_other_load": x2_max_shared,
+            "scaling_bound": x2_max / max(1e-9, x1), "scaling_bound_with_other_load": x2_max_shared / max(1e-9, x1),
+            "ideal_scaling_bound": cores * one["cpu_s_per_request"]["replicas"] / (r2 + o2)}
+
+
+def print_cpu(rows: list[dict], bound: dict[str, Any]) -> None:
+    print(f"\nCPU ms per completed request (cores used in parentheses)\n{'config':<18} {'rate':>5} "
+          + " ".join(f"{c[:10]:>15}" for c in COMPONENTS) + f" {'loadavg':>8}")
+    for r in rows:
+        cells = " ".join(f"{1e3 * r['cpu_s_per_request'][c]:7.1f} ({r['cores_used'][c]:4.2f})" for c in COMPONENTS)
+        print(f"{r['config']:<18} {r['offered_rps']:5.2f} {cells} {r['cpu']['loadavg_after'][0]:8.2f}")
+    print(f"overhead (all ours but the replicas) = {100 * bound['overhead_share_of_work']:.0f}% of the CPU per "
+          f"request at 2 replicas; 2 replicas can do at most {bound['x2_max_rps']:.2f} req/s on "
+          f"{bound['cores']:.0f} cores ({bound['x2_max_rps_with_other_load']:.2f} with the other load measured), "
+          f"= {bound['scaling_bound']:.2f}x ({bound['scaling_bound_with_other_load']:.2f}x) the 1-replica goodput "
+          f"{bound['x1_goodput_rps']:.2f}; vs a replica with a core to itself (1 / its CPU per request): "
+          f"{bound['ideal_scaling_bound']:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="small sizes (a few minutes; numbers not meaningful)")
-    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[4.0, 6.0, 8.0, 10.0, 12.0])
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[3.0, 6.0, 9.0])
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point")
-    p.add_argument("--groups", type=int, default=24, help="shared prefixes (system prompts)")
-    p.add_argument("--prefix-blocks", type=int, default=12, help="16-token blocks per shared prefix")
-    p.add_argument("--suffix-tokens", type=int, default=24)
-    p.add_argument("--output-tokens", type=int, default=48)
+    p.add_argument("--groups", type=int, default=40, help="distinct shared prefixes (system prompts)")
+    p.add_argument("--prefix-blocks", type=int, default=24, help="16-token blocks per shared prefix")
+    p.add_argument("--suffix-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--zipf", type=float, default=0.3)
-    p.add_argument("--pool-mib", type=int, default=64, help="each replica's KV pool")
+    p.add_argument("--pool-mib", type=int, default=48,
+                   help="each replica's KV pool (48 MiB: 512 pages; the 40 x 24-block prefixes need 960)")
+    p.add_argument("--warm-s", type=float, default=12.0, help="warm-up seconds per deployment (same prefixes)")
+    p.add_argument("--warm-rps", type=float, default=4.0)
+    p.add_argument("--stream-interval-ms", type=float, default=50.0,
+                   help="the replicas' stream_interval_ms (0: every chunk as it comes)")
+    p.add_argument("--ray-mode", choices=["throughput", "default"], default="throughput",
+                   help="throughput: Ray Serve's throughput-optimised data plane (RAY_SERVE_THROUGHPUT_OPTIMIZED)")
     p.add_argument("--route", default="best", help="the large model: replicas, not the Ray proxy, are the bottleneck")
     p.add_argument("--slo", default="ttft=1000,tpot=100", help="client-side SLO for goodput (ms)")
     p.add_argument("--step-s", type=float, default=60.0, help="autoscaling: seconds at 1x, then at 3x")
@@ -250,18 +410,21 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server import free_port
     from traces.metrics import parse_slo
 
+    if args.ray_mode == "throughput":
+        os.environ.update(THROUGHPUT_ENV)
     args.config = default_config_with_routes(Path("/tmp") / f"tandem-scale-out-{os.getpid()}.toml")
     route, slo = parse_slo(f"{args.route}:{args.slo}")
     slos = {route: slo}
     ray.init(num_cpus=2, object_store_memory=128 * 1024 * 1024, include_dashboard=False, log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
     url = f"http://127.0.0.1:{port}"
     started = time.time()
     rows: list[dict] = []
     try:
         print(f"shared-prefix workload: {args.groups} prefixes x {args.prefix_blocks * BLOCK} tokens + "
-              f"{args.suffix_tokens} fresh, {args.output_tokens} out, rates {args.rates} req/s, {args.duration:g} s each")
+              f"{args.suffix_tokens} fresh, {args.output_tokens} out, rates {args.rates} req/s, {args.duration:g} s "
+              f"each; Ray mode {args.ray_mode}; loadavg {os.getloadavg()[0]:.2f}")
         rows += measure(args, url, "1 replica", 1, "affinity", slos, seed=1)
         rows += measure(args, url, "2 replicas", 2, "affinity", slos, seed=1)  # the same workload
         rows += measure(args, url, "2 replicas pow2", 2, "pow2", slos, seed=1)
@@ -279,7 +442,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['goodput_rps'] or 0:7.2f} {r['prefix_hit_rate'] or 0:6.3f}")
         print(f"\ngoodput 2 vs 1 replica (best point each): {scaling:.2f}x (target >= 1.6x)")
         print(f"prefix hit rate affinity vs power of two (median over rates): {hit_ratio:.2f}x (target >= 1.5x)")
-        result: dict[str, Any] = {"rows": rows, "goodput_scaling": scaling, "hit_rate_ratio": hit_ratio}
+        prefix_pages = args.groups * args.prefix_blocks * PAGES_PER_BLOCK
+        pool_pages = rows[0]["pool_pages"]
+        print(f"distinct prefixes need {prefix_pages} pages; one replica's pool holds {pool_pages} "
+              f"({prefix_pages / pool_pages:.2f} pools' worth)")
+        bound = cpu_bound(rows, best)
+        print_cpu(rows, bound)
+        result: dict[str, Any] = {"rows": rows, "goodput_scaling": scaling, "hit_rate_ratio": hit_ratio,
+                                  "prefix_pages": prefix_pages, "pool_pages": pool_pages,
+                                  "prefix_pages_per_pool": prefix_pages / pool_pages, "cpu_bound": bound}
         if not args.no_autoscale:
             # one replica's capacity: its highest completed throughput; its in-flight count there sets the target
             one = max((r for r in rows if r["config"] == "1 replica"), key=lambda r: r["throughput_rps"])
@@ -302,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     result["metadata"] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                           "cpus": os.cpu_count(), "wall_s": round(time.time() - started, 1),
+                          "loadavg_end": list(os.getloadavg()),
                           "note": "each replica pinned to one core; ingress, proxy and load generator share them"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -47,6 +47,7 @@ class ScaleOutOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_gpus: float = 0.0
     torch_threads: int = 1  # torch intra-op threads in a replica (CPU serving: one per core it holds)
     pin_cpu: bool = False  # pin each replica to a core of its own (CPU machines)
+    stream_interval_ms: float = 0.0  # a stream's chunks at most this often (0: each as it comes; never the first)
     max_ongoing_requests: int = 128  # per replica, above its engines' batch: the rest waits in tandem's queue
     max_queued_requests: int = 1024  # per ingress handle; beyond it a 503 + Retry-After
     graceful_shutdown_timeout_s: float = 60.0  # a scaled-down replica's in-flight requests get this long
@@ -54,7 +55,9 @@ class ScaleOutOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # routing
     routing: str = "affinity"  # "affinity" (prefix + load) or "pow2" (power of two choices only)
     allow_routing_override: bool = False  # honour a request's `x-tandem-routing: pow2` (benchmarks)
-    max_imbalance: float = 4.0  # requests in flight a prefix holder may exceed the least loaded replica by
+    max_imbalance: float = 3.0  # load (in requests) a prefix holder may exceed the least loaded replica by ...
+    imbalance_ratio: float = 0.25  # ... plus this fraction of that replica's requests in flight
+    kv_weight: float = 2.0  # a full KV pool weighs as this many requests in flight in a replica's load
     kv_high: float = 0.95  # a prefix holder whose pool is fuller than this is passed over
     slo_gap: float = 0.05  # ... and one missing its SLO when another replica's attainment is this much better
     routing_stats_period_s: float = 1.0  # how often replicas report KV usage and SLO headroom to routers
@@ -70,6 +73,7 @@ class ScaleOutOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0.0  # the ingress parses bodies and hashes text: no core of its own
     retries: int = 2  # replicas tried for a request whose replica died before its first byte
+    access_log: bool = False  # Serve's per-request access log lines in the ingress and replicas (CPU per request)
     first_byte_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -127,9 +131,11 @@ def build_app(args: dict[str, Any] | ScaleOutOptions | None = None) -> Applicati
         "graceful_shutdown_timeout_s": o.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": 1.0,
         "health_check_period_s": o.health_check_period_s,
+        "logging_config": {"enable_access_log": o.access_log},
         "request_router_config": {
             "request_router_class": ROUTER_CLASS,
             "request_router_kwargs": {"affinity": o.routing == "affinity", "max_imbalance": o.max_imbalance,
+                                      "imbalance_ratio": o.imbalance_ratio, "kv_weight": o.kv_weight,
                                       "kv_high": o.kv_high, "slo_gap": o.slo_gap},
             "request_routing_stats_period_s": o.routing_stats_period_s,
             "request_routing_stats_timeout_s": max(1.0, 2 * o.routing_stats_period_s)},
@@ -139,10 +145,11 @@ def build_app(args: dict[str, Any] | ScaleOutOptions | None = None) -> Applicati
     else:
         replica_options["num_replicas"] = o.replicas
     replicas = serve.deployment(TandemReplicaDeployment).options(**replica_options).bind(
-        o.config, o.overrides, torch_threads=o.torch_threads, pin_cpu=o.pin_cpu)
+        o.config, o.overrides, torch_threads=o.torch_threads, pin_cpu=o.pin_cpu,
+        stream_interval_s=o.stream_interval_ms / 1000.0)
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", num_replicas=o.ingress_replicas, max_ongoing_requests=4 * o.max_queued_requests,
-        ray_actor_options={"num_cpus": o.ingress_num_cpus})
+        ray_actor_options={"num_cpus": o.ingress_num_cpus}, logging_config={"enable_access_log": o.access_log})
     return ingress.bind(replicas, affinity=o.routing == "affinity", allow_routing_override=o.allow_routing_override,
                         retries=o.retries, first_byte_timeout_s=o.first_byte_timeout_s)
 
@@ -211,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     ray.init(address=args.address, ignore_reinit_error=True)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options={"host": args.host, "port": args.port},
+                logging_config={"enable_access_log": options.access_log})
     serve.run(build_app(options), name="tandem", route_prefix="/")
     log.info("tandem on Ray Serve: http://%s:%d/v1 (%s)", args.host, args.port,
              "autoscaled" if options.autoscale else f"{options.replicas} replicas")

@@ -18,6 +18,7 @@ from typing import Any
 log = logging.getLogger("tandem.deploy")
 
 LOCK_DIR = "/tmp"
+_NOTHING = object()  # call_asgi: no message held back
 
 
 def pin_to_free_core(prefix: str = "tandem-ray-cpu") -> tuple[int, int] | None:
@@ -79,10 +80,13 @@ def http_scope(method: str, path: str, headers: list[tuple[str, str]], query: st
 
 
 async def call_asgi(app: Any, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
-                    query: str = "", extra_headers: dict[str, str] | None = None) -> AsyncIterator[dict | bytes]:
-    """One HTTP exchange with `app`: yields {"status", "headers"} first, then each body chunk. When the caller
-    stops iterating (its client left, or it was cancelled), the app sees `http.disconnect` and its request
-    ends there (tandem aborts the engine requests and frees their KV blocks)."""
+                    query: str = "", extra_headers: dict[str, str] | None = None,
+                    stream_interval_s: float = 0.0) -> AsyncIterator[dict | bytes]:
+    """One HTTP exchange with `app`: yields {"status", "headers"} first, then body chunks: the body messages
+    waiting when one is read go together, and with `stream_interval_s` a chunk after the first waits until that
+    long after the previous one (the first token is never held). When the caller stops iterating (its client
+    left, or it was cancelled), the app sees `http.disconnect` and its request ends there (tandem aborts the
+    engine requests and frees their KV blocks)."""
     outbox: asyncio.Queue = asyncio.Queue()
     left = asyncio.Event()
     sent_body = False
@@ -100,9 +104,12 @@ async def call_asgi(app: Any, method: str, path: str, headers: list[tuple[str, s
 
     task = asyncio.create_task(app(http_scope(method, path, headers, query), receive, send))
     task.add_done_callback(lambda t: outbox.put_nowait(None))  # the app returned (or failed): no more messages
+    held: Any = _NOTHING
+    loop = asyncio.get_running_loop()
+    last_chunk: float | None = None
     try:
         while True:
-            message = await outbox.get()
+            message, held = (await outbox.get() if held is _NOTHING else held), _NOTHING
             if message is None:
                 if task.exception() is not None:
                     raise task.exception()
@@ -112,10 +119,22 @@ async def call_asgi(app: Any, method: str, path: str, headers: list[tuple[str, s
                 out += list((extra_headers or {}).items())
                 yield {"status": message["status"], "headers": out}
             elif message["type"] == "http.response.body":
-                chunk = message.get("body", b"")
+                # body messages already waiting go out as one chunk: each chunk costs a Ray streaming item on
+                # every hop (replica -> ingress -> proxy), so under load a stream's events travel together
+                chunk, more = bytes(message.get("body", b"")), message.get("more_body", False)
+                if more and last_chunk is not None and (wait := last_chunk + stream_interval_s - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                while more and not outbox.empty():
+                    queued = outbox.get_nowait()
+                    if queued is None or queued["type"] != "http.response.body":
+                        held = queued
+                        break
+                    chunk += queued.get("body", b"")
+                    more = queued.get("more_body", False)
                 if chunk:
-                    yield bytes(chunk)
-                if not message.get("more_body", False):
+                    yield chunk
+                    last_chunk = loop.time()
+                if not more:
                     return
     finally:
         left.set()
@@ -134,8 +153,10 @@ class TandemReplica:
     the deployment's `__del__`) when it is stopped, after Serve's graceful drain let in-flight requests finish."""
 
     async def __init__(self, config: str | None = None, overrides: dict[str, Any] | None = None, *,
-                       torch_threads: int | None = 1, pin_cpu: bool = False, ready_timeout_s: float = 600.0):
+                       torch_threads: int | None = 1, pin_cpu: bool = False, ready_timeout_s: float = 600.0,
+                       stream_interval_s: float = 0.0):
         self.core: tuple[int, int] | None = pin_to_free_core() if pin_cpu else None
+        self.stream_interval_s = stream_interval_s
         if torch_threads:
             import torch
 
@@ -151,6 +172,7 @@ class TandemReplica:
         self.replica_id = _replica_id()
         self.started = time.time()
         self.served = 0
+        self.chunks = 0  # body chunks streamed back (each one a Ray streaming item on every hop)
         await self.lifespan.startup()
         deadline = time.monotonic() + ready_timeout_s
         while not self.state.ready:
@@ -174,7 +196,9 @@ class TandemReplica:
         self.served += 1
         async for item in call_asgi(self.app, request["method"], request["path"], request["headers"],
                                     request.get("body", b""), request.get("query", ""),
-                                    extra_headers={"x-tandem-replica": self.replica_id}):
+                                    extra_headers={"x-tandem-replica": self.replica_id},
+                                    stream_interval_s=self.stream_interval_s):
+            self.chunks += 1
             yield item
 
     def pool_stats(self) -> dict[str, Any]:
@@ -193,7 +217,7 @@ class TandemReplica:
                 "waiting": sum(float(s.get("num_waiting", 0)) for s in engines.values()),
                 "kv_usage": float(pool.get("kv_usage", 0.0)),
                 "slo_headroom": min(headroom) if headroom else 0.0,
-                "served": self.served,
+                "served": self.served, "chunks": self.chunks,
                 "used_pages": pool.get("used_pages", 0), "num_pages": pool.get("num_pages", 0),
                 "prefix_cache_queries": pool.get("prefix_cache_queries", 0),
                 "prefix_cache_hits": pool.get("prefix_cache_hits", 0)}

@@ -26,15 +26,21 @@ class ReplicaLoad:
     slo_headroom: float = 0.0  # lowest (attainment - target) over its routes; < 0: an SLO is being missed
     routes: frozenset[str] | None = None  # the routes it serves; None: not reported yet
 
-    def cost(self, kv_high: float) -> float:
-        """Load as one number: queue, plus a penalty when the pool is nearly full or an SLO is missed."""
-        return self.queue_len + (4.0 if self.kv_usage >= kv_high else 0.0) + (2.0 if self.slo_headroom < 0 else 0.0)
+    def cost(self, settings: RoutingSettings) -> float:
+        """Load as one number, in requests: in flight, plus the pool's use (`kv_weight` requests when full), plus
+        a penalty when the pool is nearly full or an SLO is missed."""
+        return (self.queue_len + settings.kv_weight * self.kv_usage
+                + (4.0 if self.kv_usage >= settings.kv_high else 0.0) + (2.0 if self.slo_headroom < 0 else 0.0))
 
 
 @dataclass
 class RoutingSettings:
     affinity: bool = True  # False: power of two choices only (the baseline)
-    max_imbalance: float = 4.0  # a prefix holder is skipped when it has this many more in flight than the least loaded
+    # a prefix holder is skipped when its cost exceeds the least loaded replica's by more than
+    # max_imbalance + imbalance_ratio * that replica's in-flight count: tight when idle, proportional under load
+    max_imbalance: float = 3.0
+    imbalance_ratio: float = 0.25
+    kv_weight: float = 2.0  # a full pool weighs as this many requests in flight
     kv_high: float = 0.95  # a holder whose pool is this full is skipped (unless every replica's is)
     slo_gap: float = 0.05  # a holder missing its SLO is skipped when another's attainment is this much better
     table_blocks: int = 200_000  # remembered (route, block) entries, least recently routed evicted first
@@ -88,32 +94,35 @@ class AffinityTable:
 def rank(replicas: Sequence[ReplicaLoad], route: str | None, hashes: Sequence[int], table: AffinityTable,
          settings: RoutingSettings, rng: random.Random) -> tuple[list[list[Any]], str]:
     """Ranked replica ids (first rank first) and why. Route-aware: only replicas reporting the route (all when
-    none has reported yet). The prefix holder wins unless it is overloaded, its pool nearly full or its SLO
-    missed where another replica's is met; otherwise power of two choices by cost. A route no replica reports goes to any (tandem's 404)."""
+    none has reported yet). The prefix holder wins unless it is busier than the least loaded replica by more
+    than the imbalance bound, its pool nearly full or its SLO missed where another replica's is met; otherwise
+    power of two choices by cost. A route no replica reports goes to any (tandem's 404)."""
     serving = [r for r in replicas if r.routes is None or route is None or route in r.routes]
     if not serving:  # an unknown model: any replica answers tandem's own 404
         serving = list(replicas)
     if not serving:
         return [], "no replica"
+    cost = {r.id: r.cost(settings) for r in serving}
     if settings.affinity and hashes:
         matched = table.matched_blocks(hashes, (r.id for r in serving))
         best = max(matched.values(), default=0)
         if best > 0:
-            least = min(r.cost(settings.kv_high) for r in serving)
+            least = min(serving, key=lambda r: cost[r.id])
+            bound = cost[least.id] + settings.max_imbalance + settings.imbalance_ratio * least.queue_len
             deepest = hashes[best - 1]  # home first (most requests with the prefix), then the least loaded
             holders = sorted((r for r in serving if matched[r.id] == best),
-                             key=lambda r: (-table.sent(deepest, r.id), r.cost(settings.kv_high)))
+                             key=lambda r: (-table.sent(deepest, r.id), cost[r.id]))
             kv_room = any(r.kv_usage < settings.kv_high for r in serving)
             best_headroom = max(r.slo_headroom for r in serving)
             for h in holders:  # a holder is skipped for pressure that another replica does not share
-                if (h.queue_len - least <= settings.max_imbalance
+                if (cost[h.id] <= bound
                         and (h.kv_usage < settings.kv_high or not kv_room)
                         and (h.slo_headroom >= 0 or h.slo_headroom >= best_headroom - settings.slo_gap)):
-                    rest = sorted((r for r in serving if r.id != h.id), key=lambda r: r.cost(settings.kv_high))
+                    rest = sorted((r for r in serving if r.id != h.id), key=lambda r: cost[r.id])
                     return [[h.id]] + [[r.id] for r in rest], f"prefix: {best} blocks"
     pair = rng.sample(list(serving), min(2, len(serving)))
-    pair.sort(key=lambda r: r.cost(settings.kv_high))
-    rest = sorted((r for r in serving if r not in pair), key=lambda r: r.cost(settings.kv_high))
+    pair.sort(key=lambda r: cost[r.id])
+    rest = sorted((r for r in serving if r not in pair), key=lambda r: cost[r.id])
     return [[r.id] for r in pair] + [[r.id] for r in rest], "power of two"
 
 

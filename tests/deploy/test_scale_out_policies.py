@@ -204,3 +204,44 @@ def test_tandem_serve_ray_hands_over_to_the_ray_serve_runner(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: tandem serve --ray") and "--replicas" in out and "--routing" in out
+
+
+def test_the_imbalance_bound_grows_with_load_and_counts_kv_usage():
+    table, settings, rng = AffinityTable(), RoutingSettings(max_imbalance=2, imbalance_ratio=0.25), random.Random(0)
+    hashes = block_hashes("fast", PREFIX)
+    table.record(hashes, "a")
+    assert rank(loads(("a", 3, 0, 0), ("b", 0, 0, 0)), "fast", hashes, table, settings, rng)[1] == "power of two"
+    _, why = rank(loads(("a", 21, 0, 0), ("b", 16, 0, 0)), "fast", hashes, table, settings, rng)
+    assert why.startswith("prefix")  # 5 more than 16 in flight: within 2 + 0.25 * 16
+    ranks, why = rank(loads(("a", 23, 0, 0), ("b", 16, 0, 0)), "fast", hashes, table, settings, rng)
+    assert why == "power of two" and ranks[0] == ["b"]
+    _, why = rank(loads(("a", 1, 0.9, 0), ("b", 0, 0, 0)), "fast", hashes, table, settings, rng)
+    assert why == "power of two"  # 1 in flight + 0.9 of a pool (2 requests' weight) is 2.8 > 2
+
+
+async def test_asgi_bridge_sends_the_body_messages_already_waiting_as_one_chunk():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(3):
+            await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    items = [item async for item in call_asgi(app, "POST", "/v1/completions", [], b"{}")]
+    assert items[0]["status"] == 200
+    assert items[1:] == [b"data: 0\n\ndata: 1\n\ndata: 2\n\n"]
+
+
+async def test_asgi_bridge_with_a_stream_interval_holds_later_chunks_but_never_the_first():
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(4):
+            await send({"type": "http.response.body", "body": f"{i};".encode(), "more_body": True})
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    items = [item async for item in call_asgi(app, "POST", "/v1/completions", [], b"{}", stream_interval_s=0.5)]
+    assert items[1:] == [b"0;", b"1;2;3;"]  # the first token at once, the rest after the interval, together
+    items = [item async for item in call_asgi(app, "POST", "/v1/completions", [], b"{}")]
+    assert items[1:] == [b"0;", b"1;", b"2;", b"3;"]
