@@ -1,0 +1,90 @@
+"""The CPU engine's decode speed in process, with the one-call C forward (kernels/cpu_forward.py) and with the
+PyTorch forward it replaces, on the same engine, alternated: greedy, `--max-tokens` new tokens per request,
+batches of 1, 8 and 32 requests (different prompts), float32 and weight-only int8, one thread. Reports the
+best of `--repeats` wall times as ms per decode step and output tok/s, and the ratio. Prints a table and writes
+bench/results/cpu_forward.json.
+
+    .venv/bin/python bench/cpu_forward.py [--model models/tandem-tiny-l] [--batches 1 8 32] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engines import LLM, SamplingParams  # noqa: E402
+
+
+def timed(llm: LLM, prompts: list[str], sp: SamplingParams, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        llm.generate(prompts, sp)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "models" / "tandem-tiny-l"))
+    ap.add_argument("--quant", nargs="+", default=["none", "int8"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_forward.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for quant in args.quant:
+        llm = LLM(args.model, max_model_len=512, quantization=quant)
+        runner = llm.engine.runner
+        fast = runner.cpu_forward
+        if fast is None:
+            raise SystemExit(f"the C forward does not cover {args.model} ({quant})")
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        for b in args.batches:
+            prompts = [f"def f{i}(x, y):\n    return" for i in range(b)]
+            llm.generate(prompts, sp)  # warm
+            same = None
+            times = {}
+            for name, fwd in (("c", fast), ("torch", None), ("c", fast), ("torch", None)):  # alternated
+                runner.cpu_forward = fwd
+                t = timed(llm, prompts, sp, args.repeats)
+                times[name] = min(times.get(name, t), t)
+                out = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp)]
+                same = out if same is None else same
+                assert out == same, "greedy outputs differ between the C and torch forwards"
+            runner.cpu_forward = fast
+            steps = args.max_tokens
+            row = {"quant": quant, "batch": b,
+                   "c_ms_per_step": 1e3 * times["c"] / steps, "torch_ms_per_step": 1e3 * times["torch"] / steps,
+                   "c_tok_s": b * steps / times["c"], "torch_tok_s": b * steps / times["torch"],
+                   "speedup": times["torch"] / times["c"]}
+            rows.append(row)
+            print(row, flush=True)
+    print("\n| weights | batch | C forward ms/step | torch forward ms/step | C tok/s | torch tok/s | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {'f32' if r['quant'] == 'none' else r['quant']} | {r['batch']} | {r['c_ms_per_step']:.2f} | "
+              f"{r['torch_ms_per_step']:.2f} | {r['c_tok_s']:.0f} | {r['torch_tok_s']:.0f} | {r['speedup']:.2f}x |")
+    result = {"model": args.model, "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows,
+              "load_average": os.getloadavg(), "machine": platform.processor() or platform.machine()}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
