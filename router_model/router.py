@@ -2,7 +2,8 @@
 (each a logistic regression over `Featurizer` features plus its Platt or isotonic calibration), averaged.
 
 Owns the artifact format (router.json + router.npz, never pickle; the JSON records a version and the npz's
-sha256, both checked on load) and numpy-only inference: `score` -> P(large needed), `decide` -> route choice.
+sha256, both checked on load) and numpy inference (the n-gram hashing in C where it builds, router_model.native):
+`score` -> P(large needed), `decide` -> route choice.
 The same artifact kind serves the cascade's escalation scorer (`kind = "escalation"`), which also reads the
 small model's answer and its logprob statistics.
 """
