@@ -404,11 +404,21 @@ static void attend_one_blocked(const attn_args *a, int64_t s, int64_t g, float *
     const float *kbase = a->kc + g * a->head_stride, *vbase = a->vc + g * a->head_stride;
     int64_t pairs = qlen * rep, cpad = (ctx + 7) / 8 * 8;
     const float *kp[8];
+    int64_t pg = 0, off = 0; /* page index and slot of key j0: advanced, never divided */
     for (int64_t j0 = 0; j0 < ctx; j0 += 8) {
+        int64_t p2 = pg, o2 = off;
         for (int t = 0; t < 8; t++) {
-            int64_t j = j0 + t < ctx ? j0 + t : ctx - 1;
-            kp[t] = kbase + bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride;
+            kp[t] = kbase + bt[p2] * a->page_stride + o2 * a->tok_stride;
+            if (j0 + t + 1 < ctx && ++o2 == bs) { /* past the context: the last key again (scores unused) */
+                o2 = 0;
+                p2++;
+            }
         }
+        for (int t = 0; t < 8; t++)
+            if (++off == bs) {
+                off = 0;
+                pg++;
+            }
         for (int64_t pr = 0; pr < pairs; pr++) {
             int64_t i = pr / rep, r = pr % rep;
             const float *qi = a->q + (q0 + i) * a->q_ld + (g * rep + r) * D;
@@ -444,10 +454,14 @@ static void attend_one_blocked(const attn_args *a, int64_t s, int64_t g, float *
         float inv = 1.f / sum;
         __m256 o[16];
         for (int64_t v = 0; v < nv; v++) o[v] = _mm256_setzero_ps();
-        for (j = 0; j < n; j++) {
-            const float *vj = vbase + bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride;
-            __m256 w = _mm256_set1_ps(pp[j]);
-            for (int64_t v = 0; v < nv; v++) o[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * v), o[v]);
+        for (int64_t p0 = 0, page = 0; p0 < n; p0 += bs, page++) {
+            const float *vp = vbase + bt[page] * a->page_stride;
+            int64_t end = n - p0 < bs ? n - p0 : bs;
+            for (int64_t t = 0; t < end; t++) {
+                const float *vj = vp + t * a->tok_stride;
+                __m256 w = _mm256_set1_ps(pp[p0 + t]);
+                for (int64_t v = 0; v < nv; v++) o[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * v), o[v]);
+            }
         }
         float *oi = a->out + (q0 + i) * a->o_ld + (g * rep + r) * D;
         __m256 vinv = _mm256_set1_ps(inv);
