@@ -1,5 +1,5 @@
-"""tandem's CPU kernels: kernels/cpu_kernels.c built with the system C compiler at first use (no torch headers,
-no ninja: one `cc -O3 -march=native` call, about a second), cached under `~/.cache/tandem/cpu_kernels` (or
+"""tandem's CPU kernels: kernels/cpu_kernels.c built with the system C compiler at first use (kernels/cbuild.py:
+one `cc -O3 -march=native` call, about a second), cached under `~/.cache/tandem/cpu_kernels` (or
 `$TANDEM_CPU_KERNELS_DIR`) by a hash of the source, the flags, the compiler and the CPU, and called through
 ctypes. Each kernel has its PyTorch reference here, which the tests compare it to and which runs wherever the
 kernels are unavailable (no compiler, no AVX2/FMA, or `TANDEM_CPU_KERNELS=0`).
@@ -17,17 +17,16 @@ kernels are unavailable (no compiler, no AVX2/FMA, or `TANDEM_CPU_KERNELS=0`).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cbuild import NoCompiler, build_library
 
 _SRC = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno"]
@@ -51,19 +50,6 @@ def _cpu_flags() -> str:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("TANDEM_CPU_KERNELS_DIR") or Path.home() / ".cache" / "tandem" / "cpu_kernels")
-
-
-def _compile(cc: str, out: Path, openmp: bool) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [cc, *_FLAGS, *(["-fopenmp"] if openmp else ["-Wno-unknown-pragmas"]), "-o", tmp, str(_SRC), "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        os.replace(tmp, out)  # atomic: processes building at once each see a whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -120,21 +106,17 @@ def _load() -> ctypes.CDLL | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         build_error = f"no AVX2 kernels for {platform.machine()}"
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        build_error = "no C compiler (cc / gcc) on PATH"
-        return None
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     lib = None
+    source = _SRC.read_text()
     for openmp in (True, False):
-        key = hashlib.sha256(b"\0".join(s.encode() for s in (
-            _SRC.read_text(), " ".join(_FLAGS), str(openmp), version, _cpu_flags()))).hexdigest()[:20]
-        so = cache_dir() / f"tandem_cpu_kernels-{key}.so"
+        flags = [*_FLAGS, *(["-fopenmp"] if openmp else ["-Wno-unknown-pragmas"])]
         try:
-            if not so.exists():
-                _compile(cc, so, openmp)
-            lib = _bind(ctypes.CDLL(str(so)))
+            lib = _bind(ctypes.CDLL(str(build_library(source, "tandem_cpu_kernels", flags, cache_dir(),
+                                                      key=(_cpu_flags(),)))))
             break
+        except NoCompiler as exc:
+            build_error = str(exc)
+            return None
         except (OSError, subprocess.SubprocessError) as exc:
             build_error = f"{type(exc).__name__}: {getattr(exc, 'stderr', b'') or exc}"
     if lib is None:

@@ -10,16 +10,14 @@ check the two and scikit-learn's vectorizer agree bit for bit.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from kernels.cbuild import NoCompiler, build_library
 
 # The n-grams of a text are its windows of lo..hi characters (UTF-8: a character is its lead byte and its
 # continuation bytes); each is hashed by murmurhash3_x86_32 with seed 0 (sklearn.utils.murmurhash3_32), taken
@@ -181,26 +179,11 @@ def _build() -> ctypes.CDLL | None:
     if os.environ.get("TANDEM_ROUTER_NATIVE", "1") == "0":
         build_error = "disabled by TANDEM_ROUTER_NATIVE=0"
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        build_error = "no C compiler (cc / gcc) on PATH"
+    try:
+        so = build_library(_SOURCE, "tandem_router_native", _FLAGS, cache_dir())
+    except NoCompiler as exc:
+        build_error = str(exc)
         return None
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join((_SOURCE, " ".join(_FLAGS), version)).encode()).hexdigest()[:20]
-    so = cache_dir() / f"tandem_router_native-{key}.so"
-    if not so.exists():
-        so.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
-        os.close(fd)
-        src = Path(tmp).with_suffix(".c")
-        try:
-            src.write_text(_SOURCE)
-            subprocess.run([cc, *_FLAGS, "-o", tmp, str(src), "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(tmp, so)  # atomic: processes building at once each see a whole library
-        finally:
-            for p in (tmp, src):
-                if os.path.exists(p):
-                    os.unlink(p)
     return ctypes.CDLL(str(so))
 
 
