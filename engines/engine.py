@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 import uuid
@@ -24,7 +25,7 @@ from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Request, Sequence
 from engines.spec.decoder import SpeculativeDecoder
-from engines.spec.drafter import Drafter
+from engines.spec.drafter import Drafter, _plain_params
 from engines.spec.verify import verify
 from engines.step_model import BatchCapController, StepTimer, step_clock
 from engines.structured import GrammarCompiler, InvalidConstraint, MaskPrefetch, StructuredOutput
@@ -211,6 +212,9 @@ class ModelEngine:
         """One scheduling step; returns the number of tokens the model processed."""
         self.timer.step_started()
         self._drain_inbox()
+        n = self._multi_step_tokens()
+        if n:
+            return self._multi_step(n)
         drafts = self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule(drafts)
         for req in _requests(sched.expired):
@@ -238,6 +242,62 @@ class ModelEngine:
                 self._fail(req, error)
         self.cap_controller.step_finished(sched.num_decode_seqs, sched.num_prefill_tokens)
         self.speculator.observe_step(sched, *self.timer.step_finished())
+        return sched.total_tokens
+
+    def _multi_step_tokens(self) -> int:
+        """How many greedy tokens every running sequence takes this step in one C call (`_multi_step`), or 0 for
+        a normal step. Only where nothing could differ from `n` single steps: the CPU forward can take it, no
+        speculation, nobody waiting (a newcomer waits at most `n` tokens' time), every sequence decoding with
+        raw-logit greedy and no logprobs or grammar, `n` tokens within each one's max length, the token budget
+        and the free pages (no preemption)."""
+        n = MULTI_STEP_TOKENS
+        sch = self.scheduler
+        running = sch.running
+        if (n < 2 or not running or sch.num_waiting or self._inbox or self.speculator.drafter is not None
+                or self.speculator.supplied or len(running) * n > sch.max_num_batched_tokens
+                or not self.runner.can_draft_greedy([1])):
+            return 0
+        vocab = self.config.vocab_size
+        for seq in running:
+            p = seq.request.params
+            if (seq.num_tokens - seq.num_computed != 1 or not p.greedy or p.logprobs is not None
+                    or seq.grammar is not None or not _plain_params(p, vocab)):
+                return 0
+            n = min(n, seq.max_len - seq.num_tokens)
+        if n < 2 or sum(sch.pages_needed(seq, n) for seq in running) > self.pool.num_free:
+            return 0
+        return n
+
+    def _multi_step(self, n: int) -> int:
+        """`n` greedy tokens for every running sequence: the scheduler books them as one token and n - 1 drafts
+        (pages, budget), the runner computes them in one call (`ModelRunner.draft_greedy`: forward, head and
+        argmax n times), and `Scheduler.update` takes them as n - 1 accepted drafts and a bonus token, so EOS,
+        stop ids, stop strings and max length end a sequence mid-way exactly as in single steps."""
+        running = list(self.scheduler.running)
+        sched = self.scheduler.schedule({seq.seq_id: [0] * (n - 1) for seq in running})
+        if not sched:
+            return 0
+        clean = (not sched.preempted and len(sched.seqs) == len(running)
+                 and all(k == n and len(sched.drafts.get(seq.seq_id, ())) == n - 1
+                         for seq, k in zip(sched.seqs, sched.num_tokens)))
+        self.timer.forward_started()
+        self.num_steps += 1
+        try:
+            if not clean:  # not expected (the checks above rule it out): verify the placeholders instead, which
+                # rejects them and samples the true next token
+                logits, batch = self.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
+                sampled = verify(logits, batch, sched.drafts, {}, self.eos_token_ids, None)
+            else:
+                tokens = self.runner.draft_greedy(sched.seqs, [1] * len(sched.seqs), n)
+                sampled = [Sampled(seq, toks, num_accepted=n - 1) for seq, toks in zip(sched.seqs, tokens)]
+        except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
+            log.exception("engine %s: multi-step forward failed", self.name)
+            for req in _requests(sched.seqs):
+                self._fail(req, f"engine error during forward: {type(e).__name__}: {e}")
+            self.timer.forward_failed()
+            return 0
+        self._emit_many(self.scheduler.update(sched, sampled))
+        self.timer.step_finished()  # not fed to the step-time model or adaptive k: this step is n decode steps
         return sched.total_tokens
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch, sched: SchedulerOutput, masks: Future | None
@@ -354,6 +414,11 @@ class ModelEngine:
         return {"slo_scheduling": True, "batch_cap_decode_seqs": caps.max_decode_seqs,
                 "batch_cap_prefill_tokens": caps.max_prefill_tokens, "batch_cap_limited_by": caps.limited_by,
                 "tpot_target_s": caps.target_s, "step_model_s": [a, b, c]}
+
+
+# greedy tokens a step may take per sequence in one C call when nothing else could differ (`_multi_step`);
+# TANDEM_MULTI_STEP=1 turns it off
+MULTI_STEP_TOKENS = int(os.environ.get("TANDEM_MULTI_STEP", "4"))
 
 
 def _put_all(items: list) -> None:

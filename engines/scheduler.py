@@ -134,7 +134,8 @@ class Scheduler:
     def _left_running(self, seq: Sequence) -> None:
         self.slo.left_running(seq)
 
-    def _pages_needed(self, seq: Sequence, num_new: int) -> int:
+    def pages_needed(self, seq: Sequence, num_new: int) -> int:
+        """Pages `seq` must add to compute `num_new` more tokens."""
         total = -(-(seq.num_computed + num_new) // self.block_size)
         return max(0, total - len(seq.pages))
 
@@ -173,7 +174,7 @@ class Scheduler:
             num_new = min(num_new + len(fit), room)
             if num_new <= 0:
                 continue
-            need = self._pages_needed(seq, num_new)
+            need = self.pages_needed(seq, num_new)
             while need > self.pool.num_free:
                 victim = max(self.running, key=lambda s: (s.request.priority, s.admit_order))
                 if victim.seq_id in scheduled:  # give its tokens back to the budget

@@ -348,16 +348,18 @@ def test_an_error_in_one_request_fails_only_that_request(llama, monkeypatch):
 def test_a_failed_forward_fails_that_batch_only_and_the_engine_recovers(llama, monkeypatch):
     llm = LLM(llama, block_size=BLOCK)
     eng = llm.engine
-    real = eng.runner.execute
     calls = {"n": 0}
 
-    def broken_once(seqs, num_tokens, drafts=None):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("device fell over")
-        return real(seqs, num_tokens, drafts)
+    def broken_once(real):  # the second forward fails, whichever entry (a step, or greedy tokens in one call)
+        def call(*args):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("device fell over")
+            return real(*args)
+        return call
 
-    monkeypatch.setattr(eng.runner, "execute", broken_once)
+    monkeypatch.setattr(eng.runner, "execute", broken_once(eng.runner.execute))
+    monkeypatch.setattr(eng.runner, "draft_greedy", broken_once(eng.runner.draft_greedy))
     sink = Collector()
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     eng.add_request([5, 6, 7], params, "a", emit=sink)
@@ -464,6 +466,7 @@ def test_a_failed_sampling_pass_fails_its_requests_with_the_engine_error_code(ll
         return real(logits, seqs, eos, *rest)
 
     monkeypatch.setattr(engines.engine, "sample_sequences", broken_once)
+    monkeypatch.setattr(engines.engine, "MULTI_STEP_TOKENS", 1)  # greedy steps through the sampler, one token each
     sink = Collector()
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     eng.add_request([5, 6, 7], params, "a", emit=sink)

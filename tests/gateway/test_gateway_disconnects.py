@@ -45,7 +45,12 @@ def server(tiny_checkpoint, tmp_path_factory):
 
 @contextlib.contextmanager
 def _slowed(server: ServerThread, *names: str, per_step_s: float = 0.01) -> Iterator[None]:
-    """Each step of the named engines takes `per_step_s` longer (the device thread sleeps before it)."""
+    """Each step of the named engines takes `per_step_s` longer (the device thread sleeps before it), and each
+    step takes one token per sequence (no multi-step greedy tokens: the pacing is per token)."""
+    import engines.engine as engine_module
+
+    saved_multi = engine_module.MULTI_STEP_TOKENS
+    engine_module.MULTI_STEP_TOKENS = 1
     engines = server.app.state.gateway.host.engines
     for name in names:
         step = engines[name].step
@@ -57,6 +62,7 @@ def _slowed(server: ServerThread, *names: str, per_step_s: float = 0.01) -> Iter
     try:
         yield
     finally:
+        engine_module.MULTI_STEP_TOKENS = saved_multi
         for name in names:
             del engines[name].step
 

@@ -181,3 +181,37 @@ def test_models_it_does_not_cover_keep_the_torch_forward(tmp_path):
     path = build_checkpoint(tmp_path / "q3", "qwen3", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
     assert _engine(path).engine.runner.cpu_forward is None  # q/k norm
     assert _engine(ROOT / "models" / "tandem-tiny-s", quantization="int4").engine.runner.cpu_forward is None
+
+
+def test_multi_step_greedy_equals_single_steps(monkeypatch):
+    """Greedy batches take 4 tokens per step in one C call (`ModelEngine._multi_step`): the same tokens, finish
+    reasons and texts as one token per step, with EOS, stop ids, stop strings and max lengths ending sequences
+    inside a step, staggered arrivals (a newcomer turns it off until it decodes) and n = 2."""
+    import engines.engine
+    from engines import SamplingParams
+
+    llm = _engine(ROOT / "models" / "tandem-tiny-l")
+    prompts = ["def add(a, b):\n    return", "import os\n\n", "class Stack:\n", "for i in range(10):\n",
+               "x = [", "# a comment\n"]
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[plain[1].outputs[0].token_ids[9]]),
+              SamplingParams(temperature=0, max_tokens=40, stop=[plain[2].outputs[0].text[12:16]]),
+              SamplingParams(temperature=0, max_tokens=5),
+              SamplingParams(temperature=0, max_tokens=23, n=2),
+              SamplingParams(temperature=0, max_tokens=40)]
+    runner = llm.engine.runner
+    calls = []
+    one_call = runner.draft_greedy
+    monkeypatch.setattr(runner, "draft_greedy", lambda *a: calls.append(a[2]) or one_call(*a))
+    multi = llm.generate(prompts, params)
+    assert calls and set(calls) <= {2, 3, 4}
+    monkeypatch.setattr(engines.engine, "MULTI_STEP_TOKENS", 1)
+    calls.clear()
+    single = llm.generate(prompts, params)
+    assert not calls
+    for a, b in zip(multi, single):
+        assert [(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in a.outputs] == [
+            (c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in b.outputs]
+    assert multi[1].outputs[0].finish_reason == "stop" and len(multi[1].outputs[0].token_ids) <= 10
+    assert llm.core.pool.stats()["used_pages"] == 0
