@@ -25,7 +25,7 @@ from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Request, Sequence
 from engines.spec.decoder import SpeculativeDecoder
-from engines.spec.drafter import Drafter, _plain_params
+from engines.spec.drafter import Drafter, plain_params
 from engines.spec.verify import verify
 from engines.step_model import BatchCapController, StepTimer, step_clock
 from engines.structured import GrammarCompiler, InvalidConstraint, MaskPrefetch, StructuredOutput
@@ -261,7 +261,7 @@ class ModelEngine:
         for seq in running:
             p = seq.request.params
             if (seq.num_tokens - seq.num_computed != 1 or not p.greedy or p.logprobs is not None
-                    or seq.grammar is not None or not _plain_params(p, vocab)):
+                    or seq.grammar is not None or not plain_params(p, vocab)):
                 return 0
             n = min(n, seq.max_len - seq.num_tokens)
         if n < 2 or sum(sch.pages_needed(seq, n) for seq in running) > self.pool.num_free:

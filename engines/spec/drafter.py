@@ -16,7 +16,7 @@ from engines.spec.lean_runner import LeanDraftRunner
 from engines.spec.state import DraftState
 
 
-def _plain_params(p: SamplingParams, vocab: int) -> bool:
+def plain_params(p: SamplingParams, vocab: int) -> bool:
     """Sampling by temperature alone: the draft distribution is softmax(logits / T) (or the argmax)."""
     return (p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
             and not p.min_tokens and not 0 < p.top_k < vocab and p.top_p >= 1.0 and p.min_p <= 0.0
@@ -91,7 +91,7 @@ class Drafter:
             return []
         vocab, k = self.model.config.vocab_size, max(ks)
         picked = [i for i, s in enumerate(seqs) if ks[i] == k and not stop_ids[i] and s.request.params.greedy
-                  and _plain_params(s.request.params, vocab)]
+                  and plain_params(s.request.params, vocab)]
         if picked and can([states[i].num_tokens - states[i].num_computed for i in picked]):
             return picked
         return []
@@ -139,7 +139,7 @@ class Drafter:
                 logits, _ = self.runner.execute(act_states, num_new)
             for s, n in zip(act_states, num_new):
                 s.num_computed += n
-            if len(active) == 1 and _plain_params(seqs[active[0]].request.params, logits.shape[1]):
+            if len(active) == 1 and plain_params(seqs[active[0]].request.params, logits.shape[1]):
                 # one sequence, temperature only (no penalties, bans or top-k/p/min-p): the same q, few ops
                 seq = seqs[active[0]]
                 prm = seq.request.params
