@@ -220,9 +220,9 @@ def cpu_packed_op_fits(mode: str, out_features: int, in_features: int) -> bool:
             and _has_cpu_op("_convert_weight_to_int4pack_for_cpu"))
 
 
-# up to this many rows take kernels/cpu_kernels.c's int8 kernel (float32 activations, exact to float rounding
-# against the dequantised weight): 1.3-2.3x the packed op with bf16 activations from 1 to 16 rows, 1.4-1.5x
-# at 16-128 (thread CPU time, tandem-tiny-l and 80M shapes); more rows the packed op
+# up to this many rows take kernels/cpu_kernels.c's int8 path (float32 activations, exact to float rounding
+# against the dequantised weight: the AVX2 GEMV up to 12 rows, the weight widened once for the MKL SGEMM from
+# 13; bench/gemv_cpu.py compares it with the packed op per shape); more rows the packed op
 CPU_KERNEL_MAX_ROWS = 1024
 
 
