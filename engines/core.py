@@ -74,6 +74,8 @@ class EngineCore:
         pool = pool or PoolSpec()
         validate(specs, pool)
         self.device = torch.device(device)
+        if self.device.type != "cpu" and any(s.quantization == "w8a8" for s in specs):
+            raise ValueError("quantization 'w8a8' runs on the CPU only; use 'int8' on CUDA")
         if self.device.type == "cpu":
             self.threads = apply_cpu_threads(max(s.threads for s in specs))
         loaded = [(s, load_model(s, self.device)) for s in specs]

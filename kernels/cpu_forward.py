@@ -4,7 +4,7 @@ CPU steps whose every sequence runs a few queries (decodes, verify windows, shor
 A tiny model's decode step through PyTorch is ~100 framework ops (norms, matmuls, RoPE, residuals), each
 ~5-20 us of dispatch: more than the arithmetic. Here Python builds the step's index arrays once and C runs
 every layer: the projections stream each weight once (float32 `wt [K, N]`, the column-major layout
-`engines.model.cpu_weight_layout` stores, or weight-only int8 `[N, K]` with per-row scales), many-row steps
+`engines.model.cpu_weight_layout` stores, or int8 `[N, K]` with per-row scales, weight-only or w8a8), many-row steps
 call the MKL SGEMM torch ships, K/V go into their pages and attention reads the pages in place.
 
 `CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (Qwen3's q/k norm, a
@@ -25,7 +25,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Lin(ctypes.Structure):
-    _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64)]
+    _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64), ("w8a8", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -49,8 +49,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.tk_forward_f32.argtypes = [ctypes.POINTER(_Model), _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                                        _PTR, _I64, _I64, _PTR, ctypes.c_int]
         lib.tk_forward_f32.restype = ctypes.c_int
-        lib.tk_draft_greedy_f32.argtypes = [ctypes.POINTER(_Model), _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64,
-                                            _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_int]
+        lib.tk_draft_greedy_f32.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Lin), _I64, _I64, _PTR, _PTR,
+                                            _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR,
+                                            ctypes.c_int]
         lib.tk_draft_greedy_f32.restype = ctypes.c_int
         _bound = True
     return lib
@@ -85,6 +86,14 @@ class CpuForward:
         head = model.lm_head
         self._head = head.weight if (type(head) is nn.Linear and head.bias is None
                                      and cpu_kernels.linear_fits(torch.empty(1, 1), head.weight)) else None
+        # the head as the C side's projection: a column-major float32 Linear or an int8 / w8a8 QuantLinear
+        self._head_lin = None
+        if self._head is not None:
+            self._head_lin = _Lin(w=self._head.data_ptr(), scale=None, bias=None, ld=self._head.stride(1), w8a8=0)
+        elif getattr(head, "bias", None) is None:
+            self._head_lin = _lin_group([head], None, self._keep)
+        self._head_ref = None if self._head_lin is None else ctypes.byref(self._head_lin)
+        self.vocab = head.out_features
         self._model_ref = model
 
     @classmethod
@@ -141,8 +150,8 @@ class CpuForward:
 
     @property
     def can_draft(self) -> bool:
-        """Whether `draft_greedy` applies (the head is a plain column-major float32 Linear)."""
-        return self._head is not None
+        """Whether `draft_greedy` applies (the head is a column-major float32 Linear or an int8 / w8a8 one)."""
+        return self._head_lin is not None
 
     def draft_greedy(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
                      max_ctx: int, k: int) -> torch.Tensor:
@@ -152,8 +161,7 @@ class CpuForward:
         n = seqs.shape[1]
         out = torch.empty((n, k), dtype=torch.long)
         p = seqs.data_ptr()
-        head = self._head.t()  # [H, V] contiguous
-        rc = self.lib.tk_draft_greedy_f32(self._mref, head.data_ptr(), head.shape[1], head.stride(0), ids.shape[0],
+        rc = self.lib.tk_draft_greedy_f32(self._mref, self._head_ref, self.vocab, ids.shape[0],
                                           ids.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                           p, p + 8 * n, p + 16 * n, p + 24 * n, n, max_ctx, k, out.data_ptr(),
                                           torch.get_num_threads())
@@ -171,7 +179,7 @@ class CpuForward:
 
 def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.Tensor]) -> _Lin | None:
     """One projection over the same input: float32 (the fused [K, sum N] weight of cpu_weight_layout, or one
-    column-major weight) or int8 QuantLinears (their rows stacked into one [sum N, K] weight the modules then
+    column-major weight) or int8 / w8a8 QuantLinears of one mode (their rows stacked into one [sum N, K] weight the modules then
     view, so nothing is stored twice)."""
     from kernels.quant_matmul import QuantLinear
 
@@ -188,9 +196,10 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
         if b is not None:
             b = b.detach().float().contiguous()
             keep.append(b)
-        return _Lin(w=w.data_ptr(), scale=None, bias=_ptr(b), ld=w.stride(0))
-    if all(isinstance(lin, QuantLinear) and lin.mode == "int8" and lin.weight.device.type == "cpu"
-           for lin in linears):
+        return _Lin(w=w.data_ptr(), scale=None, bias=_ptr(b), ld=w.stride(0), w8a8=0)
+    modes = {getattr(lin, "mode", None) for lin in linears}
+    if len(modes) == 1 and modes <= {"int8", "w8a8"} and all(
+            isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears):
         if len({lin.bias is None for lin in linears}) != 1:
             return None
         with torch.no_grad():
@@ -208,5 +217,5 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
             if linears[0].bias is not None:
                 b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
         keep.extend([q, s] + ([b] if b is not None else []))
-        return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1])
+        return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=int(modes == {"w8a8"}))
     return None

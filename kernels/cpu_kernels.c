@@ -4,6 +4,7 @@
  *   tk_linear_f32    y[M, N] = x[M, K] @ wt[K, N] (+ bias): the decode GEMV / skinny GEMM over a column-major
  *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous)
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
+ *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics)
  *   tk_paged_attention_f32  attention of T queries over float32 KV pages read in place (no gather): each
  *                    sequence's queries are the last q_len of its context_len positions, causal
  *
@@ -283,6 +284,168 @@ void tk_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const f
     }
 }
 
+/* ---- int8 weights x int8 activations (w8a8): q [N, K] with per-row scales, activations quantised per 32 ----
+ * The activations of each row are quantised in blocks of 32 (d = amax / 127, q = round-half-even(x / d), as
+ * llama.cpp's q8_0 and kernels.quant_matmul.quantize_act_q8), so a block's dot is an integer dot: vpmaddubsw
+ * of |x| (u8) with sign(x) * w (s8), then vpmaddwd to int32, one convert and one FMA by d per 32 products,
+ * where the weight-only path converts and multiplies every weight. Needs K % 32 == 0. */
+
+#define Q8 32
+
+static __thread int8_t *q8_scratch = 0;
+static __thread size_t q8_scratch_cap = 0;
+
+static void quant_act_q8(const float *x, int64_t M, int64_t K, int8_t *xq, uint8_t *xa, float *d) {
+    const int64_t B = K / Q8;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < B; b++) {
+            const float *p = x + m * K + b * Q8;
+            int8_t *o = xq + m * K + b * Q8;
+            uint8_t *oa = xa + m * K + b * Q8;
+#if TK_AVX2
+            const __m256 sgn = _mm256_set1_ps(-0.f);
+            __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8), v2 = _mm256_loadu_ps(p + 16),
+                   v3 = _mm256_loadu_ps(p + 24);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sgn, v0), _mm256_andnot_ps(sgn, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sgn, v2), _mm256_andnot_ps(sgn, v3)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float db = _mm_cvtss_f32(h) / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+            d[m * B + b] = db;
+            __m256 vi = _mm256_set1_ps(id);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
+            __m256i s = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            s = _mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            s = _mm256_max_epi8(s, _mm256_set1_epi8(-127)); /* q in [-127, 127]: |q| fits the u8 side */
+            _mm256_storeu_si256((__m256i *)o, s);
+            _mm256_storeu_si256((__m256i *)oa, _mm256_abs_epi8(s));
+#else
+            float amax = 0.f;
+            for (int j = 0; j < Q8; j++) amax = fabsf(p[j]) > amax ? fabsf(p[j]) : amax;
+            float db = amax / 127.f, id = db > 0.f ? 1.f / db : 0.f;
+            d[m * B + b] = db;
+            for (int j = 0; j < Q8; j++) {
+                float r = nearbyintf(p[j] * id);
+                r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+                o[j] = (int8_t)r;
+                oa[j] = (uint8_t)(r < 0 ? -r : r);
+            }
+#endif
+        }
+}
+
+#if TK_AVX2
+/* the eight int32 partial sums of a block's 32 products x * w */
+static inline __m256i dot_q8(__m256i xa, __m256i xs, __m256i w) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w, xs)), _mm256_set1_epi16(1));
+}
+
+/* NR weight rows x MR activation rows: s[r * NR + i] = sum_b d[r, b] * (x_q[r, b] . q[i, b]) */
+#define TK_DEF_W8(NR, MR)                                                                                      \
+    static void w8_##NR##x##MR(const int8_t *xq, const uint8_t *xa, const float *d, int64_t K, const int8_t *q, \
+                               float *s) {                                                                     \
+        const int64_t B = K / Q8;                                                                              \
+        __m256 acc[MR][NR];                                                                                    \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int i = 0; i < NR; i++) acc[r][i] = _mm256_setzero_ps();                                     \
+        for (int64_t b = 0; b < B; b++) {                                                                      \
+            __m256i w[NR];                                                                                     \
+            for (int i = 0; i < NR; i++) w[i] = _mm256_loadu_si256((const __m256i *)(q + i * K + b * Q8));   \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                __m256i a = _mm256_loadu_si256((const __m256i *)(xa + r * K + b * Q8));                        \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * Q8));                        \
+                __m256 db = _mm256_broadcast_ss(d + r * B + b);                                                \
+                for (int i = 0; i < NR; i++)                                                                   \
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q8(a, x, w[i])), db, acc[r][i]);       \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int i = 0; i < NR; i++) s[r * NR + i] = hsum256(acc[r][i]);                                   \
+    }
+TK_DEF_W8(4, 1)
+TK_DEF_W8(4, 2)
+TK_DEF_W8(1, 1)
+#endif
+
+/* weight rows [n0, n1) for every activation row, from the quantised activations */
+static void linear_w8_rows(const int8_t *xq, const uint8_t *xa, const float *d, int64_t M, int64_t K,
+                           const int8_t *q, const float *scale, const float *bias, float *y, int64_t N, int64_t n0,
+                           int64_t n1) {
+    const int64_t B = K / Q8;
+    int64_t n = n0;
+#if TK_AVX2
+    float s[8];
+    for (; n + 4 <= n1; n += 4) {
+        const int8_t *qn = q + n * K;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            w8_4x2(xq + m * K, xa + m * K, d + m * B, K, qn, s);
+            for (int r = 0; r < 2; r++)
+                for (int i = 0; i < 4; i++)
+                    y[(m + r) * N + n + i] = s[r * 4 + i] * scale[n + i] + (bias ? bias[n + i] : 0.f);
+        }
+        for (; m < M; m++) {
+            w8_4x1(xq + m * K, xa + m * K, d + m * B, K, qn, s);
+            for (int i = 0; i < 4; i++) y[m * N + n + i] = s[i] * scale[n + i] + (bias ? bias[n + i] : 0.f);
+        }
+    }
+    for (; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            w8_1x1(xq + m * K, xa + m * K, d + m * B, K, q + n * K, s);
+            y[m * N + n] = s[0] * scale[n] + (bias ? bias[n] : 0.f);
+        }
+#else
+    for (; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float t = 0.f;
+            for (int64_t b = 0; b < B; b++) {
+                int32_t acc = 0;
+                for (int j = 0; j < Q8; j++) acc += (int32_t)xq[m * K + b * Q8 + j] * q[n * K + b * Q8 + j];
+                t += d[m * B + b] * (float)acc;
+            }
+            y[m * N + n] = t * scale[n] + (bias ? bias[n] : 0.f);
+        }
+#endif
+}
+
+/* y[M, N] = (q8(x) . q) * scale (+ bias); returns 0, or 1 when the scratch allocation failed */
+int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+                   const float *bias, float *y, int nthreads) {
+    if (K % Q8) return 2;
+    size_t need = 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(K / Q8);
+    if (need > q8_scratch_cap) {
+        int8_t *p = (int8_t *)realloc(q8_scratch, need);
+        if (!p) return 1;
+        q8_scratch = p;
+        q8_scratch_cap = need;
+    }
+    int8_t *xq = q8_scratch;
+    uint8_t *xa = (uint8_t *)(xq + M * K);
+    float *d = (float *)(xa + M * K); /* 2 M K is a multiple of 64: aligned for float */
+    quant_act_q8(x, M, K, xq, xa, d);
+    if (nthreads <= 1 || N < 128) {
+        linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, 0, N);
+        return 0;
+    }
+    int64_t chunk = ((N + nthreads - 1) / nthreads + 3) / 4 * 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = 0; t < nthreads; t++) {
+        int64_t a = t * chunk, b = a + chunk < N ? a + chunk : N;
+        if (a < b) linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, a, b);
+    }
+    return 0;
+}
+
+/* the quantised activations themselves (for the tests: the same rounding as quantize_act_q8) */
+void tk_quant_act_q8(const float *x, int64_t M, int64_t K, int8_t *xq, float *d) {
+    uint8_t *xa = (uint8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));
+    if (!xa) return;
+    quant_act_q8(x, M, K, xq, xa, d);
+    free(xa);
+}
+
 /* ---- paged attention over float32 pages, in place ---------------------------------------------------------- */
 
 static inline float dot_f(const float *a, const float *b, int64_t D) {
@@ -550,13 +713,14 @@ void tk_rope_f32(float *x, int64_t T, int64_t ldx, int64_t h0, int64_t h1, int64
  * whole forward of T tokens without returning to Python, so a tiny model's step costs its weight reads, not
  * ~100 framework ops of dispatch. Same math as engines.model.Transformer.forward over the paged pool (float
  * rounding aside: the GEMV sums in another order). Weights are float32 `wt [K, N]` (row stride ld) or
- * weight-only int8 `q [N, K]` with per-row scales. */
+ * int8 `q [N, K]` with per-row scales (weight-only, or w8a8). */
 
 typedef struct {
     const void *w; /* float32 wt [K, N] (row stride ld) or int8 q [N, K] */
     const float *scale; /* int8: [N]; NULL for float32 */
     const float *bias;  /* [N] or NULL */
     int64_t ld;
+    int64_t w8a8; /* int8 weights: 1 quantises the activations too (tk_linear_w8a8), 0 keeps them float32 */
 } tk_lin;
 
 typedef struct {
@@ -575,11 +739,14 @@ typedef struct {
     const tk_layer *layers;
 } tk_model;
 
-static void lin_apply(const tk_lin *l, const float *x, int64_t M, int64_t K, int64_t N, float *y, int nthreads) {
+/* returns 0, or 1 when a scratch allocation failed */
+static int lin_apply(const tk_lin *l, const float *x, int64_t M, int64_t K, int64_t N, float *y, int nthreads) {
+    if (l->scale && l->w8a8) return tk_linear_w8a8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);
     if (l->scale)
         tk_linear_i8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);
     else
         tk_linear_f32(x, M, K, (const float *)l->w, l->ld, N, l->bias, y, nthreads);
+    return 0;
 }
 
 /* out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), as engines.model.RMSNorm rounds it */
@@ -652,7 +819,7 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
     for (int64_t l = 0; l < m->L && !rc; l++) {
         const tk_layer *ly = m->layers + l;
         rms_norm(x, T, H, ly->in_norm, m->eps, h);
-        lin_apply(&ly->qkv, h, T, H, nqkv, wide, nthreads);
+        if ((rc = lin_apply(&ly->qkv, h, T, H, nqkv, wide, nthreads))) break;
         tk_rope_f32(wide, T, nqkv, 0, Hq + Hkv, D, cs, sn);
         for (int64_t t = 0; t < T; t++) {
             int64_t at = slot[2 * t] * m->page_stride + slot[2 * t + 1] * m->tok_stride;
@@ -661,17 +828,17 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
         }
         attn_args a = {wide, ly->kc, ly->vc, Hq, Hkv, D, m->bs, m->page_stride, m->tok_stride, m->head_stride,
                        max_blocks, nqkv, nq, block_tables, qstart, qlen, ctx, rows, m->attn_scale, att};
-        rc = attend_all(&a, S, max_ctx, nthreads);
-        lin_apply(&ly->o, att, T, nq, H, y, nthreads);
+        if ((rc = attend_all(&a, S, max_ctx, nthreads)) || (rc = lin_apply(&ly->o, att, T, nq, H, y, nthreads)))
+            break;
         add_into(x, y, T * H);
         rms_norm(x, T, H, ly->post_norm, m->eps, h);
-        lin_apply(&ly->gate_up, h, T, H, 2 * I, wide, nthreads);
+        if ((rc = lin_apply(&ly->gate_up, h, T, H, 2 * I, wide, nthreads))) break;
         for (int64_t t = 0; t < T; t++) {
             const float *g = wide + t * 2 * I, *u = g + I;
             float *o = act + t * I;
             for (int64_t c = 0; c < I; c++) o[c] = g[c] / (1.f + expf(-g[c])) * u[c];
         }
-        lin_apply(&ly->down, act, T, I, H, y, nthreads);
+        if ((rc = lin_apply(&ly->down, act, T, I, H, y, nthreads))) break;
         add_into(x, y, T * H);
     }
     if (!rc) rms_norm(x, T, H, m->final_norm, m->eps, out);
@@ -681,11 +848,11 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
 }
 
 /* k greedy draft tokens per sequence in one call: tk_forward_f32 over the step's rows (the first pass may
- * catch up on several tokens per sequence), the head over each sequence's last row (wt [H, V], row stride
- * head_ld), argmax (the first maximum, as torch's), and the argmax fed back as the next pass's one token per
+ * catch up on several tokens per sequence), the head (a projection [H -> V] like the layers') over each
+ * sequence's last row, argmax (the first maximum, as torch's), and the argmax fed back as the next pass's one token per
  * sequence, k times. qstart/qlen/ctx are scratch (overwritten). Writes out[s * k + t]; returns 0, or 1 on a
  * failed allocation. */
-int tk_draft_greedy_f32(const tk_model *m, const float *head_wt, int64_t V, int64_t head_ld, int64_t T,
+int tk_draft_greedy_f32(const tk_model *m, const tk_lin *head, int64_t V, int64_t T,
                         const int64_t *ids, const int64_t *pos, const int64_t *block_tables, int64_t max_blocks,
                         int64_t *qstart, int64_t *qlen, int64_t *ctx, const int64_t *rows, int64_t S,
                         int64_t max_ctx, int64_t k, int64_t *out, int nthreads) {
@@ -705,7 +872,7 @@ int tk_draft_greedy_f32(const tk_model *m, const float *head_wt, int64_t V, int6
             if (rc) break;
             for (int64_t s = 0; s < S; s++)
                 memcpy(sel + s * H, hid + (qstart[s] + qlen[s] - 1) * H, sizeof(float) * (size_t)H);
-            tk_linear_f32(sel, S, H, head_wt, head_ld, V, 0, logits, nthreads);
+            if ((rc = lin_apply(head, sel, S, H, V, logits, nthreads))) break;
             for (int64_t s = 0; s < S; s++) {
                 const float *l = logits + s * V;
                 int64_t best = 0;

@@ -9,6 +9,8 @@ kernels are unavailable (no compiler, no AVX2/FMA, or `TANDEM_CPU_KERNELS=0`).
   decode GEMV and skinny GEMM at the memory's speed), more rows go to the MKL `SGEMM` torch ships.
 - `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations; many
   rows widen the weight to float32 once and take the SGEMM too.
+- `linear_w8a8(x, q, scale, bias)`: the same weights with the activations quantised per 32 values
+  (`kernels.quant_matmul.quantize_act_q8`, llama.cpp's q8_0 rounding): integer dots, for every row count.
 - `paged_attention(...)`: attention over float32 KV pages read in place, for decode, verify windows and
   prefill chunks alike (the queries of a sequence are the last q_len of its context, causal); `write_kv`.
 - `rope_(...)`: RoPE in place on the q/k columns of a fused projection, bit-identical to torch's ops.
@@ -58,6 +60,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_linear_f32.restype = None
     lib.tk_linear_i8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
     lib.tk_linear_i8.restype = None
+    lib.tk_linear_w8a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
+    lib.tk_linear_w8a8.restype = _INT
+    lib.tk_quant_act_q8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR]
+    lib.tk_quant_act_q8.restype = None
     lib.tk_paged_attention_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64,
                                            _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _PTR, _INT]
     lib.tk_paged_attention_f32.restype = _INT
@@ -174,6 +180,47 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     lib.tk_linear_i8(x.data_ptr(), m, k, q.contiguous().data_ptr(), scale.contiguous().data_ptr(), n,
                      None if b is None else b.data_ptr(), y.data_ptr(), _threads())
     return y
+
+
+def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x [M, K] float32 (K % 32 == 0) with its rows quantised per 32 values, @ (q [N, K] int8 * scale [N]).T
+    (+ bias): int8 dots, each block's sum scaled by its activation scale, accumulated in float32."""
+    lib = load()
+    if lib is None:
+        return linear_w8a8_ref(x, q, scale, bias)
+    x = x.contiguous().float()
+    m, k = x.shape
+    n = q.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()
+    rc = lib.tk_linear_w8a8(x.data_ptr(), m, k, q.contiguous().data_ptr(), scale.contiguous().data_ptr(), n,
+                            None if b is None else b.data_ptr(), y.data_ptr(), _threads())
+    if rc == 2:
+        raise ValueError(f"w8a8 needs in_features divisible by 32, got {k}")
+    if rc:
+        raise MemoryError("w8a8 linear: scratch allocation failed")
+    return y
+
+
+def quant_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C kernels' activation quantisation (for the tests): (int8 [M, K], float32 scales [M, K / 32])."""
+    x = x.contiguous().float()
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.int8)
+    d = torch.empty((m, k // 32), dtype=torch.float32)
+    load().tk_quant_act_q8(x.data_ptr(), m, k, xq.data_ptr(), d.data_ptr())
+    return xq, d
+
+
+def linear_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    from kernels.quant_matmul import quantize_act_q8
+
+    xq, d = quantize_act_q8(x)
+    m, k = x.shape
+    xd = (xq.float().view(m, k // 32, 32) * d[..., None]).view(m, k)
+    return F.linear(xd, q.float() * scale.float()[:, None], None if bias is None else bias.float())
 
 
 def linear_int8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None

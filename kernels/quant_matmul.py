@@ -4,6 +4,8 @@ the PyTorch references, and `QuantLinear` / `quantize_model`, a module swap in t
 
 Formats (weights are nn.Linear's [N, K]):
 - int8: w ~= q[n, k] * scale[n]; q int8 in [-127, 127], scale float32 [N] (symmetric, per output channel).
+- w8a8 (CPU): int8's weights, and the activations quantised at run time per block of 32 values
+  (`quantize_act_q8`, llama.cpp's q8_0 rounding), so the dots are integer dots; the head is quantised too.
 - int4: w ~= (q[n, k] - zero[n, g]) * scale[n, g], g = k // group; q in [0, 15] packed two per byte
   (even k in the low nibble, odd k in the high one) as uint8 [N, K/2]; scale float16 [N, K/group],
   zero uint8 [N, K/group] (asymmetric, per group of 32, 64 or 128).
@@ -29,6 +31,20 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(1).clamp_min(1e-8) / 127.0
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+def quantize_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w8a8's activations: x [M, K] (K % 32 == 0) -> (int8 [M, K], float32 scale [M, K / 32]), per block of 32
+    d = amax / 127 and q = round-half-even(x * (1 / d)) (0 where d is 0): llama.cpp's q8_0 rounding, and
+    bit for bit what kernels/cpu_kernels.c quantises."""
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"w8a8 needs in_features divisible by 32, got {k}")
+    g = x.detach().float().reshape(m, k // 32, 32)
+    d = g.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
+    q = torch.round(g * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(m, k), d
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -238,10 +254,12 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group_size: int = 64,
                  device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32):
         super().__init__()
-        if mode not in ("int8", "int4"):
-            raise ValueError(f"quantization mode must be 'int8' or 'int4', got {mode!r}")
+        if mode not in ("int8", "int4", "w8a8"):
+            raise ValueError(f"quantization mode must be 'int8', 'int4' or 'w8a8', got {mode!r}")
+        if mode == "w8a8" and in_features % 32:
+            raise ValueError(f"w8a8 needs in_features divisible by 32, got {in_features}")
         self.in_features, self.out_features, self.mode, self.group_size = in_features, out_features, mode, group_size
-        if mode == "int8":
+        if mode in ("int8", "w8a8"):
             self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
             self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
             self.zero = None
@@ -259,7 +277,7 @@ class QuantLinear(nn.Module):
         w = linear.weight
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, group_size,
                 device=w.device, bias_dtype=w.dtype)
-        if mode == "int8":
+        if mode in ("int8", "w8a8"):
             q, s = quantize_int8(w)
             m.weight.copy_(q)
             m.scale.copy_(s)
@@ -273,20 +291,34 @@ class QuantLinear(nn.Module):
         return m
 
     def dequantized_weight(self) -> torch.Tensor:
-        if self.mode == "int8":
+        if self.mode in ("int8", "w8a8"):
             return dequantize_int8(self.weight, self.scale)
         return dequantize_int4(self.weight, self.scale, self.zero)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.is_cuda and HAVE_TRITON:
+        if self.mode == "w8a8":
+            if x2.is_cuda:
+                raise ValueError("w8a8 quantization runs on the CPU; use int8 on CUDA")
+            y = self._w8a8(x2)
+        elif x2.is_cuda and HAVE_TRITON:
             y = wq_matmul(x2, self.weight, self.scale, self.zero)
         else:
             y = self._cpu_forward(x2)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels import cpu_kernels
+
+        fn = cpu_kernels.linear_w8a8 if cpu_kernels.available() else cpu_kernels.linear_w8a8_ref
+        if x.shape[0] <= CPU_KERNEL_MAX_ROWS:
+            return fn(x.float(), self.weight, self.scale).to(x.dtype)
+        out = [fn(x[i:i + CPU_KERNEL_MAX_ROWS].float(), self.weight, self.scale)
+               for i in range(0, x.shape[0], CPU_KERNEL_MAX_ROWS)]
+        return torch.cat(out).to(x.dtype) if out else x.new_empty((0, self.out_features))
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "int8" and x.shape[0] <= CPU_KERNEL_MAX_ROWS and x.dtype == torch.float32:
@@ -319,23 +351,27 @@ class QuantLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int = 64,
-                   skip: tuple[str, ...] = ("lm_head", "embed")) -> nn.Module:
+                   skip: tuple[str, ...] | None = None) -> nn.Module:
     """Swap every nn.Linear whose qualified name contains none of `skip` for a QuantLinear, in place.
 
-    mode "none" returns the model untouched. Layers whose in_features the int4 group does not divide stay
-    in float (and are counted in the returned model's `quantized_layers` attribute as skipped).
+    `skip` defaults to the head and the embeddings for int8/int4 and to the embeddings for w8a8, which
+    quantises the head as q8_0 does (a tied head gets its own int8 copy; the embedding table stays float).
+    mode "none" returns the model untouched. Layers whose in_features the int4 group (w8a8: 32) does not
+    divide stay in float (and are counted in the returned model's `quantized_layers` attribute as skipped).
     """
     if mode == "none":
         return model
-    if mode not in ("int8", "int4"):
-        raise ValueError(f"quantization must be 'none', 'int8' or 'int4', got {mode!r}")
+    if mode not in ("int8", "int4", "w8a8"):
+        raise ValueError(f"quantization must be 'none', 'int8', 'int4' or 'w8a8', got {mode!r}")
+    if skip is None:
+        skip = ("embed",) if mode == "w8a8" else ("lm_head", "embed")
     swapped, kept = 0, []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if not isinstance(child, nn.Linear) or any(s in full for s in skip):
                 continue
-            if mode == "int4" and child.in_features % group_size:
+            if (mode == "int4" and child.in_features % group_size) or (mode == "w8a8" and child.in_features % 32):
                 kept.append(full)
                 continue
             setattr(module, child_name, QuantLinear.from_linear(child, mode, group_size))

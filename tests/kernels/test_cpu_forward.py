@@ -74,13 +74,24 @@ def _compare(a, b, logprob_tol=2e-4):
                 assert abs(la[tok].logprob - lb[tok].logprob) < logprob_tol
 
 
-@pytest.mark.parametrize("name,quant", [("llama-gqa", "none"), ("qwen2-bias", "none"), ("llama-gqa", "int8")])
+@pytest.mark.parametrize("name,quant", [("llama-gqa", "none"), ("qwen2-bias", "none"), ("llama-gqa", "int8"),
+                                        ("llama-gqa", "w8a8"), ("qwen2-bias", "w8a8")])
 def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant):
     llm = _engine(checkpoints[name], quantization=quant, max_num_batched_tokens=96)
     assert llm.engine.runner.cpu_forward is not None
+    # w8a8 rounds every activation to 8 bits: the two paths' float-rounding differences (summation order) can
+    # move an activation that sits on a rounding edge by one step (one step of the two paths agrees to 1e-6),
+    # ~1e-2 in a logprob of these random 64-wide models; the tokens stay equal and nearly every output agrees
+    # to float rounding
+    worst = []
     for seed in range(3):
         prompts, params = _requests(seed, 12, 384)
-        _compare(_run(llm, prompts, params, fast=True), _run(llm, prompts, params, fast=False))
+        fast, slow = _run(llm, prompts, params, fast=True), _run(llm, prompts, params, fast=False)
+        _compare(fast, slow, logprob_tol=5e-2 if quant == "w8a8" else 2e-4)
+        worst += [max((abs(la[t].logprob - lb[t].logprob) for la, lb, t in zip(ca.logprobs, cb.logprobs,
+                                                                                 ca.token_ids)), default=0.0)
+                  for ra, rb in zip(fast, slow) for ca, cb in zip(ra.outputs, rb.outputs)]
+    assert sum(w > 2e-4 for w in worst) <= len(worst) // 10, sorted(worst)[-5:]
 
 
 def test_step_logits_match_on_mixed_batches(checkpoints):
@@ -183,14 +194,16 @@ def test_models_it_does_not_cover_keep_the_torch_forward(tmp_path):
     assert _engine(ROOT / "models" / "tandem-tiny-s", quantization="int4").engine.runner.cpu_forward is None
 
 
-def test_multi_step_greedy_equals_single_steps(monkeypatch):
+@pytest.mark.parametrize("quant", ["none", "w8a8"])
+def test_multi_step_greedy_equals_single_steps(monkeypatch, quant):
     """Greedy batches take 4 tokens per step in one C call (`ModelEngine._multi_step`): the same tokens, finish
     reasons and texts as one token per step, with EOS, stop ids, stop strings and max lengths ending sequences
-    inside a step, staggered arrivals (a newcomer turns it off until it decodes) and n = 2."""
+    inside a step, staggered arrivals (a newcomer turns it off until it decodes) and n = 2; float32, and w8a8
+    (its head in int8: the C call's head goes through the same int8 dots)."""
     import engines.engine
     from engines import SamplingParams
 
-    llm = _engine(ROOT / "models" / "tandem-tiny-l")
+    llm = _engine(ROOT / "models" / "tandem-tiny-l", quantization=quant)
     prompts = ["def add(a, b):\n    return", "import os\n\n", "class Stack:\n", "for i in range(10):\n",
                "x = [", "# a comment\n"]
     plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

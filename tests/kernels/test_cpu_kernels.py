@@ -56,6 +56,51 @@ def test_linear_int8_matches_reference(m, n, k):
     torch.testing.assert_close(ck.linear_int8(x, q, s, b), ck.linear_int8_ref(x, q, s, b), rtol=1e-5, atol=1e-4)
 
 
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 33])
+@pytest.mark.parametrize("n,k", [(256, 256), (30, 64), (7, 32), (4096, 96), (1409, 704)])
+def test_linear_w8a8_matches_reference(m, n, k):
+    """Activations quantised bit for bit as `quantize_act_q8` (scales, rounding half to even, zero blocks),
+    then the integer dots: the reference up to float summation order, for every row count (the 4 x 2 and
+    4 x 1 tiles, the N tails) with and without bias and on two threads."""
+    from kernels.quant_matmul import quantize_act_q8, quantize_int8
+
+    g = torch.Generator().manual_seed(n + k + m)
+    q, s = quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4
+    x[0, :32] = 0  # a block of zeros: scale 0, q 0
+    x[-1, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5] * 4)  # d = 1: ties to even
+    xq, d = ck.quant_act_q8(x)
+    rq, rd = quantize_act_q8(x)
+    assert torch.equal(xq, rq) and torch.equal(d, rd)
+    assert d[-1, 0] == 1 and xq[-1, :8].tolist() == [127, 0, 2, 2, 0, -2, 126, -126]
+    if m > 1:
+        assert d[0, 0] == 0 and not xq[0, :32].any()
+    assert xq.abs().max() <= 127
+    b = torch.randn(n, generator=g)
+    ref = ck.linear_w8a8_ref(x, q, s)
+    tol = dict(rtol=1e-4, atol=1e-5 * ref.abs().max().item())  # float32 sums of up to 704 products, reordered
+    for bias in (None, b):
+        torch.testing.assert_close(ck.linear_w8a8(x, q, s, bias), ck.linear_w8a8_ref(x, q, s, bias), **tol)
+    torch.set_num_threads(2)
+    try:
+        torch.testing.assert_close(ck.linear_w8a8(x, q, s, b), ck.linear_w8a8_ref(x, q, s, b), **tol)
+    finally:
+        torch.set_num_threads(1)
+    # the activation rounding is the only difference from int8's float activations: about 1% on random data
+    full = ck.linear_int8_ref(x, q, s)
+    assert (ck.linear_w8a8(x, q, s) - full).norm() / full.norm() < 0.02
+
+
+@needs_kernels
+def test_linear_w8a8_refuses_in_features_not_divisible_by_32():
+    from kernels.quant_matmul import quantize_int8
+
+    q, s = quantize_int8(torch.randn(8, 40))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        ck.linear_w8a8(torch.randn(2, 40), q, s)
+
+
 def _pages(num_pages=48, block=16, hkv=2, d=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(num_pages, 2, 3, block, hkv, d, generator=g)

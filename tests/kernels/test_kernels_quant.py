@@ -100,7 +100,7 @@ def test_fp16_activations_in_interpreter():
     torch.testing.assert_close(out.float().cpu(), wq_matmul_ref(x.float(), q, s), atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
 def test_quantlinear_cpu_path_close_to_float_linear(mode):
     torch.manual_seed(0)
     lin = nn.Linear(256, 96, bias=True)
@@ -132,6 +132,20 @@ def test_quantize_model_swaps_linears_but_not_lm_head_or_embeddings():
     assert m.quantized_layers == {"mode": "int4", "swapped": 2, "kept_float": ["odd"]}
     m8 = quantize_model(Tiny(), "int8")
     assert isinstance(m8.odd, QuantLinear) and m8.quantized_layers["swapped"] == 3
+    # w8a8 quantises the head as well (q8_0's choice), keeps the embeddings, and layers whose in_features 32
+    # does not divide stay float; a tied head gets its own int8 copy, the embedding table stays as it was
+    t = Tiny()
+    t.lm_head.weight = t.embed_tokens.weight
+    emb = t.embed_tokens.weight.detach().clone()
+    ma = quantize_model(t, "w8a8")
+    assert isinstance(ma.lm_head, QuantLinear) and ma.lm_head.mode == "w8a8"
+    assert isinstance(ma.embed_tokens, nn.Embedding) and torch.equal(ma.embed_tokens.weight, emb)
+    assert ma.quantized_layers == {"mode": "w8a8", "swapped": 4, "kept_float": []}
+    t2 = Tiny()
+    t2.odd = nn.Linear(40, 8)
+    assert quantize_model(t2, "w8a8").quantized_layers == {"mode": "w8a8", "swapped": 3, "kept_float": ["odd"]}
+    with pytest.raises(ValueError, match="divisible by 32"):
+        QuantLinear(40, 8, False, "w8a8")
     with pytest.raises(ValueError, match="quantization"):
         quantize_model(Tiny(), "int3")
 
