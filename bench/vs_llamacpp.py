@@ -8,12 +8,14 @@ the llama-cpp-python sdist (`pip download`, its vendored llama.cpp) configured w
 target built with `-j2` into `~/.cache/tandem/llama.cpp` (outside the repository; never part of `make test`;
 about 20-40 minutes on 2 cores). The models are converted to GGUF here (this file's own converter, through the
 `gguf` package vendored in that llama.cpp tree): tandem-tiny-l and, with `--models tiny-l,llama80m`, a random
-~80M-parameter Llama built with the same tokenizer; f32, and 8-bit (q8_0 for llama.cpp, tandem's weight-only
-int8; the tied embedding / output head stays f32 in both).
+~80M-parameter Llama built with the same tokenizer; f32, and 8-bit: by default q8_0 for every matrix for
+llama.cpp (the tied embedding / output head too, as `convert_hf_to_gguf.py --outtype q8_0` writes it) against
+tandem's `w8a8` (int8 weights and head, activations quantised per 32 as q8_0's dots do); with
+`--tandem-8bit int8`, tandem's weight-only int8 against q8_0 layers with an f32 head (both heads f32).
 
     .venv/bin/python bench/vs_llamacpp.py --build              # once: build llama-server
     .venv/bin/python bench/vs_llamacpp.py [--models tiny-l,llama80m] [--quant f32,8bit] [--streams 1 8 32]
-        [--threads 1] [--rounds 2] [--max-tokens 64] [--prompt-tokens 64] [--seconds 12]
+        [--threads 1] [--rounds 2] [--max-tokens 64] [--prompt-tokens 64] [--seconds 12] [--tandem-8bit w8a8]
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool) -> Path:
+def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = False) -> Path:
     if out.exists():
         return out
     import torch
@@ -163,10 +165,10 @@ def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool) -> Path:
         else:
             w.add_tensor(name, np.ascontiguousarray(arr))
 
-    add("token_embd.weight", sd["model.embed_tokens.weight"], False)  # the tied output head stays f32
+    add("token_embd.weight", sd["model.embed_tokens.weight"], head_8bit)  # the tied output head
     add("output_norm.weight", sd["model.norm.weight"], False)
     if not cfg.get("tie_word_embeddings", False):
-        add("output.weight", sd["lm_head.weight"], False)
+        add("output.weight", sd["lm_head.weight"], head_8bit)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"], False)
@@ -220,12 +222,12 @@ def start_llama(server: Path, gguf_path: Path, threads: int, slots: int, ctx: in
     return proc, f"http://127.0.0.1:{port}", "llama"
 
 
-def start_tandem(folder: Path, threads: int, eight_bit: bool, ctx: int, log: Path):
+def start_tandem(folder: Path, threads: int, eight_bit: str | None, ctx: int, log: Path):
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", str(folder), "--served-model-name", "tandem",
            "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning"]
     if eight_bit:
-        cmd += ["--quantization", "int8"]
+        cmd += ["--quantization", eight_bit]
     env = dict(os.environ, TANDEM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     wait_ready(f"http://127.0.0.1:{port}/ready", proc)
@@ -321,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=12.0, help="closed-loop seconds per run")
+    ap.add_argument("--tandem-8bit", choices=["w8a8", "int8"], default="w8a8",
+                    help="tandem's 8-bit mode (w8a8: against q8_0 everywhere; int8: against q8_0 with an f32 head)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_llamacpp.json"))
     args = ap.parse_args(argv)
     if args.build:
@@ -341,11 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         folder = folders[name] or llama80m(work / "llama80m")
         for quant in args.quant.split(","):
             eight = quant == "8bit"
-            path = to_gguf(gguf, folder, work / f"{name}-{'q8_0' if eight else 'f32'}.gguf", eight)
+            head8 = eight and args.tandem_8bit == "w8a8"
+            kind = ("q8_0-all" if head8 else "q8_0-f32head") if eight else "f32"
+            path = to_gguf(gguf, folder, work / f"{name}-{kind}.gguf", eight, head8)
             for streams in args.streams:
                 runs: dict[str, list[dict]] = {"llama": [], "tandem": []}
                 procs = [start_llama(server, path, args.threads, streams, ctx, work / "llama.log"),
-                         start_tandem(folder, args.threads, eight, ctx, work / "tandem.log")]
+                         start_tandem(folder, args.threads, args.tandem_8bit if eight else None, ctx,
+                                      work / "tandem.log")]
                 agree = None
                 try:
                     # the conversion check: both servers' greedy continuations of two prompts
@@ -370,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                         proc.terminate()
                         proc.wait(timeout=30)
                 med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
-                cells.append({"model": name, "quant": quant, "streams": streams, "runs": runs, "median": med,
+                cells.append({"model": name, "quant": quant, "tandem_quant": args.tandem_8bit if eight else "none",
+                              "gguf": kind, "streams": streams, "runs": runs, "median": med,
                               "greedy_agree": agree,
                               "ratio_tok_s": med["tandem"]["tok_s"] / med["llama"]["tok_s"],
                               "ratio_tpot_p99": med["tandem"]["tpot_p99_ms"] / med["llama"]["tpot_p99_ms"]})

@@ -247,13 +247,13 @@ class ModelEngine:
     def _multi_step_tokens(self) -> int:
         """How many greedy tokens every running sequence takes this step in one C call (`_multi_step`), or 0 for
         a normal step. Only where nothing could differ from `n` single steps: the CPU forward can take it, no
-        speculation, nobody waiting (a newcomer waits at most `n` tokens' time), every sequence decoding with
+        drafts this step (no drafter, or adaptive k picks plain decoding), nobody waiting (a newcomer waits at most `n` tokens' time), every sequence decoding with
         raw-logit greedy and no logprobs or grammar, `n` tokens within each one's max length, the token budget
         and the free pages (no preemption)."""
         n = MULTI_STEP_TOKENS
         sch = self.scheduler
         running = sch.running
-        if (n < 2 or not running or sch.num_waiting or self._inbox or self.speculator.drafter is not None
+        if (n < 2 or not running or sch.num_waiting or self._inbox
                 or self.speculator.supplied or len(running) * n > sch.max_num_batched_tokens
                 or not self.runner.can_draft_greedy([1])):
             return 0
@@ -266,6 +266,10 @@ class ModelEngine:
             n = min(n, seq.max_len - seq.num_tokens)
         if n < 2 or sum(sch.pages_needed(seq, n) for seq in running) > self.pool.num_free:
             return 0
+        # with a drafter: only when adaptive k picks plain decoding for this step (its choice is kept for
+        # `propose` otherwise); the multi-step steps then measure plain decoding for it
+        if self.speculator.drafter is not None and self.speculator.plan(running):
+            return 0
         return n
 
     def _multi_step(self, n: int) -> int:
@@ -274,6 +278,7 @@ class ModelEngine:
         argmax n times), and `Scheduler.update` takes them as n - 1 accepted drafts and a bonus token, so EOS,
         stop ids, stop strings and max length end a sequence mid-way exactly as in single steps."""
         running = list(self.scheduler.running)
+        self.speculator.skip_step()
         sched = self.scheduler.schedule({seq.seq_id: [0] * (n - 1) for seq in running})
         if not sched:
             return 0
@@ -297,7 +302,10 @@ class ModelEngine:
             self.timer.forward_failed()
             return 0
         self._emit_many(self.scheduler.update(sched, sampled))
-        self.timer.step_finished()  # not fed to the step-time model or adaptive k: this step is n decode steps
+        # not fed to the step-time model: this step is n decode steps; adaptive k sees it as n plain steps
+        _, step_s = self.timer.step_finished()
+        if clean:
+            self.speculator.observe_plain_steps(len(sched.seqs), n, step_s)
         return sched.total_tokens
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch, sched: SchedulerOutput, masks: Future | None

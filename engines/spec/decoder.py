@@ -50,6 +50,7 @@ class SpeculativeDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
         self.num_emitted_tokens = 0  # tokens the windows produced (accepted + the recovered/bonus one)
+        self._plan: tuple[list[Sequence], int] | None = None  # `plan`'s choice, for this step's `propose`
 
     def add(self, seq: Sequence) -> None:
         if seq.supplied_draft_ids:
@@ -61,20 +62,48 @@ class SpeculativeDecoder:
             self.drafter.release(seq)
 
     # ---- before scheduling ----------------------------------------------------------------------------------
+    def _draftable(self, running: list[Sequence], drafts: Mapping[int, list[int]]) -> list[Sequence]:
+        return [s for s in running
+                if s.seq_id not in drafts and s.num_tokens - s.num_computed == 1 and s.num_tokens < s.max_len
+                and s.request.params.speculative is not False]
+
+    def plan(self, running: list[Sequence]) -> int:
+        """Adaptive k's choice for this step, made ahead of `propose` (which then keeps it): 0 where no
+        sequence would draft. The engine asks when the step could be a multi-step greedy one instead: k = 0
+        is plain decoding, which that does faster. Call only without supplied drafts."""
+        seqs = self._draftable(running, {}) if self.drafter is not None else []
+        k = self.adaptive.choose(len(seqs)) if seqs else 0
+        self._plan = (seqs, k)
+        return k
+
+    def skip_step(self) -> None:
+        """This step took `plan`'s k = 0 without `propose` (a multi-step greedy step)."""
+        self._plan = None
+        self._drop_unverified()
+
+    def observe_plain_steps(self, batch: int, num_steps: int, seconds: float) -> None:
+        """A multi-step greedy step: `num_steps` plain decode steps of `batch` sequences in `seconds`."""
+        if self.drafter is not None and batch:
+            self.adaptive.observe_step(batch, 0, seconds / num_steps)
+
     def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
         """seq_id -> draft tokens to verify this step."""
+        planned, self._plan = self._plan, None
         self._drop_unverified()
         drafts: dict[int, list[int]] = {}
         if self.supplied:
             self._propose_supplied(drafts)
         if self.drafter is None:
             return drafts
-        seqs = [s for s in running
-                if s.seq_id not in drafts and s.num_tokens - s.num_computed == 1 and s.num_tokens < s.max_len
-                and s.request.params.speculative is not False]
+        if planned is not None and not drafts:
+            seqs, k = planned
+        else:
+            seqs = self._draftable(running, drafts)
+            if not seqs:
+                return drafts
+            k = self.adaptive.choose(len(seqs))
         if not seqs:
             return drafts
-        k = self.adaptive.choose(len(seqs))
         # exploring is a measurement, not a bet: a few sequences draft (their draft KV may lag far behind)
         num_k = EXPLORE_SEQS if self.adaptive.exploring else len(seqs)
         chosen, states, ks = [], [], []

@@ -228,3 +228,36 @@ def test_multi_step_greedy_equals_single_steps(monkeypatch, quant):
             (c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in b.outputs]
     assert multi[1].outputs[0].finish_reason == "stop" and len(multi[1].outputs[0].token_ids) <= 10
     assert llm.core.pool.stats()["used_pages"] == 0
+
+
+def test_speculative_engine_takes_multi_step_when_adaptive_k_picks_plain(monkeypatch):
+    """With a drafter, a step where adaptive k picks 0 is a multi-step greedy step (plain decoding, n tokens per
+    C call); k > 0 drafts as before, and the drafter catches up on the tokens it missed. Outputs equal plain
+    decoding whatever k does, and adaptive k sees the multi-step steps as plain steps."""
+    import itertools
+
+    from engines import SamplingParams
+
+    prompts = ["def add(a, b):\n    return", "import os\n\ndef main():\n", "class Stack:\n    def push(self, x):"]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (41, 30, 37)]
+    plain = _engine(ROOT / "models" / "tandem-tiny-l").generate(prompts, params)
+    llm = _engine(ROOT / "models" / "tandem-tiny-l", draft_model=ROOT / "models" / "tandem-tiny-s")
+    eng, spec = llm.engine, llm.engine.speculator
+    multi, drafted, plain_steps = [], [], []
+    one_call = eng.runner.draft_greedy
+    monkeypatch.setattr(eng.runner, "draft_greedy", lambda *a: multi.append(a[2]) or one_call(*a))
+    observe = spec.adaptive.observe_step
+    monkeypatch.setattr(spec.adaptive, "observe_step",
+                        lambda b, k, s: (plain_steps.append(b) if k == 0 else None) or observe(b, k, s))
+    propose = spec.propose
+    monkeypatch.setattr(spec, "propose", lambda running: drafted.append(d := propose(running)) or d)
+    for ks in ([0], [3], [0, 0, 3, 0, 4, 4, 0, 2]):
+        cycle = itertools.cycle(ks)
+        monkeypatch.setattr(spec.adaptive, "choose", lambda batch, c=cycle: next(c))
+        multi.clear(), drafted.clear()
+        out = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+        assert bool(multi) == (0 in ks) and set(multi) <= {2, 3, 4}
+        assert any(drafted) == (ks != [0])
+    assert plain_steps  # the multi-step steps reached adaptive k as plain steps
+    assert llm.core.pool.stats()["used_pages"] == 0
