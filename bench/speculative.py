@@ -5,6 +5,7 @@ standard-library modules (the models' own domain); batch 1 serves `--batch1-prom
 Prints a table, writes bench/results/speculative.json.
 
     .venv/bin/python bench/speculative.py [--batches 1 8 32] [--max-tokens 128] [--repeats 3] [--threads 1]
+        [--draft-quantization none|int8|w8a8]
 """
 
 from __future__ import annotations
@@ -85,12 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (max k)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch1-prompts", type=int, default=6, help="prompts served one after another at batch 1")
+    ap.add_argument("--draft-quantization", default="none", choices=["none", "int8", "w8a8"],
+                    help="the draft model's quantization (the target stays float32)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     plain = LLM(LARGE, max_num_seqs=64)
-    spec = LLM(LARGE, draft_model=SMALL, num_speculative_tokens=args.k, max_num_seqs=64)
+    spec = LLM(LARGE, draft_model=SMALL, num_speculative_tokens=args.k, max_num_seqs=64,
+               draft_options={"quantization": args.draft_quantization})
     tok = plain.tokenizer
     warm = prompts_from_heldout(tok, 2, args.prompt_tokens, seed=99)
     for llm in (plain, spec):  # warm-up: allocator, first-call overheads, and adaptive k's first measurements
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {r['acceptance_rate']} | "
               f"{r['mean_accepted_length']} | {r['k_steps']} |")
     result = {"config": {"target": str(LARGE.relative_to(ROOT)), "draft": str(SMALL.relative_to(ROOT)),
+                         "draft_quantization": args.draft_quantization,
                          "k_max": args.k, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                          "repeats": args.repeats, "threads": args.threads, "batch1_prompts": args.batch1_prompts,
                          "python": platform.python_version(),

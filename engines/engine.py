@@ -303,9 +303,9 @@ class ModelEngine:
             return 0
         self._emit_many(self.scheduler.update(sched, sampled))
         # not fed to the step-time model: this step is n decode steps; adaptive k sees it as n plain steps
-        _, step_s = self.timer.step_finished()
+        forward_s, step_s = self.timer.step_finished()
         if clean:
-            self.speculator.observe_plain_steps(len(sched.seqs), n, step_s)
+            self.speculator.observe_plain_steps(len(sched.seqs), n, forward_s, step_s)
         return sched.total_tokens
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch, sched: SchedulerOutput, masks: Future | None

@@ -21,16 +21,20 @@ PromptInput = str | list[int] | dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | Path | Transformer, *, name: str = "default",
-                 draft_model: str | Path | Transformer | None = None, **options: Any):
+                 draft_model: str | Path | Transformer | None = None, draft_options: dict[str, Any] | None = None,
+                 **options: Any):
         """`draft_model`: a second checkpoint (same tokenizer) that drafts for `model` (speculative decoding,
-        up to `num_speculative_tokens` per step, default 4); it gets its own idle engine named "<name>-draft"."""
+        up to `num_speculative_tokens` per step, default 4); it gets its own idle engine named "<name>-draft",
+        with `draft_options` (EngineOptions fields, e.g. `{"quantization": "w8a8"}`) on top of the target's dtype
+        and max_model_len."""
         device = options.pop("device", "cpu")
         engine_opts, pool_opts = spec_kwargs(options)
         specs = [EngineSpec(name=name, model=model, **engine_opts)]
         if draft_model is not None:
             specs[0].draft = f"{name}-draft"
-            specs.append(EngineSpec(name=f"{name}-draft", model=draft_model, dtype=specs[0].dtype,
-                                    max_model_len=specs[0].max_model_len))
+            specs.append(EngineSpec(name=f"{name}-draft", model=draft_model,
+                                    **{"dtype": specs[0].dtype, "max_model_len": specs[0].max_model_len,
+                                       **(draft_options or {})}))
         self.core = EngineCore(specs, PoolSpec(**pool_opts), device)
         self.engine = self.core.engines[name]
         self.tokenizer = self.engine.tokenizer

@@ -81,10 +81,12 @@ class SpeculativeDecoder:
         self._plan = None
         self._drop_unverified()
 
-    def observe_plain_steps(self, batch: int, num_steps: int, seconds: float) -> None:
-        """A multi-step greedy step: `num_steps` plain decode steps of `batch` sequences in `seconds`."""
+    def observe_plain_steps(self, batch: int, num_steps: int, forward_s: float, step_s: float) -> None:
+        """A multi-step greedy step: `num_steps` plain decode steps of `batch` sequences (forward and whole
+        step seconds): what plain decoding costs per step, and a target pass of `batch` tokens."""
         if self.drafter is not None and batch:
-            self.adaptive.observe_step(batch, 0, seconds / num_steps)
+            self.adaptive.target.observe(batch, forward_s / num_steps)
+            self.adaptive.observe_step(batch, 0, step_s / num_steps)
 
     def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
         """seq_id -> draft tokens to verify this step."""
