@@ -8,7 +8,7 @@ every layer: the projections stream each weight once (float32 `wt [K, N]`, the c
 call the MKL SGEMM torch ships, K/V go into their pages and attention reads the pages in place.
 
 `CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (Qwen3's q/k norm, a
-sliding window, int4, bfloat16 weights, biases on norms...); those keep the PyTorch forward.
+sliding window, int4 in groups of 32, bfloat16 weights, biases on norms...); those keep the PyTorch forward.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Lin(ctypes.Structure):
-    _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64), ("w8a8", _I64)]
+    _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64), ("w8a8", _I64), ("zero", _PTR),
+                ("group", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -198,6 +199,8 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
             keep.append(b)
         return _Lin(w=w.data_ptr(), scale=None, bias=_ptr(b), ld=w.stride(0), w8a8=0)
     modes = {getattr(lin, "mode", None) for lin in linears}
+    if modes == {"int4"}:
+        return _int4_group(linears, keep)
     if len(modes) == 1 and modes <= {"int8", "w8a8"} and all(
             isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears):
         if len({lin.bias is None for lin in linears}) != 1:
@@ -219,3 +222,30 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
         keep.extend([q, s] + ([b] if b is not None else []))
         return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=int(modes == {"w8a8"}))
     return None
+
+
+def _int4_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | None:
+    """int4 QuantLinears of one group size (64 or 128, what tk_linear_w4a8 takes) over the same input: packed
+    weights, fp16 scales and zero points stacked by rows (the modules then view them), the scales also as
+    float32 for the C side."""
+    from kernels.quant_matmul import W4A8_GROUPS, QuantLinear
+
+    groups = {lin.group_size for lin in linears}
+    if (len(groups) != 1 or groups.pop() not in W4A8_GROUPS or len({lin.bias is None for lin in linears}) != 1
+            or not all(isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears)):
+        return None
+    with torch.no_grad():
+        parts = [(lin.weight, lin.scale, lin.zero) for lin in linears]
+        q, s16, z = (torch.cat([p[i] for p in parts]).contiguous() for i in range(3))
+        start = 0
+        for lin in linears:
+            n = lin.out_features
+            lin.weight.data, lin.scale.data, lin.zero.data = q[start:start + n], s16[start:start + n], z[start:start + n]
+            start += n
+        s32 = s16.float().contiguous()
+        b = None
+        if linears[0].bias is not None:
+            b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
+    keep.extend([q, s16, z, s32] + ([b] if b is not None else []))
+    return _Lin(w=q.data_ptr(), scale=s32.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=0, zero=z.data_ptr(),
+                group=linears[0].group_size)

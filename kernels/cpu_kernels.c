@@ -5,6 +5,7 @@
  *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous)
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
  *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics)
+ *   tk_linear_w4a8   int4 weights (per-group scale and zero point) with the activations quantised the same way
  *   tk_paged_attention_f32  attention of T queries over float32 KV pages read in place (no gather): each
  *                    sequence's queries are the last q_len of its context_len positions, causal
  *
@@ -458,6 +459,184 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
     return 0;
 }
 
+/* ---- int4 weights x int8 activations (w4a8): kernels.quant_matmul's int4 format ------------------------------
+ * q uint8 [N, K / 2] (even k in the low nibble), scale float32 [N, K / group] (the fp16 scales widened once),
+ * zero uint8 [N, K / group]; w = (q - zero) * scale; group 64 or 128. The activations are quantised per 32 as
+ * for w8a8 and stored per pair of blocks in the nibbles' order (both blocks' even positions, then both
+ * blocks' odd ones), so 32 packed bytes (64 weights) give two vectors of nibbles, `& 15` and `>> 4 & 15`, each
+ * one vpmaddubsw with the matching activations (nibbles are the unsigned side: no sign trick, and the two
+ * products add in int16 without saturating); the zero point comes off once per group through the group's
+ * activation sum: sum (q - z) x = q.x - z sum x. */
+
+static __thread int8_t *q4_scratch = 0;
+static __thread size_t q4_scratch_cap = 0;
+
+/* xp: the quantised activations, each pair of blocks as [evens of both | odds of both]; d [M, K / 32];
+ * gsum[m, g] = sum over the group's blocks of d * (the block's sum of quantised values) */
+static void quant_act_q8_pairs(const float *x, int64_t M, int64_t K, int64_t group, int8_t *xp, float *d,
+                               float *gsum) {
+    const int64_t B = K / Q8, G = K / group, bpg = group / Q8;
+    uint8_t *xa = (uint8_t *)(xp + M * K); /* scratch beyond xp (the caller sized it 2 M K) */
+    quant_act_q8(x, M, K, xp, xa, d);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < G; g++) {
+            float t = 0.f;
+            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+                const int8_t *p = xp + m * K + b * Q8;
+                int sum = 0;
+                for (int j = 0; j < Q8; j++) sum += p[j];
+                t += d[m * B + b] * (float)sum;
+            }
+            gsum[m * G + g] = t;
+        }
+        for (int64_t b = 0; b + 2 <= B; b += 2) {
+            int8_t *p = xp + m * K + b * Q8, t[2 * Q8];
+            for (int j = 0; j < Q8 / 2; j++) {
+                t[j] = p[2 * j];                      /* block b's evens */
+                t[Q8 / 2 + j] = p[Q8 + 2 * j];        /* block b + 1's evens */
+                t[Q8 + j] = p[2 * j + 1];             /* block b's odds */
+                t[Q8 + Q8 / 2 + j] = p[Q8 + 2 * j + 1];
+            }
+            memcpy(p, t, 2 * Q8);
+        }
+    }
+}
+
+#if TK_AVX2
+/* NR weight rows x MR activation rows over K (q rows at stride K / 2 bytes, scales/zeros at stride G) */
+#define TK_DEF_W4(NR, MR)                                                                                      \
+    static void w4_##NR##x##MR(const int8_t *xp, const float *d, const float *gsum, int64_t K, int64_t group,   \
+                               const uint8_t *q, const float *sc, const uint8_t *zp, float *s) {              \
+        const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8);                                      \
+        const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                              \
+        __m256 acc[MR][NR];                                                                                    \
+        float corr[MR][NR];                                                                                    \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int i = 0; i < NR; i++) {                                                                     \
+                acc[r][i] = _mm256_setzero_ps();                                                               \
+                corr[r][i] = 0.f;                                                                              \
+            }                                                                                                  \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            __m256 grp[MR][NR];                                                                                \
+            for (int r = 0; r < MR; r++)                                                                       \
+                for (int i = 0; i < NR; i++) grp[r][i] = _mm256_setzero_ps();                                  \
+            for (int64_t pi = 0; pi < ppg; pi++) {                                                             \
+                const int64_t b = (g * ppg + pi) * 2; /* the pair's first block */                             \
+                if (NR == 4) _mm_prefetch((const char *)(q + 2 * K) + b * 32, _MM_HINT_T0); /* 4 rows on */   \
+                __m256i wl[NR], wh[NR];                                                                        \
+                for (int i = 0; i < NR; i++) {                                                                 \
+                    __m256i p = _mm256_loadu_si256((const __m256i *)(q + i * (K / 2) + b * 16));              \
+                    wl[i] = _mm256_and_si256(p, lo4);                                                          \
+                    wh[i] = _mm256_and_si256(_mm256_srli_epi16(p, 4), lo4);                                    \
+                }                                                                                              \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    const int8_t *xr = xp + r * K + b * Q8;                                                    \
+                    __m256i xl = _mm256_loadu_si256((const __m256i *)xr);                                      \
+                    __m256i xh = _mm256_loadu_si256((const __m256i *)(xr + Q8));                               \
+                    __m256 dv = _mm256_set_m128(_mm_set1_ps(d[r * B + b + 1]), _mm_set1_ps(d[r * B + b]));    \
+                    for (int i = 0; i < NR; i++) {                                                             \
+                        __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wl[i], xl),                       \
+                                                       _mm256_maddubs_epi16(wh[i], xh));                      \
+                        grp[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), dv,     \
+                                                    grp[r][i]);                                                \
+                    }                                                                                          \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int i = 0; i < NR; i++) {                                                                     \
+                const float ws = sc[i * G + g], wz = ws * (float)zp[i * G + g];                                \
+                const __m256 wv = _mm256_set1_ps(ws);                                                          \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    acc[r][i] = _mm256_fmadd_ps(grp[r][i], wv, acc[r][i]);                                     \
+                    corr[r][i] += wz * gsum[r * G + g];                                                        \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int i = 0; i < NR; i++) s[r * NR + i] = hsum256(acc[r][i]) - corr[r][i];                      \
+    }
+TK_DEF_W4(4, 1)
+TK_DEF_W4(4, 2)
+TK_DEF_W4(1, 1)
+#endif
+
+static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, int64_t M, int64_t K,
+                           int64_t group, const uint8_t *q, const float *sc, const uint8_t *zp, const float *bias,
+                           float *y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t B = K / Q8, G = K / group;
+    int64_t n = n0;
+#if TK_AVX2
+    float s[8];
+    for (; n + 4 <= n1; n += 4) {
+        const uint8_t *qn = q + n * (K / 2);
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            w4_4x2(xp + m * K, d + m * B, gsum + m * G, K, group, qn, sc + n * G, zp + n * G, s);
+            for (int r = 0; r < 2; r++)
+                for (int i = 0; i < 4; i++)
+                    y[(m + r) * N + n + i] = s[r * 4 + i] + (bias ? bias[n + i] : 0.f);
+        }
+        for (; m < M; m++) {
+            w4_4x1(xp + m * K, d + m * B, gsum + m * G, K, group, qn, sc + n * G, zp + n * G, s);
+            for (int i = 0; i < 4; i++) y[m * N + n + i] = s[i] + (bias ? bias[n + i] : 0.f);
+        }
+    }
+    for (; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            w4_1x1(xp + m * K, d + m * B, gsum + m * G, K, group, q + n * (K / 2), sc + n * G, zp + n * G, s);
+            y[m * N + n] = s[0] + (bias ? bias[n] : 0.f);
+        }
+#else
+    for (; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float t = 0.f;
+            for (int64_t g = 0; g < G; g++) {
+                float tg = 0.f;
+                for (int64_t b = g * (group / Q8); b < (g + 1) * (group / Q8); b += 2) {
+                    const int8_t *xr = xp + m * K + b * Q8;
+                    const uint8_t *qr = q + n * (K / 2) + b * 16;
+                    int32_t a0 = 0, a1 = 0;
+                    for (int j = 0; j < 16; j++) {
+                        a0 += (int32_t)(qr[j] & 15) * xr[j] + (int32_t)(qr[j] >> 4) * xr[Q8 + j];
+                        a1 += (int32_t)(qr[16 + j] & 15) * xr[16 + j] + (int32_t)(qr[16 + j] >> 4) * xr[Q8 + 16 + j];
+                    }
+                    tg += d[m * B + b] * (float)a0 + d[m * B + b + 1] * (float)a1;
+                }
+                t += sc[n * G + g] * tg - sc[n * G + g] * (float)zp[n * G + g] * gsum[m * G + g];
+            }
+            y[m * N + n] = t + (bias ? bias[n] : 0.f);
+        }
+#endif
+}
+
+/* y[M, N] = q8(x) . ((q - zero) * scale) (+ bias); returns 0, 1 when the scratch allocation failed, 2 when the
+ * group is not 64 or 128 or does not divide K */
+int tk_linear_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *scale, const uint8_t *zero,
+                   int64_t group, int64_t N, const float *bias, float *y, int nthreads) {
+    if ((group != 64 && group != 128) || K % group) return 2;
+    const int64_t B = K / Q8, G = K / group;
+    size_t need = 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(B + G);
+    if (need > q4_scratch_cap) {
+        int8_t *p = (int8_t *)realloc(q4_scratch, need);
+        if (!p) return 1;
+        q4_scratch = p;
+        q4_scratch_cap = need;
+    }
+    int8_t *xp = q4_scratch;
+    float *d = (float *)(xp + 2 * M * K), *gsum = d + M * B;
+    quant_act_q8_pairs(x, M, K, group, xp, d, gsum);
+    if (nthreads <= 1 || N < 128) {
+        linear_w4_rows(xp, d, gsum, M, K, group, q, scale, zero, bias, y, N, 0, N);
+        return 0;
+    }
+    int64_t chunk = ((N + nthreads - 1) / nthreads + 3) / 4 * 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = 0; t < nthreads; t++) {
+        int64_t a = t * chunk, b = a + chunk < N ? a + chunk : N;
+        if (a < b) linear_w4_rows(xp, d, gsum, M, K, group, q, scale, zero, bias, y, N, a, b);
+    }
+    return 0;
+}
+
 /* the quantised activations themselves (for the tests: the same rounding as quantize_act_q8) */
 void tk_quant_act_q8(const float *x, int64_t M, int64_t K, int8_t *xq, float *d) {
     uint8_t *xa = (uint8_t *)malloc((size_t)(M * K > 0 ? M * K : 1));
@@ -733,7 +912,7 @@ void tk_rope_f32(float *x, int64_t T, int64_t ldx, int64_t h0, int64_t h1, int64
  * whole forward of T tokens without returning to Python, so a tiny model's step costs its weight reads, not
  * ~100 framework ops of dispatch. Same math as engines.model.Transformer.forward over the paged pool (float
  * rounding aside: the GEMV sums in another order). Weights are float32 `wt [K, N]` (row stride ld) or
- * int8 `q [N, K]` with per-row scales (weight-only, or w8a8). */
+ * int8 `q [N, K]` with per-row scales (weight-only, or w8a8), or int4 with per-group scales and zeros (w4a8). */
 
 typedef struct {
     const void *w; /* float32 wt [K, N] (row stride ld) or int8 q [N, K] */
@@ -741,6 +920,9 @@ typedef struct {
     const float *bias;  /* [N] or NULL */
     int64_t ld;
     int64_t w8a8; /* int8 weights: 1 quantises the activations too (tk_linear_w8a8), 0 keeps them float32 */
+    const uint8_t *zero; /* int4 (tk_linear_w4a8): zero points [N, K / group]; w is packed [N, K / 2], scale
+                          * float32 [N, K / group] */
+    int64_t group;
 } tk_lin;
 
 typedef struct {
@@ -761,6 +943,9 @@ typedef struct {
 
 /* returns 0, or 1 when a scratch allocation failed */
 static int lin_apply(const tk_lin *l, const float *x, int64_t M, int64_t K, int64_t N, float *y, int nthreads) {
+    if (l->zero)
+        return tk_linear_w4a8(x, M, K, (const uint8_t *)l->w, l->scale, l->zero, l->group, N, l->bias, y, nthreads)
+               ? 1 : 0;
     if (l->scale && l->w8a8) return tk_linear_w8a8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);
     if (l->scale)
         tk_linear_i8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);

@@ -11,6 +11,9 @@ kernels are unavailable (no compiler, no AVX2/FMA, or `TANDEM_CPU_KERNELS=0`).
   rows widen the weight to float32 once and take the SGEMM too.
 - `linear_w8a8(x, q, scale, bias)`: the same weights with the activations quantised per 32 values
   (`kernels.quant_matmul.quantize_act_q8`, llama.cpp's q8_0 rounding): integer dots, for every row count.
+- `linear_w4a8(x, packed, scale, zero, group, bias)`: int4 weights (kernels.quant_matmul's format, the scales
+  as float32) with the activations quantised as for w8a8: one vpmaddubsw per 32 weights, the zero points
+  subtracted through each block's sum.
 - `paged_attention(...)`: attention over float32 KV pages read in place, for decode, verify windows and
   prefill chunks alike (the queries of a sequence are the last q_len of its context, causal); `write_kv`.
 - `rope_(...)`: RoPE in place on the q/k columns of a fused projection, bit-identical to torch's ops.
@@ -62,6 +65,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_linear_i8.restype = None
     lib.tk_linear_w8a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
     lib.tk_linear_w8a8.restype = _INT
+    lib.tk_linear_w4a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT]
+    lib.tk_linear_w4a8.restype = _INT
     lib.tk_quant_act_q8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR]
     lib.tk_quant_act_q8.restype = None
     lib.tk_paged_attention_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64,
@@ -201,6 +206,38 @@ def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     if rc:
         raise MemoryError("w8a8 linear: scratch allocation failed")
     return y
+
+
+def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32, its rows quantised per 32 values, @ dequantize_int4(packed, scale, zero).T (+ bias):
+    packed uint8 [N, K / 2], scale float32 [N, K / group] (contiguous), zero uint8 [N, K / group]."""
+    lib = load()
+    if lib is None:
+        return linear_w4a8_ref(x, packed, scale, zero, bias)
+    x = x.contiguous().float()
+    m, k = x.shape
+    n = packed.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()
+    rc = lib.tk_linear_w4a8(x.data_ptr(), m, k, packed.contiguous().data_ptr(), scale.float().contiguous().data_ptr(),
+                            zero.contiguous().data_ptr(), group, n, None if b is None else b.data_ptr(), y.data_ptr(),
+                            _threads())
+    if rc == 2:
+        raise ValueError(f"w4a8 needs the group to divide in_features {k} and 32 to divide the group {group}")
+    if rc:
+        raise MemoryError("w4a8 linear: scratch allocation failed")
+    return y
+
+
+def linear_w4a8_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    from kernels.quant_matmul import dequantize_int4, quantize_act_q8
+
+    xq, d = quantize_act_q8(x)
+    m, k = x.shape
+    xd = (xq.float().view(m, k // 32, 32) * d[..., None]).view(m, k)
+    return F.linear(xd, dequantize_int4(packed, scale, zero), None if bias is None else bias.float())
 
 
 def quant_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from torch import nn
 from kernels.launch import HAVE_TRITON, dot_precision, kernel, require_triton, sm_count, tl
 
 INT4_GROUPS = (32, 64, 128)
+W4A8_GROUPS = (64, 128)  # the groups kernels/cpu_kernels.c's int4 GEMV (w4a8) takes
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -245,10 +246,11 @@ CPU_KERNEL_MAX_ROWS = 1024
 class QuantLinear(nn.Module):
     """Weight-only int8/int4 replacement for nn.Linear (same in/out features, same bias).
 
-    CUDA: the Triton kernel. CPU: int8 at up to `CPU_KERNEL_MAX_ROWS` rows the AVX2 kernel of kernels/cpu_kernels.c;
-    else torch's packed ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
-    fed bf16 activations, their fast path, where the build has them and the shape fits
-    (`cpu_packed_op_fits`); else the reference.
+    CUDA: the Triton kernel (w8a8: CPU only). CPU, at up to `CPU_KERNEL_MAX_ROWS` rows, the AVX2 kernels of
+    kernels/cpu_kernels.c: int8 with float32 activations; w8a8, and int4 in groups of 64 or 128, with the
+    activations quantised per 32 (`quantize_act_q8`); else torch's packed ops (`_weight_int8pack_mm`,
+    `_weight_int4pack_mm_for_cpu`) fed bf16 activations, their fast path, where the build has them and the
+    shape fits (`cpu_packed_op_fits`); else the reference.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group_size: int = 64,
@@ -290,6 +292,14 @@ class QuantLinear(nn.Module):
             m.bias.data.copy_(linear.bias.detach())
         return m
 
+    def _int4_scale_f32(self) -> torch.Tensor:
+        """The fp16 scales widened to float32 for the CPU kernel, cached while the scale buffer stays the same."""
+        cached = getattr(self, "_s32", None)
+        if cached is None or cached[0] != self.scale.data_ptr():
+            cached = (self.scale.data_ptr(), self.scale.float().contiguous())
+            self._s32 = cached
+        return cached[1]
+
     def dequantized_weight(self) -> torch.Tensor:
         if self.mode in ("int8", "w8a8"):
             return dequantize_int8(self.weight, self.scale)
@@ -326,6 +336,12 @@ class QuantLinear(nn.Module):
 
             if cpu_kernels.available():
                 return cpu_kernels.linear_int8(x, self.weight, self.scale)
+        if (self.mode == "int4" and self.group_size in W4A8_GROUPS and x.shape[0] <= CPU_KERNEL_MAX_ROWS
+                and x.dtype == torch.float32):
+            from kernels import cpu_kernels
+
+            if cpu_kernels.available():  # activations quantised per 32 (as w8a8): 2-3x the packed op at 1-4 rows
+                return cpu_kernels.linear_w4a8(x, self.weight, self._int4_scale_f32(), self.zero, self.group_size)
         if not cpu_packed_op_fits(self.mode, self.out_features, self.in_features):
             return wq_matmul_ref(x, self.weight, self.scale, self.zero)
         # bf16 activations are the packed ops' fast path (fp32 ~7x, int4 fp32/fp16 ~13x slower on this CPU);

@@ -75,11 +75,11 @@ def _compare(a, b, logprob_tol=2e-4):
 
 
 @pytest.mark.parametrize("name,quant", [("llama-gqa", "none"), ("qwen2-bias", "none"), ("llama-gqa", "int8"),
-                                        ("llama-gqa", "w8a8"), ("qwen2-bias", "w8a8")])
+                                        ("llama-gqa", "w8a8"), ("qwen2-bias", "w8a8"), ("llama-gqa", "int4")])
 def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant):
     llm = _engine(checkpoints[name], quantization=quant, max_num_batched_tokens=96)
     assert llm.engine.runner.cpu_forward is not None
-    # w8a8 rounds every activation to 8 bits: the two paths' float-rounding differences (summation order) can
+    # w8a8 (and int4, whose CPU kernel quantises the activations the same way) rounds every activation to 8 bits: the two paths' float-rounding differences (summation order) can
     # move an activation that sits on a rounding edge by one step (one step of the two paths agrees to 1e-6),
     # ~1e-2 in a logprob of these random 64-wide models; the tokens stay equal and nearly every output agrees
     # to float rounding
@@ -87,7 +87,7 @@ def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant):
     for seed in range(3):
         prompts, params = _requests(seed, 12, 384)
         fast, slow = _run(llm, prompts, params, fast=True), _run(llm, prompts, params, fast=False)
-        _compare(fast, slow, logprob_tol=5e-2 if quant == "w8a8" else 2e-4)
+        _compare(fast, slow, logprob_tol=5e-2 if quant in ("w8a8", "int4") else 2e-4)
         worst += [max((abs(la[t].logprob - lb[t].logprob) for la, lb, t in zip(ca.logprobs, cb.logprobs,
                                                                                  ca.token_ids)), default=0.0)
                   for ra, rb in zip(fast, slow) for ca, cb in zip(ra.outputs, rb.outputs)]
@@ -191,7 +191,9 @@ def test_models_it_does_not_cover_keep_the_torch_forward(tmp_path):
 
     path = build_checkpoint(tmp_path / "q3", "qwen3", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
     assert _engine(path).engine.runner.cpu_forward is None  # q/k norm
-    assert _engine(ROOT / "models" / "tandem-tiny-s", quantization="int4").engine.runner.cpu_forward is None
+    assert _engine(ROOT / "models" / "tandem-tiny-s", quantization="int4",  # int4 in groups of 32
+                   quantization_group_size=32).engine.runner.cpu_forward is None
+    assert _engine(ROOT / "models" / "tandem-tiny-s", quantization="int4").engine.runner.cpu_forward is not None
 
 
 @pytest.mark.parametrize("quant", ["none", "w8a8"])

@@ -101,6 +101,36 @@ def test_linear_w8a8_refuses_in_features_not_divisible_by_32():
         ck.linear_w8a8(torch.randn(2, 40), q, s)
 
 
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 13, 33])
+@pytest.mark.parametrize("n,k,group", [(256, 256, 64), (30, 128, 128), (7, 64, 64), (1409, 768, 128), (96, 704, 64)])
+def test_linear_w4a8_matches_reference(m, n, k, group):
+    """int4 weights (asymmetric, per group) with the activations quantised per 32: the dequantised-weight
+    reference up to float summation order, for every tile, with bias and on two threads; group 32 is refused
+    (QuantLinear then keeps torch's packed op)."""
+    from kernels.quant_matmul import quantize_int4
+
+    g = torch.Generator().manual_seed(n + k + m + group)
+    packed, scale, zero = quantize_int4(torch.randn(n, k, generator=g), group)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4
+    x[0, :32] = 0
+    b = torch.randn(n, generator=g)
+    ref = ck.linear_w4a8_ref(x, packed, scale, zero)
+    tol = dict(rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+    for bias in (None, b):
+        torch.testing.assert_close(ck.linear_w4a8(x, packed, scale.float(), zero, group, bias),
+                                   ck.linear_w4a8_ref(x, packed, scale, zero, bias), **tol)
+    torch.set_num_threads(2)
+    try:
+        torch.testing.assert_close(ck.linear_w4a8(x, packed, scale.float(), zero, group, b),
+                                   ck.linear_w4a8_ref(x, packed, scale, zero, b), **tol)
+    finally:
+        torch.set_num_threads(1)
+    p32, s32, z32 = quantize_int4(torch.randn(8, 64, generator=g), 32)
+    with pytest.raises(ValueError, match="group"):
+        ck.linear_w4a8(x[:, :64], p32, s32.float(), z32, 32)
+
+
 def _pages(num_pages=48, block=16, hkv=2, d=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(num_pages, 2, 3, block, hkv, d, generator=g)
