@@ -268,3 +268,8 @@ def test_two_models_share_an_int8_pool_each_with_its_own_scale_offsets(llama, ti
         want = alone[rid.rstrip("0123456789")]
         assert got.token_ids == want.token_ids
         assert compare([want], [got], 1e-5) == 12
+
+
+def test_w8a8_is_refused_on_cuda_before_anything_loads(tiny_checkpoint):
+    with pytest.raises(ValueError, match="w8a8.*CPU only"):
+        EngineCore([EngineSpec(name="x", model=tiny_checkpoint(), quantization="w8a8")], device="cuda")

@@ -21,6 +21,7 @@ import openai
 import pytest
 from live_server import start_serve, stop  # conftest puts tests/ on the path
 
+from gateway.config import ConfigError
 from gateway.routes import Routes
 from gateway.server import build_parser, config_from_args, free_port
 
@@ -274,6 +275,11 @@ def test_model_and_draft_make_one_route_and_flags_override_the_file(tmp_path):
     assert list(with_model.engines) == [str(MODEL)] and with_model.server.port == 7002  # the file's engines go
     default = _cfg()
     assert set(default.engines) == {"tandem-small", "tandem-large"} and "auto" in default.routes  # `make serve`
+    # the draft's own quantization wins over --quantization, for the draft only
+    q = _cfg(str(MODEL), "--draft", str(DRAFT), "--quantization", "int8", "--draft-quantization", "w8a8")
+    assert q.engines[str(MODEL)].quantization == "int8" and q.engines[f"{MODEL}-draft"].quantization == "w8a8"
+    with pytest.raises(ConfigError, match="--draft-quantization needs --draft"):
+        _cfg(str(MODEL), "--draft-quantization", "w8a8")
 
 
 def test_flags_that_need_a_model_say_so():
