@@ -20,6 +20,7 @@ CONFIGS: dict[str, tuple[str, bool]] = {
     "auto": ("default as shipped (all four routes; needs models/router)", True),
     "large_nospec": ("baseline with speculation off for the large model (no draft, k=0)", False),
     "large_noprefix": ("baseline with prefix caching off in the shared KV pool", False),
+    "large_w8draft": ("baseline with the large model drafted by a draft-only w8a8 copy of the small model", False),
 }
 
 
@@ -53,6 +54,10 @@ def render_config(name: str, default_text: str, price_per_hour: float, slo: tupl
         text = _replace_line(text, "num_speculative_tokens = 4", "num_speculative_tokens = 0")
     elif name == "large_noprefix":
         text = _replace_line(text, "enable_prefix_caching = true", "enable_prefix_caching = false")
+    elif name == "large_w8draft":
+        text = _replace_line(text, 'draft = "tandem-small"', 'draft = "tandem-small-draft"')
+        text = text.replace("[engines.tandem-large]", '[engines.tandem-small-draft]\ncheckpoint = "../../models/'
+                            'tandem-tiny-s"\nserved = false\nquantization = "w8a8"\n\n[engines.tandem-large]', 1)
     slo_line = f"slo = {{ ttft_ms = {slo[0]:g}, tpot_ms = {slo[1]:g}, percentile = 99 }}"
     text, n = re.subn(r"^slo = \{.*\}$", slo_line, text, flags=re.MULTILINE)
     if n < 3:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compare serving strategies on one workload: large-only (best), small-only (fast), router (auto), cascade,
-# and for the large model speculation off and prefix caching off. One fresh `tandem serve` per variant and
+# and for the large model speculation off, prefix caching off and a w8a8 draft-only copy of the small model. One fresh `tandem serve` per variant and
 # rate (a warm prefix cache from the previous run would flatter the next one), the same prompts everywhere
 # (fixed --seed and --prompt-seed), one table at the end (docs/benchmarks.md, "Strategies compared").
 #
@@ -40,10 +40,10 @@ IMG_DIR=${IMG_DIR:-docs/img}
 # *_mt pair at PREFIX_RATE only. Order = table order.
 ALL_VARIANTS="best:baseline:best:$WORKLOAD fast:baseline:fast:$WORKLOAD auto:auto:auto:$WORKLOAD
 cascade:baseline:cascade:$WORKLOAD best_nospec:large_nospec:best:$WORKLOAD
-best_noprefix:large_noprefix:best:$WORKLOAD"
+best_noprefix:large_noprefix:best:$WORKLOAD best_w8draft:large_w8draft:best:$WORKLOAD"
 MT_VARIANTS=""
 [[ -n "$PREFIX_WORKLOAD" ]] && MT_VARIANTS="best_mt:baseline:best:$PREFIX_WORKLOAD best_noprefix_mt:large_noprefix:best:$PREFIX_WORKLOAD"
-KNOWN="best fast auto cascade best_nospec best_noprefix best_mt best_noprefix_mt"
+KNOWN="best fast auto cascade best_nospec best_noprefix best_w8draft best_mt best_noprefix_mt"
 FULL_VARIANTS=$ALL_VARIANTS
 FULL_MT=$MT_VARIANTS
 if [[ -n "${VARIANTS:-}" ]]; then

@@ -1,6 +1,6 @@
 """The CPU engine's decode speed in process, with the one-call C forward (kernels/cpu_forward.py) and with the
 PyTorch forward it replaces, on the same engine, alternated: greedy, `--max-tokens` new tokens per request,
-batches of 1, 8 and 32 requests (different prompts), float32 and weight-only int8, one thread. Reports the
+batches of 1, 8 and 32 requests (different prompts), float32, weight-only int8, w8a8 and int4 (g64), one thread. Reports the
 best of `--repeats` wall times as ms per decode step and output tok/s, and the ratio. Prints a table and writes
 bench/results/cpu_forward.json.
 
@@ -38,7 +38,7 @@ def timed(llm: LLM, prompts: list[str], sp: SamplingParams, repeats: int) -> flo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "tandem-tiny-l"))
-    ap.add_argument("--quant", nargs="+", default=["none", "int8"])
+    ap.add_argument("--quant", nargs="+", default=["none", "int8", "w8a8", "int4"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
