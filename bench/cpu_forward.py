@@ -57,28 +57,37 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batches:
             prompts = [f"def f{i}(x, y):\n    return" for i in range(b)]
             llm.generate(prompts, sp)  # warm
-            same = None
+            outs: dict[str, list[list[int]]] = {}
             times = {}
             for name, fwd in (("c", fast), ("torch", None), ("c", fast), ("torch", None)):  # alternated
                 runner.cpu_forward = fwd
                 t = timed(llm, prompts, sp, args.repeats)
                 times[name] = min(times.get(name, t), t)
                 out = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], sp)]
-                same = out if same is None else same
-                assert out == same, "greedy outputs differ between the C and torch forwards"
+                assert outs.setdefault(name, out) == out, f"{name}: greedy outputs differ between runs"
             runner.cpu_forward = fast
+            # float32 and int8: the two forwards agree token for token; w8a8 / int4 round every activation to
+            # 8 bits, so a float-rounding difference between the paths can flip one rounding and, many tokens
+            # later, a near-tie argmax: reported as the share of tokens before the first difference
+            a, b2 = outs["c"], outs["torch"]
+            prefix = sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+                         for p, q in zip(a, b2)) / sum(len(p) for p in a)
+            if quant in ("none", "int8"):
+                assert a == b2, "greedy outputs differ between the C and torch forwards"
             steps = args.max_tokens
             row = {"quant": quant, "batch": b,
                    "c_ms_per_step": 1e3 * times["c"] / steps, "torch_ms_per_step": 1e3 * times["torch"] / steps,
                    "c_tok_s": b * steps / times["c"], "torch_tok_s": b * steps / times["torch"],
-                   "speedup": times["torch"] / times["c"]}
+                   "speedup": times["torch"] / times["c"], "same_prefix_fraction": round(prefix, 3)}
             rows.append(row)
             print(row, flush=True)
-    print("\n| weights | batch | C forward ms/step | torch forward ms/step | C tok/s | torch tok/s | speedup |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| weights | batch | C forward ms/step | torch forward ms/step | C tok/s | torch tok/s | speedup | "
+          "greedy tokens equal before the first difference |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {'f32' if r['quant'] == 'none' else r['quant']} | {r['batch']} | {r['c_ms_per_step']:.2f} | "
-              f"{r['torch_ms_per_step']:.2f} | {r['c_tok_s']:.0f} | {r['torch_tok_s']:.0f} | {r['speedup']:.2f}x |")
+              f"{r['torch_ms_per_step']:.2f} | {r['c_tok_s']:.0f} | {r['torch_tok_s']:.0f} | {r['speedup']:.2f}x | "
+              f"{100 * r['same_prefix_fraction']:.0f}% |")
     result = {"model": args.model, "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows,
               "load_average": os.getloadavg(), "machine": platform.processor() or platform.machine()}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

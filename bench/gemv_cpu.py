@@ -4,8 +4,8 @@ QuantLinear's packed path before the C kernels) against the kernels' `linear_int
 `linear_w8a8` (int8 activations, integer dots) and `linear_w4a8` (int4 in groups of 64), with the achieved
 weight-read bandwidth (weight bytes / time). Each shape alone sits in the caches; `--model-pass` also times
 whole models' layers (tandem-tiny-l and the ~80M Llama) cycled through copies that exceed the caches, so the
-weights stream from memory as in a decode step, next to a plain AVX2-free read of the same bytes
-(`torch.sum` of int8 viewed as int32 words: the machine's streaming rate). Thread CPU time, best of `--reps`
+weights stream from memory as in a decode step, next to a plain read of the same float32 bytes (`torch.sum`:
+the machine's streaming rate). Thread CPU time, best of `--reps`
 rounds (steadier than wall time on a shared machine). Prints tables, writes bench/results/gemv_cpu.json.
 
     .venv/bin/python bench/gemv_cpu.py [--threads 1] [--rows 1 4 8] [--reps 7] [--model-pass]
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         q = q.contiguous()
         s_bf16 = s.to(torch.bfloat16)
         p4, s4, z4 = quantize_int4(w, 64)
-        s4 = s4.float()
+        p4, s4, z4 = p4.contiguous(), s4.float().contiguous(), z4.contiguous()  # as QuantLinear's buffers
         for m in args.rows:
             x = torch.randn(m, k, generator=g)
             xb = x.to(torch.bfloat16)
@@ -120,9 +120,10 @@ def model_passes(row_counts: list[int], reps: int) -> list[dict]:
                 w = torch.randn(n, k, generator=g)
                 q, s = quantize_int8(w)
                 p4, s4, z4 = quantize_int4(w, 64)
-                layer.append((w.t().contiguous().t(), q.contiguous(), s, p4, s4.float(), z4))
+                layer.append((w.t().contiguous().t(), q.contiguous(), s, p4.contiguous(), s4.float().contiguous(),
+                              z4.contiguous()))
             sets.append(layer)
-        words = [torch.cat([lay[0].t().reshape(-1) for lay in layer]).view(torch.int32) for layer in sets]
+        words = [torch.cat([lay[0].t().reshape(-1) for lay in layer]) for layer in sets]
         read = min(_wall(_read, words) for _ in range(reps)) / copies
         for m in row_counts:
             xs = {k: torch.randn(m, k, generator=g) for _, _, k in shapes}

@@ -15,7 +15,8 @@ tandem's `w8a8` (int8 weights and head, activations quantised per 32 as q8_0's d
 
     .venv/bin/python bench/vs_llamacpp.py --build              # once: build llama-server
     .venv/bin/python bench/vs_llamacpp.py [--models tiny-l,llama80m] [--quant f32,8bit] [--streams 1 8 32]
-        [--threads 1] [--rounds 2] [--max-tokens 64] [--prompt-tokens 64] [--seconds 12] [--tandem-8bit w8a8]
+        [--threads 1] [--rounds 2] [--max-tokens 64] [--prompt-tokens 64] [--seconds 12] [--warmup-seconds 4]
+        [--tandem-8bit w8a8]
 """
 
 from __future__ import annotations
@@ -323,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=12.0, help="closed-loop seconds per run")
+    ap.add_argument("--warmup-seconds", type=float, default=4.0,
+                    help="an unmeasured closed-loop run per server and cell first (0: none)")
     ap.add_argument("--tandem-8bit", choices=["w8a8", "int8"], default="w8a8",
                     help="tandem's 8-bit mode (w8a8: against q8_0 everywhere; int8: against q8_0 with an f32 head)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_llamacpp.json"))
@@ -346,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         for quant in args.quant.split(","):
             eight = quant == "8bit"
             head8 = eight and args.tandem_8bit == "w8a8"
-            kind = ("q8_0-all" if head8 else "q8_0-f32head") if eight else "f32"
-            path = to_gguf(gguf, folder, work / f"{name}-{kind}.gguf", eight, head8)
+            gguf_kind = ("q8_0-all" if head8 else "q8_0-f32head") if eight else "f32"
+            path = to_gguf(gguf, folder, work / f"{name}-{gguf_kind}.gguf", eight, head8)
             for streams in args.streams:
                 runs: dict[str, list[dict]] = {"llama": [], "tandem": []}
                 procs = [start_llama(server, path, args.threads, streams, ctx, work / "llama.log"),
@@ -360,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
                               for p in prompts[:2]] for _, url, kind in procs]
                     agree = texts[0] == texts[1]
                     print(f"  {name} {quant}: greedy 16 tokens agree: {agree} {texts[0][0]!r} / {texts[1][0]!r}")
+                    for _, url, kind in procs:  # warm-up, not measured: first touches of KV memory and buffers
+                        if args.warmup_seconds > 0:
+                            asyncio.run(closed_loop(url, "tandem" if kind == "tandem" else "m", prompts, streams,
+                                                    args.max_tokens, args.warmup_seconds))
                     for r in range(args.rounds):
                         order = procs if r % 2 == 0 else procs[::-1]
                         for proc, url, kind in order:
@@ -378,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                         proc.wait(timeout=30)
                 med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
                 cells.append({"model": name, "quant": quant, "tandem_quant": args.tandem_8bit if eight else "none",
-                              "gguf": kind, "streams": streams, "runs": runs, "median": med,
+                              "gguf": gguf_kind, "streams": streams, "runs": runs, "median": med,
                               "greedy_agree": agree,
                               "ratio_tok_s": med["tandem"]["tok_s"] / med["llama"]["tok_s"],
                               "ratio_tpot_p99": med["tandem"]["tpot_p99_ms"] / med["llama"]["tpot_p99_ms"]})

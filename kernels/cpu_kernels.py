@@ -177,13 +177,24 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     lib = load()
     if lib is None:
         return linear_int8_ref(x, q, scale, bias)
+    q, scale = q.contiguous(), scale.contiguous()
+    return _quant_linear(lib.tk_linear_i8, "int8", x, q.shape[0], bias, q.data_ptr(), scale.data_ptr())
+
+
+def _quant_linear(fn, name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, *weights: int
+                  ) -> torch.Tensor:
+    """y [M, n] = fn(x, M, K, *weights, n, bias, y, threads) for the kernels' quantised linears (the callers keep
+    the weight tensors alive); a return code 2 is a shape the kernel does not take, 1 a failed allocation."""
     x = x.contiguous().float()
     m, k = x.shape
-    n = q.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
-    lib.tk_linear_i8(x.data_ptr(), m, k, q.contiguous().data_ptr(), scale.contiguous().data_ptr(), n,
-                     None if b is None else b.data_ptr(), y.data_ptr(), _threads())
+    rc = fn(x.data_ptr(), m, k, *weights, n, None if b is None else b.data_ptr(), y.data_ptr(), _threads())
+    if rc == 2:
+        raise ValueError(f"{name}: in_features {k} does not fit the kernel (w8a8: a multiple of 32; int4: of the "
+                         "group, which must be 64 or 128)")
+    if rc:
+        raise MemoryError(f"{name} linear: scratch allocation failed")
     return y
 
 
@@ -194,18 +205,8 @@ def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     lib = load()
     if lib is None:
         return linear_w8a8_ref(x, q, scale, bias)
-    x = x.contiguous().float()
-    m, k = x.shape
-    n = q.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32)
-    b = None if bias is None else bias.float().contiguous()
-    rc = lib.tk_linear_w8a8(x.data_ptr(), m, k, q.contiguous().data_ptr(), scale.contiguous().data_ptr(), n,
-                            None if b is None else b.data_ptr(), y.data_ptr(), _threads())
-    if rc == 2:
-        raise ValueError(f"w8a8 needs in_features divisible by 32, got {k}")
-    if rc:
-        raise MemoryError("w8a8 linear: scratch allocation failed")
-    return y
+    q, scale = q.contiguous(), scale.contiguous()
+    return _quant_linear(lib.tk_linear_w8a8, "w8a8", x, q.shape[0], bias, q.data_ptr(), scale.data_ptr())
 
 
 def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
@@ -215,19 +216,9 @@ def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     lib = load()
     if lib is None:
         return linear_w4a8_ref(x, packed, scale, zero, bias)
-    x = x.contiguous().float()
-    m, k = x.shape
-    n = packed.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32)
-    b = None if bias is None else bias.float().contiguous()
-    rc = lib.tk_linear_w4a8(x.data_ptr(), m, k, packed.contiguous().data_ptr(), scale.float().contiguous().data_ptr(),
-                            zero.contiguous().data_ptr(), group, n, None if b is None else b.data_ptr(), y.data_ptr(),
-                            _threads())
-    if rc == 2:
-        raise ValueError(f"w4a8 needs the group to divide in_features {k} and 32 to divide the group {group}")
-    if rc:
-        raise MemoryError("w4a8 linear: scratch allocation failed")
-    return y
+    packed, scale, zero = packed.contiguous(), scale.float().contiguous(), zero.contiguous()
+    return _quant_linear(lib.tk_linear_w4a8, "int4", x, packed.shape[0], bias, packed.data_ptr(), scale.data_ptr(),
+                         zero.data_ptr(), group)
 
 
 def linear_w4a8_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
