@@ -247,9 +247,9 @@ class ModelEngine:
     def _multi_step_tokens(self) -> int:
         """How many greedy tokens every running sequence takes this step in one C call (`_multi_step`), or 0 for
         a normal step. Only where nothing could differ from `n` single steps: the CPU forward can take it, no
-        drafts this step (no drafter, or adaptive k picks plain decoding), nobody waiting (a newcomer waits at most `n` tokens' time), every sequence decoding with
-        raw-logit greedy and no logprobs or grammar, `n` tokens within each one's max length, the token budget
-        and the free pages (no preemption)."""
+        drafts this step (no drafter, or adaptive k picks plain decoding), nobody waiting (a newcomer waits at
+        most `n` tokens' time), every sequence decoding with raw-logit greedy and no logprobs or grammar, `n`
+        tokens within each one's max length, the token budget and the free pages (no preemption)."""
         n = MULTI_STEP_TOKENS
         sch = self.scheduler
         running = sch.running
