@@ -28,6 +28,32 @@
 
 int tk_has_avx2(void) { return TK_AVX2; }
 
+/* CALL(a, b) over output columns [0, N): on the calling thread when one thread or N < 128 (no OpenMP region
+ * at all), else split in chunks of a multiple of ALIGN columns, one per thread */
+#define TK_OVER_COLUMNS(N, nthreads, ALIGN, CALL)                                                             \
+    do {                                                                                                       \
+        if ((nthreads) <= 1 || (N) < 128) {                                                                    \
+            CALL(0, (N));                                                                                      \
+        } else {                                                                                               \
+            const int64_t chunk_ = (((N) + (nthreads) - 1) / (nthreads) + (ALIGN) - 1) / (ALIGN) * (ALIGN);    \
+            _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                \
+            for (int t_ = 0; t_ < (nthreads); t_++) {                                                          \
+                const int64_t a_ = t_ * chunk_, b_ = a_ + chunk_ < (N) ? a_ + chunk_ : (N);                     \
+                if (a_ < b_) CALL(a_, b_);                                                                     \
+            }                                                                                                  \
+        }                                                                                                      \
+    } while (0)
+
+/* grow a per-thread scratch buffer to `need` bytes (kept between calls: no page faults per call); 0 on success */
+static int grow_scratch(void **buf, size_t *cap, size_t need) {
+    if (need <= *cap) return 0;
+    void *p = realloc(*buf, need);
+    if (!p) return 1;
+    *buf = p;
+    *cap = need;
+    return 0;
+}
+
 /* ---- float32 linear over wt [K, N] (row stride ldw) ------------------------------------------------------ */
 
 /* An external SGEMM (the Fortran-ABI `SGEMM` of the MKL that torch ships, its address given by
@@ -143,16 +169,9 @@ void tk_linear_f32(const float *x, int64_t M, int64_t K, const float *wt, int64_
                 for (int64_t c = 0; c < N; c++) y[r * N + c] += bias[c];
         return;
     }
-    if (nthreads <= 1 || N < 128) {
-        linear_cols(x, M, K, wt, ldw, bias, y, N, 0, N);
-        return;
-    }
-    int64_t chunk = ((N + nthreads - 1) / nthreads + 15) / 16 * 16;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int t = 0; t < nthreads; t++) {
-        int64_t a = t * chunk, b = a + chunk < N ? a + chunk : N;
-        if (a < b) linear_cols(x, M, K, wt, ldw, bias, y, N, a, b);
-    }
+#define F32_COLS(a, b) linear_cols(x, M, K, wt, ldw, bias, y, N, a, b)
+    TK_OVER_COLUMNS(N, nthreads, 16, F32_COLS);
+#undef F32_COLS
 }
 
 /* ---- weight-only int8 linear: q [N, K] row-major, per-row scale -------------------------------------------- */
@@ -259,19 +278,14 @@ static void linear_i8_rows(const float *x, int64_t M, int64_t K, const int8_t *q
 
 /* many rows: the weight widened to float32 once (a per-thread scratch kept between calls: no page faults per
  * call) and the external SGEMM, then the per-row scale: the int8 GEMM's conversions amortised over all rows */
-static __thread float *i8_scratch = 0;
+static __thread void *i8_scratch = 0;
 static __thread size_t i8_scratch_cap = 0;
 
 static int linear_i8_sgemm(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
                            const float *bias, float *y) {
     size_t need = (size_t)N * (size_t)K;
-    if (need > i8_scratch_cap) {
-        float *p = (float *)realloc(i8_scratch, sizeof(float) * need);
-        if (!p) return 1;
-        i8_scratch = p;
-        i8_scratch_cap = need;
-    }
-    float *wf = i8_scratch;
+    if (grow_scratch(&i8_scratch, &i8_scratch_cap, sizeof(float) * need)) return 1;
+    float *wf = (float *)i8_scratch;
     for (size_t i = 0; i < need; i++) wf[i] = (float)q[i];
     /* row-major y[M,N] = x[M,K] wf[N,K]^T: column-major y^T = wf^T' x^T with wf read as [K,N] col-major, 'T' */
     int n = (int)N, m = (int)M, k = (int)K;
@@ -287,16 +301,9 @@ void tk_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const f
     if (tk_sgemm && M >= SGEMM_MIN_ROWS && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)
         && (int64_t)N * K < ((int64_t)1 << 31) && !linear_i8_sgemm(x, M, K, q, scale, N, bias, y))
         return;
-    if (nthreads <= 1 || N < 128) {
-        linear_i8_rows(x, M, K, q, scale, bias, y, N, 0, N);
-        return;
-    }
-    int64_t chunk = ((N + nthreads - 1) / nthreads + 1) / 2 * 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int t = 0; t < nthreads; t++) {
-        int64_t a = t * chunk, b = a + chunk < N ? a + chunk : N;
-        if (a < b) linear_i8_rows(x, M, K, q, scale, bias, y, N, a, b);
-    }
+#define I8_ROWS(a, b) linear_i8_rows(x, M, K, q, scale, bias, y, N, a, b)
+    TK_OVER_COLUMNS(N, nthreads, 2, I8_ROWS);
+#undef I8_ROWS
 }
 
 /* ---- int8 weights x int8 activations (w8a8): q [N, K] with per-row scales, activations quantised per 32 ----
@@ -307,7 +314,7 @@ void tk_linear_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const f
 
 #define Q8 32
 
-static __thread int8_t *q8_scratch = 0;
+static __thread void *q8_scratch = 0;
 static __thread size_t q8_scratch_cap = 0;
 
 static void quant_act_q8(const float *x, int64_t M, int64_t K, int8_t *xq, uint8_t *xa, float *d) {
@@ -436,26 +443,14 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
                    const float *bias, float *y, int nthreads) {
     if (K % Q8) return 2;
     size_t need = 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(K / Q8);
-    if (need > q8_scratch_cap) {
-        int8_t *p = (int8_t *)realloc(q8_scratch, need);
-        if (!p) return 1;
-        q8_scratch = p;
-        q8_scratch_cap = need;
-    }
-    int8_t *xq = q8_scratch;
+    if (grow_scratch(&q8_scratch, &q8_scratch_cap, need)) return 1;
+    int8_t *xq = (int8_t *)q8_scratch;
     uint8_t *xa = (uint8_t *)(xq + M * K);
     float *d = (float *)(xa + M * K); /* 2 M K is a multiple of 64: aligned for float */
     quant_act_q8(x, M, K, xq, xa, d);
-    if (nthreads <= 1 || N < 128) {
-        linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, 0, N);
-        return 0;
-    }
-    int64_t chunk = ((N + nthreads - 1) / nthreads + 3) / 4 * 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int t = 0; t < nthreads; t++) {
-        int64_t a = t * chunk, b = a + chunk < N ? a + chunk : N;
-        if (a < b) linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, a, b);
-    }
+#define W8_ROWS(a, b) linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, a, b)
+    TK_OVER_COLUMNS(N, nthreads, 4, W8_ROWS);
+#undef W8_ROWS
     return 0;
 }
 
@@ -468,7 +463,7 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
  * products add in int16 without saturating); the zero point comes off once per group through the group's
  * activation sum: sum (q - z) x = q.x - z sum x. */
 
-static __thread int8_t *q4_scratch = 0;
+static __thread void *q4_scratch = 0;
 static __thread size_t q4_scratch_cap = 0;
 
 /* xp: the quantised activations, each pair of blocks as [evens of both | odds of both]; d [M, K / 32];
@@ -615,25 +610,13 @@ int tk_linear_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *q, const
     if ((group != 64 && group != 128) || K % group) return 2;
     const int64_t B = K / Q8, G = K / group;
     size_t need = 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(B + G);
-    if (need > q4_scratch_cap) {
-        int8_t *p = (int8_t *)realloc(q4_scratch, need);
-        if (!p) return 1;
-        q4_scratch = p;
-        q4_scratch_cap = need;
-    }
-    int8_t *xp = q4_scratch;
+    if (grow_scratch(&q4_scratch, &q4_scratch_cap, need)) return 1;
+    int8_t *xp = (int8_t *)q4_scratch;
     float *d = (float *)(xp + 2 * M * K), *gsum = d + M * B;
     quant_act_q8_pairs(x, M, K, group, xp, d, gsum);
-    if (nthreads <= 1 || N < 128) {
-        linear_w4_rows(xp, d, gsum, M, K, group, q, scale, zero, bias, y, N, 0, N);
-        return 0;
-    }
-    int64_t chunk = ((N + nthreads - 1) / nthreads + 3) / 4 * 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int t = 0; t < nthreads; t++) {
-        int64_t a = t * chunk, b = a + chunk < N ? a + chunk : N;
-        if (a < b) linear_w4_rows(xp, d, gsum, M, K, group, q, scale, zero, bias, y, N, a, b);
-    }
+#define W4_ROWS(a, b) linear_w4_rows(xp, d, gsum, M, K, group, q, scale, zero, bias, y, N, a, b)
+    TK_OVER_COLUMNS(N, nthreads, 4, W4_ROWS);
+#undef W4_ROWS
     return 0;
 }
 
