@@ -25,7 +25,7 @@ from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Request, Sequence
 from engines.spec.decoder import SpeculativeDecoder
-from engines.spec.drafter import Drafter, plain_params
+from engines.spec.drafter import Drafter, greedy_bans, plain_params
 from engines.spec.verify import verify
 from engines.step_model import BatchCapController, StepTimer, step_clock
 from engines.structured import GrammarCompiler, InvalidConstraint, MaskPrefetch, StructuredOutput
@@ -248,7 +248,8 @@ class ModelEngine:
         """How many greedy tokens every running sequence takes this step in one C call (`_multi_step`), or 0 for
         a normal step. Only where nothing could differ from `n` single steps: the CPU forward can take it, no
         drafts this step (no drafter, or adaptive k picks plain decoding), nobody waiting (a newcomer waits at
-        most `n` tokens' time), every sequence decoding with raw-logit greedy and no logprobs or grammar, `n`
+        most `n` tokens' time), every sequence decoding with raw-logit greedy (min_tokens' ban of EOS and stop
+        ids is applied in the C loop) and no logprobs or grammar, `n`
         tokens within each one's max length, the token budget and the free pages (no preemption)."""
         n = MULTI_STEP_TOKENS
         sch = self.scheduler
@@ -261,7 +262,7 @@ class ModelEngine:
         for seq in running:
             p = seq.request.params
             if (seq.num_tokens - seq.num_computed != 1 or not p.greedy or p.logprobs is not None
-                    or seq.grammar is not None or not plain_params(p, vocab)):
+                    or seq.grammar is not None or not plain_params(p, vocab, min_tokens_ok=True)):
                 return 0
             n = min(n, seq.max_len - seq.num_tokens)
         if n < 2 or sum(sch.pages_needed(seq, n) for seq in running) > self.pool.num_free:
@@ -293,7 +294,8 @@ class ModelEngine:
                 logits, batch = self.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
                 sampled = verify(logits, batch, sched.drafts, {}, self.eos_token_ids, None)
             else:
-                tokens = self.runner.draft_greedy(sched.seqs, [1] * len(sched.seqs), n)
+                tokens = self.runner.draft_greedy(sched.seqs, [1] * len(sched.seqs), n,
+                                                  greedy_bans(sched.seqs, self.eos_token_ids))
                 sampled = [Sampled(seq, toks, num_accepted=n - 1) for seq, toks in zip(sched.seqs, tokens)]
         except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
             log.exception("engine %s: multi-step forward failed", self.name)

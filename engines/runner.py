@@ -8,7 +8,7 @@ The runner's contract, which the drafter's `LeanDraftRunner` keeps too: `execute
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 
 import torch
@@ -193,12 +193,14 @@ class ModelRunner:
                 and max(num_tokens) <= self.kernel_max_query)
 
     @torch.inference_mode()
-    def draft_greedy(self, seqs: Seq[Sequence], num_tokens: Seq[int], k: int) -> list[list[int]]:
+    def draft_greedy(self, seqs: Seq[Sequence], num_tokens: Seq[int], k: int,
+                     bans: Seq[tuple[Iterable[int], int]] | None = None) -> list[list[int]]:
         """k greedy tokens for each sequence, whose first `num_tokens` uncomputed tokens end at its last known
         one (every sequence samples): k forwards, heads and argmaxes in one C call. Writes the K/V of the
         computed tokens and of the first k - 1 drafts; the caller appends the drafts and advances
-        num_computed by sum(num_tokens) + k - 1 per sequence."""
+        num_computed by sum(num_tokens) + k - 1 per sequence. `bans[i]` = (ids, n): sequence i may not pick
+        those ids at its first n tokens (`greedy_bans`)."""
         ids, positions, tables, meta, max_ctx, _, sample_seqs, _ = self._cpu_step_arrays(seqs, num_tokens, None)
         if len(sample_seqs) != len(seqs):
             raise ValueError("draft_greedy: every sequence must reach its last known token")
-        return self.cpu_forward.draft_greedy(ids, positions, tables, meta, max_ctx, k).tolist()
+        return self.cpu_forward.draft_greedy(ids, positions, tables, meta, max_ctx, k, bans).tolist()

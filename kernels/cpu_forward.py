@@ -14,6 +14,8 @@ sliding window, int4 in groups of 32, bfloat16 weights, biases on norms...); tho
 from __future__ import annotations
 
 import ctypes
+import itertools
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -52,7 +54,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.tk_forward_f32.restype = ctypes.c_int
         lib.tk_draft_greedy_f32.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Lin), _I64, _I64, _PTR, _PTR,
                                             _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR,
-                                            ctypes.c_int]
+                                            _PTR, _PTR, _PTR, ctypes.c_int]
         lib.tk_draft_greedy_f32.restype = ctypes.c_int
         _bound = True
     return lib
@@ -155,17 +157,25 @@ class CpuForward:
         return self._head_lin is not None
 
     def draft_greedy(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
-                     max_ctx: int, k: int) -> torch.Tensor:
+                     max_ctx: int, k: int, bans: Seq[tuple[Iterable[int], int]] | None = None) -> torch.Tensor:
         """k greedy tokens per sequence [S, k]: `forward` of this step's rows (as there; `seqs` is overwritten),
         the head and argmax of each sequence's last row, and that token fed back, k times in one C call. The
-        K/V of every pass but the last token's is written to the pages."""
+        K/V of every pass but the last token's is written to the pages. `bans[s]` = (ids, passes): sequence s
+        may not pick those ids at its first `passes` tokens (min_tokens' EOS and stop ids)."""
         n = seqs.shape[1]
         out = torch.empty((n, k), dtype=torch.long)
         p = seqs.data_ptr()
+        ban = (0, 0, 0)  # NULL: no bans
+        if bans is not None and any(until > 0 and ids_ for ids_, until in bans):
+            flat = [[int(i) for i in ids_] for ids_, _ in bans]
+            keep = (torch.tensor([i for f in flat for i in f] or [0], dtype=torch.long),
+                    torch.tensor([0, *itertools.accumulate(len(f) for f in flat)], dtype=torch.long),
+                    torch.tensor([until for _, until in bans], dtype=torch.long))
+            ban = tuple(t.data_ptr() for t in keep)
         rc = self.lib.tk_draft_greedy_f32(self._mref, self._head_ref, self.vocab, ids.shape[0],
                                           ids.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                           p, p + 8 * n, p + 16 * n, p + 24 * n, n, max_ctx, k, out.data_ptr(),
-                                          torch.get_num_threads())
+                                          *ban, torch.get_num_threads())
         if rc:
             raise MemoryError("cpu draft: scratch allocation failed")
         return out

@@ -1038,12 +1038,14 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
 /* k greedy draft tokens per sequence in one call: tk_forward_f32 over the step's rows (the first pass may
  * catch up on several tokens per sequence), the head (a projection [H -> V] like the layers') over each
  * sequence's last row, argmax (the first maximum, as torch's), and the argmax fed back as the next pass's one token per
- * sequence, k times. qstart/qlen/ctx are scratch (overwritten). Writes out[s * k + t]; returns 0, or 1 on a
- * failed allocation. */
+ * sequence, k times. qstart/qlen/ctx are scratch (overwritten). Bans (min_tokens: EOS and stop ids), when
+ * ban_off is not NULL: sequence s may not pick ban_ids[ban_off[s] .. ban_off[s + 1]) at its passes t <
+ * ban_until[s]. Writes out[s * k + t]; returns 0, or 1 on a failed allocation. */
 int tk_draft_greedy_f32(const tk_model *m, const tk_lin *head, int64_t V, int64_t T,
                         const int64_t *ids, const int64_t *pos, const int64_t *block_tables, int64_t max_blocks,
                         int64_t *qstart, int64_t *qlen, int64_t *ctx, const int64_t *rows, int64_t S,
-                        int64_t max_ctx, int64_t k, int64_t *out, int nthreads) {
+                        int64_t max_ctx, int64_t k, int64_t *out, const int64_t *ban_ids, const int64_t *ban_off,
+                        const int64_t *ban_until, int nthreads) {
     const int64_t H = m->H;
     int64_t rows_max = T > S ? T : S;
     float *hid = (float *)malloc(sizeof(float) * (size_t)(rows_max * H));
@@ -1062,7 +1064,10 @@ int tk_draft_greedy_f32(const tk_model *m, const tk_lin *head, int64_t V, int64_
                 memcpy(sel + s * H, hid + (qstart[s] + qlen[s] - 1) * H, sizeof(float) * (size_t)H);
             if ((rc = lin_apply(head, sel, S, H, V, logits, nthreads))) break;
             for (int64_t s = 0; s < S; s++) {
-                const float *l = logits + s * V;
+                float *l = logits + s * V;
+                if (ban_off && t < ban_until[s])
+                    for (int64_t b = ban_off[s]; b < ban_off[s + 1]; b++)
+                        if (ban_ids[b] >= 0 && ban_ids[b] < V) l[ban_ids[b]] = -INFINITY;
                 int64_t best = 0;
                 for (int64_t v = 1; v < V; v++)
                     if (l[v] > l[best]) best = v;

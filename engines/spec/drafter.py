@@ -4,10 +4,13 @@ serve as draft KV; `rollback` keeps what verification accepted."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+from collections.abc import Set
+
 import torch
 
 from engines.kv_pool import KVPool
-from engines.sampler import draw, processed_logits, sampler_row, seeded_uniform
+from engines.sampler import draw, min_tokens_ban, processed_logits, sampler_row, seeded_uniform
 from engines.sampling_params import SamplingParams
 from engines.scheduler import commit_full_blocks, extra_keys
 from engines.sequence import Sequence
@@ -16,11 +19,20 @@ from engines.spec.lean_runner import LeanDraftRunner
 from engines.spec.state import DraftState
 
 
-def plain_params(p: SamplingParams, vocab: int) -> bool:
-    """Sampling by temperature alone: the draft distribution is softmax(logits / T) (or the argmax)."""
+def plain_params(p: SamplingParams, vocab: int, min_tokens_ok: bool = False) -> bool:
+    """Sampling by temperature alone: the draft distribution is softmax(logits / T) (or the argmax).
+    `min_tokens_ok`: min_tokens allowed too (a ban of EOS and stop ids, which the C greedy loop applies)."""
     return (p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-            and not p.min_tokens and not 0 < p.top_k < vocab and p.top_p >= 1.0 and p.min_p <= 0.0
-            and not p.logit_bias and p.structured is None)
+            and (min_tokens_ok or not p.min_tokens) and not 0 < p.top_k < vocab and p.top_p >= 1.0
+            and p.min_p <= 0.0 and not p.logit_bias and p.structured is None)
+
+
+def greedy_bans(seqs: Seq[Sequence], eos_token_ids: Set[int]) -> list[tuple[set[int], int]] | None:
+    """For the C greedy loop (`draft_greedy`): per sequence, the ids min_tokens bans and for how many of its
+    next tokens (its output so far counts); None when no sequence has a ban left."""
+    bans = [(min_tokens_ban(s.request.params, eos_token_ids), s.request.params.min_tokens - s.num_output_tokens)
+            for s in seqs]
+    return bans if any(ids and n > 0 for ids, n in bans) else None
 
 
 class Drafter:
@@ -81,25 +93,26 @@ class Drafter:
         ds.shadow_len = min(ds.shadow_len, ds.num_computed)
         commit_full_blocks(self.pool, self.model_id, ds, ds.num_computed // self.block_size, extra_keys(seq))
 
-    def _greedy_in_one_call(self, seqs: list[Sequence], states: list[DraftState], ks: list[int],
-                            stop_ids: list[set[int]]) -> list[int]:
+    def _greedy_in_one_call(self, seqs: list[Sequence], states: list[DraftState], ks: list[int]) -> list[int]:
         """The sequences (indices) whose whole draft runs in one C call: greedy on the raw logits (no
-        penalties, bans or constraints), the batch's largest k, the runner's C forward able to take them; no
-        Python runs between their draft tokens. The others take the loop."""
+        penalties or constraints; min_tokens' ban the C loop applies), the batch's largest k, the runner's C
+        forward able to take them; no Python runs between their draft tokens. The others take the loop."""
         can = getattr(self.runner, "can_draft_greedy", None)
         if self.lean is not None or can is None:
             return []
         vocab, k = self.model.config.vocab_size, max(ks)
-        picked = [i for i, s in enumerate(seqs) if ks[i] == k and not stop_ids[i] and s.request.params.greedy
-                  and plain_params(s.request.params, vocab)]
+        picked = [i for i, s in enumerate(seqs) if ks[i] == k and s.request.params.greedy
+                  and plain_params(s.request.params, vocab, min_tokens_ok=True)]
         if picked and can([states[i].num_tokens - states[i].num_computed for i in picked]):
             return picked
         return []
 
-    def _draft_greedy(self, states: list[DraftState], k: int, cost: CostModel) -> list[list[int]]:
+    def _draft_greedy(self, seqs: list[Sequence], states: list[DraftState], k: int, cost: CostModel,
+                      stop_ids: list[set[int]]) -> list[list[int]]:
         t0 = cost.clock()
         num_new = [s.num_tokens - s.num_computed for s in states]
-        drafts = self.runner.draft_greedy(states, num_new, k)
+        bans = [(ids, seq.request.params.min_tokens - seq.num_output_tokens) for seq, ids in zip(seqs, stop_ids)]
+        drafts = self.runner.draft_greedy(states, num_new, k, bans if any(ids for ids in stop_ids) else None)
         for s, n, d in zip(states, num_new, drafts):
             s.num_computed += n + k - 1
             s.token_ids.extend(d)
@@ -120,9 +133,10 @@ class Drafter:
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
-        one_call = self._greedy_in_one_call(seqs, states, ks, stop_ids)
+        one_call = self._greedy_in_one_call(seqs, states, ks)
         if one_call:
-            for i, d in zip(one_call, self._draft_greedy([states[i] for i in one_call], ks[one_call[0]], cost)):
+            for i, d in zip(one_call, self._draft_greedy([seqs[i] for i in one_call], [states[i] for i in one_call],
+                                                         ks[one_call[0]], cost, [stop_ids[i] for i in one_call])):
                 drafts[i] = d
             chosen = set(one_call)
             active = [i for i in active if i not in chosen]

@@ -168,14 +168,19 @@ def test_speculative_engine_matches_with_and_without(checkpoints):
     draft_runner = llm.core.engines["default-draft"].runner
     assert llm.engine.runner.cpu_forward is not None and draft_runner.cpu_forward is not None
     prompts = ["def add(a, b):\n    return", "import os\n\ndef main():\n", "class Stack:\n    def push(self, x):"]
+    plain = llm.generate(prompts[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    banned = plain[0].outputs[0].token_ids[5]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0.8, seed=11, max_tokens=40, ignore_eos=True, logprobs=1),
-              SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, logprobs=1)]
+              # min_tokens bans a stop id its greedy path takes: the one-call drafts ban it too
+              SamplingParams(temperature=0, max_tokens=25, min_tokens=20, stop_token_ids=[banned], logprobs=1)]
     calls = []
     one_call = draft_runner.draft_greedy
-    draft_runner.draft_greedy = lambda *a: calls.append(1) or one_call(*a)
+    draft_runner.draft_greedy = lambda *a: calls.append(a[3]) or one_call(*a)
     fast = llm.generate(prompts, params)
     assert calls  # the greedy requests' drafts ran in one C call each (tk_draft_greedy_f32)
+    assert any(bans is not None and any(banned in ids for ids, _ in bans) for bans in calls)
+    assert banned not in fast[2].outputs[0].token_ids[:20]
     del draft_runner.draft_greedy
     saved = (llm.engine.runner.cpu_forward, draft_runner.cpu_forward)
     llm.engine.runner.cpu_forward = draft_runner.cpu_forward = None
@@ -207,14 +212,24 @@ def test_multi_step_greedy_equals_single_steps(monkeypatch, quant):
 
     llm = _engine(ROOT / "models" / "tandem-tiny-l", quantization=quant)
     prompts = ["def add(a, b):\n    return", "import os\n\n", "class Stack:\n", "for i in range(10):\n",
-               "x = [", "# a comment\n"]
-    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+               "x = [", "# a comment\n", "# a comment\n"]
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2))
+    # the ban's test token: the greedy path's clearest choice (the widest top-2 gap) among its tokens 2-6 that
+    # it has not taken before, so that banning it must change the output in every path
+    ref = plain[6].outputs[0]
+    tops = [sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in ref.logprobs]
+    gaps = {j: tops[j][0] - tops[j][1] for j in range(1, 6) if ref.token_ids[j] not in ref.token_ids[:j]}
+    first = max(gaps, key=gaps.get)
+    banned = ref.token_ids[first]
+    assert gaps[first] > 1.0
     params = [SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[plain[1].outputs[0].token_ids[9]]),
               SamplingParams(temperature=0, max_tokens=40, stop=[plain[2].outputs[0].text[12:16]]),
               SamplingParams(temperature=0, max_tokens=5),
               SamplingParams(temperature=0, max_tokens=23, n=2),
-              SamplingParams(temperature=0, max_tokens=40)]
+              SamplingParams(temperature=0, max_tokens=33, min_tokens=33, ignore_eos=True),  # as the load tester
+              # min_tokens bans a stop id the greedy path takes in its first 6 tokens: the C loop must ban it too
+              SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[banned], min_tokens=14)]
     runner = llm.engine.runner
     calls = []
     one_call = runner.draft_greedy
@@ -229,7 +244,28 @@ def test_multi_step_greedy_equals_single_steps(monkeypatch, quant):
         assert [(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in a.outputs] == [
             (c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in b.outputs]
     assert multi[1].outputs[0].finish_reason == "stop" and len(multi[1].outputs[0].token_ids) <= 10
+    banned_run = multi[6].outputs[0].token_ids
+    assert banned not in banned_run[:14] and len(banned_run) >= 14
+    assert banned_run[:first] == ref.token_ids[:first]  # up to there the ban changes nothing
     assert llm.core.pool.stats()["used_pages"] == 0
+
+
+def test_multi_step_takes_min_tokens_requests(monkeypatch):
+    """A batch of load-tester requests (min_tokens = max_tokens, ignore_eos) decodes by multi-step steps: the
+    only option they add over plain greedy is min_tokens' ban, which the C loop applies."""
+    from engines import SamplingParams
+
+    llm = _engine(ROOT / "models" / "tandem-tiny-l")
+    runner = llm.engine.runner
+    calls = []
+    one_call = runner.draft_greedy
+    monkeypatch.setattr(runner, "draft_greedy", lambda *a: calls.append((a[2], a[3])) or one_call(*a))
+    out = llm.generate(["def f(x):\n", "import sys\n"],
+                       [SamplingParams(temperature=0, max_tokens=m, min_tokens=m, ignore_eos=True) for m in (30, 21)])
+    assert [len(o.outputs[0].token_ids) for o in out] == [30, 21]
+    assert len(calls) >= 5 and all(n == 4 for n, _ in calls[:4])
+    eos = llm.engine.eos_token_ids
+    assert all(bans is not None and all(eos <= ids and left > 0 for ids, left in bans) for _, bans in calls)
 
 
 def test_speculative_engine_takes_multi_step_when_adaptive_k_picks_plain(monkeypatch):
