@@ -88,6 +88,10 @@ class AdaptiveK:
         self._hold_draft = (0, 0)  # steps left of an exploration of drafting, and its k (small batches)
         self._prev_k: int | None = None  # k of the previous observed step
         self.fixed: int | None = None  # pin k (tests, benchmarks); None: adaptive
+        # of the latest choice at a measured batch size: a plain step's seconds, and the seconds per token
+        # that drafting with the chosen k saves each sequence (0: none or unknown); `catch_up_pays` reads them
+        self.plain_step_s = 0.0
+        self.saving_s = 0.0
 
     @property
     def acceptance(self) -> float | None:
@@ -133,8 +137,31 @@ class AdaptiveK:
     def expected_tokens(a: float, k: int) -> float:
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
+    def catch_up_s(self, num_tokens: int) -> float | None:
+        """Seconds the drafter takes to compute `num_tokens` it has not seen (a prompt, tokens decoded without
+        it): the target's measured cost of a pass that size, scaled by the draft / target cost of one token."""
+        t1, d1 = self.target.estimate(1), self.draft.estimate(1)
+        if t1 is None or d1 is None or t1 <= 0:
+            return None
+        return self.target.estimate(num_tokens) * d1 / t1
+
+    def catch_up_pays(self, lag: int, remaining: int) -> bool:
+        """Whether a sequence whose drafter is `lag` tokens behind should draft now: the catch-up (which every
+        sequence of the step waits for) must be paid back by what drafting saves over its `remaining` tokens,
+        and a measuring choice (an exploration) may stall the step by at most one plain step. A drafter at
+        most two tokens behind (the last draft and the bonus token) always may."""
+        if lag <= 2 or self.fixed is not None:
+            return True
+        cost = self.catch_up_s(lag)
+        if cost is None:  # nothing measured yet: the first drafts measure it
+            return True
+        if self.exploring:
+            return cost <= self.plain_step_s
+        return cost <= remaining * self.saving_s
+
     def choose(self, batch: int) -> int:
         self.exploring = False
+        self.saving_s = 0.0
         if self._hold_plain > 0:  # the rest of a plain-decoding exploration
             self._hold_plain -= 1
             self.k = 0
@@ -155,12 +182,13 @@ class AdaptiveK:
         if bucket not in self.target.points:
             self.k = 0  # measure a plain step at this batch size first
             return 0
+        self.plain_step_s = self.step_seconds(batch, 0)
         d = self.draft.estimate(batch)
         if a is None or d is None:
             self.k = min(2, self.k_max)  # nothing drafted yet: draft a little to learn
             self.exploring = True
             return self.k
-        plain_rate = batch / self.step_seconds(batch, 0)
+        plain_rate = batch / self.plain_step_s
         best, best_rate = 0, plain_rate
         best_draft, best_draft_rate = 1, 0.0  # the best k > 0, what an exploration of drafting tries
         perfect_rate = 0.0  # the best k > 0 if every draft were accepted
@@ -206,6 +234,8 @@ class AdaptiveK:
                 best = 1  # a few sequences draft k = 1: it measures acceptance, not the cost of a whole step
             else:  # drafting would lose even if every draft were accepted: measuring acceptance cannot change
                 self.exploring = False  # the choice, and the few sequences' catch-ups cost
+        if best > 0:  # per token of each sequence: a plain step's time less a drafting step's per token it yields
+            self.saving_s = max(0.0, self.plain_step_s - batch / best_rate) if best_rate > 0 else 0.0
         self.k = best
         return best
 

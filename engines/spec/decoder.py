@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.speculative")
 
 SUPPLIED_CHUNK = 16  # supplied drafts are verified this many per target pass
+# the most tokens a sequence is expected to still decode when a catch-up is weighed against what drafting saves
+# (max_tokens, where the caller gave none, is the context's rest: no forecast of the output length)
+REMAINING_CAP = 256
 
 
 @dataclass
@@ -73,8 +76,9 @@ class SpeculativeDecoder:
         is plain decoding, which that does faster. Call only without supplied drafts."""
         seqs = self._draftable(running, {}) if self.drafter is not None else []
         k = self.adaptive.choose(len(seqs)) if seqs else 0
-        self._plan = (seqs, k)
-        return k
+        picked = self._select(seqs, k) if k else []
+        self._plan = (picked, k)
+        return k if picked else 0
 
     def skip_step(self) -> None:
         """This step took `plan`'s k = 0 without `propose` (a multi-step greedy step)."""
@@ -98,22 +102,18 @@ class SpeculativeDecoder:
         if self.drafter is None:
             return drafts
         if planned is not None and not drafts:
-            seqs, k = planned
+            picked, k = planned
         else:
             seqs = self._draftable(running, drafts)
             if not seqs:
                 return drafts
             k = self.adaptive.choose(len(seqs))
-        if not seqs:
+            picked = self._select(seqs, k)
+        if not picked:
             return drafts
-        # exploring is a measurement, not a bet: a few sequences draft (their draft KV may lag far behind)
-        num_k = EXPLORE_SEQS if self.adaptive.exploring else len(seqs)
         chosen, states, ks = [], [], []
         spare = len(running) + 1
-        for i, s in enumerate(seqs):
-            k_s = min(k if i < num_k else 0, s.max_len - s.num_tokens)
-            if k_s <= 0:
-                continue
+        for s, k_s in picked:
             ds = self.drafter.reserve(s, k_s, spare)
             if ds is None:
                 continue
@@ -138,6 +138,24 @@ class SpeculativeDecoder:
             if q is not None:
                 self.draft_probs[s.seq_id] = q
         return drafts
+
+    def _select(self, seqs: list[Sequence], k: int) -> list[tuple[Sequence, int]]:
+        """(sequence, its k) for those that draft this step at adaptive k's choice `k`. Exploring is a
+        measurement, not a bet: a few sequences draft, those whose drafter is least behind. A drafter far
+        behind (a new prompt, tokens decoded without it) drafts only where its catch-up pays."""
+        ad = self.adaptive
+        if k <= 0:
+            return []
+        lags = {s.seq_id: self.drafter.lag(s) for s in seqs}
+        if ad.exploring:
+            seqs = sorted(seqs, key=lambda s: lags[s.seq_id])[:EXPLORE_SEQS]
+        picked = []
+        for s in seqs:
+            left = s.max_len - s.num_tokens
+            k_s = min(k, left)
+            if k_s > 0 and ad.catch_up_pays(lags[s.seq_id], min(left, REMAINING_CAP)):
+                picked.append((s, k_s))
+        return picked
 
     def _drop_unverified(self) -> None:
         """Drafts of the previous step that were not verified (trimmed by the budget, preempted, finished) go

@@ -71,6 +71,12 @@ class Drafter:
             ds.token_ids.extend(seq.token_ids[len(ds.token_ids):])
         return ds
 
+    def lag(self, seq: Sequence) -> int:
+        """Tokens the drafter computes before its first draft for `seq` (without a state: the whole sequence,
+        a prefix-cache hit not counted)."""
+        ds = seq.draft_state
+        return seq.num_tokens - (ds.num_computed if ds is not None else 0)
+
     def reserve(self, seq: Sequence, k: int, spare_pages: int) -> DraftState | None:
         """The state with pages for k drafts (positions up to num_tokens + k - 2), or None if the pool
         cannot spare them without starving the engines (`spare_pages` stay free)."""

@@ -522,6 +522,55 @@ def test_a_drafting_step_that_catches_up_on_a_prompt_is_not_measured(pair):
     assert sp.adaptive.step_cost[2].points  # the steady steps after it were measured
 
 
+def test_a_drafter_far_behind_drafts_only_where_its_catch_up_pays():
+    ak = AdaptiveK(4, explore_every=10_000)
+    feed(ak, 1, plain=0.010, per_token=0.0002, draft=0.0025, a=0.8)
+    ak.target.observe(256, 0.100)  # a 256-token prefill pass of the target: 100 ms
+    assert ak.catch_up_s(256) == pytest.approx(0.100 * 0.0025 / 0.010)  # the draft model's share: 25 ms
+    assert ak.choose(1) > 0 and 0 < ak.saving_s < ak.plain_step_s
+    # drafting saves saving_s per token: a 256-token catch-up pays back over 25 ms / saving_s tokens
+    breakeven = ak.catch_up_s(256) / ak.saving_s
+    assert ak.catch_up_pays(256, int(breakeven) + 1) and not ak.catch_up_pays(256, int(breakeven) - 1)
+    assert ak.catch_up_pays(2, 0)  # the last draft and the bonus token: no catch-up to speak of
+    ak.exploring = True  # a measuring choice stalls the step by at most one plain step, whatever it saves
+    assert not ak.catch_up_pays(256, 10_000) and ak.catch_up_pays(8, 0)
+    ak.fixed, ak.exploring = 4, False  # k pinned: every sequence drafts
+    assert ak.catch_up_pays(256, 0)
+    plain = AdaptiveK(4)
+    feed(plain, 32, plain=0.010, per_token=0.0001, draft=0.002, a=0.5)
+    assert plain.choose(32) == 0 and plain.saving_s == 0 and not plain.catch_up_pays(64, 10_000)
+
+
+def test_short_requests_on_long_prompts_decode_without_their_drafter(pair, monkeypatch):
+    """Adaptive k picks drafting, but a new sequence whose remaining tokens cannot pay back its drafter's
+    catch-up on the prompt decodes plainly (and, without drafts, as a multi-step step where it can); one with
+    many tokens to go drafts. Outputs equal plain decoding either way."""
+    spec = spec_llm(pair, k=3, fixed=False)
+    eng, sp = spec.engine, spec.engine.speculator
+    ad = sp.adaptive
+
+    def choose(batch: int) -> int:  # drafting pays: each token 5 ms sooner; a catch-up costs 100 ms
+        ad.exploring, ad.saving_s, ad.plain_step_s = False, 0.005, 0.010
+        return 3
+
+    monkeypatch.setattr(ad, "choose", choose)
+    monkeypatch.setattr(ad, "catch_up_s", lambda num_tokens: 0.100 if num_tokens > 2 else 0.0)
+    prompt = random_prompts(1, 200, 200, seed=5)[0]
+    short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    long_ = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    eng.add_request(prompt, short, "short")
+    eng.step()  # prefill
+    assert sp.plan(eng.scheduler.running) == 0 and sp._plan[0] == []  # k > 0, but no sequence would draft
+    sp.skip_step()
+    drain(eng)
+    assert sp.num_drafts == 0
+    ref = LLM(pair[1], block_size=BLOCK)
+    assert (spec.generate([prompt], long_)[0].outputs[0].token_ids
+            == ref.generate([prompt], long_)[0].outputs[0].token_ids)
+    assert sp.num_drafts > 0  # 199 tokens to go x 5 ms pay for the catch-up
+    assert spec.core.pool.stats()["used_pages"] == 0
+
+
 def test_adaptive_k_explores_plain_decoding_as_a_short_run():
     ak = AdaptiveK(4, explore_every=8)
     feed(ak, 1, plain=0.010, per_token=0.0002, draft=0.0005, a=0.95)
