@@ -43,22 +43,26 @@ def _pool_bytes(pool: PoolSpec, engines_: list[tuple[EngineSpec, LoadedModel]], 
     return min(1 << 30, -(-tokens // pool.block_size) * page_bytes)
 
 
-def cpu_threads(requested: int = 0) -> int:
+def cpu_threads(requested: int = 0, reserve: int = 0) -> int:
     """The torch intra-op threads for `requested` (EngineOptions.threads): itself when > 0, else
-    $TANDEM_THREADS, else torch's current setting; never more than the CPUs this process may run on (more
-    threads than cores only adds contention)."""
-    if requested <= 0:
-        env = os.environ.get("TANDEM_THREADS", "")
-        requested = int(env) if env.isdigit() and int(env) > 0 else torch.get_num_threads()
+    $TANDEM_THREADS, else torch's current setting less `reserve` CPUs left to the process's other threads
+    (the gateway's event loop: `tandem serve` leaves it one); never more than the CPUs this process may run
+    on (more threads than cores only adds contention), never fewer than 1."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
+    if requested <= 0:
+        env = os.environ.get("TANDEM_THREADS", "")
+        if env.isdigit() and int(env) > 0:
+            requested = int(env)
+        else:
+            requested = min(torch.get_num_threads(), cpus - reserve)
     return max(1, min(requested, cpus))
 
 
-def apply_cpu_threads(requested: int = 0) -> int:
-    n = cpu_threads(requested)
+def apply_cpu_threads(requested: int = 0, reserve: int = 0) -> int:
+    n = cpu_threads(requested, reserve)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -68,7 +72,8 @@ class EngineCore:
     """Loads every model, carves ONE KV pool shared by all of them, and steps every engine with work in one
     background thread (`start()` / `shutdown()`). Idle, the thread sleeps on a condition variable."""
 
-    def __init__(self, specs: list[EngineSpec], pool: PoolSpec | None = None, device: str | torch.device = "cpu"):
+    def __init__(self, specs: list[EngineSpec], pool: PoolSpec | None = None, device: str | torch.device = "cpu",
+                 reserve_cpus: int = 0):
         if not specs:
             raise ValueError("EngineCore needs at least one EngineSpec")
         pool = pool or PoolSpec()
@@ -77,7 +82,8 @@ class EngineCore:
         if self.device.type != "cpu" and any(s.quantization == "w8a8" for s in specs):
             raise ValueError("quantization 'w8a8' runs on the CPU only; use 'int8' on CUDA")
         if self.device.type == "cpu":
-            self.threads = apply_cpu_threads(max(s.threads for s in specs))
+            # reserve_cpus: CPUs the automatic thread count leaves to the caller's other threads (`cpu_threads`)
+            self.threads = apply_cpu_threads(max(s.threads for s in specs), reserve_cpus)
         loaded = [(s, load_model(s, self.device)) for s in specs]
         geoms = []
         for _, lm in loaded:

@@ -55,12 +55,17 @@ from gateway.vllm_routes import SCHEMAS as VLLM_SCHEMAS
 log = logging.getLogger("tandem.gateway")
 
 
+SERVER_RESERVED_CPUS = 1
+
+
 def default_host_factory(cfg: TandemConfig) -> Callable[[], EngineHost]:
     def build() -> EngineHost:
         from engines import EngineCore
 
         specs, pool, device = engine_core_args(cfg)
-        return EngineCore(specs, pool, device=device)
+        # on the CPU, automatic threads leave one core to the event loop (HTTP, tokenising, streaming): with
+        # every core in the engine's kernels, the loop waits for them and TTFT/TPOT grow (docs/configuration.md)
+        return EngineCore(specs, pool, device=device, reserve_cpus=SERVER_RESERVED_CPUS)
     return build
 
 

@@ -228,8 +228,15 @@ def test_threads_knob(monkeypatch):
     assert cpu_threads(10_000) == cpus  # capped at the CPUs this process may use
     monkeypatch.setenv("TANDEM_THREADS", "1")
     assert cpu_threads(0) == 1
+    assert cpu_threads(0, reserve=1) == 1  # an explicit count is kept whatever the reserve
     monkeypatch.delenv("TANDEM_THREADS")
     assert cpu_threads(0) == min(torch.get_num_threads(), cpus)
+    # the server's automatic count leaves one CPU to the event loop, and never goes below one thread
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert (cpu_threads(0), cpu_threads(0, reserve=1), cpu_threads(3, reserve=1)) == (8, 7, 3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert cpu_threads(0, reserve=1) == 1
 
 
 @needs_kernels
