@@ -20,7 +20,7 @@ from engines.kv_pool import KVPool
 from engines.output_processor import OutputProcessor
 from engines.outputs import RequestMetrics, RequestOutput
 from engines.runner import ModelRunner
-from engines.sampler import Sampled, sample_sequences
+from engines.sampler import Sampled, min_tokens_ban, sample_sequences
 from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Request, Sequence
@@ -294,8 +294,9 @@ class ModelEngine:
                 logits, batch = self.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
                 sampled = verify(logits, batch, sched.drafts, {}, self.eos_token_ids, None)
             else:
-                tokens = self.runner.draft_greedy(sched.seqs, [1] * len(sched.seqs), n,
-                                                  greedy_bans(sched.seqs, self.eos_token_ids))
+                bans = greedy_bans(sched.seqs, [min_tokens_ban(s.request.params, self.eos_token_ids)
+                                                for s in sched.seqs])
+                tokens = self.runner.draft_greedy(sched.seqs, [1] * len(sched.seqs), n, bans)
                 sampled = [Sampled(seq, toks, num_accepted=n - 1) for seq, toks in zip(sched.seqs, tokens)]
         except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
             log.exception("engine %s: multi-step forward failed", self.name)

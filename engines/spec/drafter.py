@@ -10,7 +10,7 @@ from collections.abc import Set
 import torch
 
 from engines.kv_pool import KVPool
-from engines.sampler import draw, min_tokens_ban, processed_logits, sampler_row, seeded_uniform
+from engines.sampler import draw, processed_logits, sampler_row, seeded_uniform
 from engines.sampling_params import SamplingParams
 from engines.scheduler import commit_full_blocks, extra_keys
 from engines.sequence import Sequence
@@ -27,11 +27,11 @@ def plain_params(p: SamplingParams, vocab: int, min_tokens_ok: bool = False) -> 
             and p.min_p <= 0.0 and not p.logit_bias and p.structured is None)
 
 
-def greedy_bans(seqs: Seq[Sequence], eos_token_ids: Set[int]) -> list[tuple[set[int], int]] | None:
-    """For the C greedy loop (`draft_greedy`): per sequence, the ids min_tokens bans and for how many of its
-    next tokens (its output so far counts); None when no sequence has a ban left."""
-    bans = [(min_tokens_ban(s.request.params, eos_token_ids), s.request.params.min_tokens - s.num_output_tokens)
-            for s in seqs]
+def greedy_bans(seqs: Seq[Sequence], ban_ids: Seq[Set[int]]) -> list[tuple[Set[int], int]] | None:
+    """For the C greedy loop (`draft_greedy`): per sequence, the ids min_tokens bans (`ban_ids`, as
+    `min_tokens_ban` gives them) and for how many of its next tokens (its output so far counts); None when
+    no sequence has a ban left."""
+    bans = [(ids, s.request.params.min_tokens - s.num_output_tokens) for s, ids in zip(seqs, ban_ids)]
     return bans if any(ids and n > 0 for ids, n in bans) else None
 
 
@@ -117,8 +117,7 @@ class Drafter:
                       stop_ids: list[set[int]]) -> list[list[int]]:
         t0 = cost.clock()
         num_new = [s.num_tokens - s.num_computed for s in states]
-        bans = [(ids, seq.request.params.min_tokens - seq.num_output_tokens) for seq, ids in zip(seqs, stop_ids)]
-        drafts = self.runner.draft_greedy(states, num_new, k, bans if any(ids for ids in stop_ids) else None)
+        drafts = self.runner.draft_greedy(states, num_new, k, greedy_bans(seqs, stop_ids))
         for s, n, d in zip(states, num_new, drafts):
             s.num_computed += n + k - 1
             s.token_ids.extend(d)
