@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engines import LLM, SamplingParams  # noqa: E402
+from traces.metrics import percentiles  # noqa: E402
 from training.corpus import load_corpus_split  # noqa: E402
 
 LARGE, SMALL = ROOT / "models" / "tandem-tiny-l", ROOT / "models" / "tandem-tiny-s"
@@ -87,11 +88,6 @@ def replay(llm: LLM, reqs: list[tuple[float, list[int], int]], tag: str) -> tupl
     return tpot, busy, spec.num_drafts - drafts0
 
 
-def pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0])
@@ -123,10 +119,10 @@ def main() -> None:
                                                                                   else order[::-1])}
             (a, busy_a, drafted), (b, busy_b, _) = runs["spec"], runs["plain"]
             ratio = statistics.median(a[i] / b[i] for i in a if i in b)
+            pa, pb = percentiles(a.values()), percentiles(b.values())  # the load tester's percentiles, in ms
             row = {"rate": rate, "repeat": r, "requests": len(a),
-                   "tpot_p50_ms": [round(pct(list(a.values()), 0.5) * 1e3, 2), round(pct(list(b.values()), 0.5) * 1e3, 2)],
-                   "tpot_p99_ms": [round(pct(list(a.values()), 0.99) * 1e3, 2),
-                                   round(pct(list(b.values()), 0.99) * 1e3, 2)],
+                   "tpot_p50_ms": [round(pa["p50"], 2), round(pb["p50"], 2)],
+                   "tpot_p99_ms": [round(pa["p99"], 2), round(pb["p99"], 2)],
                    "paired_tpot_ratio": round(ratio, 3), "drafting_steps": drafted,
                    "busy_s": [round(busy_a, 2), round(busy_b, 2)]}
             rows.append(row)
