@@ -7,6 +7,9 @@ import time
 from collections.abc import Callable
 
 EXPLORE_SEQS = 4  # sequences that draft in a step that only measures acceptance and cost
+# a sequence's own acceptance is the engine's, updated by its own windows as if the engine's were this many
+# windows of its own (a new sequence has the engine's; a few windows of its own move it)
+PRIOR_WINDOWS = 4.0
 
 
 class CostModel:
@@ -54,7 +57,12 @@ class AdaptiveK:
     drafting would lose even with every draft accepted. While the same side keeps winning, the interval
     doubles up to `explore_max` (each exploration costs a catch-up or a switch); a change of side resets it. Outside
     explorations a batch size leaves plain decoding only for a predicted `hysteresis` gain (the drafters
-    catch up)."""
+    catch up).
+
+    Judged by the tail as well as the mean: given each sequence's own acceptance (`seq_acceptance`), a k > 0
+    is a candidate only if the sequence that gains least from it (the lowest acceptance) still gets its
+    tokens at least as fast as plain decoding would give them, E(a_min, k) / S(B, k) >= 1 / S(B, 0), so no
+    sequence's time per token is raised for the others' gain; the rate it maximises is the batch's mean."""
 
     def __init__(self, k_max: int, explore_every: int = 32, decay: float = 0.95,
                  clock: Callable[[], float] = time.perf_counter, explore_max: int = 512,
@@ -137,6 +145,14 @@ class AdaptiveK:
     def expected_tokens(a: float, k: int) -> float:
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
+    def seq_acceptance(self, accepted: int, rejected: int) -> float | None:
+        """A sequence's acceptance from its own windows' counts (`Sequence.draft_accepted`, `draft_rejected`),
+        shrunk toward the engine's by PRIOR_WINDOWS pseudo-windows; None before anything was measured."""
+        a = self.acceptance
+        if a is None:
+            return None
+        return (accepted + PRIOR_WINDOWS * a) / (accepted + rejected + PRIOR_WINDOWS)
+
     def catch_up_s(self, num_tokens: int) -> float | None:
         """Seconds the drafter takes to compute `num_tokens` it has not seen (a prompt, tokens decoded without
         it): the target's measured cost of a pass that size, scaled by the draft / target cost of one token."""
@@ -145,21 +161,26 @@ class AdaptiveK:
             return None
         return self.target.estimate(num_tokens) * d1 / t1
 
-    def catch_up_pays(self, lag: int, remaining: int) -> bool:
-        """Whether a sequence whose drafter is `lag` tokens behind should draft now: the catch-up (which every
-        sequence of the step waits for) must be paid back by what drafting saves over its `remaining` tokens,
-        and a measuring choice (an exploration) may stall the step by at most one plain step. A drafter at
-        most two tokens behind (the last draft and the bonus token) always may."""
-        if lag <= 2 or self.fixed is not None:
+    def catch_up_pays(self, lags: list[int], remaining: list[int]) -> bool:
+        """Whether sequences whose drafters are `lags` tokens behind should draft now, with `remaining` tokens
+        each still to decode: their catch-ups (one draft pass over the missed tokens, which every sequence of
+        the step waits for) must be paid back to each of them by what drafting saves it (`saving_s` per token:
+        the sequence that gains least) over its remaining tokens; a measuring choice (an exploration) may
+        stall the step by at most one plain step. Drafters at most two tokens behind (the last draft and the
+        bonus token) cost nothing to speak of."""
+        behind = sum(lag for lag in lags if lag > 2)
+        if not behind or self.fixed is not None:
             return True
-        cost = self.catch_up_s(lag)
+        cost = self.catch_up_s(behind)
         if cost is None:  # nothing measured yet: the first drafts measure it
             return True
         if self.exploring:
             return cost <= self.plain_step_s
-        return cost <= remaining * self.saving_s
+        return cost <= min(remaining, default=0) * self.saving_s
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, accs: list[float] | None = None) -> int:
+        """k for a step of `batch` decoding sequences; `accs`: their own acceptances (`seq_acceptance`), else
+        all the engine's."""
         self.exploring = False
         self.saving_s = 0.0
         if self._hold_plain > 0:  # the rest of a plain-decoding exploration
@@ -189,14 +210,17 @@ class AdaptiveK:
             self.exploring = True
             return self.k
         plain_rate = batch / self.plain_step_s
+        accs = list(accs) if accs else [a]
+        a_min = min(accs)
         best, best_rate = 0, plain_rate
         best_draft, best_draft_rate = 1, 0.0  # the best k > 0, what an exploration of drafting tries
         perfect_rate = 0.0  # the best k > 0 if every draft were accepted
         for k in range(1, self.k_max + 1):
             seconds = self.step_seconds(batch, k, d)
-            rate = batch * self.expected_tokens(a, k) / seconds
+            rate = batch * sum(self.expected_tokens(x, k) for x in accs) / len(accs) / seconds
             perfect_rate = max(perfect_rate, batch * (k + 1) / seconds)
-            if rate > best_rate:
+            # the tail: the sequence that gains least must not get its tokens slower than plain decoding
+            if rate > best_rate and self.expected_tokens(a_min, k) * self.plain_step_s >= seconds:
                 best, best_rate = k, rate
             if rate > best_draft_rate:
                 best_draft, best_draft_rate = k, rate
@@ -234,8 +258,10 @@ class AdaptiveK:
                 best = 1  # a few sequences draft k = 1: it measures acceptance, not the cost of a whole step
             else:  # drafting would lose even if every draft were accepted: measuring acceptance cannot change
                 self.exploring = False  # the choice, and the few sequences' catch-ups cost
-        if best > 0:  # per token of each sequence: a plain step's time less a drafting step's per token it yields
-            self.saving_s = max(0.0, self.plain_step_s - batch / best_rate) if best_rate > 0 else 0.0
+        if best > 0:  # per token of the sequence that gains least: a plain step's time less a drafting step's
+            # per token it yields that sequence
+            seconds = self.step_seconds(batch, best, d)
+            self.saving_s = max(0.0, self.plain_step_s - seconds / self.expected_tokens(a_min, best))
         self.k = best
         return best
 

@@ -75,7 +75,7 @@ class SpeculativeDecoder:
         sequence would draft. The engine asks when the step could be a multi-step greedy one instead: k = 0
         is plain decoding, which that does faster. Call only without supplied drafts."""
         seqs = self._draftable(running, {}) if self.drafter is not None else []
-        k = self.adaptive.choose(len(seqs)) if seqs else 0
+        k = self._choose(seqs) if seqs else 0
         picked = self._select(seqs, k) if k else []
         self._plan = (picked, k)
         return k if picked else 0
@@ -107,7 +107,7 @@ class SpeculativeDecoder:
             seqs = self._draftable(running, drafts)
             if not seqs:
                 return drafts
-            k = self.adaptive.choose(len(seqs))
+            k = self._choose(seqs)
             picked = self._select(seqs, k)
         if not picked:
             return drafts
@@ -139,22 +139,30 @@ class SpeculativeDecoder:
                 self.draft_probs[s.seq_id] = q
         return drafts
 
+    def _choose(self, seqs: list[Sequence]) -> int:
+        ad = self.adaptive
+        accs = [ad.seq_acceptance(s.draft_accepted, s.draft_rejected) for s in seqs]
+        return ad.choose(len(seqs), None if None in accs else accs)
+
     def _select(self, seqs: list[Sequence], k: int) -> list[tuple[Sequence, int]]:
-        """(sequence, its k) for those that draft this step at adaptive k's choice `k`. Exploring is a
-        measurement, not a bet: a few sequences draft, those whose drafter is least behind. A drafter far
-        behind (a new prompt, tokens decoded without it) drafts only where its catch-up pays."""
+        """(sequence, its k) for those that draft this step at adaptive k's choice `k`: all of them or none
+        (a sequence left out of a drafting step gets one token from a step that costs more than a plain one,
+        or than a multi-step step's share, so it would pay for the others' gain), and only where the
+        drafters' catch-ups (a new prompt, tokens decoded without the drafter) pay back to every sequence.
+        Exploring is a measurement, not a bet: a few sequences draft, those whose drafter is least behind,
+        as many as a catch-up of at most one plain step allows."""
         ad = self.adaptive
         if k <= 0:
             return []
         lags = {s.seq_id: self.drafter.lag(s) for s in seqs}
         if ad.exploring:
             seqs = sorted(seqs, key=lambda s: lags[s.seq_id])[:EXPLORE_SEQS]
-        picked = []
-        for s in seqs:
-            left = s.max_len - s.num_tokens
-            k_s = min(k, left)
-            if k_s > 0 and ad.catch_up_pays(lags[s.seq_id], min(left, REMAINING_CAP)):
-                picked.append((s, k_s))
+        picked = [(s, min(k, s.max_len - s.num_tokens)) for s in seqs]
+        while picked and not ad.catch_up_pays([lags[s.seq_id] for s, _ in picked],
+                                              [min(s.max_len - s.num_tokens, REMAINING_CAP) for s, _ in picked]):
+            if not ad.exploring:
+                return []
+            picked.pop()  # the one furthest behind
         return picked
 
     def _drop_unverified(self) -> None:
@@ -200,7 +208,11 @@ class SpeculativeDecoder:
             if not d:
                 continue
             w = self._windows.pop(seq.seq_id, None)  # verified: not for _drop_unverified
-            self._record(len(d), s.num_accepted, w is not None and w.drafted)
+            drafted = w is not None and w.drafted
+            self._record(len(d), s.num_accepted, drafted)
+            if drafted:  # the sequence's own acceptance (geometric model, as the engine's)
+                seq.draft_accepted += s.num_accepted
+                seq.draft_rejected += s.num_accepted < len(d)
             m = seq.request.metrics
             if m is not None:  # per request, for the decode span and escalation accounting
                 m.num_draft_tokens += len(d)

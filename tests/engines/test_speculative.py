@@ -530,15 +530,20 @@ def test_a_drafter_far_behind_drafts_only_where_its_catch_up_pays():
     assert ak.choose(1) > 0 and 0 < ak.saving_s < ak.plain_step_s
     # drafting saves saving_s per token: a 256-token catch-up pays back over 25 ms / saving_s tokens
     breakeven = ak.catch_up_s(256) / ak.saving_s
-    assert ak.catch_up_pays(256, int(breakeven) + 1) and not ak.catch_up_pays(256, int(breakeven) - 1)
-    assert ak.catch_up_pays(2, 0)  # the last draft and the bonus token: no catch-up to speak of
+    assert ak.catch_up_pays([256], [int(breakeven) + 1]) and not ak.catch_up_pays([256], [int(breakeven) - 1])
+    assert ak.catch_up_pays([2], [0])  # the last draft and the bonus token: no catch-up to speak of
+    # every sequence of the step waits for every catch-up: one pass over all the missed tokens, paid back to
+    # the sequence with the fewest tokens left
+    assert not ak.catch_up_pays([2, 256], [10_000, int(breakeven) - 1])
+    both = ak.catch_up_s(512) / ak.saving_s
+    assert ak.catch_up_pays([256, 256], [int(both) + 1] * 2) and not ak.catch_up_pays([256, 256], [int(both) - 1] * 2)
     ak.exploring = True  # a measuring choice stalls the step by at most one plain step, whatever it saves
-    assert not ak.catch_up_pays(256, 10_000) and ak.catch_up_pays(8, 0)
+    assert not ak.catch_up_pays([256], [10_000]) and ak.catch_up_pays([8], [0])
     ak.fixed, ak.exploring = 4, False  # k pinned: every sequence drafts
-    assert ak.catch_up_pays(256, 0)
+    assert ak.catch_up_pays([256], [0])
     plain = AdaptiveK(4)
     feed(plain, 32, plain=0.010, per_token=0.0001, draft=0.002, a=0.5)
-    assert plain.choose(32) == 0 and plain.saving_s == 0 and not plain.catch_up_pays(64, 10_000)
+    assert plain.choose(32) == 0 and plain.saving_s == 0 and not plain.catch_up_pays([64], [10_000])
 
 
 def test_short_requests_on_long_prompts_decode_without_their_drafter(pair, monkeypatch):
@@ -549,7 +554,7 @@ def test_short_requests_on_long_prompts_decode_without_their_drafter(pair, monke
     eng, sp = spec.engine, spec.engine.speculator
     ad = sp.adaptive
 
-    def choose(batch: int) -> int:  # drafting pays: each token 5 ms sooner; a catch-up costs 100 ms
+    def choose(batch: int, accs=None) -> int:  # drafting pays: each token 5 ms sooner; a catch-up costs 100 ms
         ad.exploring, ad.saving_s, ad.plain_step_s = False, 0.005, 0.010
         return 3
 
@@ -569,6 +574,58 @@ def test_short_requests_on_long_prompts_decode_without_their_drafter(pair, monke
             == ref.generate([prompt], long_)[0].outputs[0].token_ids)
     assert sp.num_drafts > 0  # 199 tokens to go x 5 ms pay for the catch-up
     assert spec.core.pool.stats()["used_pages"] == 0
+
+    # together: the long request's drafter has caught up, the short one's has not; drafting for the long one
+    # alone would hand the short one one token per (dearer) drafting step, so nobody drafts until it is done
+    prompts = random_prompts(2, 200, 200, seed=6)
+    eng.add_request(prompts[0], long_, "long2")
+    while not any(s.draft_state is not None and sp.drafter.lag(s) <= 2 for s in eng.scheduler.running):
+        eng.step()
+    eng.add_request(prompts[1], short, "short2")
+    eng.step()  # its prefill
+    seqs = {s.request.request_id: s for s in eng.scheduler.running}
+    drafts_before = sp.num_drafts
+    while not seqs["short2"].finished:
+        assert sp.plan(eng.scheduler.running) == 0
+        sp.skip_step()
+        eng.step()
+    assert sp.num_drafts == drafts_before  # the short request decoded beside it without a drafting step
+    drain(eng)
+    assert sp.num_drafts > drafts_before  # then the long one drafted again
+    for rid, prompt, params in (("long2", prompts[0], long_), ("short2", prompts[1], short)):
+        assert seqs[rid].output_token_ids == ref.generate([prompt], params)[0].outputs[0].token_ids
+    assert spec.core.pool.stats()["used_pages"] == 0
+
+
+def test_adaptive_k_does_not_slow_the_sequence_that_gains_least_for_the_batchs_mean():
+    ak = AdaptiveK(4, explore_every=10_000)
+    # batch 4: a plain step 10 ms, a step with k drafts 10 + 1.3 k ms; the engine's acceptance 0.8
+    feed(ak, 4, plain=0.010, per_token=0.0002, draft=0.0005, a=0.8)
+    assert ak.choose(4) == 3 and ak.choose(4, [0.8] * 4) == 3  # the batch's best rate: 4 x 2.95 / 13.9 ms
+    low = ak.seq_acceptance(1, 10)  # one accepted draft in 11 windows, shrunk toward the engine's 0.8
+    assert low == pytest.approx((1 + 4 * 0.8) / (11 + 4))
+    # k = 3 gives that sequence E(0.28, 3) = 1.38 tokens per 13.9 ms step: slower than plain decoding's 1 per
+    # 10 ms, though the batch's mean would gain. The best k where it loses nothing is 2 (1.36 per 12.6 ms)
+    assert ak.step_seconds(4, 3, 0.0005) == pytest.approx(0.0139)
+    assert ak.choose(4, [0.8, 0.8, 0.8, low]) == 2
+    assert ak.saving_s == pytest.approx(0.010 - 0.0126 / AdaptiveK.expected_tokens(low, 2))
+    assert ak.choose(4, [0.8, 0.8, 0.8, ak.seq_acceptance(0, 40)]) == 0  # 0.07: no k gains it anything
+    assert AdaptiveK(4).seq_acceptance(3, 1) is None  # nothing measured yet: no estimate
+
+
+def test_each_sequence_counts_its_own_verified_windows(pair):
+    spec = spec_llm(pair, k=3)
+    eng, sp = spec.engine, spec.engine.speculator
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(random_prompts(3, 5, 20, seed=7)):
+        eng.add_request(p, params, f"c{i}")
+    eng.step()
+    seqs = list(eng.scheduler.running)
+    drain(eng)
+    assert sp.num_drafts > 0
+    assert sum(s.draft_accepted for s in seqs) == sp.num_accepted_tokens
+    # a window ends in a rejection unless all its drafts were accepted
+    assert 0 < sum(s.draft_rejected for s in seqs) <= sp.num_drafts
 
 
 def test_adaptive_k_explores_plain_decoding_as_a_short_run():

@@ -294,7 +294,7 @@ def test_speculative_engine_takes_multi_step_when_adaptive_k_picks_plain(monkeyp
     monkeypatch.setattr(spec.adaptive, "catch_up_pays", lambda lag, remaining: True)
     for ks in ([0], [3], [0, 0, 3, 0, 4, 4, 0, 2]):
         cycle = itertools.cycle(ks)
-        monkeypatch.setattr(spec.adaptive, "choose", lambda batch, c=cycle: next(c))
+        monkeypatch.setattr(spec.adaptive, "choose", lambda batch, accs=None, c=cycle: next(c))
         multi.clear(), drafted.clear()
         out = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
