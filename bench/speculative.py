@@ -6,7 +6,10 @@ standard-library modules (the models' own domain); batch 1 serves `--batch1-prom
 Prints a table, writes bench/results/speculative.json.
 
     .venv/bin/python bench/speculative.py [--batches 1 8 32] [--max-tokens 128] [--repeats 3] [--threads 1]
-        [--draft-quantization w8a8|none|int8]
+        [--batched-repeats N] [--draft-quantization w8a8|none|int8]
+
+The speedup is the median over back-to-back (plain, speculative) pairs; q1-q3 is the quartile range of the
+pairs, the spread this machine times the two engines with.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batched-repeats", type=int, default=None,
+                    help="pairs at batches > 1 (default --repeats): the ratio there is ~1 and needs more pairs to tell")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (max k)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch1-prompts", type=int, default=6, help="prompts served one after another at batch 1")
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             run(plain, prompts[:b], params)  # warm-up at this batch: first touches of pool pages, allocator growth
             run(spec, prompts[:b], params)
             before = spec.engine.speculator.stats()
-            for _ in range(args.repeats):  # alternate so both see the same background load
+            reps = args.repeats if b == 1 or args.batched_repeats is None else args.batched_repeats
+            for _ in range(reps):  # alternate so both see the same background load
                 dt, dc, n, _ = run_batch(plain, prompts, params, b)
                 t_plain.append(n / dt)
                 c_plain.append(n / dc)
@@ -126,11 +132,14 @@ def main(argv: list[str] | None = None) -> int:
             p_med, s_med = statistics.median(t_plain), statistics.median(t_spec)
             pc_med, sc_med = statistics.median(c_plain), statistics.median(c_spec)
             # speedups: the median over back-to-back (plain, speculative) pairs, robust to load drifting
-            pair = statistics.median(s / p for s, p in zip(t_spec, t_plain))
+            ratios = sorted(s / p for s, p in zip(t_spec, t_plain))
+            pair = statistics.median(ratios)
+            q1, q3 = (statistics.quantiles(ratios, n=4)[0::2] if len(ratios) > 1 else (ratios[0], ratios[0]))
             pair_cpu = statistics.median(s / p for s, p in zip(c_spec, c_plain))
             rows.append({
                 "temperature": temp, "batch": b, "plain_tokens_per_s": round(p_med, 1),
                 "spec_tokens_per_s": round(s_med, 1), "speedup": round(pair, 3),
+                "speedup_q1": round(q1, 3), "speedup_q3": round(q3, 3), "pair_ratios": [round(x, 3) for x in ratios],
                 "plain_tokens_per_cpu_s": round(pc_med, 1), "spec_tokens_per_cpu_s": round(sc_med, 1),
                 "speedup_cpu": round(pair_cpu, 3),
                 "acceptance_rate": round(accepted / draft_toks, 3) if draft_toks else None,
@@ -170,17 +179,17 @@ def main(argv: list[str] | None = None) -> int:
                 "draft_pass_seconds_by_seqs": {round(x, 1): y for x, y in sorted(cost.draft.points.values())}}
 
     print()
-    print("| temperature | batch | plain tok/s | speculative tok/s | speedup (wall) | speedup (per CPU-s) "
+    print("| temperature | batch | plain tok/s | speculative tok/s | speedup (wall) | pairs q1-q3 | speedup (per CPU-s) "
           "| acceptance | mean accepted length | k held (steps) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['temperature']} | {r['batch']} | {r['plain_tokens_per_s']} | {r['spec_tokens_per_s']} | "
-              f"{r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x | {r['acceptance_rate']} | "
+              f"{r['speedup']:.2f}x | {r['speedup_q1']:.2f}-{r['speedup_q3']:.2f} | {r['speedup_cpu']:.2f}x | {r['acceptance_rate']} | "
               f"{r['mean_accepted_length']} | {r['k_steps']} |")
     result = {"config": {"target": str(LARGE.relative_to(ROOT)), "draft": str(SMALL.relative_to(ROOT)),
                          "draft_quantization": args.draft_quantization,
                          "k_max": args.k, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-                         "repeats": args.repeats, "threads": args.threads, "batch1_prompts": args.batch1_prompts,
+                         "repeats": args.repeats, "batched_repeats": args.batched_repeats, "threads": args.threads, "batch1_prompts": args.batch1_prompts,
                          "python": platform.python_version(),
                          "torch": torch.__version__, "machine": platform.machine()},
               "rows": rows, "fixed_k_batch1_greedy": sweep, "adaptive_cost_model": measured}

@@ -149,18 +149,20 @@ class SpeculativeDecoder:
         (a sequence left out of a drafting step gets one token from a step that costs more than a plain one,
         or than a multi-step step's share, so it would pay for the others' gain), and only where the
         drafters' catch-ups (a new prompt, tokens decoded without the drafter) pay back to every sequence.
-        Exploring is a measurement, not a bet: a few sequences draft, those whose drafter is least behind,
-        as many as a catch-up of at most one plain step allows."""
+        Exploring is a measurement, not a bet: its catch-ups may stall the step by at most one plain step. Up to
+        EXPLORE_SEQS sequences it is all or none too (a 3-step run); in a larger batch it is one step of a few
+        sequences, those whose drafter is least behind, as many as that stall allows."""
         ad = self.adaptive
         if k <= 0:
             return []
         lags = {s.seq_id: self.drafter.lag(s) for s in seqs}
+        all_or_none = not ad.exploring or len(seqs) <= EXPLORE_SEQS
         if ad.exploring:
             seqs = sorted(seqs, key=lambda s: lags[s.seq_id])[:EXPLORE_SEQS]
         picked = [(s, min(k, s.max_len - s.num_tokens)) for s in seqs]
         while picked and not ad.catch_up_pays([lags[s.seq_id] for s, _ in picked],
                                               [min(s.max_len - s.num_tokens, REMAINING_CAP) for s, _ in picked]):
-            if not ad.exploring:
+            if all_or_none:
                 return []
             picked.pop()  # the one furthest behind
         return picked

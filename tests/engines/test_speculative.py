@@ -597,6 +597,37 @@ def test_short_requests_on_long_prompts_decode_without_their_drafter(pair, monke
     assert spec.core.pool.stats()["used_pages"] == 0
 
 
+def test_a_step_drafts_for_every_sequence_or_none_and_explorations_stall_it_by_one_plain_step(pair, monkeypatch):
+    from types import SimpleNamespace
+
+    sp = spec_llm(pair, k=3, fixed=False).engine.speculator
+    ad = sp.adaptive
+    lags = {}
+    monkeypatch.setattr(sp.drafter, "lag", lambda s: lags[s.seq_id])
+    monkeypatch.setattr(ad, "catch_up_s", lambda n: 0.001 * n)  # 1 ms per missed token
+
+    def seqs(*seq_lags, left=100):
+        out = []
+        for i, lag in enumerate(seq_lags):
+            lags[i] = lag
+            out.append(SimpleNamespace(seq_id=i, num_tokens=500, max_len=500 + left))
+        return out
+
+    def select(batch, exploring):
+        ad.exploring, ad.plain_step_s, ad.saving_s = exploring, 0.010, 0.001  # drafting saves 1 ms a token
+        return [s.seq_id for s, _ in sp._select(batch, 3)]
+
+    # a 150-token catch-up pays back over 150 tokens of 1 ms saved; 100 left each: no drafting for anyone, not
+    # drafting for the caught-up two alone
+    assert select(seqs(1, 2, 60), False) == [0, 1, 2] and select(seqs(1, 2, 150), False) == []
+    assert select(seqs(1, 2, 90, 50), False) == [] and select(seqs(1, 2, 50, 40), False) == [0, 1, 2, 3]
+    # an exploration at a small batch: all, if the catch-ups fit in one plain step (10 ms), else none
+    assert select(seqs(1, 9), True) == [0, 1] and select(seqs(1, 12), True) == []
+    # at a larger batch: the least behind, as many as fit
+    assert select(seqs(30, 1, 2, 40, 12, 15, 1), True) == [1, 6, 2]  # the fourth (12 behind) would not fit
+    assert sorted(select(seqs(1, 2, 1, 2, 1, 2), True)) == [0, 1, 2, 4]  # at most EXPLORE_SEQS
+
+
 def test_adaptive_k_does_not_slow_the_sequence_that_gains_least_for_the_batchs_mean():
     ak = AdaptiveK(4, explore_every=10_000)
     # batch 4: a plain step 10 ms, a step with k drafts 10 + 1.3 k ms; the engine's acceptance 0.8
