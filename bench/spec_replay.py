@@ -1,6 +1,7 @@
 """Speculation under open-loop arrivals, in one process: tandem-tiny-l with and without its tandem-tiny-s draft,
 fed the same Poisson arrivals of chat-like requests (prompts of 60-480 tokens from held-out modules, outputs
-of 5-80 tokens with min_tokens = max_tokens and ignore_eos, as `tandem loadtest` sends them), the two engines
+of 5-80 tokens with min_tokens = max_tokens and ignore_eos, as `tandem loadtest` sends them; `--mix
+decode_heavy`: prompts of 30-120 tokens, outputs of 64-256), the two engines
 alternated per repetition. Per request: TPOT = (last token - first token) / (tokens - 1), on the engine's
 own emit callback, so HTTP, tokenisation and the load generator are not in it. Reports TPOT p50 / p99 per
 engine and the paired ratio (the median over requests of one request's TPOT with speculation over its TPOT
@@ -8,7 +9,7 @@ without), how many steps drafted, and both engines' busy seconds. Prints a table
 bench/results/spec_replay.json.
 
     .venv/bin/python bench/spec_replay.py [--rates 4 8] [--requests 70] [--repeats 4] [--threads 2]
-        [--draft-quantization none|w8a8] [--fixed-k K] [--warmup-requests 24]
+        [--draft-quantization none|w8a8] [--fixed-k K] [--warmup-requests 24] [--mix chat|decode_heavy]
 
 `--fixed-k 0` pins the speculative engine at plain decoding: an A/A run of the same code path, which shows
 how far apart this machine times identical work.
@@ -38,11 +39,18 @@ from traces.metrics import percentiles  # noqa: E402
 from training.corpus import load_corpus_split  # noqa: E402
 
 LARGE, SMALL = ROOT / "models" / "tandem-tiny-l", ROOT / "models" / "tandem-tiny-s"
-OUTPUT_LENGTHS = [5, 10, 15, 20, 20, 25, 30, 40, 50, 80]  # median 22.5: the chat workload's, scaled to 512 tokens
+# per mix: (prompt tokens lo, hi), output lengths drawn uniformly from the list
+MIXES = {
+    # median 22.5 output tokens: the chat workload's, scaled to the tiny models' 512-token context
+    "chat": ((60, 480), [5, 10, 15, 20, 20, 25, 30, 40, 50, 80]),
+    # short prompts, long answers: the loadtest's decode_heavy_256_1024 control (1:4), scaled to 512 tokens
+    "decode_heavy": ((30, 120), [64, 96, 128, 160, 192, 256]),
+}
 
 
-def plan(tokenizer, rate: float, n: int, seed: int) -> list[tuple[float, list[int], int]]:
+def plan(tokenizer, rate: float, n: int, seed: int, mix: str = "chat") -> list[tuple[float, list[int], int]]:
     """(arrival s, prompt ids, output tokens) per request."""
+    (lo, hi), outputs = MIXES[mix]
     rng = random.Random(seed)
     modules = [text for _, text in load_corpus_split("heldout") if len(text) > 4000]
     out, t = [], 0.0
@@ -50,8 +58,8 @@ def plan(tokenizer, rate: float, n: int, seed: int) -> list[tuple[float, list[in
         t += rng.expovariate(rate)
         text = rng.choice(modules)
         start = rng.randrange(0, len(text) - 3000)
-        ids = tokenizer.encode(text[start:start + 2500])[:rng.randint(60, 480)]
-        out.append((t, ids, rng.choice(OUTPUT_LENGTHS)))
+        ids = tokenizer.encode(text[start:start + 2500])[:rng.randint(lo, hi)]
+        out.append((t, ids, rng.choice(outputs)))
     return out
 
 
@@ -98,6 +106,8 @@ def main() -> None:
     ap.add_argument("--warmup-requests", type=int, default=24, help="an unmeasured replay per engine first")
     ap.add_argument("--draft-quantization", default="none", choices=["none", "int8", "w8a8"])
     ap.add_argument("--fixed-k", type=int, default=None, help="pin the speculative engine's k (0: an A/A run)")
+    ap.add_argument("--mix", default="chat", choices=sorted(MIXES),
+                    help="chat: 60-480 prompt tokens, 5-80 output; decode_heavy: 30-120 prompt, 64-256 output")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_replay.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -107,12 +117,12 @@ def main() -> None:
         spec.engine.speculator.adaptive.fixed = args.fixed_k
     plain = LLM(LARGE, max_model_len=512)
     # unmeasured: the first replay of a process runs 10-20% slower than the next ones (caches, allocators)
-    warm = plan(plain.engine.tokenizer, args.rates[0], args.warmup_requests, args.seed + 1)
+    warm = plan(plain.engine.tokenizer, args.rates[0], args.warmup_requests, args.seed + 1, args.mix)
     for name, llm in (("spec", spec), ("plain", plain)):
         replay(llm, warm, f"warm-{name}")
     rows = []
     for rate in args.rates:
-        reqs = plan(plain.engine.tokenizer, rate, args.requests, args.seed)
+        reqs = plan(plain.engine.tokenizer, rate, args.requests, args.seed, args.mix)
         for r in range(args.repeats):
             order = [("spec", spec), ("plain", plain)]
             runs = {name: replay(llm, reqs, f"{name}{rate}-{r}") for name, llm in (order if r % 2 == 0
@@ -138,7 +148,7 @@ def main() -> None:
     git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     meta = {"command": " ".join(sys.argv), "git_commit": git, "threads": args.threads,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f}",
-            "draft_quantization": args.draft_quantization, "fixed_k": args.fixed_k}
+            "draft_quantization": args.draft_quantization, "fixed_k": args.fixed_k, "mix": args.mix}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"\nwrote {args.out}")

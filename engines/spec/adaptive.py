@@ -10,6 +10,9 @@ EXPLORE_SEQS = 4  # sequences that draft in a step that only measures acceptance
 # a sequence's own acceptance is the engine's, updated by its own windows as if the engine's were this many
 # windows of its own (a new sequence has the engine's; a few windows of its own move it)
 PRIOR_WINDOWS = 4.0
+# an exploration's catch-ups may cost each sequence of the step at most this share of its remaining decode
+# time at plain decoding's pace (at least one plain step): a measurement must not move anyone's tail
+EXPLORE_STALL = 0.05
 
 
 class CostModel:
@@ -166,17 +169,19 @@ class AdaptiveK:
         each still to decode: their catch-ups (one draft pass over the missed tokens, which every sequence of
         the step waits for) must be paid back to each of them by what drafting saves it (`saving_s` per token:
         the sequence that gains least) over its remaining tokens; a measuring choice (an exploration) may
-        stall the step by at most one plain step. Drafters at most two tokens behind (the last draft and the
-        bonus token) cost nothing to speak of."""
+        stall the step by at most EXPLORE_STALL of the fewest remaining tokens' plain decoding time, and by one
+        plain step whatever they are. Drafters at most two tokens behind (the last draft and the bonus token)
+        cost nothing to speak of."""
         behind = sum(lag for lag in lags if lag > 2)
         if not behind or self.fixed is not None:
             return True
         cost = self.catch_up_s(behind)
         if cost is None:  # nothing measured yet: the first drafts measure it
             return True
+        left = min(remaining, default=0)
         if self.exploring:
-            return cost <= self.plain_step_s
-        return cost <= min(remaining, default=0) * self.saving_s
+            return cost <= self.plain_step_s * max(1.0, EXPLORE_STALL * left)
+        return cost <= left * self.saving_s
 
     def choose(self, batch: int, accs: list[float] | None = None) -> int:
         """k for a step of `batch` decoding sequences; `accs`: their own acceptances (`seq_acceptance`), else

@@ -109,9 +109,15 @@ class Drafter:
         vocab, k = self.model.config.vocab_size, max(ks)
         picked = [i for i, s in enumerate(seqs) if ks[i] == k and s.request.params.greedy
                   and plain_params(s.request.params, vocab, min_tokens_ok=True)]
-        if picked and can([states[i].num_tokens - states[i].num_computed for i in picked]):
-            return picked
-        return []
+        if not picked or not can([1]):
+            return []
+        behind = [states[i] for i in picked if not can([states[i].num_tokens - states[i].num_computed])]
+        if behind:  # a catch-up longer than the C call takes (a prompt): the runner's varlen prefill computes
+            # all but the last missed token first, so the draft itself still runs in one call
+            self.runner.execute(behind, [s.num_tokens - s.num_computed - 1 for s in behind])
+            for s in behind:
+                s.num_computed = s.num_tokens - 1
+        return picked
 
     def _draft_greedy(self, seqs: list[Sequence], states: list[DraftState], k: int, cost: CostModel,
                       stop_ids: list[set[int]]) -> list[list[int]]:

@@ -537,8 +537,12 @@ def test_a_drafter_far_behind_drafts_only_where_its_catch_up_pays():
     assert not ak.catch_up_pays([2, 256], [10_000, int(breakeven) - 1])
     both = ak.catch_up_s(512) / ak.saving_s
     assert ak.catch_up_pays([256, 256], [int(both) + 1] * 2) and not ak.catch_up_pays([256, 256], [int(both) - 1] * 2)
-    ak.exploring = True  # a measuring choice stalls the step by at most one plain step, whatever it saves
-    assert not ak.catch_up_pays([256], [10_000]) and ak.catch_up_pays([8], [0])
+    # a measuring choice stalls the step by at most 5% of the fewest remaining tokens' plain decoding time, at
+    # least one plain step, whatever drafting is thought to save
+    ak.exploring = True
+    assert ak.plain_step_s == pytest.approx(0.010) and ak.catch_up_s(256) == pytest.approx(0.025)
+    assert not ak.catch_up_pays([256], [10]) and ak.catch_up_pays([8], [0])  # 25 ms > one plain step
+    assert not ak.catch_up_pays([256], [10_000, 49]) and ak.catch_up_pays([256], [10_000, 50])  # 50 x 5% x 10 ms
     ak.fixed, ak.exploring = 4, False  # k pinned: every sequence drafts
     assert ak.catch_up_pays([256], [0])
     plain = AdaptiveK(4)
@@ -597,7 +601,7 @@ def test_short_requests_on_long_prompts_decode_without_their_drafter(pair, monke
     assert spec.core.pool.stats()["used_pages"] == 0
 
 
-def test_a_step_drafts_for_every_sequence_or_none_and_explorations_stall_it_by_one_plain_step(pair, monkeypatch):
+def test_a_step_drafts_for_every_sequence_or_none_and_explorations_stall_it_little(pair, monkeypatch):
     from types import SimpleNamespace
 
     sp = spec_llm(pair, k=3, fixed=False).engine.speculator
@@ -621,10 +625,13 @@ def test_a_step_drafts_for_every_sequence_or_none_and_explorations_stall_it_by_o
     # drafting for the caught-up two alone
     assert select(seqs(1, 2, 60), False) == [0, 1, 2] and select(seqs(1, 2, 150), False) == []
     assert select(seqs(1, 2, 90, 50), False) == [] and select(seqs(1, 2, 50, 40), False) == [0, 1, 2, 3]
-    # an exploration at a small batch: all, if the catch-ups fit in one plain step (10 ms), else none
-    assert select(seqs(1, 9), True) == [0, 1] and select(seqs(1, 12), True) == []
+    # an exploration at a small batch: all, if the catch-ups fit in one plain step (10 ms; 10 tokens left
+    # each, 5% of whose plain decoding is less), else none; with 400 left (counted as 256, REMAINING_CAP), in 5%
+    # of 256 plain steps (128 ms)
+    assert select(seqs(1, 9, left=10), True) == [0, 1] and select(seqs(1, 12, left=10), True) == []
+    assert select(seqs(1, 120, left=400), True) == [0, 1] and select(seqs(1, 130, left=400), True) == []
     # at a larger batch: the least behind, as many as fit
-    assert select(seqs(30, 1, 2, 40, 12, 15, 1), True) == [1, 6, 2]  # the fourth (12 behind) would not fit
+    assert select(seqs(30, 1, 2, 40, 12, 15, 1, left=10), True) == [1, 6, 2]  # the fourth (12 behind) would not
     assert sorted(select(seqs(1, 2, 1, 2, 1, 2), True)) == [0, 1, 2, 4]  # at most EXPLORE_SEQS
 
 

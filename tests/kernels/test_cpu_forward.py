@@ -302,3 +302,31 @@ def test_speculative_engine_takes_multi_step_when_adaptive_k_picks_plain(monkeyp
         assert any(drafted) == (ks != [0])
     assert plain_steps  # the multi-step steps reached adaptive k as plain steps
     assert llm.core.pool.stats()["used_pages"] == 0
+
+
+def test_a_draft_after_a_long_catch_up_still_runs_in_one_call(monkeypatch):
+    """A drafter more than the C call's query limit behind (a prompt) computes the missed tokens by the varlen
+    prefill first, then drafts all k tokens in one C call, which measures the draft passes; outputs equal
+    plain decoding."""
+    from engines import SamplingParams
+    from engines.runner import CPU_KERNEL_MAX_QUERY
+
+    prompt = "import os\nimport sys\n\n\ndef main(argv):\n    " * 6
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _engine(ROOT / "models" / "tandem-tiny-l").generate([prompt], params)[0].outputs[0].token_ids
+    llm = _engine(ROOT / "models" / "tandem-tiny-l", draft_model=ROOT / "models" / "tandem-tiny-s")
+    sp = llm.engine.speculator
+    sp.adaptive.fixed = 3
+    runner = sp.drafter.runner
+    calls, prefills = [], []
+    one_call, execute = runner.draft_greedy, runner.execute
+    monkeypatch.setattr(runner, "draft_greedy", lambda seqs, num, *a: calls.append(list(num)) or one_call(seqs, num, *a))
+    monkeypatch.setattr(runner, "execute", lambda seqs, num, *a: prefills.append(list(num)) or execute(seqs, num, *a))
+    out = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert out == want
+    assert len(llm.engine.tokenizer.encode(prompt)) > CPU_KERNEL_MAX_QUERY + 1
+    # the prompt's catch-up: one prefill of all but its last token, then the first draft in one call of 1 + 3
+    assert prefills and prefills[0][0] > CPU_KERNEL_MAX_QUERY and calls[0] == [1]
+    assert len(calls) == sp.num_drafts > 0  # every drafting step (one sequence) drafted in one call, the first too
+    assert sp.adaptive.draft.points  # the one-call drafts measured the draft passes
+    assert llm.core.pool.stats()["used_pages"] == 0
