@@ -16,23 +16,28 @@ EXPLORE_STALL = 0.05
 
 
 class CostModel:
-    """Seconds of one pass as a function of its size, learned online: an EMA per power-of-two size bucket,
-    read by linear interpolation between measured sizes; outside them it assumes no saving below and linear
-    growth above (pessimistic, so an unmeasured large batch does not look cheap)."""
+    """Seconds of one pass as a function of its size, learned online: an EMA per power-of-two size bucket (the
+    plain mean of its first 1 / (1 - decay) observations, so one early outlier, such as a step on cold caches,
+    does not stand for the bucket until ten more have come), read by linear interpolation between measured
+    sizes; outside them it assumes no saving below and linear growth above (pessimistic, so an unmeasured
+    large batch does not look cheap)."""
 
     def __init__(self, decay: float = 0.9, clock: Callable[[], float] = time.perf_counter):
         self.decay = decay
         self.clock = clock  # the engine's step clock (engines.step_timer.step_clock)
         self.points: dict[int, list[float]] = {}  # bucket -> [mean size, mean seconds]
+        self.counts: dict[int, int] = {}  # bucket -> observations so far
 
     def observe(self, size: int, seconds: float) -> None:
         b = max(1, size).bit_length()
+        n = self.counts[b] = self.counts.get(b, 0) + 1
         pt = self.points.get(b)
         if pt is None:
             self.points[b] = [float(size), seconds]
         else:
-            pt[0] = self.decay * pt[0] + (1 - self.decay) * size
-            pt[1] = self.decay * pt[1] + (1 - self.decay) * seconds
+            w = max(1 - self.decay, 1 / n)
+            pt[0] += w * (size - pt[0])
+            pt[1] += w * (seconds - pt[1])
 
     def estimate(self, size: int) -> float | None:
         if not self.points:

@@ -374,6 +374,21 @@ def feed(ak: AdaptiveK, batch: int, plain: float, per_token: float, draft: float
         ak.observe_window(20, round(a / (1 - a)))
 
 
+def test_a_cost_models_first_observations_average_before_they_decay():
+    from engines.spec.adaptive import CostModel
+
+    m = CostModel(decay=0.9)
+    m.observe(1, 0.010)  # a first step on cold caches
+    for _ in range(3):
+        m.observe(1, 0.002)
+    assert m.estimate(1) == pytest.approx((0.010 + 3 * 0.002) / 4)  # not 0.9^3 of the outlier
+    for _ in range(6):
+        m.observe(1, 0.002)
+    before = m.estimate(1)
+    m.observe(1, 0.012)  # from the tenth on, an EMA with weight 0.1
+    assert m.estimate(1) == pytest.approx(before + 0.1 * (0.012 - before))
+
+
 def test_adaptive_k_drafts_when_it_pays_and_stops_when_it_does_not():
     ak = AdaptiveK(4)
     assert ak.choose(1) == 0  # nothing measured: a plain step first
@@ -467,7 +482,8 @@ def test_adaptive_k_explores_drafting_at_a_small_batch_as_a_short_run_and_keeps_
     ak.observe_step(2, 1, 0.050)
     assert ak.step_seconds(2, 1, 0.002) == pytest.approx(0.006)
     ak.observe_step(2, 1, 0.007)  # the next one with the same k is
-    assert ak.step_seconds(2, 1, 0.002) == pytest.approx(0.9 * 0.006 + 0.1 * 0.007)
+    # its first observations average plainly (two of 6 ms, this one of 7 ms), later ones decay as an EMA
+    assert ak.step_seconds(2, 1, 0.002) == pytest.approx((2 * 0.006 + 0.007) / 3)
     # at a batch larger than explore_seqs an exploration is one step of k = 1 for a few sequences
     big = AdaptiveK(4, explore_every=8)
     feed(big, 16, plain=0.004, per_token=0.0001, draft=0.001, a=0.5)
