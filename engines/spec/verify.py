@@ -22,6 +22,7 @@ from engines.sampler import (
     sample_sequences,
     sampler_row,
 )
+from engines.spec.drafter import plain_params
 from engines.spec.rejection import rejection_sample, rejection_sample_one
 
 if TYPE_CHECKING:
@@ -70,9 +71,40 @@ def processed_distributions(logits: torch.Tensor, rows: Seq[SamplerRow], stop_id
     return greedy, probs
 
 
+def plain_greedy_targets(logits: torch.Tensor, spec: list[tuple[Sequence, int, int]], eos_token_ids: Set[int]
+                         ) -> list[int] | None:
+    """The target's token at every window position when every window is greedy on the raw logits, min_tokens'
+    ban at most (the load tester's requests): the argmax of its rows with the banned ids masked at the
+    positions the ban covers, which is what `processed_distributions` gives such rows without building a
+    sampler row per position. None when some window needs the general path."""
+    vocab = logits.shape[1]
+    for seq, _, _ in spec:
+        p = seq.request.params
+        if not p.greedy or seq.grammar is not None or not plain_params(p, vocab, min_tokens_ok=True):
+            return None
+    x = logits[torch.tensor([start + j for _, start, k in spec for j in range(k + 1)], device=logits.device)]
+    row = 0
+    for seq, _, k in spec:
+        p = seq.request.params
+        left = min(p.min_tokens - seq.num_output_tokens, k + 1)  # positions j with output + j < min_tokens
+        if left > 0:
+            ids = [t for t in min_tokens_ban(p, eos_token_ids) if t < vocab]
+            if ids:
+                x[row:row + left, ids] = float("-inf")
+        row += k + 1
+    return x.argmax(dim=-1).tolist()
+
+
 def _accept(logits: torch.Tensor, spec: list[tuple[Sequence, int, int]], drafts: Mapping[int, list[int]],
             draft_probs: Mapping[int, torch.Tensor], eos_token_ids: Set[int],
             masks_ahead: Mapping[int, torch.Tensor] | None) -> list[Sampled]:
+    targets = plain_greedy_targets(logits, spec, eos_token_ids)
+    if targets is not None:
+        results, offset = [], 0
+        for seq, _, k in spec:
+            results.append(_keep_while_equal(drafts[seq.seq_id][:k], targets[offset:offset + k + 1]))
+            offset += k + 1
+        return _with_logprobs(logits, spec, results)
     rows, stop_ids, windows = [], [], []
     for seq, _, k in spec:
         d = drafts[seq.seq_id][:k]
@@ -114,6 +146,11 @@ def _accept(logits: torch.Tensor, spec: list[tuple[Sequence, int, int]], drafts:
     if random_idx:
         for (i, _), r in zip(random_idx, _rejection(probs, spec, windows, random_idx)):
             results[i] = r
+    return _with_logprobs(logits, spec, results)
+
+
+def _with_logprobs(logits: torch.Tensor, spec: list[tuple[Sequence, int, int]],
+                   results: list[tuple[list[int], int]]) -> list[Sampled]:
     out = []
     for (seq, start, _), (tokens, acc) in zip(spec, results):
         k_lp = seq.request.params.logprobs

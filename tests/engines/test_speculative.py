@@ -818,3 +818,36 @@ def test_verify_is_a_function_of_logits_layout_and_drafts():
     got = {s.seq.request.request_id: (s.token_ids, s.num_accepted) for s in out}
     assert got == {"a": ([5, 6, 7], 2), "b": ([8], 0), "c": ([9], 0)}
     assert drafts == {a.seq_id: [5, 6], c.seq_id: [4, 11]} and a.token_ids == [1, 2, 3]  # inputs untouched
+
+
+def test_plain_greedy_windows_take_the_argmax_with_min_tokens_ban_as_the_general_path_does():
+    """The verifier's shortcut for raw-logit greedy windows (the load tester's min_tokens requests) gives at
+    every position the token the general path (a sampler row per position) gives, bans included."""
+    from engines.sampler import min_tokens_ban, sampler_row
+    from engines.sequence import Request, Sequence
+    from engines.spec.verify import plain_greedy_targets, processed_distributions
+
+    gen = torch.Generator().manual_seed(3)
+    eos = {0}
+    for trial in range(20):
+        spec, rows, stops, start = [], [], [], 0
+        for i in range(4):
+            params = SamplingParams(temperature=0, max_tokens=40, min_tokens=[0, 3, 5, 12][(trial + i) % 4],
+                                    stop_token_ids=[[], [7], [2, 9]][i % 3])
+            req = Request(f"r{i}", None, [1, 2], params)
+            s = Sequence(req, 0, [1, 2] + [5] * (trial % 6), 2, 60)
+            k = 1 + (trial + i) % 4
+            spec.append((s, start, k))
+            drafts = [int(t) for t in torch.randint(0, 12, (k,), generator=gen)]
+            for j in range(k + 1):
+                rows.append(sampler_row(s, drafts[:j]))
+                stops.append(min_tokens_ban(params, eos))
+            start += k + 1
+        # the banned ids among the largest logits, so the ban decides the argmax where it applies
+        logits = torch.randn(start, 12, generator=gen)
+        logits[:, [0, 7, 2, 9]] += 3.0
+        want, _ = processed_distributions(logits, rows, stops)
+        assert plain_greedy_targets(logits, spec, eos) == want.tolist()
+    s = spec[0][0]
+    s.request.params = SamplingParams(temperature=0, repetition_penalty=1.2)
+    assert plain_greedy_targets(logits, spec, eos) is None  # a penalty needs the general path
