@@ -149,9 +149,10 @@ class SpeculativeDecoder:
         (a sequence left out of a drafting step gets one token from a step that costs more than a plain one,
         or than a multi-step step's share, so it would pay for the others' gain), and only where the
         drafters' catch-ups (a new prompt, tokens decoded without the drafter) pay back to every sequence.
-        Exploring is a measurement, not a bet: its catch-ups may stall the step by at most one plain step. Up to
-        EXPLORE_SEQS sequences it is all or none too (a 3-step run); in a larger batch it is one step of a few
-        sequences, those whose drafter is least behind, as many as that stall allows."""
+        Exploring is a measurement, not a bet: its catch-ups may stall the step only a little
+        (`AdaptiveK.catch_up_pays`). Up to EXPLORE_SEQS sequences it is all or none too (a 3-step run); in a
+        larger batch it is one step of a few sequences, those whose drafter is least behind, as many as that
+        stall allows."""
         ad = self.adaptive
         if k <= 0:
             return []
