@@ -57,10 +57,12 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     supplied_draft_ids: list[int] = field(default_factory=list)  # a caller's candidate output to verify first
     draft_state: object | None = None  # the drafter's KV for this sequence (engines.spec.state.DraftState)
-    # this sequence's verified drafter windows in the geometric model (accepted drafts, first rejections): its
-    # own acceptance, which adaptive k weighs beside the engine's (AdaptiveK.seq_acceptance)
-    draft_accepted: int = 0
-    draft_rejected: int = 0
+    # this sequence's verified drafter windows in the geometric model (accepted drafts, first rejections),
+    # decayed by the tokens since (SpeculativeDecoder.own_counts), and its length at the latest: its own
+    # acceptance, which adaptive k weighs beside the engine's (AdaptiveK.seq_acceptance)
+    draft_accepted: float = 0.0
+    draft_rejected: float = 0.0
+    draft_seen_at: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the committed full blocks
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest admission
     admit_order: int = -1

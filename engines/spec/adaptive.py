@@ -108,6 +108,7 @@ class AdaptiveK:
         # that drafting with the chosen k saves each sequence (0: none or unknown); `catch_up_pays` reads them
         self.plain_step_s = 0.0
         self.saving_s = 0.0
+        self._probe_k = 0  # of the latest choice of plain decoding: the k a probe of drafting would take
 
     @property
     def acceptance(self) -> float | None:
@@ -153,7 +154,7 @@ class AdaptiveK:
     def expected_tokens(a: float, k: int) -> float:
         return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
-    def seq_acceptance(self, accepted: int, rejected: int) -> float | None:
+    def seq_acceptance(self, accepted: float, rejected: float) -> float | None:
         """A sequence's acceptance from its own windows' counts (`Sequence.draft_accepted`, `draft_rejected`),
         shrunk toward the engine's by PRIOR_WINDOWS pseudo-windows; None before anything was measured."""
         a = self.acceptance
@@ -193,6 +194,7 @@ class AdaptiveK:
         all the engine's."""
         self.exploring = False
         self.saving_s = 0.0
+        self._probe_k = 0
         if self._hold_plain > 0:  # the rest of a plain-decoding exploration
             self._hold_plain -= 1
             self.k = 0
@@ -272,6 +274,17 @@ class AdaptiveK:
             # per token it yields that sequence
             seconds = self.step_seconds(batch, best, d)
             self.saving_s = max(0.0, self.plain_step_s - seconds / self.expected_tokens(a_min, best))
+        if best == 0 and perfect_rate >= self.switch_margin * plain_rate:
+            self._probe_k = best_draft  # what `probe` drafts: drafting could pay at some acceptance
         self.k = best
         return best
+
+    def probe(self) -> int:
+        """After a choice of plain decoding (`choose` returned 0), the k > 0 to draft with instead to measure a
+        new sequence's own acceptance (the engine's is an average over sequences whose acceptance spreads
+        from 0.4 to 0.9 on held-out code, and a sequence that never drafts never measures its own), or 0 where
+        even perfect acceptance would lose or nothing is measured yet. Marks the choice as an exploration."""
+        if self._probe_k:
+            self.k, self.exploring = self._probe_k, True
+        return self._probe_k
 

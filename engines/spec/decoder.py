@@ -26,6 +26,10 @@ SUPPLIED_CHUNK = 16  # supplied drafts are verified this many per target pass
 # the most tokens a sequence is expected to still decode when a catch-up is weighed against what drafting saves
 # (max_tokens, where the caller gave none, is the context's rest: no forecast of the output length)
 REMAINING_CAP = 256
+# a sequence's own acceptance forgets with this half-life in its tokens (code turns repetitive, or not), and
+# a sequence of a small batch that decoded this many tokens without drafting measures it again (`_choose`)
+OWN_HALF_LIFE = 32
+REPROBE_TOKENS = 32
 
 
 @dataclass
@@ -139,10 +143,26 @@ class SpeculativeDecoder:
                 self.draft_probs[s.seq_id] = q
         return drafts
 
+    @staticmethod
+    def own_counts(seq: Sequence) -> tuple[float, float]:
+        """The sequence's accepted drafts and rejections, each weighed by 2^(-tokens since / OWN_HALF_LIFE)."""
+        if not seq.draft_seen_at:
+            return 0.0, 0.0
+        f = 0.5 ** ((seq.num_tokens - seq.draft_seen_at) / OWN_HALF_LIFE)
+        return seq.draft_accepted * f, seq.draft_rejected * f
+
     def _choose(self, seqs: list[Sequence]) -> int:
+        """Adaptive k's choice for these sequences, from their own acceptances; where it is plain decoding
+        but a sequence of a small batch has not measured its own yet, or not in its last REPROBE_TOKENS
+        tokens (acceptance moves within a sequence: a hard opening, then a repetitive body), a probe: the
+        batch drafts once so that it does."""
         ad = self.adaptive
-        accs = [ad.seq_acceptance(s.draft_accepted, s.draft_rejected) for s in seqs]
-        return ad.choose(len(seqs), None if None in accs else accs)
+        accs = [ad.seq_acceptance(*self.own_counts(s)) for s in seqs]
+        k = ad.choose(len(seqs), None if None in accs else accs)
+        if (k == 0 and len(seqs) <= EXPLORE_SEQS and ad.fixed is None
+                and any(not s.draft_seen_at or s.num_tokens - s.draft_seen_at >= REPROBE_TOKENS for s in seqs)):
+            k = ad.probe()
+        return k
 
     def _select(self, seqs: list[Sequence], k: int) -> list[tuple[Sequence, int]]:
         """(sequence, its k) for those that draft this step at adaptive k's choice `k`: all of them or none
@@ -213,9 +233,11 @@ class SpeculativeDecoder:
             w = self._windows.pop(seq.seq_id, None)  # verified: not for _drop_unverified
             drafted = w is not None and w.drafted
             self._record(len(d), s.num_accepted, drafted)
-            if drafted:  # the sequence's own acceptance (geometric model, as the engine's)
-                seq.draft_accepted += s.num_accepted
-                seq.draft_rejected += s.num_accepted < len(d)
+            if drafted:  # the sequence's own acceptance (geometric model, as the engine's), older windows decayed
+                acc, rej = self.own_counts(seq)
+                seq.draft_accepted = acc + s.num_accepted
+                seq.draft_rejected = rej + (s.num_accepted < len(d))
+                seq.draft_seen_at = seq.num_tokens
             m = seq.request.metrics
             if m is not None:  # per request, for the decode span and escalation accounting
                 m.num_draft_tokens += len(d)

@@ -651,6 +651,30 @@ def test_a_step_drafts_for_every_sequence_or_none_and_explorations_stall_it_litt
     assert sorted(select(seqs(1, 2, 1, 2, 1, 2), True)) == [0, 1, 2, 4]  # at most EXPLORE_SEQS
 
 
+def test_a_sequence_of_a_small_batch_probes_its_own_acceptance_when_new_and_every_32_plain_tokens(pair):
+    from types import SimpleNamespace
+
+    sp = spec_llm(pair, k=4, fixed=False).engine.speculator
+    ad = sp.adaptive
+    ad.explore_every = ad._next_explore = 10_000
+    # the engine's acceptance 0.5: plain decoding wins on the mean, though drafting could pay at a higher one
+    feed(ad, 1, plain=0.010, per_token=0.0002, draft=0.006, a=0.5)
+    seq = SimpleNamespace(seq_id=1, num_tokens=100, max_len=400, draft_accepted=0.0, draft_rejected=0.0,
+                          draft_seen_at=0)
+    assert ad.choose(1) == 0
+    k = sp._choose([seq])
+    assert k > 0 and ad.exploring  # new: a probe, which counts as an exploration (catch-up, all or none)
+    seq.draft_seen_at, seq.draft_rejected = 100, 1.0  # its window came back rejected
+    for n in (101, 131):
+        seq.num_tokens = n
+        assert sp._choose([seq]) == 0  # measured within the last 32 tokens: plain decoding
+    seq.num_tokens = 132
+    assert sp._choose([seq]) == k  # 32 tokens without drafting: measure again
+    big = [SimpleNamespace(**{**vars(seq), "seq_id": i, "draft_seen_at": 0}) for i in range(8)]
+    feed(ad, 8, plain=0.010, per_token=0.0002, draft=0.006, a=0.5)
+    assert sp._choose(big) == 0  # batches past EXPLORE_SEQS do not probe
+
+
 def test_adaptive_k_does_not_slow_the_sequence_that_gains_least_for_the_batchs_mean():
     ak = AdaptiveK(4, explore_every=10_000)
     # batch 4: a plain step 10 ms, a step with k drafts 10 + 1.3 k ms; the engine's acceptance 0.8
@@ -667,7 +691,10 @@ def test_adaptive_k_does_not_slow_the_sequence_that_gains_least_for_the_batchs_m
     assert AdaptiveK(4).seq_acceptance(3, 1) is None  # nothing measured yet: no estimate
 
 
-def test_each_sequence_counts_its_own_verified_windows(pair):
+def test_each_sequence_counts_its_own_verified_windows(pair, monkeypatch):
+    import engines.spec.decoder as decoder_mod
+
+    monkeypatch.setattr(decoder_mod, "OWN_HALF_LIFE", 1e12)  # no forgetting: the counts add up to the engine's
     spec = spec_llm(pair, k=3)
     eng, sp = spec.engine, spec.engine.speculator
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -677,9 +704,16 @@ def test_each_sequence_counts_its_own_verified_windows(pair):
     seqs = list(eng.scheduler.running)
     drain(eng)
     assert sp.num_drafts > 0
-    assert sum(s.draft_accepted for s in seqs) == sp.num_accepted_tokens
+    assert sum(s.draft_accepted for s in seqs) == pytest.approx(sp.num_accepted_tokens)
     # a window ends in a rejection unless all its drafts were accepted
     assert 0 < sum(s.draft_rejected for s in seqs) <= sp.num_drafts
+    assert all(s.draft_seen_at > s.prompt_len for s in seqs)
+    # with the real half-life, windows 32 tokens back weigh half, 64 back a quarter
+    monkeypatch.setattr(decoder_mod, "OWN_HALF_LIFE", 32)
+    s = seqs[0]
+    for back, f in ((0, 1.0), (32, 0.5), (64, 0.25)):
+        s.draft_seen_at = s.num_tokens - back
+        assert sp.own_counts(s) == pytest.approx((s.draft_accepted * f, s.draft_rejected * f))
 
 
 def test_adaptive_k_explores_plain_decoding_as_a_short_run():
