@@ -27,7 +27,8 @@ SUPPLIED_CHUNK = 16  # supplied drafts are verified this many per target pass
 # (max_tokens, where the caller gave none, is the context's rest: no forecast of the output length)
 REMAINING_CAP = 256
 # a sequence's own acceptance forgets with this half-life in its tokens (code turns repetitive, or not), and
-# a sequence of a small batch that decoded this many tokens without drafting measures it again (`_choose`)
+# a sequence decoding alone that decoded this many tokens without drafting measures it again (`_choose`),
+# the gap doubling with each probe (32, 64, 128, ... tokens)
 OWN_HALF_LIFE = 32
 REPROBE_TOKENS = 32
 
@@ -153,15 +154,19 @@ class SpeculativeDecoder:
 
     def _choose(self, seqs: list[Sequence]) -> int:
         """Adaptive k's choice for these sequences, from their own acceptances; where it is plain decoding
-        but a sequence of a small batch has not measured its own yet, or not in its last REPROBE_TOKENS
-        tokens (acceptance moves within a sequence: a hard opening, then a repetitive body), a probe: the
-        batch drafts once so that it does."""
+        for a sequence decoding alone that has not measured its own acceptance yet, or not in its last
+        REPROBE_TOKENS x 2^(its probes so far) tokens (acceptance moves within a sequence: a hard opening,
+        then a repetitive body), a probe: it drafts once so that it does. Only alone: in a batch every
+        sequence's drafter would catch up for it (in the server, probes of batches of up to 4 made decode-heavy
+        traffic slower, docs/benchmarks.md)."""
         ad = self.adaptive
         accs = [ad.seq_acceptance(*self.own_counts(s)) for s in seqs]
         k = ad.choose(len(seqs), None if None in accs else accs)
-        if (k == 0 and len(seqs) <= EXPLORE_SEQS and ad.fixed is None
-                and any(not s.draft_seen_at or s.num_tokens - s.draft_seen_at >= REPROBE_TOKENS for s in seqs)):
-            k = ad.probe()
+        if k == 0 and len(seqs) == 1 and ad.fixed is None:
+            s = seqs[0]
+            if not s.draft_seen_at or s.num_tokens - s.draft_seen_at >= REPROBE_TOKENS << s.draft_probes:
+                k = ad.probe()
+                s.draft_probes += k > 0
         return k
 
     def _select(self, seqs: list[Sequence], k: int) -> list[tuple[Sequence, int]]:

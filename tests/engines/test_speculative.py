@@ -651,7 +651,7 @@ def test_a_step_drafts_for_every_sequence_or_none_and_explorations_stall_it_litt
     assert sorted(select(seqs(1, 2, 1, 2, 1, 2), True)) == [0, 1, 2, 4]  # at most EXPLORE_SEQS
 
 
-def test_a_sequence_of_a_small_batch_probes_its_own_acceptance_when_new_and_every_32_plain_tokens(pair):
+def test_a_sequence_decoding_alone_probes_its_own_acceptance_when_new_and_after_32_64_128_plain_tokens(pair):
     from types import SimpleNamespace
 
     sp = spec_llm(pair, k=4, fixed=False).engine.speculator
@@ -660,7 +660,7 @@ def test_a_sequence_of_a_small_batch_probes_its_own_acceptance_when_new_and_ever
     # the engine's acceptance 0.5: plain decoding wins on the mean, though drafting could pay at a higher one
     feed(ad, 1, plain=0.010, per_token=0.0002, draft=0.006, a=0.5)
     seq = SimpleNamespace(seq_id=1, num_tokens=100, max_len=400, draft_accepted=0.0, draft_rejected=0.0,
-                          draft_seen_at=0)
+                          draft_seen_at=0, draft_probes=0)
     assert ad.choose(1) == 0
     k = sp._choose([seq])
     assert k > 0 and ad.exploring  # new: a probe, which counts as an exploration (catch-up, all or none)
@@ -668,11 +668,17 @@ def test_a_sequence_of_a_small_batch_probes_its_own_acceptance_when_new_and_ever
     for n in (101, 131):
         seq.num_tokens = n
         assert sp._choose([seq]) == 0  # measured within the last 32 tokens: plain decoding
-    seq.num_tokens = 132
-    assert sp._choose([seq]) == k  # 32 tokens without drafting: measure again
-    big = [SimpleNamespace(**{**vars(seq), "seq_id": i, "draft_seen_at": 0}) for i in range(8)]
-    feed(ad, 8, plain=0.010, per_token=0.0002, draft=0.006, a=0.5)
-    assert sp._choose(big) == 0  # batches past EXPLORE_SEQS do not probe
+    seq.num_tokens = 163
+    assert sp._choose([seq]) == 0  # its first probe doubled the gap: 64 tokens
+    seq.num_tokens = 164
+    assert sp._choose([seq]) == k  # 64 tokens without drafting: measure again
+    seq.draft_seen_at, seq.num_tokens = 164, 291
+    assert sp._choose([seq]) == 0 and seq.draft_probes == 2  # then after 128
+    seq.num_tokens = 292
+    assert sp._choose([seq]) == k
+    pair_ = [SimpleNamespace(**{**vars(seq), "seq_id": i, "draft_seen_at": 0}) for i in range(2)]
+    feed(ad, 2, plain=0.010, per_token=0.0002, draft=0.006, a=0.5)
+    assert sp._choose(pair_) == 0  # in a batch nobody probes
 
 
 def test_adaptive_k_does_not_slow_the_sequence_that_gains_least_for_the_batchs_mean():
