@@ -11,6 +11,7 @@ bit).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -390,7 +391,9 @@ class Featurizer:
         return dense, hashed
 
 
-# the statistics that are log(1 + x) of a count or length: one log1p call for all of them
+# the statistics that are log(1 + x) of a count or length; taken with math.log1p (the C library's), not
+# numpy's, whose SIMD paths differ by an ulp between CPUs (AVX-512 against AVX2), so the features, and the
+# router's decisions, are the same on every machine
 _LOG_STATS = np.array([STAT_NAMES.index(s) for s in (
     "log_chars", "log_words", "log_lines", "log_last_message_chars", "log_mean_line_len", "log_max_line_len",
     "log_turns", "log_last_line_len", "last_line_indent")])
@@ -471,5 +474,5 @@ def _stats(turns: list[tuple[str, str]], body: str) -> np.ndarray:
         stripped.startswith(("#", "//")),
         triple,
     ], dtype=np.float64)
-    out[_LOG_STATS] = np.log1p(out[_LOG_STATS])
+    out[_LOG_STATS] = [math.log1p(x) for x in out[_LOG_STATS].tolist()]
     return out
