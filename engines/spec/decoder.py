@@ -160,8 +160,11 @@ class SpeculativeDecoder:
         sequence's drafter would catch up for it (in the server, probes of batches of up to 4 made decode-heavy
         traffic slower, docs/benchmarks.md)."""
         ad = self.adaptive
-        accs = [ad.seq_acceptance(*self.own_counts(s)) for s in seqs]
-        k = ad.choose(len(seqs), None if None in accs else accs)
+        # sequences with no window of their own have the engine's acceptance: with none anywhere, adaptive k
+        # needs no per-sequence list (the common case at large batches, kept off the step's Python)
+        accs = ([ad.seq_acceptance(*self.own_counts(s)) for s in seqs]
+                if any(s.draft_seen_at for s in seqs) else None)
+        k = ad.choose(len(seqs), None if accs is None or None in accs else accs)
         if k == 0 and len(seqs) == 1 and ad.fixed is None:
             s = seqs[0]
             if not s.draft_seen_at or s.num_tokens - s.draft_seen_at >= REPROBE_TOKENS << s.draft_probes:
