@@ -7,13 +7,12 @@ over tiny checkpoints whose engine steps are slowed, so a generation outlasts th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from tiny_checkpoints import with_chat_template  # noqa: E402  (conftest puts tests/ on the path)
+from engine_pacing import slowed  # noqa: E402  (conftest puts tests/ on the path)
+from tiny_checkpoints import with_chat_template  # noqa: E402
 
 from gateway.config import config_from_dict
 from gateway.server import ServerThread
@@ -41,30 +40,6 @@ def server(tiny_checkpoint, tmp_path_factory):
                                "cascade": {"confidence_threshold": -0.0001}}}})
     with ServerThread(cfg) as srv:
         yield srv
-
-
-@contextlib.contextmanager
-def _slowed(server: ServerThread, *names: str, per_step_s: float = 0.01) -> Iterator[None]:
-    """Each step of the named engines takes `per_step_s` longer (the device thread sleeps before it), and each
-    step takes one token per sequence (no multi-step greedy tokens: the pacing is per token)."""
-    import engines.engine as engine_module
-
-    saved_multi = engine_module.MULTI_STEP_TOKENS
-    engine_module.MULTI_STEP_TOKENS = 1
-    engines = server.app.state.gateway.host.engines
-    for name in names:
-        step = engines[name].step
-
-        def slow(step=step) -> int:
-            time.sleep(per_step_s)
-            return step()
-        engines[name].step = slow
-    try:
-        yield
-    finally:
-        engine_module.MULTI_STEP_TOKENS = saved_multi
-        for name in names:
-            del engines[name].step
 
 
 def _stats(server: ServerThread) -> dict:
@@ -101,7 +76,7 @@ async def _all_idle(server: ServerThread, timeout_s: float) -> bool:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_queued_request_whose_client_leaves_is_dropped_while_the_running_one_goes_on(server, stream):
-    with _slowed(server, "tandem-small"):
+    with slowed(server, "tandem-small"):
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as holder:
             async with holder.stream("POST", "/v1/completions",
                                      json={"model": "fast", "stream": True, **LONG}) as running:
@@ -123,7 +98,7 @@ async def test_a_queued_request_whose_client_leaves_is_dropped_while_the_running
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_cascade_whose_client_leaves_during_the_small_answer_stops_it_and_never_escalates(server, stream):
     large_steps = _stats(server)["engines"]["tandem-large"]["num_steps"]
-    with _slowed(server, "tandem-small"):
+    with slowed(server, "tandem-small"):
         await _hang_up(server, "/v1/chat/completions", {
             "model": "cascade", "stream": stream, "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 400, "temperature": 0.0, "ignore_eos": True})
@@ -132,7 +107,7 @@ async def test_a_cascade_whose_client_leaves_during_the_small_answer_stops_it_an
 
 
 async def test_a_cascade_whose_client_leaves_after_escalating_aborts_the_large_engine_too(server):
-    with _slowed(server, "tandem-large", per_step_s=0.03):
+    with slowed(server, "tandem-large", per_step_s=0.03):
         leaving = asyncio.create_task(_hang_up(server, "/v1/chat/completions", {
             "model": "cascade", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 200,
             "temperature": 0.0, "ignore_eos": True}, leave_after_s=3.0))

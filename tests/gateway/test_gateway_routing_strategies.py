@@ -15,10 +15,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from engine_pacing import slowed  # noqa: E402  (conftest puts tests/ on the path)
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from tiny_checkpoints import with_chat_template  # noqa: E402  (conftest puts tests/ on the path)
+from tiny_checkpoints import with_chat_template  # noqa: E402
 
 from engines.outputs import CompletionOutput, Logprob
 from gateway.cascade import CascadeStrategy, confidence
@@ -380,16 +381,18 @@ def test_cascade_rejects_n_above_one(client):
 def test_client_hanging_up_on_a_cascade_aborts_the_engine_and_frees_its_pages(server):
     body = {"model": "cascade-always", "messages": EASY, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
     before = _metric(server, "tandem:request_success_total", route="cascade-always", finished_reason="abort")
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(5.0, read=0.2))
     pool = server.app.state.gateway.host
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (
-            pool.stats()["pool"]["used_pages"] > 0
-            or _metric(server, "tandem:request_success_total", route="cascade-always",
-                       finished_reason="abort") == before):
-        time.sleep(0.05)
+    # paced at 5 ms a token, the small answer alone takes 2 s: the client surely leaves mid-cascade, and the
+    # abort is noticed long before the generation could end by itself
+    with slowed(server, "tandem-small", "tandem-large", per_step_s=0.005):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(5.0, read=0.2))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+                pool.stats()["pool"]["used_pages"] > 0
+                or _metric(server, "tandem:request_success_total", route="cascade-always",
+                           finished_reason="abort") == before):
+            time.sleep(0.05)
     assert pool.stats()["pool"]["used_pages"] == 0
     assert _metric(server, "tandem:request_success_total", route="cascade-always", finished_reason="abort") == \
         before + 1
-

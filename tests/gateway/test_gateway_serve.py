@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tiny_checkpoints import with_chat_template  # noqa: E402  (conftest puts tests/ on the path)
 
 from gateway.server import free_port
 
@@ -48,15 +50,23 @@ def _serve_ready(ckpt: Path, tmp_path: Path, grace_period_s: float) -> tuple[sub
 def _streams(url: str, count: int, max_tokens: int, n: int = 4, resume: threading.Event | None = None
              ) -> tuple[list[threading.Thread], threading.Barrier, list[dict]]:
     """`count` completion streams of `n` x `max_tokens`; the barrier passes once each has its first chunk.
-    `resume`: each stream stops reading after its first chunk until it is set (a body far larger than the
-    socket buffers then keeps the request in flight however fast the engine is)."""
+    `resume`: each stream is a chat completion with 20 top logprobs a token (~1.6 kB of events per token)
+    that stops reading after its first chunk until it is set: the body outgrows the socket buffers (the
+    client's receive buffer capped at 256 KiB; the server's send buffer grows to 4 MB), so the server's writes block
+    and the request stays in flight however fast the engine is (the checkpoint needs a chat template)."""
     started = threading.Barrier(count + 1)
     results: list[dict] = []
 
     def stream() -> None:
         body = {"model": "tiny", "prompt": "hello", "max_tokens": max_tokens, "n": n, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        path, socket_options = "/v1/completions", None
+        if resume is not None:
+            del body["prompt"]
+            body |= {"messages": [{"role": "user", "content": "hello"}], "logprobs": True, "top_logprobs": 20}
+            path, socket_options = "/v1/chat/completions", [(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 << 10)]
+        with httpx.Client(transport=httpx.HTTPTransport(socket_options=socket_options), timeout=120) as client, \
+                client.stream("POST", url + path, json=body) as r:
             lines = r.iter_lines()
             first = next(lines)
             started.wait()
@@ -109,13 +119,14 @@ def test_sigterm_finishes_in_flight_streams_then_exits_cleanly(tiny_checkpoint, 
 @pytest.mark.slow
 def test_sigterm_answers_new_requests_503_with_retry_after_while_in_flight_ones_finish(tiny_checkpoint,
                                                                                         tmp_path: Path):
-    proc, url = _serve_ready(tiny_checkpoint("llama"), tmp_path, grace_period_s=60)
+    proc, url = _serve_ready(with_chat_template(tiny_checkpoint("llama"), tmp_path / "chat"), tmp_path,
+                             grace_period_s=60)
     pooled = httpx.Client(timeout=10)
     try:
         assert pooled.get(url + "/health").status_code == 200  # a keep-alive connection, idle from here
         resume = threading.Event()
-        # 12 x 450 tokens (~1 MB of events) not read until the drain is checked: the stream stays in flight
-        threads, started, results = _streams(url, 1, max_tokens=450, n=12, resume=resume)
+        # 16 x 450 tokens (~12 MB of events) not read until the drain is checked: the stream stays in flight
+        threads, started, results = _streams(url, 1, max_tokens=450, n=16, resume=resume)
         started.wait(timeout=60)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # the drain has begun: the stream is still running
@@ -136,7 +147,7 @@ def test_sigterm_answers_new_requests_503_with_retry_after_while_in_flight_ones_
         assert r.json()["error"]["code"] == "shutting_down" and r.json()["error"]["type"] == "service_unavailable"
     [stream] = results
     assert stream["rest"][-1] == "data: [DONE]"
-    assert json.loads(stream["rest"][-2][6:])["usage"]["completion_tokens"] == 12 * 450  # not cut
+    assert json.loads(stream["rest"][-2][6:])["usage"]["completion_tokens"] == 16 * 450  # not cut
     assert proc.returncode == 0, out
     assert "Traceback" not in out
 
