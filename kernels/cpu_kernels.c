@@ -25,8 +25,22 @@
 #else
 #define TK_AVX2 0
 #endif
+/* AVX-512 (foundation + byte/word + VL) where -march=native has it: 16-wide float32 streams; with VNNI, the
+ * int8 dots take vpdpbusd. The AVX2 paths stay for the rest, and give the same bits (same summation order) */
+#if TK_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TK_AVX512 1
+#else
+#define TK_AVX512 0
+#endif
+#if TK_AVX512 && defined(__AVX512VNNI__)
+#define TK_VNNI 1
+#else
+#define TK_VNNI 0
+#endif
 
 int tk_has_avx2(void) { return TK_AVX2; }
+/* which SIMD paths this build took: 1 AVX2, 2 AVX-512, 3 AVX-512 with VNNI (0: portable C) */
+int tk_simd_level(void) { return TK_VNNI ? 3 : TK_AVX512 ? 2 : TK_AVX2; }
 
 /* CALL(a, b) over output columns [0, N): on the calling thread when one thread or N < 128 (no OpenMP region
  * at all), else split in chunks of a multiple of ALIGN columns, one per thread */
@@ -136,12 +150,89 @@ static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, s
                                     stream_8};
 #endif
 
+#if TK_AVX512
+/* the same streams 16 columns wide (one cache line of each of the four weight rows per step; 8 of the last
+ * columns masked): each output column sums its products in the same order as the 8-wide ones */
+#define TK_DEF_STREAM512(MR)                                                                                   \
+    static void stream512_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y,\
+                               int64_t ldy, int64_t n0, int64_t n1) {                                         \
+        for (int r = 0; r < MR; r++) memset(y + r * ldy + n0, 0, sizeof(float) * (size_t)(n1 - n0));         \
+        const int64_t nfull = n0 + (n1 - n0) / 16 * 16;                                                        \
+        /* a masked step for 8 of the last columns, the last < 8 as the AVX2 build's scalar tail computes them */\
+        const __mmask16 tail = (n1 - n0) & 8 ? (__mmask16)0xff : (__mmask16)0;                                \
+        const int64_t nvec = nfull + ((n1 - n0) & 8);                                                          \
+        int64_t k = 0;                                                                                         \
+        for (; k + 4 <= K; k += 4) {                                                                           \
+            const float *w0 = w + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;                   \
+            __m512 xb[MR][4];                                                                                  \
+            for (int r = 0; r < MR; r++)                                                                       \
+                for (int j = 0; j < 4; j++) xb[r][j] = _mm512_set1_ps(x[r * ldx + k + j]);                    \
+            const float *pf = w0 + STREAM_PF * ldw;                                                            \
+            int64_t n = n0;                                                                                    \
+            for (; n < nfull; n += 16) {                                                                       \
+                _mm_prefetch((const char *)(pf + n), _MM_HINT_T0);                                             \
+                _mm_prefetch((const char *)(pf + ldw + n), _MM_HINT_T0);                                       \
+                _mm_prefetch((const char *)(pf + 2 * ldw + n), _MM_HINT_T0);                                   \
+                _mm_prefetch((const char *)(pf + 3 * ldw + n), _MM_HINT_T0);                                   \
+                __m512 a = _mm512_loadu_ps(w0 + n), b = _mm512_loadu_ps(w1 + n);                               \
+                __m512 c = _mm512_loadu_ps(w2 + n), d = _mm512_loadu_ps(w3 + n);                               \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    float *yr = y + r * ldy + n;                                                               \
+                    __m512 acc = _mm512_loadu_ps(yr);                                                          \
+                    acc = _mm512_fmadd_ps(xb[r][0], a, acc);                                                   \
+                    acc = _mm512_fmadd_ps(xb[r][1], b, acc);                                                   \
+                    acc = _mm512_fmadd_ps(xb[r][2], c, acc);                                                   \
+                    acc = _mm512_fmadd_ps(xb[r][3], d, acc);                                                   \
+                    _mm512_storeu_ps(yr, acc);                                                                 \
+                }                                                                                              \
+            }                                                                                                  \
+            if (tail) {                                                                                        \
+                __m512 a = _mm512_maskz_loadu_ps(tail, w0 + n), b = _mm512_maskz_loadu_ps(tail, w1 + n);       \
+                __m512 c = _mm512_maskz_loadu_ps(tail, w2 + n), d = _mm512_maskz_loadu_ps(tail, w3 + n);       \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    float *yr = y + r * ldy + n;                                                               \
+                    __m512 acc = _mm512_maskz_loadu_ps(tail, yr);                                              \
+                    acc = _mm512_fmadd_ps(xb[r][0], a, acc);                                                   \
+                    acc = _mm512_fmadd_ps(xb[r][1], b, acc);                                                   \
+                    acc = _mm512_fmadd_ps(xb[r][2], c, acc);                                                   \
+                    acc = _mm512_fmadd_ps(xb[r][3], d, acc);                                                   \
+                    _mm512_mask_storeu_ps(yr, tail, acc);                                                      \
+                }                                                                                              \
+            }                                                                                                  \
+            for (n = nvec; n < n1; n++)                                                                        \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    const float *xr = x + r * ldx + k;                                                         \
+                    y[r * ldy + n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];          \
+                }                                                                                              \
+        }                                                                                                      \
+        for (; k < K; k++) {                                                                                   \
+            const float *wk = w + k * ldw;                                                                     \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                float xv = x[r * ldx + k];                                                                     \
+                for (int64_t n = n0; n < n1; n++) y[r * ldy + n] += xv * wk[n];                               \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+TK_DEF_STREAM512(1)
+TK_DEF_STREAM512(2)
+TK_DEF_STREAM512(3)
+TK_DEF_STREAM512(4)
+TK_DEF_STREAM512(5)
+TK_DEF_STREAM512(6)
+TK_DEF_STREAM512(7)
+TK_DEF_STREAM512(8)
+static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3, stream512_4, stream512_5,
+                                       stream512_6, stream512_7, stream512_8};
+#endif
+
 /* columns [n0, n1) of rows [0, M), bias added */
 static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, const float *bias,
                         float *y, int64_t N, int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
         int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
-#if TK_AVX2
+#if TK_AVX512
+        STREAM512[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
+#elif TK_AVX2
         STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
 #else
         for (int r = 0; r < mr; r++)
@@ -361,7 +452,11 @@ static void quant_act_q8(const float *x, int64_t M, int64_t K, int8_t *xq, uint8
 #if TK_AVX2
 /* the eight int32 partial sums of a block's 32 products x * w */
 static inline __m256i dot_q8(__m256i xa, __m256i xs, __m256i w) {
+#if TK_VNNI /* one vpdpbusd for vpmaddubsw + vpmaddwd: the same eight sums of four products, bit for bit */
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), xa, _mm256_sign_epi8(w, xs));
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w, xs)), _mm256_set1_epi16(1));
+#endif
 }
 
 /* NR weight rows x MR activation rows: s[r * NR + i] = sum_b d[r, b] * (x_q[r, b] . q[i, b]) */

@@ -2,7 +2,9 @@
 one `cc -O3 -march=native` call, about a second), cached under `~/.cache/tandem/cpu_kernels` (or
 `$TANDEM_CPU_KERNELS_DIR`) by a hash of the source, the flags, the compiler and the CPU, and called through
 ctypes. Each kernel has its PyTorch reference here, which the tests compare it to and which runs wherever the
-kernels are unavailable (no compiler, no AVX2/FMA, or `TANDEM_CPU_KERNELS=0`).
+kernels are unavailable (no compiler, no AVX2/FMA, or `TANDEM_CPU_KERNELS=0`). Where -march=native finds
+AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpbusd (`simd_level()`;
+`TANDEM_CPU_SIMD=avx2` builds the AVX2 paths alone, to compare).
 
 - `linear(x, weight, bias)`: y = x @ weight.T for a float32 nn.Linear weight stored column-major
   (`engines.model.cpu_weight_layout`): up to 12 rows the weight is streamed once in address order (the
@@ -57,8 +59,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TANDEM_CPU_KERNELS_DIR") or Path.home() / ".cache" / "tandem" / "cpu_kernels")
 
 
+def _simd_flags() -> list[str]:
+    """`TANDEM_CPU_SIMD=avx2` builds without AVX-512 on a machine that has it (to compare the two paths);
+    anything else takes what -march=native finds."""
+    return ["-mno-avx512f"] if os.environ.get("TANDEM_CPU_SIMD", "").lower() == "avx2" else []
+
+
+def build_variant(simd: str) -> ctypes.CDLL:
+    """A separately built copy of the kernels: `simd` "avx2" (no AVX-512) or "native" (what -march=native
+    finds), to compare the SIMD paths in one process (tests, benchmarks); raises where it cannot be built."""
+    extra = {"avx2": ["-mno-avx512f"], "native": []}[simd]
+    so = build_library(_SRC.read_text(), f"tandem_cpu_kernels_{simd}", [*_FLAGS, *extra, "-Wno-unknown-pragmas"],
+                       cache_dir(), key=(_cpu_flags(),))
+    return _bind(ctypes.CDLL(str(so)))
+
+
+def simd_level() -> str:
+    """The SIMD paths the loaded kernels run: "avx512-vnni", "avx512", "avx2", or "none" (not loaded)."""
+    lib = load()
+    return "none" if lib is None else ("none", "avx2", "avx512", "avx512-vnni")[lib.tk_simd_level()]
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_has_avx2.restype = _INT
+    lib.tk_simd_level.restype = _INT
     lib.tk_linear_f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.tk_linear_f32.restype = None
     lib.tk_linear_i8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
@@ -120,7 +144,7 @@ def _load() -> ctypes.CDLL | None:
     lib = None
     source = _SRC.read_text()
     for openmp in (True, False):
-        flags = [*_FLAGS, *(["-fopenmp"] if openmp else ["-Wno-unknown-pragmas"])]
+        flags = [*_FLAGS, *_simd_flags(), *(["-fopenmp"] if openmp else ["-Wno-unknown-pragmas"])]
         try:
             lib = _bind(ctypes.CDLL(str(build_library(source, "tandem_cpu_kernels", flags, cache_dir(),
                                                       key=(_cpu_flags(),)))))

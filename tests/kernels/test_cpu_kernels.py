@@ -93,6 +93,36 @@ def test_linear_w8a8_matches_reference(m, n, k):
 
 
 @needs_kernels
+def test_the_avx512_paths_give_the_avx2_paths_bits():
+    """Where -march=native finds AVX-512 the float32 streams run 16 wide (masked last columns) and, with VNNI,
+    the w8a8 dots take vpdpbusd; each output sums the same products in the same order as the AVX2 build,
+    so the two give the same bits, for every row count of the streams (1-8, then blocks of 8) and column
+    tails."""
+    if not ck.simd_level().startswith("avx512"):
+        pytest.skip(f"this CPU runs the {ck.simd_level()} paths only: nothing to compare")
+    from kernels.quant_matmul import quantize_int8
+
+    wide, narrow = ck.build_variant("native"), ck.build_variant("avx2")
+    assert (wide.tk_simd_level(), narrow.tk_simd_level()) in ((2, 1), (3, 1))
+    g = torch.Generator().manual_seed(7)
+    for m in (1, 2, 5, 8, 11):
+        for n, k in ((256, 256), (40, 64), (1409, 96), (3, 32)):
+            x = torch.randn(m, k, generator=g)
+            wt = torch.randn(k, n, generator=g)
+            q, s = quantize_int8(torch.randn(n, k, generator=g))
+            outs = []
+            for lib in (wide, narrow):
+                y, y8 = torch.empty(m, n), torch.empty(m, n)
+                lib.tk_linear_f32(x.data_ptr(), m, k, wt.data_ptr(), n, n, None, y.data_ptr(), 1)
+                assert lib.tk_linear_w8a8(x.data_ptr(), m, k, q.data_ptr(), s.data_ptr(), n, None,
+                                          y8.data_ptr(), 1) == 0
+                outs.append((y, y8))
+            (y_wide, y8_wide), (y_narrow, y8_narrow) = outs
+            assert torch.equal(y_wide, y_narrow) and torch.equal(y8_wide, y8_narrow), (m, n, k)
+            torch.testing.assert_close(y_wide, x @ wt, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
 def test_linear_w8a8_refuses_in_features_not_divisible_by_32():
     from kernels.quant_matmul import quantize_int8
 
