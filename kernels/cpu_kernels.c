@@ -223,6 +223,51 @@ TK_DEF_STREAM512(7)
 TK_DEF_STREAM512(8)
 static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3, stream512_4, stream512_5,
                                        stream512_6, stream512_7, stream512_8};
+
+/* 2-8 rows: 32 columns at a time summed over all of K in registers (2 MR accumulators), so no output
+ * traffic per step of k; the weight read as a 128-byte column, prefetched BLOCK_PF rows of k ahead. The
+ * same FMA chain per output column as the streams (k in order from 0): the same bits */
+#define BLOCK_PF 8
+/* where the blocks beat the streams (bench/gemv_cpu.py on a 2-core AVX-512 VM, docs/benchmarks.md): from 5 rows
+ * (a verify window of 4 drafts), over K up to 1024 (a longer column, the 80M model's down projection, streams) */
+#define BLOCK_MIN_ROWS 5
+#define BLOCK_MAX_K 1024
+#define TK_DEF_BLOCK512(MR)                                                                                    \
+    static void block512_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y, \
+                              int64_t ldy, int64_t n0, int64_t n1) {                                          \
+        int64_t n = n0;                                                                                        \
+        for (; n + 32 <= n1; n += 32) {                                                                        \
+            __m512 acc[MR][2];                                                                                 \
+            for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                        \
+            const float *wk = w + n;                                                                           \
+            for (int64_t k = 0; k < K; k++, wk += ldw) {                                                       \
+                if (k + BLOCK_PF < K) {                                                                        \
+                    _mm_prefetch((const char *)(wk + BLOCK_PF * ldw), _MM_HINT_T0);                            \
+                    _mm_prefetch((const char *)(wk + BLOCK_PF * ldw + 16), _MM_HINT_T0);                       \
+                }                                                                                              \
+                __m512 a = _mm512_loadu_ps(wk), b = _mm512_loadu_ps(wk + 16);                                  \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    __m512 xb = _mm512_set1_ps(x[r * ldx + k]);                                                \
+                    acc[r][0] = _mm512_fmadd_ps(xb, a, acc[r][0]);                                             \
+                    acc[r][1] = _mm512_fmadd_ps(xb, b, acc[r][1]);                                             \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                _mm512_storeu_ps(y + r * ldy + n, acc[r][0]);                                                  \
+                _mm512_storeu_ps(y + r * ldy + n + 16, acc[r][1]);                                             \
+            }                                                                                                  \
+        }                                                                                                      \
+        if (n < n1) stream512_##MR(x, ldx, K, w, ldw, y, ldy, n, n1);                                          \
+    }
+TK_DEF_BLOCK512(2)
+TK_DEF_BLOCK512(3)
+TK_DEF_BLOCK512(4)
+TK_DEF_BLOCK512(5)
+TK_DEF_BLOCK512(6)
+TK_DEF_BLOCK512(7)
+TK_DEF_BLOCK512(8)
+static const stream_fn BLOCK512[9] = {0, stream512_1, block512_2, block512_3, block512_4, block512_5,
+                                      block512_6, block512_7, block512_8};
 #endif
 
 /* columns [n0, n1) of rows [0, M), bias added */
@@ -231,7 +276,8 @@ static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, i
     for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
         int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
 #if TK_AVX512
-        STREAM512[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
+        (mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw,
+                                                                               y + m0 * N, N, n0, n1);
 #elif TK_AVX2
         STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
 #else

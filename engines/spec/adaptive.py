@@ -236,6 +236,9 @@ class AdaptiveK:
                 best, best_rate = k, rate
             if rate > best_draft_rate:
                 best_draft, best_draft_rate = k, rate
+        # the k > 0 whose whole step was never measured at this batch size, largest first
+        unmeasured = [k for k in range(self.k_max, 0, -1)
+                      if bucket not in getattr(self.step_cost.get(k), "points", {})]
         side = self._side.get(bucket)
         if (best > 0 and not side and best_rate < self.switch_margin * plain_rate
                 and bucket not in getattr(self.step_cost.get(best), "points", {})):
@@ -261,10 +264,11 @@ class AdaptiveK:
                 self._hold_plain = 2  # measure plain decoding (observe_step)
                 best = 0
             elif batch <= self.explore_seqs:
-                # every sequence drafts: the best k > 0 for 3 steps, so two steady ones measure the whole step
-                # at this batch size (a single step pays the switch and is never counted; without a measured
-                # k > 0 here the tokens-per-step model alone decides, and it underrates drafting)
-                best = best_draft
+                # every sequence drafts: for 3 steps, so two steady ones measure the whole step at this batch
+                # size (a single step pays the switch and is never counted), the largest k not measured here
+                # yet, else the best k > 0: optimism where nothing is known (the modelled cost of an unmeasured
+                # k, scaled by another k's, can rate it too dear to be ever tried, and then ever measured)
+                best = unmeasured[0] if unmeasured else best_draft
                 self._hold_draft = (2, best)
             elif perfect_rate >= self.switch_margin * plain_rate:
                 best = 1  # a few sequences draft k = 1: it measures acceptance, not the cost of a whole step
@@ -274,8 +278,10 @@ class AdaptiveK:
             # per token it yields that sequence
             seconds = self.step_seconds(batch, best, d)
             self.saving_s = max(0.0, self.plain_step_s - seconds / self.expected_tokens(a_min, best))
-        if best == 0 and perfect_rate >= self.switch_margin * plain_rate:
-            self._probe_k = best_draft  # what `probe` drafts: drafting could pay at some acceptance
+        if best == 0 and unmeasured:  # what `probe` drafts: a k never measured at this batch size, else the
+            self._probe_k = unmeasured[0]  # best k > 0 where drafting could pay at some acceptance
+        elif best == 0 and perfect_rate >= self.switch_margin * plain_rate:
+            self._probe_k = best_draft
         self.k = best
         return best
 

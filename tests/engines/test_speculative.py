@@ -472,22 +472,50 @@ def test_adaptive_k_explores_drafting_at_a_small_batch_as_a_short_run_and_keeps_
     for _ in range(10):
         choices.append(ak.choose(2))
         ak.observe_step(2, choices[-1], 0.004 if choices[-1] == 0 else 0.006)  # measured: k > 0 costs 6 ms
-    # the exploration (the 8th choice) drafts with the model's best k > 0 (here 1) for 3 steps, two of them
-    # steady, so the whole step at this batch size is measured
-    assert choices == [0] * 7 + [1] * 3
-    assert ak.step_seconds(2, 1, 0.002) == pytest.approx(0.006)
-    # 2 x E(1) / 6 ms = 0.63 tokens/ms beats 2 / 4 ms: it keeps drafting
-    assert [ak.choose(2) for _ in range(4)] == [1] * 4
-    ak.unsteady()  # a step whose drafter caught up on a new prompt: not a measure of k = 1
-    ak.observe_step(2, 1, 0.050)
-    assert ak.step_seconds(2, 1, 0.002) == pytest.approx(0.006)
-    ak.observe_step(2, 1, 0.007)  # the next one with the same k is
+    # the exploration (the 8th choice) drafts with the largest k not measured at this batch size (4: the model
+    # rates it worst, and would never try it) for 3 steps, two of them steady, so the whole step is measured
+    assert choices == [0] * 7 + [4] * 3
+    assert ak.step_seconds(2, 4, 0.002) == pytest.approx(0.006)
+    # 2 x E(4) / 6 ms = 1.37 tokens/ms beats 2 / 4 ms: it keeps drafting
+    assert all(k > 0 for k in [ak.choose(2) for _ in range(4)])
+    ak.unsteady()  # a step whose drafter caught up on a new prompt: not a measure of k = 4
+    ak.observe_step(2, 4, 0.050)
+    assert ak.step_seconds(2, 4, 0.002) == pytest.approx(0.006)
+    ak.observe_step(2, 4, 0.007)  # the next one with the same k is
     # its first observations average plainly (two of 6 ms, this one of 7 ms), later ones decay as an EMA
-    assert ak.step_seconds(2, 1, 0.002) == pytest.approx((2 * 0.006 + 0.007) / 3)
+    assert ak.step_seconds(2, 4, 0.002) == pytest.approx((2 * 0.006 + 0.007) / 3)
     # at a batch larger than explore_seqs an exploration is one step of k = 1 for a few sequences
     big = AdaptiveK(4, explore_every=8)
     feed(big, 16, plain=0.004, per_token=0.0001, draft=0.001, a=0.5)
     assert [big.choose(16) for _ in range(9)] == [0] * 7 + [1, 0]
+
+
+def test_one_dear_measurement_of_a_small_k_does_not_keep_larger_ones_from_being_tried():
+    """A k = 1 step measured dear at batch 1 (a cold first step) scales the model of every other k with it, so
+    that drafting looks like a loss even with every draft accepted; the larger k were never measured, so an
+    exploration and a lone sequence's probe try them, largest first, and a cheap measured k = 4 then drafts
+    (on held-out prompts this stuck at plain decoding for whole runs: 0.99x where k = 4 gave 1.8x)."""
+    ak = AdaptiveK(4, explore_every=8)
+    ak.target.observe(1, 0.001)
+    ak.target.observe(2, 0.0016)
+    ak.target.observe(6, 0.0040)
+    ak.draft.observe(1, 0.0003)
+    ak.observe_window(20, 17)  # a = 0.85
+    for _ in range(3):
+        ak.observe_step(1, 0, 0.001)
+    ak.observe_step(1, 1, 0.0024)
+    ak.observe_step(1, 1, 0.0024)  # k = 1 measured: 2.4 ms against 1 ms plain
+    ak.k = 0
+    assert ak.choose(1) == 0
+    assert ak.probe() == 4  # not measured at this batch size: a probe measures it
+    choices = []
+    for _ in range(9):  # the 8th choice explores
+        choices.append(ak.choose(1))
+        ak.observe_step(1, choices[-1], 0.001 if choices[-1] == 0 else 0.0027)
+    assert choices[-3:] == [4, 4, 4]  # the exploration: k = 4, two steady steps of 2.7 ms
+    # E(0.85, 4) = 3.8 tokens per 2.7 ms against 1 per 1 ms: it drafts (with the k that k = 4's measured cost,
+    # scaling the model of the k not measured, rates best)
+    assert ak.choose(1) > 0
 
 
 def test_adaptive_k_starts_drafting_only_for_a_clear_gain_and_stops_at_once():
