@@ -13,6 +13,10 @@ PRIOR_WINDOWS = 4.0
 # an exploration's catch-ups may cost each sequence of the step at most this share of its remaining decode
 # time at plain decoding's pace (at least one plain step): a measurement must not move anyone's tail
 EXPLORE_STALL = 0.05
+# a choice of plain decoding at a batch larger than explore_seqs stands for this many more steps of that batch
+# size without being weighed again (weighing every k costs ~40 us a step, 2% of a batch-8 step, when the
+# choice all but never changes there); explorations still come on time, and a measured drafting step ends it
+REUSE_PLAIN = 8
 
 
 class CostModel:
@@ -109,6 +113,7 @@ class AdaptiveK:
         self.plain_step_s = 0.0
         self.saving_s = 0.0
         self._probe_k = 0  # of the latest choice of plain decoding: the k a probe of drafting would take
+        self._reuse = (0, 0)  # (batch size, steps left) of a choice of plain decoding that stands (REUSE_PLAIN)
 
     @property
     def acceptance(self) -> float | None:
@@ -126,6 +131,8 @@ class AdaptiveK:
         k changes pays for the switch (the other model's weights and K/V have just left the caches, the
         drafter catches up), and counting it would make plain decoding look slower than it is."""
         prev, self._prev_k = self._prev_k, k
+        if k > 0:  # news of drafting at some batch size: a choice of plain decoding standing unweighed ends
+            self._reuse = (0, 0)
         if prev == k:
             self.step_cost.setdefault(k, CostModel()).observe(batch, seconds)
 
@@ -210,6 +217,11 @@ class AdaptiveK:
         if self.k_max == 0 or batch == 0:
             return 0
         self._steps += 1
+        if self._reuse[1] > 0 and self._reuse[0] == batch and self._steps < self._next_explore:
+            self._reuse = (batch, self._reuse[1] - 1)  # the plain decoding chosen a few steps ago stands
+            self.k = 0
+            return 0
+        self._reuse = (0, 0)
         a = self.acceptance
         bucket = max(1, batch).bit_length()
         if bucket not in self.target.points:
@@ -282,6 +294,8 @@ class AdaptiveK:
             self._probe_k = unmeasured[0]  # best k > 0 where drafting could pay at some acceptance
         elif best == 0 and perfect_rate >= self.switch_margin * plain_rate:
             self._probe_k = best_draft
+        if best == 0 and not self.exploring and batch > self.explore_seqs:
+            self._reuse = (batch, REUSE_PLAIN)
         self.k = best
         return best
 

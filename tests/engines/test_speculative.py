@@ -518,6 +518,37 @@ def test_one_dear_measurement_of_a_small_k_does_not_keep_larger_ones_from_being_
     assert ak.choose(1) > 0
 
 
+def test_a_choice_of_plain_decoding_at_a_large_batch_stands_for_a_few_steps_then_is_weighed_again():
+    from engines.spec.adaptive import REUSE_PLAIN
+
+    def cheapen(ak: AdaptiveK, batch: int) -> None:  # verify passes now cost what a plain pass does
+        for _ in range(40):
+            for k in range(1, 5):
+                ak.target.observe(batch * (k + 1), 0.004)
+            ak.draft.observe(batch, 0.00001)
+
+    ak = AdaptiveK(4, explore_every=10_000)
+    feed(ak, 16, plain=0.004, per_token=0.001, draft=0.002, a=0.5)  # drafting loses at batch 16
+    ak.k = 0
+    assert ak.choose(16) == 0
+    cheapen(ak, 16)
+    assert [ak.choose(16) for _ in range(REUSE_PLAIN)] == [0] * REUSE_PLAIN  # the choice stands, unweighed
+    assert ak.choose(16) > 0  # then weighed again: drafting wins now
+    ak.k = 0
+    stale = AdaptiveK(4, explore_every=10_000)
+    feed(stale, 16, plain=0.004, per_token=0.001, draft=0.002, a=0.5)
+    assert stale.choose(16) == 0
+    stale.observe_step(16, 2, 0.0001)  # a measured drafting step ends the standing choice at once
+    stale.observe_step(16, 2, 0.0001)
+    assert stale.choose(16) > 0
+    small = AdaptiveK(4, explore_every=10_000)  # at a small batch every step is weighed
+    feed(small, 2, plain=0.004, per_token=0.001, draft=0.002, a=0.5)
+    small.k = 0
+    assert small.choose(2) == 0
+    cheapen(small, 2)
+    assert small.choose(2) > 0
+
+
 def test_adaptive_k_starts_drafting_only_for_a_clear_gain_and_stops_at_once():
     ak = AdaptiveK(1, explore_every=10_000)
     ak.target.observe(4, 0.010)
