@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t[key] * 1e6:.1f} ({gbs[key]:.1f})" for key in KINDS) + " |", flush=True)
     passes = model_passes(args.rows, args.reps) if args.model_pass else []
     out = {"rows": rows, "model_passes": passes, "threads": args.threads, "machine": platform.processor(),
+           "simd": ck.simd_level(),
            "cpus": os.cpu_count(),
            "loadavg": os.getloadavg(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

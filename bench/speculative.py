@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engines import LLM, SamplingParams  # noqa: E402
+from kernels.cpu_kernels import simd_level  # noqa: E402
 from training.corpus import load_corpus_split  # noqa: E402
 
 LARGE, SMALL = ROOT / "models" / "tandem-tiny-l", ROOT / "models" / "tandem-tiny-s"
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                          "draft_quantization": args.draft_quantization,
                          "k_max": args.k, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                          "repeats": args.repeats, "batched_repeats": args.batched_repeats, "threads": args.threads, "batch1_prompts": args.batch1_prompts,
-                         "python": platform.python_version(),
+                         "python": platform.python_version(), "cpu_simd": simd_level(),
                          "torch": torch.__version__, "machine": platform.machine()},
               "rows": rows, "fixed_k_batch1_greedy": sweep, "adaptive_cost_model": measured}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
