@@ -538,6 +538,60 @@ TK_DEF_W8(4, 2)
 TK_DEF_W8(1, 1)
 #endif
 
+#if TK_VNNI
+/* the same tiles two blocks per 512-bit vector (lanes 0-7 block b, 8-15 block b + 1): the weights' signs flipped
+ * where x < 0 by one masked subtract (no 512-bit vpsignb), one vpdpbusd, one convert and one FMA by the two
+ * blocks' scales per pair of blocks; an odd last block takes the 256-bit dot. Sums in another order than the
+ * AVX2 tiles (not the same bits; the same integer dots) */
+#define TK_DEF_W8V(NR, MR)                                                                                     \
+    static void w8v_##NR##x##MR(const int8_t *xq, const uint8_t *xa, const float *d, int64_t K, const int8_t *q,\
+                                float *s) {                                                                    \
+        const int64_t B = K / Q8;                                                                              \
+        const __m512i zero = _mm512_setzero_si512();                                                           \
+        __m512 acc[MR][NR];                                                                                    \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int i = 0; i < NR; i++) acc[r][i] = _mm512_setzero_ps();                                     \
+        int64_t b = 0;                                                                                         \
+        for (; b + 2 <= B; b += 2) {                                                                           \
+            if (NR == 4) { /* the next four rows, 256 bytes per pair of blocks, as the AVX2 tiles do */       \
+                const char *pf = (const char *)(q + 4 * K) + b * 128;                                          \
+                for (int j = 0; j < 4; j++) _mm_prefetch(pf + 64 * j, _MM_HINT_T0);                           \
+            }                                                                                                  \
+            __m512i w[NR];                                                                                     \
+            for (int i = 0; i < NR; i++) w[i] = _mm512_loadu_si512((const void *)(q + i * K + b * Q8));       \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                __m512i a = _mm512_loadu_si512((const void *)(xa + r * K + b * Q8));                           \
+                __mmask64 neg = _mm512_movepi8_mask(_mm512_loadu_si512((const void *)(xq + r * K + b * Q8)));  \
+                __m512 db = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(d[r * B + b]),              \
+                                                 _mm512_set1_ps(d[r * B + b + 1]));                            \
+                for (int i = 0; i < NR; i++) {                                                                 \
+                    __m512i sw = _mm512_mask_sub_epi8(w[i], neg, zero, w[i]);                                  \
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, a, sw)), db,      \
+                                                acc[r][i]);                                                    \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int i = 0; i < NR; i++) s[r * NR + i] = _mm512_reduce_add_ps(acc[r][i]);                     \
+        if (b < B)                                                                                             \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                __m256i a = _mm256_loadu_si256((const __m256i *)(xa + r * K + b * Q8));                        \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * Q8));                        \
+                __m256 db = _mm256_set1_ps(d[r * B + b]);                                                      \
+                for (int i = 0; i < NR; i++) {                                                                 \
+                    __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + i * K + b * Q8));                    \
+                    s[r * NR + i] += hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot_q8(a, x, w1)), db));        \
+                }                                                                                              \
+            }                                                                                                  \
+    }
+TK_DEF_W8V(4, 1)
+TK_DEF_W8V(4, 2)
+TK_DEF_W8V(1, 1)
+#define W8_TILE(NR, MR) w8v_##NR##x##MR
+#elif TK_AVX2
+#define W8_TILE(NR, MR) w8_##NR##x##MR
+#endif
+
 /* weight rows [n0, n1) for every activation row, from the quantised activations */
 static void linear_w8_rows(const int8_t *xq, const uint8_t *xa, const float *d, int64_t M, int64_t K,
                            const int8_t *q, const float *scale, const float *bias, float *y, int64_t N, int64_t n0,
@@ -550,19 +604,19 @@ static void linear_w8_rows(const int8_t *xq, const uint8_t *xa, const float *d, 
         const int8_t *qn = q + n * K;
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) {
-            w8_4x2(xq + m * K, xa + m * K, d + m * B, K, qn, s);
+            W8_TILE(4, 2)(xq + m * K, xa + m * K, d + m * B, K, qn, s);
             for (int r = 0; r < 2; r++)
                 for (int i = 0; i < 4; i++)
                     y[(m + r) * N + n + i] = s[r * 4 + i] * scale[n + i] + (bias ? bias[n + i] : 0.f);
         }
         for (; m < M; m++) {
-            w8_4x1(xq + m * K, xa + m * K, d + m * B, K, qn, s);
+            W8_TILE(4, 1)(xq + m * K, xa + m * K, d + m * B, K, qn, s);
             for (int i = 0; i < 4; i++) y[m * N + n + i] = s[i] * scale[n + i] + (bias ? bias[n + i] : 0.f);
         }
     }
     for (; n < n1; n++)
         for (int64_t m = 0; m < M; m++) {
-            w8_1x1(xq + m * K, xa + m * K, d + m * B, K, q + n * K, s);
+            W8_TILE(1, 1)(xq + m * K, xa + m * K, d + m * B, K, q + n * K, s);
             y[m * N + n] = s[0] * scale[n] + (bias ? bias[n] : 0.f);
         }
 #else

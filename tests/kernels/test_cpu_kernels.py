@@ -94,10 +94,10 @@ def test_linear_w8a8_matches_reference(m, n, k):
 
 @needs_kernels
 def test_the_avx512_paths_give_the_avx2_paths_bits():
-    """Where -march=native finds AVX-512 the float32 streams run 16 wide (masked last columns) and, with VNNI,
-    the w8a8 dots take vpdpbusd; each output sums the same products in the same order as the AVX2 build,
-    so the two give the same bits, for every row count of the streams (1-8, then blocks of 8) and column
-    tails."""
+    """Where -march=native finds AVX-512 the float32 linears run 16 wide (masked last columns; 5-8 rows summed
+    in registers): each output sums the same products in the same order as the AVX2 build, so the two give
+    the same bits, for every row count (1-8, then blocks of 8) and column tails. With VNNI the w8a8 tiles take
+    two blocks per vector (vpdpbusd): the same integer dots summed in another order, so close, not equal."""
     if not ck.simd_level().startswith("avx512"):
         pytest.skip(f"this CPU runs the {ck.simd_level()} paths only: nothing to compare")
     from kernels.quant_matmul import quantize_int8
@@ -118,8 +118,12 @@ def test_the_avx512_paths_give_the_avx2_paths_bits():
                                           y8.data_ptr(), 1) == 0
                 outs.append((y, y8))
             (y_wide, y8_wide), (y_narrow, y8_narrow) = outs
-            assert torch.equal(y_wide, y_narrow) and torch.equal(y8_wide, y8_narrow), (m, n, k)
+            assert torch.equal(y_wide, y_narrow), (m, n, k)
             torch.testing.assert_close(y_wide, x @ wt, rtol=1e-4, atol=1e-4)
+            if wide.tk_simd_level() == 3:
+                torch.testing.assert_close(y8_wide, y8_narrow, rtol=1e-5, atol=1e-6 * y8_narrow.abs().max().item())
+            else:
+                assert torch.equal(y8_wide, y8_narrow), (m, n, k)
 
 
 @needs_kernels
