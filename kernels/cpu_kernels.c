@@ -25,8 +25,9 @@
 #else
 #define TK_AVX2 0
 #endif
-/* AVX-512 (foundation + byte/word + VL) where -march=native has it: 16-wide float32 streams; with VNNI, the
- * int8 dots take vpdpbusd. The AVX2 paths stay for the rest, and give the same bits (same summation order) */
+/* AVX-512 (foundation + byte/word + VL) where -march=native has it: 16-wide float32 streams and register-blocked
+ * 5-8 row linears, giving the AVX2 build's bits (same summation order); with VNNI, the w8a8 tiles take two
+ * blocks per vpdpbusd (the same integer dots, summed in another order). The AVX2 paths stay for the rest */
 #if TK_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TK_AVX512 1
 #else
