@@ -90,6 +90,29 @@ void tk_set_sgemm(void *fn) { tk_sgemm = (tk_sgemm_fn)fn; }
 #define STREAM_PF 4
 #endif
 
+/* the streams' scalar pieces, shared by the 8- and 16-wide builds so that both give the same bits: columns
+ * [n0, n1) of one step of four k (w0: its first weight row; x at that k), and the last values of k, k0..K-1 */
+static inline void stream_cols4(const float *x, int64_t ldx, int MR, const float *w0, int64_t ldw, float *y,
+                                int64_t ldy, int64_t n0, int64_t n1) {
+    const float *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+    for (int64_t n = n0; n < n1; n++)
+        for (int r = 0; r < MR; r++) {
+            const float *xr = x + r * ldx;
+            y[r * ldy + n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];
+        }
+}
+
+static inline void stream_k_rest(const float *x, int64_t ldx, int MR, int64_t k0, int64_t K, const float *w,
+                                 int64_t ldw, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    for (int64_t k = k0; k < K; k++) {
+        const float *wk = w + k * ldw;
+        for (int r = 0; r < MR; r++) {
+            float xv = x[r * ldx + k];
+            for (int64_t n = n0; n < n1; n++) y[r * ldy + n] += xv * wk[n];
+        }
+    }
+}
+
 #if TK_AVX2
 /* y[MR rows, n0:n1] (+)= x[MR, K] @ w[K, n0:n1]: four weight rows per pass over y */
 #define TK_DEF_STREAM(MR)                                                                                      \
@@ -123,19 +146,9 @@ void tk_set_sgemm(void *fn) { tk_sgemm = (tk_sgemm_fn)fn; }
                     _mm256_storeu_ps(yr, acc);                                                                 \
                 }                                                                                              \
             }                                                                                                  \
-            for (; n < n1; n++)                                                                                \
-                for (int r = 0; r < MR; r++) {                                                                 \
-                    const float *xr = x + r * ldx + k;                                                         \
-                    y[r * ldy + n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];          \
-                }                                                                                              \
+            stream_cols4(x + k, ldx, MR, w0, ldw, y, ldy, n, n1);                                              \
         }                                                                                                      \
-        for (; k < K; k++) {                                                                                   \
-            const float *wk = w + k * ldw;                                                                     \
-            for (int r = 0; r < MR; r++) {                                                                     \
-                float xv = x[r * ldx + k];                                                                     \
-                for (int64_t n = n0; n < n1; n++) y[r * ldy + n] += xv * wk[n];                               \
-            }                                                                                                  \
-        }                                                                                                      \
+        stream_k_rest(x, ldx, MR, k, K, w, ldw, y, ldy, n0, n1);                                               \
     }
 TK_DEF_STREAM(1)
 TK_DEF_STREAM(2)
@@ -200,19 +213,9 @@ static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, s
                     _mm512_mask_storeu_ps(yr, tail, acc);                                                      \
                 }                                                                                              \
             }                                                                                                  \
-            for (n = nvec; n < n1; n++)                                                                        \
-                for (int r = 0; r < MR; r++) {                                                                 \
-                    const float *xr = x + r * ldx + k;                                                         \
-                    y[r * ldy + n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];          \
-                }                                                                                              \
+            stream_cols4(x + k, ldx, MR, w0, ldw, y, ldy, nvec, n1);                                           \
         }                                                                                                      \
-        for (; k < K; k++) {                                                                                   \
-            const float *wk = w + k * ldw;                                                                     \
-            for (int r = 0; r < MR; r++) {                                                                     \
-                float xv = x[r * ldx + k];                                                                     \
-                for (int64_t n = n0; n < n1; n++) y[r * ldy + n] += xv * wk[n];                               \
-            }                                                                                                  \
-        }                                                                                                      \
+        stream_k_rest(x, ldx, MR, k, K, w, ldw, y, ldy, n0, n1);                                               \
     }
 TK_DEF_STREAM512(1)
 TK_DEF_STREAM512(2)

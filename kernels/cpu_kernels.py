@@ -59,17 +59,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TANDEM_CPU_KERNELS_DIR") or Path.home() / ".cache" / "tandem" / "cpu_kernels")
 
 
+_SIMD_FLAGS = {"avx2": ["-mno-avx512f"], "native": []}  # the builds `build_variant` and TANDEM_CPU_SIMD name
+
+
 def _simd_flags() -> list[str]:
     """`TANDEM_CPU_SIMD=avx2` builds without AVX-512 on a machine that has it (to compare the two paths);
     anything else takes what -march=native finds."""
-    return ["-mno-avx512f"] if os.environ.get("TANDEM_CPU_SIMD", "").lower() == "avx2" else []
+    return _SIMD_FLAGS["avx2"] if os.environ.get("TANDEM_CPU_SIMD", "").lower() == "avx2" else []
 
 
 def build_variant(simd: str) -> ctypes.CDLL:
     """A separately built copy of the kernels: `simd` "avx2" (no AVX-512) or "native" (what -march=native
     finds), to compare the SIMD paths in one process (tests, benchmarks); raises where it cannot be built."""
-    extra = {"avx2": ["-mno-avx512f"], "native": []}[simd]
-    so = build_library(_SRC.read_text(), f"tandem_cpu_kernels_{simd}", [*_FLAGS, *extra, "-Wno-unknown-pragmas"],
+    so = build_library(_SRC.read_text(), f"tandem_cpu_kernels_{simd}",
+                       [*_FLAGS, *_SIMD_FLAGS[simd], "-Wno-unknown-pragmas"],
                        cache_dir(), key=(_cpu_flags(),))
     return _bind(ctypes.CDLL(str(so)))
 

@@ -147,15 +147,19 @@ class AdaptiveK:
         by the measured / modelled ratio of another k > 0 at this batch size when there is one (so one
         measured k corrects the others at once instead of each being tried in turn)."""
         bucket = max(1, batch).bit_length()
-        m = self.step_cost.get(k)
-        if m is not None and bucket in m.points:
-            return m.estimate(batch)
+        if self._measured(k, bucket):
+            return self.step_cost[k].estimate(batch)
         model = self.target.estimate(batch * (k + 1)) + k * draft_seconds
         if k > 0:  # another k measured at this batch size: scale the model by how far off it was there
             for j, mj in sorted(self.step_cost.items(), reverse=True):
                 if j > 0 and bucket in mj.points:
                     return model * mj.estimate(batch) / (self.target.estimate(batch * (j + 1)) + j * draft_seconds)
         return model
+
+    def _measured(self, k: int, bucket: int) -> bool:
+        """Whether a whole step with k drafts was measured at this batch-size bucket."""
+        m = self.step_cost.get(k)
+        return m is not None and bucket in m.points
 
     @staticmethod
     def expected_tokens(a: float, k: int) -> float:
@@ -250,10 +254,10 @@ class AdaptiveK:
                 best_draft, best_draft_rate = k, rate
         # the k > 0 whose whole step was never measured at this batch size, largest first
         unmeasured = [k for k in range(self.k_max, 0, -1)
-                      if bucket not in getattr(self.step_cost.get(k), "points", {})]
+                      if not self._measured(k, bucket)]
         side = self._side.get(bucket)
         if (best > 0 and not side and best_rate < self.switch_margin * plain_rate
-                and bucket not in getattr(self.step_cost.get(best), "points", {})):
+                and not self._measured(best, bucket)):
             best = 0  # from plain decoding (or nothing yet) to a k never measured at this batch size: only for a
             # clear gain (the modelled cost of an unmeasured k is optimistic)
         if side is False and best > 0 and best_rate < self.hysteresis * plain_rate:
