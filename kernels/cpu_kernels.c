@@ -39,6 +39,16 @@
 #define TK_VNNI 0
 #endif
 
+/* AMX int8 tiles (Sapphire Rapids and later) where -march=native has them and Linux grants the tile state: w8a8
+ * at two rows and more */
+#if TK_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define TK_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define TK_AMX 0
+#endif
+
 int tk_has_avx2(void) { return TK_AVX2; }
 /* which SIMD paths this build took: 1 AVX2, 2 AVX-512, 3 AVX-512 with VNNI (0: portable C) */
 int tk_simd_level(void) { return TK_VNNI ? 3 : TK_AVX512 ? 2 : TK_AVX2; }
@@ -637,16 +647,149 @@ static void linear_w8_rows(const int8_t *xq, const uint8_t *xa, const float *d, 
 #endif
 }
 
+#if TK_AMX
+/* ---- w8a8 on AMX tiles (at AMX_MIN_ROWS rows and more) -----------------------------------------------------
+ * The weights are tdpbssd's A operand as they lie (16 rows of one 32-value block, stride K: no repacked copy);
+ * the quantised activations, B, are packed per call into the tile's VNNI order, 16 rows at a time (zeros past
+ * M). One tile product per block keeps the block's int32 dots apart, so each takes its activation scale:
+ * acc[n][m] += float(dot) * d[m, b], in block order, then * scale[n] (+ bias). The same integer dots as the
+ * vector tiles; float sums in another order. */
+#define AMX_MIN_ROWS 4
+#define AMX_PREFETCH_BLOCKS 4
+
+static int amx_granted = -1; /* -1: not asked yet; 0: Linux refused the tile state; 1: granted */
+static int amx_wanted = 1;   /* tk_set_amx */
+
+static int amx_ready(void) {
+    if (amx_granted < 0) /* Linux hands out the 8 KB tile state only on request: ARCH_REQ_XCOMP_PERM, XTILEDATA */
+        amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_granted && amx_wanted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* tiles 0, 1: int32 results [16 n x 16 m]; 2, 4: weights [16 n x 32 k]; 3, 5: activations [8 x (16 m x 4 k)] */
+static const amx_config amx_cfg = {1, 0, {0}, {64, 64, 32, 64, 32, 64}, {16, 16, 16, 8, 16, 8}};
+
+/* xp[(t B + b) 512 + r 64 + 4 j + c] = xq[16 t + j, 32 b + 4 r + c]; dt[(t B + b) 16 + j] = d[16 t + j, b] */
+static void amx_pack(const int8_t *xq, const float *d, int64_t M, int64_t K, int8_t *xp, float *dt) {
+    const int64_t B = K / Q8, T = (M + 15) / 16;
+    memset(xp, 0, (size_t)T * (size_t)B * 512);
+    memset(dt, 0, sizeof(float) * (size_t)T * (size_t)B * 16);
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t t = m / 16, j = m % 16;
+        const uint32_t *src = (const uint32_t *)(xq + m * K);
+        uint32_t *dst = (uint32_t *)xp + t * B * 128 + j;
+        for (int64_t b = 0; b < B; b++) {
+            for (int r = 0; r < 8; r++) dst[b * 128 + r * 16] = src[b * 8 + r];
+            dt[(t * B + b) * 16 + j] = d[m * B + b];
+        }
+    }
+}
+
+/* weight rows [n0, n1) for every activation row: whole groups of 16 on the tiles, the rest on the vector tiles */
+static void linear_w8_amx(const int8_t *xp, const float *dt, const int8_t *xq, const uint8_t *xa, const float *d,
+                          int64_t M, int64_t K, const int8_t *q, const float *scale, const float *bias, float *y,
+                          int64_t N, int64_t n0, int64_t n1) {
+    const int64_t B = K / Q8, T = (M + 15) / 16;
+    int32_t c[2][256] __attribute__((aligned(64)));
+    float o[256] __attribute__((aligned(64)));
+    int64_t n = n0;
+    _tile_loadconfig(&amx_cfg);
+    for (; n + 16 <= n1; n += 16) {
+        const int8_t *w = q + n * K;
+        for (int64_t t = 0; t < T; t++) {
+            const int8_t *xb = xp + t * B * 512;
+            const float *db = dt + t * B * 16;
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+            int64_t b = 0;
+            for (; b + 2 <= B; b += 2) {
+                if (t == 0 && b + AMX_PREFETCH_BLOCKS < B) /* 16 strided rows defeat the hardware prefetcher */
+                    for (int i = 0; i < 16; i++)
+                        _mm_prefetch((const char *)(w + i * K + (b + AMX_PREFETCH_BLOCKS) * Q8), _MM_HINT_T0);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(2, w + b * Q8, K);
+                _tile_loadd(3, xb + b * 512, 64);
+                _tile_loadd(4, w + (b + 1) * Q8, K);
+                _tile_loadd(5, xb + (b + 1) * 512, 64);
+                _tile_dpbssd(0, 2, 3);
+                _tile_dpbssd(1, 4, 5);
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                const __m512 d0 = _mm512_loadu_ps(db + b * 16), d1 = _mm512_loadu_ps(db + (b + 1) * 16);
+                for (int i = 0; i < 16; i++) {
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + 16 * i)), d0, acc[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + 16 * i)), d1, acc[i]);
+                }
+            }
+            if (b < B) {
+                _tile_zero(0);
+                _tile_loadd(2, w + b * Q8, K);
+                _tile_loadd(3, xb + b * 512, 64);
+                _tile_dpbssd(0, 2, 3);
+                _tile_stored(0, c[0], 64);
+                const __m512 d0 = _mm512_loadu_ps(db + b * 16);
+                for (int i = 0; i < 16; i++)
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + 16 * i)), d0, acc[i]);
+            }
+            for (int i = 0; i < 16; i++) _mm512_store_ps(o + 16 * i, acc[i]);
+            const int64_t rows = M - 16 * t < 16 ? M - 16 * t : 16;
+            for (int64_t j = 0; j < rows; j++) {
+                float *yr = y + (16 * t + j) * N + n;
+                for (int i = 0; i < 16; i++) yr[i] = o[16 * i + j] * scale[n + i] + (bias ? bias[n + i] : 0.f);
+            }
+        }
+    }
+    _tile_release();
+    if (n < n1) linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, n, n1);
+}
+#endif
+
+/* whether w8a8 takes the AMX tiles at AMX_MIN_ROWS rows and more: `on` 0 or 1 sets it (tests and benchmarks
+ * compare both ways), -1 only asks; 0 where the build or the kernel has no AMX */
+int tk_set_amx(int on) {
+#if TK_AMX
+    if (on >= 0) amx_wanted = on != 0;
+    return amx_ready();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* y[M, N] = (q8(x) . q) * scale (+ bias); returns 0, or 1 when the scratch allocation failed */
 int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
                    const float *bias, float *y, int nthreads) {
     if (K % Q8) return 2;
-    size_t need = 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(K / Q8);
+    const int64_t B = K / Q8;
+    size_t need = 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)B;
+#if TK_AMX
+    const int amx = M >= AMX_MIN_ROWS && N >= 16 && amx_ready();
+    const size_t at = (need + 63) / 64 * 64, pack = (size_t)((M + 15) / 16) * (size_t)B * 512;
+    if (amx) need = at + pack + pack / 8; /* + the scales, 16 floats per 512 bytes */
+#endif
     if (grow_scratch(&q8_scratch, &q8_scratch_cap, need)) return 1;
     int8_t *xq = (int8_t *)q8_scratch;
     uint8_t *xa = (uint8_t *)(xq + M * K);
     float *d = (float *)(xa + M * K); /* 2 M K is a multiple of 64: aligned for float */
     quant_act_q8(x, M, K, xq, xa, d);
+#if TK_AMX
+    if (amx) {
+        int8_t *xp = (int8_t *)q8_scratch + at;
+        float *dt = (float *)(xp + pack);
+        amx_pack(xq, d, M, K, xp, dt);
+#define W8_AMX(a, b) linear_w8_amx(xp, dt, xq, xa, d, M, K, q, scale, bias, y, N, a, b)
+        TK_OVER_COLUMNS(N, nthreads, 16, W8_AMX);
+#undef W8_AMX
+        return 0;
+    }
+#endif
 #define W8_ROWS(a, b) linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, a, b)
     TK_OVER_COLUMNS(N, nthreads, 4, W8_ROWS);
 #undef W8_ROWS

@@ -83,6 +83,13 @@ def simd_level() -> str:
     return "none" if lib is None else ("none", "avx2", "avx512", "avx512-vnni")[lib.tk_simd_level()]
 
 
+def set_amx(on: bool | None = None, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether w8a8 multiplies on AMX tiles at 2+ rows; `on` turns them on or off (to compare both paths).
+    False where the build or the kernel has no AMX, or the kernels are not loaded."""
+    lib = lib or load()
+    return lib is not None and bool(lib.tk_set_amx(-1 if on is None else int(on)))
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_has_avx2.restype = _INT
     lib.tk_simd_level.restype = _INT
@@ -103,6 +110,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_write_kv_f32.restype = None
     lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_rope_f32.restype = None
+    lib.tk_set_amx.argtypes = [_INT]
+    lib.tk_set_amx.restype = _INT
     lib.tk_set_sgemm.argtypes = [_PTR]
     lib.tk_set_sgemm.restype = None
     lib.tk_set_sgemm(sgemm_address())  # many-row linears: the MKL SGEMM torch ships, where it exports one
