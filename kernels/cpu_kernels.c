@@ -672,8 +672,9 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-/* tiles 0, 1: int32 results [16 n x 16 m]; 2, 4: weights [16 n x 32 k]; 3, 5: activations [8 x (16 m x 4 k)] */
-static const amx_config amx_cfg = {1, 0, {0}, {64, 64, 32, 64, 32, 64}, {16, 16, 16, 8, 16, 8}};
+/* tiles 0, 1, 6, 7: int32 results [16 n x 16 m]; 2, 4: weights [16 n x 32 k]; 3, 5: activations
+ * [8 x (16 m x 4 k)] */
+static const amx_config amx_cfg = {1, 0, {0}, {64, 64, 32, 64, 32, 64, 64, 64}, {16, 16, 16, 8, 16, 8, 16, 16}};
 
 /* xp[(t B + b) 512 + r 64 + 4 j + c] = xq[16 t + j, 32 b + 4 r + c]; dt[(t B + b) 16 + j] = d[16 t + j, b] */
 static void amx_pack(const int8_t *xq, const float *d, int64_t M, int64_t K, int8_t *xp, float *dt) {
@@ -691,12 +692,36 @@ static void amx_pack(const int8_t *xq, const float *d, int64_t M, int64_t K, int
     }
 }
 
-/* weight rows [n0, n1) for every activation row: whole groups of 16 on the tiles, the rest on the vector tiles */
+/* a pair of blocks (bb, bb + 1) into result tiles C0, C1 (weights through tiles 2 and 4, activations 3 and 5) */
+#define AMX_PAIR(C0, C1, bb)                                                                                   \
+    do {                                                                                                       \
+        _tile_zero(C0);                                                                                        \
+        _tile_zero(C1);                                                                                        \
+        _tile_loadd(2, w + (bb) * Q8, K);                                                                      \
+        _tile_loadd(3, xb + (bb) * 512, 64);                                                                   \
+        _tile_loadd(4, w + ((bb) + 1) * Q8, K);                                                                \
+        _tile_loadd(5, xb + ((bb) + 1) * 512, 64);                                                             \
+        _tile_dpbssd(C0, 2, 3);                                                                                \
+        _tile_dpbssd(C1, 4, 5);                                                                                \
+    } while (0)
+
+/* acc[n] += float(c[n][m]) * d[m, bb] for the 16 weight rows, over `nb` (1 or 2) stored blocks from bb */
+static inline void amx_scale_add(__m512 *acc, const int32_t *c, const float *db, int64_t bb, int nb) {
+    for (int h = 0; h < nb; h++) {
+        const __m512 dv = _mm512_loadu_ps(db + (bb + h) * 16);
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 256 * h + 16 * i)), dv, acc[i]);
+    }
+}
+
+/* weight rows [n0, n1) for every activation row: whole groups of 16 on the tiles, the rest on the vector tiles.
+ * Pairs of blocks alternate between result tiles (0, 1) and (6, 7), so the tiles multiply the next pair while
+ * the vector units scale and add the last one */
 static void linear_w8_amx(const int8_t *xp, const float *dt, const int8_t *xq, const uint8_t *xa, const float *d,
                           int64_t M, int64_t K, const int8_t *q, const float *scale, const float *bias, float *y,
                           int64_t N, int64_t n0, int64_t n1) {
-    const int64_t B = K / Q8, T = (M + 15) / 16;
-    int32_t c[2][256] __attribute__((aligned(64)));
+    const int64_t B = K / Q8, T = (M + 15) / 16, P = B / 2;
+    int32_t c[2][512] __attribute__((aligned(64)));
     float o[256] __attribute__((aligned(64)));
     int64_t n = n0;
     _tile_loadconfig(&amx_cfg);
@@ -707,36 +732,29 @@ static void linear_w8_amx(const int8_t *xp, const float *dt, const int8_t *xq, c
             const float *db = dt + t * B * 16;
             __m512 acc[16];
             for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-            int64_t b = 0;
-            for (; b + 2 <= B; b += 2) {
-                if (t == 0 && b + AMX_PREFETCH_BLOCKS < B) /* 16 strided rows defeat the hardware prefetcher */
+            if (P > 0) AMX_PAIR(0, 1, 0);
+            for (int64_t p = 0; p < P; p += 2) {
+                if (t == 0 && 2 * p + AMX_PREFETCH_BLOCKS < B) /* 16 strided rows defeat the hardware prefetcher */
                     for (int i = 0; i < 16; i++)
-                        _mm_prefetch((const char *)(w + i * K + (b + AMX_PREFETCH_BLOCKS) * Q8), _MM_HINT_T0);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_loadd(2, w + b * Q8, K);
-                _tile_loadd(3, xb + b * 512, 64);
-                _tile_loadd(4, w + (b + 1) * Q8, K);
-                _tile_loadd(5, xb + (b + 1) * 512, 64);
-                _tile_dpbssd(0, 2, 3);
-                _tile_dpbssd(1, 4, 5);
+                        _mm_prefetch((const char *)(w + i * K + (2 * p + AMX_PREFETCH_BLOCKS) * Q8), _MM_HINT_T0);
+                if (p + 1 < P) AMX_PAIR(6, 7, 2 * (p + 1));
                 _tile_stored(0, c[0], 64);
-                _tile_stored(1, c[1], 64);
-                const __m512 d0 = _mm512_loadu_ps(db + b * 16), d1 = _mm512_loadu_ps(db + (b + 1) * 16);
-                for (int i = 0; i < 16; i++) {
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + 16 * i)), d0, acc[i]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + 16 * i)), d1, acc[i]);
+                _tile_stored(1, c[0] + 256, 64);
+                amx_scale_add(acc, c[0], db, 2 * p, 2);
+                if (p + 1 < P) {
+                    if (p + 2 < P) AMX_PAIR(0, 1, 2 * (p + 2));
+                    _tile_stored(6, c[1], 64);
+                    _tile_stored(7, c[1] + 256, 64);
+                    amx_scale_add(acc, c[1], db, 2 * (p + 1), 2);
                 }
             }
-            if (b < B) {
+            if (B % 2) {
                 _tile_zero(0);
-                _tile_loadd(2, w + b * Q8, K);
-                _tile_loadd(3, xb + b * 512, 64);
+                _tile_loadd(2, w + (B - 1) * Q8, K);
+                _tile_loadd(3, xb + (B - 1) * 512, 64);
                 _tile_dpbssd(0, 2, 3);
                 _tile_stored(0, c[0], 64);
-                const __m512 d0 = _mm512_loadu_ps(db + b * 16);
-                for (int i = 0; i < 16; i++)
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + 16 * i)), d0, acc[i]);
+                amx_scale_add(acc, c[0], db, B - 1, 1);
             }
             for (int i = 0; i < 16; i++) _mm512_store_ps(o + 16 * i, acc[i]);
             const int64_t rows = M - 16 * t < 16 ? M - 16 * t : 16;
@@ -749,6 +767,7 @@ static void linear_w8_amx(const int8_t *xp, const float *dt, const int8_t *xq, c
     _tile_release();
     if (n < n1) linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, n, n1);
 }
+#undef AMX_PAIR
 #endif
 
 /* whether w8a8 takes the AMX tiles at AMX_MIN_ROWS rows and more: `on` 0 or 1 sets it (tests and benchmarks
