@@ -1,7 +1,7 @@
 """The CPU kernels' AVX-512 build against their AVX2 build (`-mno-avx512f`), both loaded in one process and timed
 alternately (thread time, best of `--reps` rounds of 20 calls) on tandem-tiny-l's and the ~80M Llama's layer
 shapes at 1, 5 and 8 rows: float32 linears (16-wide streams, 5-8 rows summed in registers; checked bit for bit)
-and w8a8 (two blocks per vector with vpdpbusd under VNNI; the largest difference reported). Prints a table, writes bench/results/simd_ab.json; on a CPU
+and w8a8 (two blocks per vector with vpdpbusd under VNNI, AMX tiles off; the largest difference reported). Prints a table, writes bench/results/simd_ab.json; on a CPU
 without AVX-512 it says so and exits.
 
     .venv/bin/python bench/simd_ab.py [--rows 1 5 8] [--reps 15]
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     libs = {"avx2": ck.build_variant("avx2"), "avx512": ck.build_variant("native")}
+    libs["avx512"].tk_set_amx(0)  # the vector tiles at every row count (bench/amx_ab.py compares the AMX ones)
     rows = []
     for label, n, k in SHAPES:
         for m in args.rows:

@@ -4,7 +4,8 @@
  *   tk_linear_f32    y[M, N] = x[M, K] @ wt[K, N] (+ bias): the decode GEMV / skinny GEMM over a column-major
  *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous)
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
- *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics)
+ *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics;
+ *                    AMX int8 tiles at 3+ rows where the CPU has them)
  *   tk_linear_w4a8   int4 weights (per-group scale and zero point) with the activations quantised the same way
  *   tk_paged_attention_f32  attention of T queries over float32 KV pages read in place (no gather): each
  *                    sequence's queries are the last q_len of its context_len positions, causal
@@ -40,7 +41,7 @@
 #endif
 
 /* AMX int8 tiles (Sapphire Rapids and later) where -march=native has them and Linux grants the tile state: w8a8
- * at two rows and more */
+ * at three rows and more */
 #if TK_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define TK_AMX 1
 #include <sys/syscall.h>
@@ -654,7 +655,8 @@ static void linear_w8_rows(const int8_t *xq, const uint8_t *xa, const float *d, 
  * M). One tile product per block keeps the block's int32 dots apart, so each takes its activation scale:
  * acc[n][m] += float(dot) * d[m, b], in block order, then * scale[n] (+ bias). The same integer dots as the
  * vector tiles; float sums in another order. */
-#define AMX_MIN_ROWS 4
+#define AMX_MIN_ROWS 3
+#define AMX_PAIRED_ROWS 8 /* up to this many rows, one tile product takes two blocks (linear_w8_amx_paired) */
 #define AMX_PREFETCH_BLOCKS 4
 
 static int amx_granted = -1; /* -1: not asked yet; 0: Linux refused the tile state; 1: granted */
@@ -676,6 +678,11 @@ typedef struct {
  * [8 x (16 m x 4 k)] */
 static const amx_config amx_cfg = {1, 0, {0}, {64, 64, 32, 64, 32, 64, 64, 64}, {16, 16, 16, 8, 16, 8, 16, 16}};
 
+/* paired (up to 8 rows): 0, 1: int32 results [16 n x 16 (block parity, m)]; 2, 6: weights [16 n x 64 k];
+ * 3, 7: activations [16 x (16 (block parity, m) x 4 k)]; 4, 5: an odd last block, as 2 and 3 of amx_cfg */
+static const amx_config amx_cfg_paired = {1, 0, {0}, {64, 64, 64, 64, 32, 64, 64, 64},
+                                          {16, 16, 16, 16, 16, 8, 16, 16}};
+
 /* xp[(t B + b) 512 + r 64 + 4 j + c] = xq[16 t + j, 32 b + 4 r + c]; dt[(t B + b) 16 + j] = d[16 t + j, b] */
 static void amx_pack(const int8_t *xq, const float *d, int64_t M, int64_t K, int8_t *xp, float *dt) {
     const int64_t B = K / Q8, T = (M + 15) / 16;
@@ -689,6 +696,34 @@ static void amx_pack(const int8_t *xq, const float *d, int64_t M, int64_t K, int
             for (int r = 0; r < 8; r++) dst[b * 128 + r * 16] = src[b * 8 + r];
             dt[(t * B + b) * 16 + j] = d[m * B + b];
         }
+    }
+}
+
+/* up to 8 rows, by pairs of blocks p = b / 2, h = b % 2: xp[p 1024 + (8 h + r) 64 + 4 (8 h + m) + c] =
+ * xq[m, 32 b + 4 r + c] and dt[p 16 + 8 h + m] = d[m, b], zeros elsewhere: one 64-value tile product gives the
+ * pair's two blocks' dots side by side (the zeros keep each block to its own 8 columns) */
+static void amx_pack_paired(const int8_t *xq, const float *d, int64_t M, int64_t K, int8_t *xp, float *dt) {
+    const int64_t B = K / Q8, P = (B + 1) / 2;
+    memset(xp, 0, (size_t)P * 1024);
+    memset(dt, 0, sizeof(float) * (size_t)P * 16);
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t *src = (const uint32_t *)(xq + m * K);
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t p = b / 2, h = b % 2;
+            uint32_t *dst = (uint32_t *)xp + p * 256 + 8 * h * 16 + 8 * h + m;
+            for (int r = 0; r < 8; r++) dst[r * 16] = src[b * 8 + r];
+            dt[p * 16 + 8 * h + m] = d[m * B + b];
+        }
+    }
+}
+
+/* y[m0 + j, n + i] = o[i][j] (+ o[i][j + 8] when `fold`, the paired layout's two halves) * scale (+ bias) */
+static inline void amx_write(const float *o, int fold, int64_t rows, int64_t m0, float *y, int64_t N, int64_t n,
+                             const float *scale, const float *bias) {
+    for (int64_t j = 0; j < rows; j++) {
+        float *yr = y + (m0 + j) * N + n;
+        for (int i = 0; i < 16; i++)
+            yr[i] = (fold ? o[16 * i + j] + o[16 * i + j + 8] : o[16 * i + j]) * scale[n + i] + (bias ? bias[n + i] : 0.f);
     }
 }
 
@@ -757,17 +792,66 @@ static void linear_w8_amx(const int8_t *xp, const float *dt, const int8_t *xq, c
                 amx_scale_add(acc, c[0], db, B - 1, 1);
             }
             for (int i = 0; i < 16; i++) _mm512_store_ps(o + 16 * i, acc[i]);
-            const int64_t rows = M - 16 * t < 16 ? M - 16 * t : 16;
-            for (int64_t j = 0; j < rows; j++) {
-                float *yr = y + (16 * t + j) * N + n;
-                for (int i = 0; i < 16; i++) yr[i] = o[16 * i + j] * scale[n + i] + (bias ? bias[n + i] : 0.f);
-            }
+            amx_write(o, 0, M - 16 * t < 16 ? M - 16 * t : 16, 16 * t, y, N, n, scale, bias);
         }
     }
     _tile_release();
     if (n < n1) linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, n, n1);
 }
 #undef AMX_PAIR
+
+/* pair p of blocks (64 values) into result tile C through weight tile A and activation tile X */
+#define AMX_PAIRED(C, A, X, p)                                                                                 \
+    do {                                                                                                       \
+        _tile_zero(C);                                                                                         \
+        _tile_loadd(A, w + (p) * 2 * Q8, K);                                                                   \
+        _tile_loadd(X, xp + (p) * 1024, 64);                                                                   \
+        _tile_dpbssd(C, A, X);                                                                                 \
+    } while (0)
+
+/* linear_w8_amx for up to 8 rows (amx_pack_paired): one tile product per pair of blocks, half the products and
+ * half the scaling of a 16-row tile per block, where 8 of its 16 columns would be zeros */
+static void linear_w8_amx_paired(const int8_t *xp, const float *dt, const int8_t *xq, const uint8_t *xa,
+                                 const float *d, int64_t M, int64_t K, const int8_t *q, const float *scale,
+                                 const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t B = K / Q8, P = B / 2;
+    int32_t c[2][256] __attribute__((aligned(64)));
+    float o[256] __attribute__((aligned(64)));
+    int64_t n = n0;
+    _tile_loadconfig(&amx_cfg_paired);
+    for (; n + 16 <= n1; n += 16) {
+        const int8_t *w = q + n * K;
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        if (P > 0) AMX_PAIRED(0, 2, 3, 0);
+        for (int64_t p = 0; p < P; p += 2) {
+            if (2 * p + AMX_PREFETCH_BLOCKS < B)
+                for (int i = 0; i < 16; i++)
+                    _mm_prefetch((const char *)(w + i * K + (2 * p + AMX_PREFETCH_BLOCKS) * Q8), _MM_HINT_T0);
+            if (p + 1 < P) AMX_PAIRED(1, 6, 7, p + 1);
+            _tile_stored(0, c[0], 64);
+            amx_scale_add(acc, c[0], dt, p, 1);
+            if (p + 1 < P) {
+                if (p + 2 < P) AMX_PAIRED(0, 2, 3, p + 2);
+                _tile_stored(1, c[1], 64);
+                amx_scale_add(acc, c[1], dt, p + 1, 1);
+            }
+        }
+        if (B % 2) { /* the last block alone: the first 8 rows of pair P's activations (columns 8-15 zero) */
+            _tile_zero(0);
+            _tile_loadd(4, w + (B - 1) * Q8, K);
+            _tile_loadd(5, xp + P * 1024, 64);
+            _tile_dpbssd(0, 4, 5);
+            _tile_stored(0, c[0], 64);
+            amx_scale_add(acc, c[0], dt, P, 1);
+        }
+        for (int i = 0; i < 16; i++) _mm512_store_ps(o + 16 * i, acc[i]);
+        amx_write(o, 1, M, 0, y, N, n, scale, bias);
+    }
+    _tile_release();
+    if (n < n1) linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, n, n1);
+}
+#undef AMX_PAIRED
 #endif
 
 /* whether w8a8 takes the AMX tiles at AMX_MIN_ROWS rows and more: `on` 0 or 1 sets it (tests and benchmarks
@@ -790,7 +874,9 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
     size_t need = 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)B;
 #if TK_AMX
     const int amx = M >= AMX_MIN_ROWS && N >= 16 && amx_ready();
-    const size_t at = (need + 63) / 64 * 64, pack = (size_t)((M + 15) / 16) * (size_t)B * 512;
+    const int paired = M <= AMX_PAIRED_ROWS;
+    const size_t at = (need + 63) / 64 * 64,
+                 pack = paired ? (size_t)((B + 1) / 2) * 1024 : (size_t)((M + 15) / 16) * (size_t)B * 512;
     if (amx) need = at + pack + pack / 8; /* + the scales, 16 floats per 512 bytes */
 #endif
     if (grow_scratch(&q8_scratch, &q8_scratch_cap, need)) return 1;
@@ -802,10 +888,17 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
     if (amx) {
         int8_t *xp = (int8_t *)q8_scratch + at;
         float *dt = (float *)(xp + pack);
-        amx_pack(xq, d, M, K, xp, dt);
-#define W8_AMX(a, b) linear_w8_amx(xp, dt, xq, xa, d, M, K, q, scale, bias, y, N, a, b)
-        TK_OVER_COLUMNS(N, nthreads, 16, W8_AMX);
+        if (paired) {
+            amx_pack_paired(xq, d, M, K, xp, dt);
+#define W8_AMX(a, b) linear_w8_amx_paired(xp, dt, xq, xa, d, M, K, q, scale, bias, y, N, a, b)
+            TK_OVER_COLUMNS(N, nthreads, 16, W8_AMX);
 #undef W8_AMX
+        } else {
+            amx_pack(xq, d, M, K, xp, dt);
+#define W8_AMX(a, b) linear_w8_amx(xp, dt, xq, xa, d, M, K, q, scale, bias, y, N, a, b)
+            TK_OVER_COLUMNS(N, nthreads, 16, W8_AMX);
+#undef W8_AMX
+        }
         return 0;
     }
 #endif

@@ -12,7 +12,8 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
 - `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations; many
   rows widen the weight to float32 once and take the SGEMM too.
 - `linear_w8a8(x, q, scale, bias)`: the same weights with the activations quantised per 32 values
-  (`kernels.quant_matmul.quantize_act_q8`, llama.cpp's q8_0 rounding): integer dots, for every row count.
+  (`kernels.quant_matmul.quantize_act_q8`, llama.cpp's q8_0 rounding): integer dots, for every row count;
+  at 3+ rows on AMX int8 tiles where the CPU and Linux allow them (`set_amx()` turns them off to compare).
 - `linear_w4a8(x, packed, scale, zero, group, bias)`: int4 weights (kernels.quant_matmul's format, the scales
   as float32) with the activations quantised as for w8a8: one vpmaddubsw per 32 weights, the zero points
   subtracted through each block's sum.

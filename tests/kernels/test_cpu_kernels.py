@@ -128,19 +128,20 @@ def test_the_avx512_paths_give_the_avx2_paths_bits():
 
 @needs_kernels
 def test_the_amx_tiles_give_the_vector_tiles_w8a8_up_to_summation_order():
-    """Where the CPU has AMX int8 (and Linux grants the tile state), w8a8 at 4+ rows multiplies on tiles: the
+    """Where the CPU has AMX int8 (and Linux grants the tile state), w8a8 at 3+ rows multiplies on tiles: the
     weights' 16-row blocks as they lie against the activations packed per call (16 rows at a time, zeros past
-    M), one tile product per 32-value block so each takes its own activation scale. The same integer dots as
-    the vector tiles, summed in another order: row counts around the 16-row tiles, column tails past the last
-    16 (on the vector tiles), odd block counts, bias, two threads."""
+    M), one tile product per 32-value block so each takes its own activation scale; up to 8 rows a pair of
+    blocks per product, side by side in the columns. The same integer dots as the vector tiles, summed in
+    another order: row counts on both sides of 8 and of the 16-row tiles, column tails past the last 16 (on
+    the vector tiles), odd block counts, bias, two threads."""
     if not ck.set_amx():
         pytest.skip(f"no AMX int8 here (SIMD level {ck.simd_level()}, or Linux refused the tile state)")
     from kernels.quant_matmul import quantize_int8
 
     g = torch.Generator().manual_seed(11)
     try:
-        for m in (4, 7, 16, 17, 40):
-            for n, k in ((256, 256), (1409, 96), (48, 32), (20, 736)):
+        for m in (3, 4, 7, 8, 9, 16, 17, 40):
+            for n, k in ((256, 256), (1409, 96), (48, 32), (20, 736), (64, 64)):
                 x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 3
                 q, s = quantize_int8(torch.randn(n, k, generator=g))
                 b = torch.randn(n, generator=g)
