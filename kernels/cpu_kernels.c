@@ -240,13 +240,17 @@ static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3,
                                        stream512_6, stream512_7, stream512_8};
 
 /* 2-8 rows: 32 columns at a time summed over all of K in registers (2 MR accumulators), so no output
- * traffic per step of k; the weight read as a 128-byte column, prefetched BLOCK_PF rows of k ahead. The
- * same FMA chain per output column as the streams (k in order from 0): the same bits */
+ * traffic per step of k; the weight read as a 128-byte column, prefetched BLOCK_PF rows of k ahead, and the
+ * next 32 columns' bytes of each row into L2 as it goes (so memory serves 256 contiguous bytes per row, not
+ * 128). The same FMA chain per output column as the streams (k in order from 0): the same bits */
 #define BLOCK_PF 8
 /* where the blocks beat the streams (bench/gemv_cpu.py on a 2-core AVX-512 VM, docs/benchmarks.md): from 5 rows
- * (a verify window of 4 drafts), over K up to 1024 (a longer column, the 80M model's down projection, streams) */
+ * (a verify window of 4 drafts), over K up to 1024 (a longer column, the 80M model's down projection, streams),
+ * on weights up to BLOCK_MAX_KN floats (4 MiB, a core's L2 on that VM): a larger one comes from memory, where
+ * the streams' address-order reads win */
 #define BLOCK_MIN_ROWS 5
 #define BLOCK_MAX_K 1024
+#define BLOCK_MAX_KN (1 << 20)
 #define TK_DEF_BLOCK512(MR)                                                                                    \
     static void block512_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y, \
                               int64_t ldy, int64_t n0, int64_t n1) {                                          \
@@ -259,6 +263,10 @@ static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3,
                 if (k + BLOCK_PF < K) {                                                                        \
                     _mm_prefetch((const char *)(wk + BLOCK_PF * ldw), _MM_HINT_T0);                            \
                     _mm_prefetch((const char *)(wk + BLOCK_PF * ldw + 16), _MM_HINT_T0);                       \
+                }                                                                                              \
+                if (n + 64 <= n1) {                                                                            \
+                    _mm_prefetch((const char *)(wk + 32), _MM_HINT_T1);                                        \
+                    _mm_prefetch((const char *)(wk + 48), _MM_HINT_T1);                                        \
                 }                                                                                              \
                 __m512 a = _mm512_loadu_ps(wk), b = _mm512_loadu_ps(wk + 16);                                  \
                 for (int r = 0; r < MR; r++) {                                                                 \
@@ -291,8 +299,8 @@ static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, i
     for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
         int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
 #if TK_AVX512
-        (mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw,
-                                                                               y + m0 * N, N, n0, n1);
+        const int block = mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K && K * N <= BLOCK_MAX_KN;
+        (block ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
 #elif TK_AVX2
         STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
 #else

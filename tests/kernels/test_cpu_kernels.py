@@ -95,8 +95,9 @@ def test_linear_w8a8_matches_reference(m, n, k):
 @needs_kernels
 def test_the_avx512_paths_give_the_avx2_paths_bits():
     """Where -march=native finds AVX-512 the float32 linears run 16 wide (masked last columns; 5-8 rows summed
-    in registers): each output sums the same products in the same order as the AVX2 build, so the two give
-    the same bits, for every row count (1-8, then blocks of 8) and column tails. With VNNI the w8a8 tiles take
+    in registers on weights up to 4 MiB, streamed above): each output sums the same products in the same order
+    as the AVX2 build, so the two give the same bits, for every row count (1-8, then blocks of 8) and column
+    tails. With VNNI the w8a8 tiles take
     two blocks per vector (vpdpbusd): the same integer dots summed in another order, so close, not equal."""
     if not ck.simd_level().startswith("avx512"):
         pytest.skip(f"this CPU runs the {ck.simd_level()} paths only: nothing to compare")
@@ -106,7 +107,7 @@ def test_the_avx512_paths_give_the_avx2_paths_bits():
     assert (wide.tk_simd_level(), narrow.tk_simd_level()) in ((2, 1), (3, 1))
     g = torch.Generator().manual_seed(7)
     for m in (1, 2, 5, 8, 11):
-        for n, k in ((256, 256), (40, 64), (1409, 96), (3, 32)):
+        for n, k in ((256, 256), (40, 64), (1409, 96), (3, 32), (2048, 640)):
             x = torch.randn(m, k, generator=g)
             wt = torch.randn(k, n, generator=g)
             q, s = quantize_int8(torch.randn(n, k, generator=g))
