@@ -250,7 +250,12 @@ static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3,
  * the streams' address-order reads win */
 #define BLOCK_MIN_ROWS 5
 #define BLOCK_MAX_K 1024
+#ifndef BLOCK_MAX_KN /* bench/cpu_dram.py builds with -DBLOCK_MAX_KN=0 (streams only) and larger, to compare */
 #define BLOCK_MAX_KN (1 << 20)
+#endif
+#ifndef BLOCK_NEXT_PF /* the next 32 columns into L2 (bench/cpu_dram.py also builds without) */
+#define BLOCK_NEXT_PF 1
+#endif
 #define TK_DEF_BLOCK512(MR)                                                                                    \
     static void block512_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y, \
                               int64_t ldy, int64_t n0, int64_t n1) {                                          \
@@ -264,7 +269,7 @@ static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3,
                     _mm_prefetch((const char *)(wk + BLOCK_PF * ldw), _MM_HINT_T0);                            \
                     _mm_prefetch((const char *)(wk + BLOCK_PF * ldw + 16), _MM_HINT_T0);                       \
                 }                                                                                              \
-                if (n + 64 <= n1) {                                                                            \
+                if (BLOCK_NEXT_PF && n + 64 <= n1) {                                                           \
                     _mm_prefetch((const char *)(wk + 32), _MM_HINT_T1);                                        \
                     _mm_prefetch((const char *)(wk + 48), _MM_HINT_T1);                                        \
                 }                                                                                              \
