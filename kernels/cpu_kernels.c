@@ -865,6 +865,9 @@ static void linear_w8_amx_paired(const int8_t *xp, const float *dt, const int8_t
     if (n < n1) linear_w8_rows(xq, xa, d, M, K, q, scale, bias, y, N, n, n1);
 }
 #undef AMX_PAIRED
+
+typedef void (*amx_fn)(const int8_t *, const float *, const int8_t *, const uint8_t *, const float *, int64_t,
+                       int64_t, const int8_t *, const float *, const float *, float *, int64_t, int64_t, int64_t);
 #endif
 
 /* whether w8a8 takes the AMX tiles at AMX_MIN_ROWS rows and more: `on` 0 or 1 sets it (tests and benchmarks
@@ -901,17 +904,11 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
     if (amx) {
         int8_t *xp = (int8_t *)q8_scratch + at;
         float *dt = (float *)(xp + pack);
-        if (paired) {
-            amx_pack_paired(xq, d, M, K, xp, dt);
-#define W8_AMX(a, b) linear_w8_amx_paired(xp, dt, xq, xa, d, M, K, q, scale, bias, y, N, a, b)
-            TK_OVER_COLUMNS(N, nthreads, 16, W8_AMX);
+        (paired ? amx_pack_paired : amx_pack)(xq, d, M, K, xp, dt);
+        amx_fn tiles = paired ? linear_w8_amx_paired : linear_w8_amx;
+#define W8_AMX(a, b) tiles(xp, dt, xq, xa, d, M, K, q, scale, bias, y, N, a, b)
+        TK_OVER_COLUMNS(N, nthreads, 16, W8_AMX);
 #undef W8_AMX
-        } else {
-            amx_pack(xq, d, M, K, xp, dt);
-#define W8_AMX(a, b) linear_w8_amx(xp, dt, xq, xa, d, M, K, q, scale, bias, y, N, a, b)
-            TK_OVER_COLUMNS(N, nthreads, 16, W8_AMX);
-#undef W8_AMX
-        }
         return 0;
     }
 #endif
