@@ -34,7 +34,7 @@ def checkpoints(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gateway-ckpt")
     return {"small": with_chat_template(tiny_checkpoint("llama"), root / "small"),
             "large": with_chat_template(tiny_checkpoint("qwen2", hidden_size=96, num_heads=6, num_kv_heads=2,
-                                                         seed=1), root / "large")}
+                                                         seed=1, max_position_embeddings=4096), root / "large")}
 
 
 def _config(checkpoints: dict[str, Path], **sections):
@@ -407,9 +407,10 @@ async def test_dropping_50_streams_midway_frees_every_kv_page(server):
 
 def test_client_hanging_up_on_a_long_non_streamed_request_aborts_it(server):
     aborted_before = _metric(server, "tandem:request_success_total", route="best", finished_reason="abort")
+    # 4,000 decode steps, one after another: far past the client's 0.3 s on any machine (500 were not on a fast one)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(5, read=0.3), json={
-            "model": "best", "prompt": "x", "max_tokens": 500, "n": 8, "ignore_eos": True})
+            "model": "best", "prompt": "x", "max_tokens": 4000, "n": 8, "ignore_eos": True})
     deadline = time.monotonic() + 10
     while _metric(server, "tandem:request_success_total", route="best", finished_reason="abort") == aborted_before \
             and time.monotonic() < deadline:

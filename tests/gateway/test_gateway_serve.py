@@ -154,14 +154,16 @@ def test_sigterm_answers_new_requests_503_with_retry_after_while_in_flight_ones_
 
 @pytest.mark.slow
 def test_sigterm_past_the_grace_period_ends_streams_with_an_error_event_and_done(tiny_checkpoint, tmp_path: Path):
-    proc, url = _serve_ready(tiny_checkpoint("llama"), tmp_path, grace_period_s=0.3)
+    # 4,000 decode steps, one after another, far longer than the grace period on any machine (480 were not on a
+    # fast one): the engines are stopped under every request
+    proc, url = _serve_ready(tiny_checkpoint("llama", max_position_embeddings=4096), tmp_path, grace_period_s=0.3)
     answers: list[httpx.Response] = []
-    body = {"model": "tiny", "prompt": "hello", "max_tokens": 480, "n": 4, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4000, "n": 4, "ignore_eos": True}
     try:
         unary = threading.Thread(target=lambda: answers.append(httpx.post(url + "/v1/completions", json=body,
                                                                           timeout=120)))
         unary.start()
-        threads, started, results = _streams(url, 4, max_tokens=480)  # far longer than the grace period
+        threads, started, results = _streams(url, 4, max_tokens=4000)
         started.wait(timeout=60)
         proc.send_signal(signal.SIGTERM)
         for t in [*threads, unary]:
