@@ -16,8 +16,9 @@ import torch
 from engines.attention import PagedAttention, StepBatch, plan_paged_attention, resolve_backend
 from engines.sequence import Sequence
 
-# the longest query run (decode 1, a verify window 1 + k, a short prefill chunk) the CPU attention kernel takes;
-# longer prefill chunks go to torch's flash SDPA
+# the longest query run (decode 1, a verify window 1 + k, a short prefill chunk) the CPU attention kernel takes
+# inside the PyTorch forward, and a drafter's catch-up inside its one-call draft; longer prefill chunks go to
+# torch's flash SDPA there
 CPU_KERNEL_MAX_QUERY = 32
 
 
@@ -124,7 +125,11 @@ class ModelRunner:
         returns fp32 logits for the sequences that sample, in `batch.sample_seqs` order: one row each, or
         1 + k consecutive rows for a sequence verifying k drafts (`rows_per_seq`), the distributions after its
         last known token and after each draft."""
-        if self.cpu_forward is not None and max(num_tokens) <= self.kernel_max_query:
+        # the one-call C decoder stack takes every step, prefill chunks of any length too (`takes_prefill`): its
+        # linears (register tiles, or the SGEMM where `cpu_kernels.calibrate` found it faster) and in-place
+        # attention beat the PyTorch forward's on prompts of 64-1024 tokens (docs/benchmarks.md)
+        if self.cpu_forward is not None and (self.cpu_forward.takes_prefill
+                                             or max(num_tokens) <= self.kernel_max_query):
             return self._execute_cpu_forward(seqs, num_tokens, drafts)
         batch = self.prepare(seqs, num_tokens, drafts)
         if self.decode_graphs is not None and self.decode_graphs.fits(batch):

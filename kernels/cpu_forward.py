@@ -5,7 +5,8 @@ A tiny model's decode step through PyTorch is ~100 framework ops (norms, matmuls
 ~5-20 us of dispatch: more than the arithmetic. Here Python builds the step's index arrays once and C runs
 every layer: the projections stream each weight once (float32 `wt [K, N]`, the column-major layout
 `engines.model.cpu_weight_layout` stores, or int8 `[N, K]` with per-row scales, weight-only or w8a8), many-row steps
-call the MKL SGEMM torch ships, K/V go into their pages and attention reads the pages in place.
+take the register tiles over column strips or the MKL SGEMM torch ships (`cpu_kernels.calibrate` picks by
+timing both on the model's weights when it is built), K/V go into their pages and attention reads the pages in place.
 
 `CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (Qwen3's q/k norm, a
 sliding window, int4 in groups of 32, bfloat16 weights, biases on norms...); those keep the PyTorch forward.
@@ -66,6 +67,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 class CpuForward:
     """`forward(ids, positions, tables, seqs, max_ctx) -> hidden [T, H]` over the model's pool view."""
+
+    takes_prefill = True  # whether steps with long prefill chunks run here too (`build` decides)
 
     def __init__(self, model: nn.Module, layers: list[_Layer], keep: list[torch.Tensor], k_cache: torch.Tensor):
         cfg = model.config
@@ -134,7 +137,14 @@ class CpuForward:
                                  gate_up=gu, down=down, kc=kc.data_ptr(), vc=vc.data_ptr()))
         if model.model.norm.weight.dtype != torch.float32:
             return None
-        return cls(model, layers, keep, k_caches[0])
+        # the float32 linears' machine-dependent choices (register blocks on large weights, the SGEMM's rows),
+        # timed on this model's weights once per process
+        cpu_kernels.calibrate([m.weight for m in model.modules() if type(m) is nn.Linear])
+        fwd = cls(model, layers, keep, k_caches[0])
+        # long prefill chunks too, except over int4 weights: the w4a8 kernel quantises the activations, which the
+        # PyTorch forward's many-row int4 path multiplies in float (a prompt keeps that precision)
+        fwd.takes_prefill = not any(getattr(m, "mode", None) == "int4" for m in model.modules())
+        return fwd
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
                 max_ctx: int) -> torch.Tensor:

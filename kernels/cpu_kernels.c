@@ -83,7 +83,9 @@ static int grow_scratch(void **buf, size_t *cap, size_t need) {
 /* ---- float32 linear over wt [K, N] (row stride ldw) ------------------------------------------------------ */
 
 /* An external SGEMM (the Fortran-ABI `SGEMM` of the MKL that torch ships, its address given by
- * tk_set_sgemm): the many-row case, where a blocked, packed GEMM is 2x our register tiles. NULL: ours. */
+ * tk_set_sgemm): the many-row case, from sgemm_min_rows rows. Whether MKL's packed GEMM beats the register
+ * tiles depends on the CPU (it takes its fast paths on some only): kernels/cpu_kernels.py's `calibrate` sets the
+ * threshold by timing both. NULL: ours. */
 typedef void (*tk_sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
                             const float *, const int *, const float *, const int *, const float *, float *,
                             const int *);
@@ -91,9 +93,18 @@ static tk_sgemm_fn tk_sgemm = 0;
 void tk_set_sgemm(void *fn) { tk_sgemm = (tk_sgemm_fn)fn; }
 
 /* up to this many rows stream the weight (each byte read once, in address order; the rows' outputs stay in
- * L1); more rows in blocks of STREAM_ROWS, or the external SGEMM from SGEMM_MIN_ROWS rows */
+ * L1); more rows in blocks of STREAM_ROWS over column strips, or the external SGEMM from sgemm_min_rows rows
+ * (SGEMM_MIN_ROWS until calibrated; the int8 weight-only path keeps SGEMM_MIN_ROWS) */
 #define STREAM_ROWS 8
 #define SGEMM_MIN_ROWS 13
+static int64_t sgemm_min_rows = SGEMM_MIN_ROWS; /* tk_sgemm_min_rows */
+/* the AVX-512 register blocks take weights up to BLOCK_MAX_KN floats (see below) */
+#ifndef BLOCK_MAX_KN /* bench/cpu_dram.py builds with -DBLOCK_MAX_KN=0 (streams only) and larger, to compare */
+#define BLOCK_MAX_KN (1 << 20)
+#endif
+/* the bound in force (tk_block_max_kn): where memory serves strided reads well, the blocks beat the streams on
+ * weights from memory too, and kernels/cpu_kernels.py's `calibrate` lifts it */
+static int64_t block_max_kn = BLOCK_MAX_KN;
 /* the streaming GEMV prefetches the weight rows this far ahead of the four it reads (four interleaved rows
  * defeat the hardware prefetcher: a 5-row pass over tiny-l's weights from memory 2.75 -> 2.05 ms, one row
  * 2.12 -> 1.93 ms; 8 and 16 rows ahead measured no better) */
@@ -250,9 +261,6 @@ static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3,
  * the streams' address-order reads win */
 #define BLOCK_MIN_ROWS 5
 #define BLOCK_MAX_K 1024
-#ifndef BLOCK_MAX_KN /* bench/cpu_dram.py builds with -DBLOCK_MAX_KN=0 (streams only) and larger, to compare */
-#define BLOCK_MAX_KN (1 << 20)
-#endif
 #ifndef BLOCK_NEXT_PF /* the next 32 columns into L2 (bench/cpu_dram.py also builds without) */
 #define BLOCK_NEXT_PF 1
 #endif
@@ -298,33 +306,45 @@ static const stream_fn BLOCK512[9] = {0, stream512_1, block512_2, block512_3, bl
                                       block512_6, block512_7, block512_8};
 #endif
 
+/* more rows than one register block: the columns go in strips of at most STRIP_BYTES of weight, each passed
+ * over by every block of rows while it sits in L2, so the weight comes from memory once however many rows */
+#define STRIP_BYTES (256 << 10)
+
 /* columns [n0, n1) of rows [0, M), bias added */
 static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, const float *bias,
                         float *y, int64_t N, int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
-        int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
+    int64_t strip = n1 - n0;
+    if (M > STREAM_ROWS) {
+        strip = STRIP_BYTES / (4 * K) / 32 * 32;
+        if (strip < 32) strip = 32;
+    }
+    for (int64_t s0 = n0; s0 < n1; s0 += strip) {
+        const int64_t s1 = s0 + strip < n1 ? s0 + strip : n1;
+        for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
+            int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
 #if TK_AVX512
-        const int block = mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K && K * N <= BLOCK_MAX_KN;
-        (block ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
+            const int block = mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K && K * N <= block_max_kn;
+            (block ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, s0, s1);
 #elif TK_AVX2
-        STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
+            STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, s0, s1);
 #else
-        for (int r = 0; r < mr; r++)
-            for (int64_t n = n0; n < n1; n++) {
-                float s = 0.f;
-                for (int64_t k = 0; k < K; k++) s += x[(m0 + r) * K + k] * wt[k * ldw + n];
-                y[(m0 + r) * N + n] = s;
-            }
-#endif
-        if (bias)
             for (int r = 0; r < mr; r++)
-                for (int64_t n = n0; n < n1; n++) y[(m0 + r) * N + n] += bias[n];
+                for (int64_t n = s0; n < s1; n++) {
+                    float s = 0.f;
+                    for (int64_t k = 0; k < K; k++) s += x[(m0 + r) * K + k] * wt[k * ldw + n];
+                    y[(m0 + r) * N + n] = s;
+                }
+#endif
+            if (bias)
+                for (int r = 0; r < mr; r++)
+                    for (int64_t n = s0; n < s1; n++) y[(m0 + r) * N + n] += bias[n];
+        }
     }
 }
 
 void tk_linear_f32(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, int64_t N,
                    const float *bias, float *y, int nthreads) {
-    if (tk_sgemm && M >= SGEMM_MIN_ROWS && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)) {
+    if (tk_sgemm && M >= sgemm_min_rows && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)) {
         /* row-major y[M,N] = x[M,K] wt[K,N] is column-major y^T = wt^T x^T */
         int n = (int)N, m = (int)M, k = (int)K, lw = (int)ldw;
         float one = 1.f, zero = 0.f;
@@ -880,6 +900,20 @@ int tk_set_amx(int on) {
     (void)on;
     return 0;
 #endif
+}
+
+/* the fewest rows the float32 linear hands to the external SGEMM: `v` >= 0 sets it, -1 only asks (below it, the
+ * register tiles over L2-sized column strips) */
+int64_t tk_sgemm_min_rows(int64_t v) {
+    if (v >= 0) sgemm_min_rows = v;
+    return sgemm_min_rows;
+}
+
+/* the largest float32 weight (K * N floats) the 5-8-row register blocks take: `v` >= 0 sets it, -1 only asks
+ * (the same bits either way: only the speed differs) */
+int64_t tk_block_max_kn(int64_t v) {
+    if (v >= 0) block_max_kn = v;
+    return block_max_kn;
 }
 
 /* y[M, N] = (q8(x) . q) * scale (+ bias); returns 0, or 1 when the scratch allocation failed */

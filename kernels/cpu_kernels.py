@@ -7,8 +7,10 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
 `TANDEM_CPU_SIMD=avx2` builds the AVX2 paths alone, to compare).
 
 - `linear(x, weight, bias)`: y = x @ weight.T for a float32 nn.Linear weight stored column-major
-  (`engines.model.cpu_weight_layout`): up to 12 rows the weight is streamed once in address order (the
-  decode GEMV and skinny GEMM at the memory's speed), more rows go to the MKL `SGEMM` torch ships.
+  (`engines.model.cpu_weight_layout`): up to 8 rows the weight is streamed once in address order (the decode
+  GEMV at the memory's speed), or summed in registers 32 columns at a time (5-8 rows); more rows take those
+  tiles over column strips that stay in L2, or the MKL `SGEMM` torch ships. Which, on large weights and at
+  many rows, `calibrate` decides by timing both on the model's weights (it depends on the CPU).
 - `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations; many
   rows widen the weight to float32 once and take the SGEMM too.
 - `linear_w8a8(x, q, scale, bias)`: the same weights with the activations quantised per 32 values
@@ -25,10 +27,12 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +48,7 @@ _tried = False
 build_error: str | None = None  # why the kernels are unavailable, once `load()` has tried
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SGEMM_MIN_ROWS = 13  # kernels/cpu_kernels.c's built-in threshold
 
 
 def _cpu_flags() -> str:
@@ -91,6 +96,97 @@ def set_amx(on: bool | None = None, lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and bool(lib.tk_set_amx(-1 if on is None else int(on)))
 
 
+def block_max_kn(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
+    """The largest float32 weight (K * N floats) that `linear`'s 5-8-row register blocks take (larger ones are
+    streamed in address order); `value` sets it. The same bits either way. 0 where the kernels are not loaded."""
+    lib = lib or load()
+    return 0 if lib is None else int(lib.tk_block_max_kn(-1 if value is None else int(value)))
+
+
+def sgemm_min_rows(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
+    """The fewest rows `linear` hands to the MKL SGEMM (fewer take the register tiles over L2-sized column
+    strips); `value` sets it (`NEVER`: the tiles at every row count). 0 where the kernels are not loaded."""
+    lib = lib or load()
+    return 0 if lib is None else int(lib.tk_sgemm_min_rows(-1 if value is None else int(value)))
+
+
+NEVER = 1 << 62
+CALIBRATION_ROWS = (16, 64, 256)  # where `calibrate` weighs the SGEMM against the tiles
+_calibration: dict | None = None  # `calibrate`'s choices, once per process
+log = logging.getLogger("tandem.kernels")
+
+
+def _best_pass(lib: ctypes.CDLL, weights: list[torch.Tensor], rows: int, settings: dict[str, tuple[int, int]],
+               reps: int) -> dict[str, float]:
+    """Seconds of one pass of `linear` over `weights` at `rows` rows under each setting (block_max_kn,
+    sgemm_min_rows), alternated, best of `reps` rounds after one that warms up."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    best = dict.fromkeys(settings, float("inf"))
+    for rnd in range(reps + 1):
+        for name, (kn, sgemm) in settings.items():
+            lib.tk_block_max_kn(kn)
+            lib.tk_sgemm_min_rows(sgemm)
+            t = time.perf_counter()
+            for w in weights:
+                linear(xs[w.shape[1]], w)
+            if rnd:
+                best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
+    """Two choices of `linear`'s path that give the same answers and whose speed depends on the machine, made
+    by timing them on `weights` (a model's own float32 weights, column-major [N, K]), once per process:
+
+    - 5-8 rows on weights above the blocks' built-in bound (4 MiB): the register blocks or the streams. The
+      blocks' strided reads from memory lose to address-order reads on some machines and win on others
+      (docs/benchmarks.md); one pass over those weights at 8 rows each way. The same bits either way.
+    - Many rows: the MKL SGEMM from 13 rows, or the register tiles over column strips. MKL takes its fast
+      paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape, the SGEMM keeps the
+      row counts from the first where it is faster.
+
+    A choice changes only for a clear 3% gain. Returns the choices ({"blocks": "blocks" | "streams" | None,
+    "sgemm_min_rows": n, and the milliseconds measured}), None where the kernels are not loaded or
+    `TANDEM_CPU_CALIBRATE=0` keeps the built-in choices."""
+    global _calibration
+    lib = load()
+    if _calibration is not None or lib is None or os.environ.get("TANDEM_CPU_CALIBRATE", "1") == "0":
+        return _calibration
+    with _lock:
+        if _calibration is not None:
+            return _calibration
+        f32 = [w for w in weights if w.dim() == 2 and linear_fits(torch.empty(1, 1), w)]
+        bound, sgemm_rows = lib.tk_block_max_kn(-1), lib.tk_sgemm_min_rows(-1)
+        out: dict = {"blocks": None, "sgemm_min_rows": sgemm_rows, "ms": {}}
+        big = [w for w in f32 if w.numel() > bound and w.shape[1] <= 1024]  # the blocks' K bound (BLOCK_MAX_K)
+        if big:
+            t = _best_pass(lib, big, 8, {"streams": (bound, sgemm_rows), "blocks": (NEVER, sgemm_rows)}, reps)
+            out["blocks"] = "blocks" if t["blocks"] < 0.97 * t["streams"] else "streams"
+            out["ms"]["8 rows above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+        kn = NEVER if out["blocks"] == "blocks" else bound
+        one = list({tuple(w.shape): w for w in f32 if w.numel() <= 1 << 24}.values())  # one weight per shape
+        if one and sgemm_address() is not None:
+            out["sgemm_min_rows"] = NEVER
+            for rows in CALIBRATION_ROWS:
+                t = _best_pass(lib, one, rows, {"tiles": (kn, NEVER), "sgemm": (kn, 1)}, reps)
+                out["ms"][f"{rows} rows"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+                if t["sgemm"] < 0.97 * t["tiles"]:
+                    out["sgemm_min_rows"] = SGEMM_MIN_ROWS if rows == CALIBRATION_ROWS[0] else rows
+                    break
+        lib.tk_block_max_kn(kn)
+        lib.tk_sgemm_min_rows(out["sgemm_min_rows"])
+        _calibration = out
+    log.info("cpu kernels calibrated: 8-row passes over weights above %d MiB on the %s; the MKL SGEMM %s (ms: %s)",
+             bound * 4 >> 20, out["blocks"] or "(none here)", "never" if out["sgemm_min_rows"] == NEVER
+             else f"from {out['sgemm_min_rows']} rows", out["ms"])
+    return out
+
+
+def calibration() -> dict | None:
+    """`calibrate`'s choices in this process, or None before it ran."""
+    return _calibration
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_has_avx2.restype = _INT
     lib.tk_simd_level.restype = _INT
@@ -111,6 +207,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_write_kv_f32.restype = None
     lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_rope_f32.restype = None
+    for fn in (lib.tk_block_max_kn, lib.tk_sgemm_min_rows):
+        fn.argtypes = [_I64]
+        fn.restype = _I64
     lib.tk_set_amx.argtypes = [_INT]
     lib.tk_set_amx.restype = _INT
     lib.tk_set_sgemm.argtypes = [_PTR]

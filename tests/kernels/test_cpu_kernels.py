@@ -128,6 +128,50 @@ def test_the_avx512_paths_give_the_avx2_paths_bits():
 
 
 @needs_kernels
+def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_process(monkeypatch):
+    """`calibrate` picks two things by timing them on the weights it is given: whether 5-8 rows over a float32
+    weight above 4 MiB take the register blocks or the streams (the same bits either way: the same FMA chain
+    per output), and from how many rows the MKL SGEMM takes over from the register tiles over column strips
+    (the same values to float rounding). Either choice leaves the answers right; the result is kept for the
+    process and set in the kernels."""
+    lib = ck.load()
+    default_kn, default_rows = ck.block_max_kn(), ck.sgemm_min_rows()
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(1100, 1024, generator=g).t().contiguous().t()  # [N, K] column-major, 4.3 MiB
+    try:
+        for m in (5, 6, 8):
+            x = torch.randn(m, 1024, generator=g)
+            ck.block_max_kn(0)
+            streams = ck.linear(x, big)
+            ck.block_max_kn(ck.NEVER)
+            assert torch.equal(ck.linear(x, big), streams)
+            torch.testing.assert_close(streams, x @ big.t(), rtol=1e-4, atol=1e-4)
+        for m in (9, 16, 40):  # the strips: every row and column against torch, the SGEMM on and off
+            x = torch.randn(m, 1024, generator=g)
+            b = torch.randn(1100, generator=g)
+            for rows in (ck.NEVER, 1):
+                ck.sgemm_min_rows(rows)
+                torch.testing.assert_close(ck.linear(x, big, b), x @ big.t() + b, rtol=1e-4, atol=1e-4)
+        ck.block_max_kn(default_kn)
+        ck.sgemm_min_rows(default_rows)
+        monkeypatch.setattr(ck, "_calibration", None)
+        small = torch.randn(256, 512, generator=g).t().contiguous().t()
+        out = ck.calibrate([big, small], reps=1)
+        assert out["blocks"] in ("blocks", "streams") and "8 rows above the bound" in out["ms"]
+        assert ck.block_max_kn() == (ck.NEVER if out["blocks"] == "blocks" else default_kn)
+        if ck.sgemm_address() is not None:
+            assert out["sgemm_min_rows"] in (ck.SGEMM_MIN_ROWS, *ck.CALIBRATION_ROWS[1:], ck.NEVER)
+            assert "16 rows" in out["ms"]
+        assert ck.sgemm_min_rows() == out["sgemm_min_rows"] and lib.tk_sgemm_min_rows(-1) == out["sgemm_min_rows"]
+        assert ck.calibrate([small]) is out and ck.calibration() is out  # once per process
+        monkeypatch.setattr(ck, "_calibration", None)
+        assert ck.calibrate([small], reps=1)["blocks"] is None  # nothing above the bound: no choice made
+    finally:
+        ck.block_max_kn(default_kn)
+        ck.sgemm_min_rows(default_rows)
+
+
+@needs_kernels
 def test_the_amx_tiles_give_the_vector_tiles_w8a8_up_to_summation_order():
     """Where the CPU has AMX int8 (and Linux grants the tile state), w8a8 at 3+ rows multiplies on tiles: the
     weights' 16-row blocks as they lie against the activations packed per call (16 rows at a time, zeros past
