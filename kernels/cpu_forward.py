@@ -5,7 +5,7 @@ A tiny model's decode step through PyTorch is ~100 framework ops (norms, matmuls
 ~5-20 us of dispatch: more than the arithmetic. Here Python builds the step's index arrays once and C runs
 every layer: the projections stream each weight once (float32 `wt [K, N]`, the column-major layout
 `engines.model.cpu_weight_layout` stores, or int8 `[N, K]` with per-row scales, weight-only or w8a8), many-row steps
-take the register tiles over column strips or the MKL SGEMM torch ships (`cpu_kernels.calibrate` picks by
+take the register tiles 8 rows at a time or the MKL SGEMM torch ships (`cpu_kernels.calibrate` picks by
 timing both on the model's weights when it is built), K/V go into their pages and attention reads the pages in place.
 
 `CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (Qwen3's q/k norm, a

@@ -93,7 +93,7 @@ static tk_sgemm_fn tk_sgemm = 0;
 void tk_set_sgemm(void *fn) { tk_sgemm = (tk_sgemm_fn)fn; }
 
 /* up to this many rows stream the weight (each byte read once, in address order; the rows' outputs stay in
- * L1); more rows in blocks of STREAM_ROWS over column strips, or the external SGEMM from sgemm_min_rows rows
+ * L1); more rows in blocks of STREAM_ROWS, or the external SGEMM from sgemm_min_rows rows
  * (SGEMM_MIN_ROWS until calibrated; the int8 weight-only path keeps SGEMM_MIN_ROWS) */
 #define STREAM_ROWS 8
 #define SGEMM_MIN_ROWS 13
@@ -306,39 +306,29 @@ static const stream_fn BLOCK512[9] = {0, stream512_1, block512_2, block512_3, bl
                                       block512_6, block512_7, block512_8};
 #endif
 
-/* more rows than one register block: the columns go in strips of at most STRIP_BYTES of weight, each passed
- * over by every block of rows while it sits in L2, so the weight comes from memory once however many rows */
-#define STRIP_BYTES (256 << 10)
-
-/* columns [n0, n1) of rows [0, M), bias added */
+/* columns [n0, n1) of rows [0, M), bias added: more rows than one register block take the whole column range
+ * block after block (each reads the weight again; narrow column strips kept in L2 for every block measured
+ * slower, their short strided bursts costing more than the rereads) */
 static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, const float *bias,
                         float *y, int64_t N, int64_t n0, int64_t n1) {
-    int64_t strip = n1 - n0;
-    if (M > STREAM_ROWS) {
-        strip = STRIP_BYTES / (4 * K) / 32 * 32;
-        if (strip < 32) strip = 32;
-    }
-    for (int64_t s0 = n0; s0 < n1; s0 += strip) {
-        const int64_t s1 = s0 + strip < n1 ? s0 + strip : n1;
-        for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
-            int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
+    for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
+        int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
 #if TK_AVX512
-            const int block = mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K && K * N <= block_max_kn;
-            (block ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, s0, s1);
+        const int block = mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K && K * N <= block_max_kn;
+        (block ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
 #elif TK_AVX2
-            STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, s0, s1);
+        STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
 #else
-            for (int r = 0; r < mr; r++)
-                for (int64_t n = s0; n < s1; n++) {
-                    float s = 0.f;
-                    for (int64_t k = 0; k < K; k++) s += x[(m0 + r) * K + k] * wt[k * ldw + n];
-                    y[(m0 + r) * N + n] = s;
-                }
+        for (int r = 0; r < mr; r++)
+            for (int64_t n = n0; n < n1; n++) {
+                float s = 0.f;
+                for (int64_t k = 0; k < K; k++) s += x[(m0 + r) * K + k] * wt[k * ldw + n];
+                y[(m0 + r) * N + n] = s;
+            }
 #endif
-            if (bias)
-                for (int r = 0; r < mr; r++)
-                    for (int64_t n = s0; n < s1; n++) y[(m0 + r) * N + n] += bias[n];
-        }
+        if (bias)
+            for (int r = 0; r < mr; r++)
+                for (int64_t n = n0; n < n1; n++) y[(m0 + r) * N + n] += bias[n];
     }
 }
 
@@ -903,7 +893,7 @@ int tk_set_amx(int on) {
 }
 
 /* the fewest rows the float32 linear hands to the external SGEMM: `v` >= 0 sets it, -1 only asks (below it, the
- * register tiles over L2-sized column strips) */
+ * register tiles, 8 rows at a time) */
 int64_t tk_sgemm_min_rows(int64_t v) {
     if (v >= 0) sgemm_min_rows = v;
     return sgemm_min_rows;

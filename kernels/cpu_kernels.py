@@ -9,8 +9,8 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
 - `linear(x, weight, bias)`: y = x @ weight.T for a float32 nn.Linear weight stored column-major
   (`engines.model.cpu_weight_layout`): up to 8 rows the weight is streamed once in address order (the decode
   GEMV at the memory's speed), or summed in registers 32 columns at a time (5-8 rows); more rows take those
-  tiles over column strips that stay in L2, or the MKL `SGEMM` torch ships. Which, on large weights and at
-  many rows, `calibrate` decides by timing both on the model's weights (it depends on the CPU).
+  tiles 8 rows at a time, or the MKL `SGEMM` torch ships. Which, on large weights and at many rows,
+  `calibrate` decides by timing both on the model's weights (it depends on the CPU).
 - `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations; many
   rows widen the weight to float32 once and take the SGEMM too.
 - `linear_w8a8(x, q, scale, bias)`: the same weights with the activations quantised per 32 values
@@ -104,8 +104,8 @@ def block_max_kn(value: int | None = None, lib: ctypes.CDLL | None = None) -> in
 
 
 def sgemm_min_rows(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
-    """The fewest rows `linear` hands to the MKL SGEMM (fewer take the register tiles over L2-sized column
-    strips); `value` sets it (`NEVER`: the tiles at every row count). 0 where the kernels are not loaded."""
+    """The fewest rows `linear` hands to the MKL SGEMM (fewer take the register tiles, 8 rows at a time);
+    `value` sets it (`NEVER`: the tiles at every row count). 0 where the kernels are not loaded."""
     lib = lib or load()
     return 0 if lib is None else int(lib.tk_sgemm_min_rows(-1 if value is None else int(value)))
 
@@ -141,7 +141,7 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
     - 5-8 rows on weights above the blocks' built-in bound (4 MiB): the register blocks or the streams. The
       blocks' strided reads from memory lose to address-order reads on some machines and win on others
       (docs/benchmarks.md); one pass over those weights at 8 rows each way. The same bits either way.
-    - Many rows: the MKL SGEMM from 13 rows, or the register tiles over column strips. MKL takes its fast
+    - Many rows: the MKL SGEMM from 13 rows, or the register tiles 8 rows at a time. MKL takes its fast
       paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape, the SGEMM keeps the
       row counts from the first where it is faster.
 

@@ -131,7 +131,7 @@ def test_the_avx512_paths_give_the_avx2_paths_bits():
 def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_process(monkeypatch):
     """`calibrate` picks two things by timing them on the weights it is given: whether 5-8 rows over a float32
     weight above 4 MiB take the register blocks or the streams (the same bits either way: the same FMA chain
-    per output), and from how many rows the MKL SGEMM takes over from the register tiles over column strips
+    per output), and from how many rows the MKL SGEMM takes over from the register tiles (8 rows at a time)
     (the same values to float rounding). Either choice leaves the answers right; the result is kept for the
     process and set in the kernels."""
     lib = ck.load()
@@ -146,7 +146,7 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
             ck.block_max_kn(ck.NEVER)
             assert torch.equal(ck.linear(x, big), streams)
             torch.testing.assert_close(streams, x @ big.t(), rtol=1e-4, atol=1e-4)
-        for m in (9, 16, 40):  # the strips: every row and column against torch, the SGEMM on and off
+        for m in (9, 16, 40):  # many rows: every row and column against torch, the SGEMM on and off
             x = torch.randn(m, 1024, generator=g)
             b = torch.randn(1100, generator=g)
             for rows in (ck.NEVER, 1):
