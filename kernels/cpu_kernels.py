@@ -49,6 +49,7 @@ build_error: str | None = None  # why the kernels are unavailable, once `load()`
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SGEMM_MIN_ROWS = 13  # kernels/cpu_kernels.c's built-in threshold
+BLOCK_MAX_KN = 1 << 20  # and the register blocks' built-in bound (floats)
 
 
 def _cpu_flags() -> str:
@@ -145,40 +146,48 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
       paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape, the SGEMM keeps the
       row counts from the first where it is faster.
 
-    A choice changes only for a clear 3% gain. Returns the choices ({"blocks": "blocks" | "streams" | None,
+    Each choice is made once per process, by the first model whose weights can make it. A choice changes only
+    for a clear 3% gain. Returns the choices ({"blocks": "blocks" | "streams" | None,
     "sgemm_min_rows": n, and the milliseconds measured}), None where the kernels are not loaded or
     `TANDEM_CPU_CALIBRATE=0` keeps the built-in choices."""
     global _calibration
     lib = load()
-    if _calibration is not None or lib is None or os.environ.get("TANDEM_CPU_CALIBRATE", "1") == "0":
+    if lib is None or os.environ.get("TANDEM_CPU_CALIBRATE", "1") == "0":
         return _calibration
     with _lock:
-        if _calibration is not None:
-            return _calibration
+        out = _calibration or {"blocks": None, "sgemm_min_rows": None, "ms": {}}
         f32 = [w for w in weights if w.dim() == 2 and linear_fits(torch.empty(1, 1), w)]
-        bound, sgemm_rows = lib.tk_block_max_kn(-1), lib.tk_sgemm_min_rows(-1)
-        out: dict = {"blocks": None, "sgemm_min_rows": sgemm_rows, "ms": {}}
+        bound = BLOCK_MAX_KN
+        # each choice once per process, on the first model that can make it (a draft built first has no
+        # weight above the bound: the blocks' choice waits for a model that has)
         big = [w for w in f32 if w.numel() > bound and w.shape[1] <= 1024]  # the blocks' K bound (BLOCK_MAX_K)
-        if big:
-            t = _best_pass(lib, big, 8, {"streams": (bound, sgemm_rows), "blocks": (NEVER, sgemm_rows)}, reps)
+        rows_now = lib.tk_sgemm_min_rows(-1)
+        made = False
+        if out["blocks"] is None and big:
+            made = True
+            t = _best_pass(lib, big, 8, {"streams": (bound, rows_now), "blocks": (NEVER, rows_now)}, reps)
             out["blocks"] = "blocks" if t["blocks"] < 0.97 * t["streams"] else "streams"
             out["ms"]["8 rows above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
-        kn = NEVER if out["blocks"] == "blocks" else bound
+            lib.tk_block_max_kn(NEVER if out["blocks"] == "blocks" else bound)
+        kn = lib.tk_block_max_kn(-1)
         one = list({tuple(w.shape): w for w in f32 if w.numel() <= 1 << 24}.values())  # one weight per shape
-        if one and sgemm_address() is not None:
-            out["sgemm_min_rows"] = NEVER
-            for rows in CALIBRATION_ROWS:
-                t = _best_pass(lib, one, rows, {"tiles": (kn, NEVER), "sgemm": (kn, 1)}, reps)
-                out["ms"][f"{rows} rows"] = {k: round(v * 1e3, 3) for k, v in t.items()}
-                if t["sgemm"] < 0.97 * t["tiles"]:
-                    out["sgemm_min_rows"] = SGEMM_MIN_ROWS if rows == CALIBRATION_ROWS[0] else rows
-                    break
-        lib.tk_block_max_kn(kn)
-        lib.tk_sgemm_min_rows(out["sgemm_min_rows"])
+        if out["sgemm_min_rows"] is None and one:
+            made = True
+            out["sgemm_min_rows"] = rows_now
+            if sgemm_address() is not None:
+                out["sgemm_min_rows"] = NEVER
+                for rows in CALIBRATION_ROWS:
+                    t = _best_pass(lib, one, rows, {"tiles": (kn, NEVER), "sgemm": (kn, 1)}, reps)
+                    out["ms"][f"{rows} rows"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+                    if t["sgemm"] < 0.97 * t["tiles"]:
+                        out["sgemm_min_rows"] = SGEMM_MIN_ROWS if rows == CALIBRATION_ROWS[0] else rows
+                        break
+            lib.tk_sgemm_min_rows(out["sgemm_min_rows"])
         _calibration = out
-    log.info("cpu kernels calibrated: 8-row passes over weights above %d MiB on the %s; the MKL SGEMM %s (ms: %s)",
-             bound * 4 >> 20, out["blocks"] or "(none here)", "never" if out["sgemm_min_rows"] == NEVER
-             else f"from {out['sgemm_min_rows']} rows", out["ms"])
+    if made:
+        log.info("cpu kernels calibrated: 8-row passes over weights above %d MiB on the %s; the MKL SGEMM %s "
+                 "(ms: %s)", bound * 4 >> 20, out["blocks"] or "(none measured yet)",
+                 "never" if out["sgemm_min_rows"] == NEVER else f"from {out['sgemm_min_rows']} rows", out["ms"])
     return out
 
 
