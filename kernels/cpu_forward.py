@@ -68,12 +68,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class CpuForward:
     """`forward(ids, positions, tables, seqs, max_ctx) -> hidden [T, H]` over the model's pool view."""
 
-    takes_prefill = True  # whether steps with long prefill chunks run here too (`build` decides)
-
     def __init__(self, model: nn.Module, layers: list[_Layer], keep: list[torch.Tensor], k_cache: torch.Tensor):
         cfg = model.config
         self.lib = _bind(cpu_kernels.load())
         self.hidden = cfg.hidden_size
+        # whether steps with long prefill chunks run here too: not over int4 weights, where the w4a8 kernel would
+        # quantise a prompt's activations that the PyTorch forward's many-row int4 path multiplies in float
+        self.takes_prefill = not any(getattr(m, "mode", None) == "int4" for m in model.modules())
         # every tensor the C structs point into (detached aliases: their storage stays alive even if a module's
         # `.data` is rebound later)
         self._keep = keep + [model.model.embed_tokens.weight.detach(), model.model.norm.weight.detach()] + [
@@ -140,11 +141,7 @@ class CpuForward:
         # the float32 linears' machine-dependent choices (register blocks on large weights, the SGEMM's rows),
         # timed on this model's weights once per process
         cpu_kernels.calibrate([m.weight for m in model.modules() if type(m) is nn.Linear])
-        fwd = cls(model, layers, keep, k_caches[0])
-        # long prefill chunks too, except over int4 weights: the w4a8 kernel quantises the activations, which the
-        # PyTorch forward's many-row int4 path multiplies in float (a prompt keeps that precision)
-        fwd.takes_prefill = not any(getattr(m, "mode", None) == "int4" for m in model.modules())
-        return fwd
+        return cls(model, layers, keep, k_caches[0])
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
                 max_ctx: int) -> torch.Tensor:

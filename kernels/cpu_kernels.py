@@ -97,18 +97,22 @@ def set_amx(on: bool | None = None, lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and bool(lib.tk_set_amx(-1 if on is None else int(on)))
 
 
+def _knob(name: str, value: int | None, lib: ctypes.CDLL | None) -> int:
+    """One of the C side's int64 settings (`tk_<name>(v)`: v >= 0 sets it, -1 only asks); 0 without kernels."""
+    lib = lib or load()
+    return 0 if lib is None else int(getattr(lib, "tk_" + name)(-1 if value is None else int(value)))
+
+
 def block_max_kn(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
     """The largest float32 weight (K * N floats) that `linear`'s 5-8-row register blocks take (larger ones are
     streamed in address order); `value` sets it. The same bits either way. 0 where the kernels are not loaded."""
-    lib = lib or load()
-    return 0 if lib is None else int(lib.tk_block_max_kn(-1 if value is None else int(value)))
+    return _knob("block_max_kn", value, lib)
 
 
 def sgemm_min_rows(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
     """The fewest rows `linear` hands to the MKL SGEMM (fewer take the register tiles, 8 rows at a time);
     `value` sets it (`NEVER`: the tiles at every row count). 0 where the kernels are not loaded."""
-    lib = lib or load()
-    return 0 if lib is None else int(lib.tk_sgemm_min_rows(-1 if value is None else int(value)))
+    return _knob("sgemm_min_rows", value, lib)
 
 
 NEVER = 1 << 62
