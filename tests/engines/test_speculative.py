@@ -950,3 +950,46 @@ def test_plain_greedy_windows_take_the_argmax_with_min_tokens_ban_as_the_general
     s = spec[0][0]
     s.request.params = SamplingParams(temperature=0, repetition_penalty=1.2)
     assert plain_greedy_targets(logits, spec, eos) is None  # a penalty needs the general path
+
+
+def _replay_traces(match, n_prompts: int = 6, n_out: int = 96, k_max: int = 4, seed: int = 0) -> list[dict]:
+    """Synthetic greedy traces for bench/spec_policy.py's replay: `match(prompt, t)` says whether the draft's
+    window at output position t agrees with the target (a window agrees token by token up to the first
+    position that does not)."""
+    rng = random.Random(seed)
+    traces = []
+    for i in range(n_prompts):
+        prompt = [rng.randrange(10, 4000) for _ in range(32)]
+        out = [rng.randrange(10, 4000) for _ in range(n_out)]
+        windows = [[out[t + j] if t + j < n_out and match(i, t + j) else -1 for j in range(k_max)]
+                   for t in range(1, n_out)]
+        traces.append({"prompt": prompt, "output": out, "windows": windows})
+    return traces
+
+
+def _replay_costs(draft_step_per_plain: list[float]) -> dict:
+    plain = 0.0005
+    return {"step": [plain] + [plain * r for r in draft_step_per_plain],
+            "target": {1: plain * 0.8, 5: plain * 1.6, 64: plain * 12}, "draft": plain * 0.1}
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.1])
+def test_adaptive_k_in_replay_drafts_where_the_draft_agrees_and_decodes_plain_where_it_does_not(noise):
+    """bench/spec_policy.py's replay (the real SpeculativeDecoder / AdaptiveK choices on recorded windows, step
+    costs with drift and jitter): adaptive k gets most of the best pinned k's speedup on a draft that agrees
+    everywhere, stays close to plain decoding on one that never agrees, and on a mix of both kinds of prompts
+    beats both plain decoding and every pinned k."""
+    from bench.spec_policy import _Noise, replay
+
+    costs = _replay_costs([1.6, 1.9, 2.2, 2.5])  # a drafting step at k = 1..4 against a plain token
+    geo = lambda r: float(torch.tensor(r).log().mean().exp())  # noqa: E731
+    always = _replay_traces(lambda i, t: True)
+    best_fixed = max(geo(replay(always, costs, 4, k, _Noise(noise, 1))) for k in range(1, 5))
+    adaptive = geo(replay(always, costs, 4, None, _Noise(noise, 1)))
+    assert best_fixed == pytest.approx(5 / 2.5, rel=0.1) and adaptive >= 0.85 * best_fixed
+    never = _replay_traces(lambda i, t: False)
+    assert geo(replay(never, costs, 4, 4, _Noise(noise, 1))) < 0.5  # pinned drafting loses 2.5x
+    assert geo(replay(never, costs, 4, None, _Noise(noise, 1))) >= 0.85  # adaptive pays only its probes
+    mixed = _replay_traces(lambda i, t: i % 2 == 0)  # alternate prompts: the draft agrees on every other one
+    adaptive = geo(replay(mixed, costs, 4, None, _Noise(noise, 1)))
+    assert adaptive > 1.1 and adaptive > max(geo(replay(mixed, costs, 4, k, _Noise(noise, 1))) for k in range(1, 5))
