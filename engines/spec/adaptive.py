@@ -17,6 +17,9 @@ EXPLORE_STALL = 0.05
 # size without being weighed again (weighing every k costs ~40 us a step, 2% of a batch-8 step, when the
 # choice all but never changes there); explorations still come on time, and a measured drafting step ends it
 REUSE_PLAIN = 8
+# drafting that wins by less than this predicted rate ratio is a close call: explorations of plain decoding
+# stay every `explore_every` choices instead of ever rarer
+CLOSE_CALL = 1.2
 
 
 class CostModel:
@@ -270,9 +273,14 @@ class AdaptiveK:
             self._next_explore = min(self._next_explore, self._steps + self.explore_every)
         self._side[bucket] = best > 0
         if self._steps >= self._next_explore:  # keep both sides measured: the other choice, once
-            # while the same side keeps winning, explore ever more rarely; a change of side starts over
+            # while the same side keeps winning, explore ever more rarely; a change of side starts over, and so
+            # does drafting that wins by less than CLOSE_CALL: its gain rests on a plain-step estimate only
+            # these explorations refresh (one measured high, on cold caches, made drafting at break-even look
+            # like a gain for hundreds of steps), and they cost no catch-up
             same = (best > 0) == (self._last_best > 0)
-            self._interval = min(2 * self._interval, self.explore_max) if same else self.explore_every
+            close = best > 0 and best_rate < CLOSE_CALL * plain_rate
+            self._interval = (min(2 * self._interval, self.explore_max) if same and not close
+                              else self.explore_every)
             self._last_best = best
             self._next_explore = self._steps + self._interval
             self.exploring = best == 0

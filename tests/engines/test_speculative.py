@@ -789,6 +789,26 @@ def test_adaptive_k_explores_plain_decoding_as_a_short_run():
     assert choices.count(0) == 6 and "4,0,0,0,4" in ",".join(map(str, choices))
 
 
+def test_drafting_that_wins_by_little_keeps_exploring_plain_decoding_at_the_base_interval():
+    """A close call rests on a plain-step estimate only explorations of plain decoding refresh: they stay every
+    explore_every choices (and a stale estimate is corrected); a clear win explores ever more rarely."""
+
+    def explorations(per_k: float) -> list[int]:
+        ak = AdaptiveK(4)
+        feed(ak, 1, plain=0.010, per_token=0.0002, draft=0.0005, a=0.8)
+        for k in range(5):
+            for _ in range(2):
+                ak.observe_step(1, k, 0.010 + per_k * k)
+        choices = [ak.choose(1) for _ in range(480)]
+        return [i for i in range(1, len(choices)) if choices[i] == 0 and choices[i - 1] > 0]
+
+    clear = explorations(0.0040)  # the best k well past CLOSE_CALL
+    close = explorations(0.0060)  # the best k, 1, at 1.125x: drafting, but a close call
+    # gaps of the interval plus the two held plain steps (which are not choices that count toward it)
+    assert [b - a for a, b in zip(clear, clear[1:])] == [32 + 2, 64 + 2, 128 + 2]
+    assert len(close) >= 13 and {b - a for a, b in zip(close, close[1:])} == {32 + 2}
+
+
 def test_stop_strings_with_speculation_stop_where_plain_decoding_stops(pair):
     path, _, draft = pair
     plain = LLM(path, block_size=BLOCK)
