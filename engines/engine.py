@@ -215,6 +215,9 @@ class ModelEngine:
         n = self._multi_step_tokens()
         if n:
             return self._multi_step(n)
+        k = self._spec_windows_k()
+        if k:
+            return self._spec_windows_step(k)
         drafts = self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule(drafts)
         for req in _requests(sched.expired):
@@ -310,6 +313,129 @@ class ModelEngine:
         if clean:
             self.speculator.observe_plain_steps(len(sched.seqs), n, forward_s, step_s)
         return sched.total_tokens
+
+    def _spec_windows_k(self) -> int:
+        """The k of a step of drafting windows in a loop (`_spec_windows_step`), or 0 for a normal step. Only where
+        `_multi_step_tokens` found every sequence on raw-logit greedy with nobody waiting and adaptive k then
+        drafted for all of them with one k, no min_tokens ban is left, every drafter is at most its last draft
+        and bonus token behind (no catch-up: that step goes the normal way) and drafts in one C call, and the
+        pool has the pages of the loop's every window."""
+        sp = self.speculator
+        dr = sp.drafter
+        running = self.scheduler.running
+        if dr is None or SPEC_WINDOWS < 2 or dr.lean is not None:
+            return 0
+        k = sp.planned_for_all(running)
+        if not k or not dr.runner.can_draft_greedy([1]):
+            return 0
+        sch = self.scheduler
+        pages = 0
+        for seq in running:
+            if (seq.request.params.min_tokens > seq.num_output_tokens or dr.lag(seq) > 2
+                    or seq.max_len - seq.num_tokens < k):  # room for one whole window
+                return 0
+            pages += sch.pages_needed(seq, min(SPEC_WINDOWS * (k + 1), seq.max_len - seq.num_tokens + 1))
+            pages += -(-(seq.num_tokens + SPEC_WINDOWS * (k + 1)) // self.pool.block_size)  # the draft's, at most
+        if pages + len(running) + 1 > self.pool.num_free:
+            return 0
+        sp.drop_plan()
+        return k
+
+    def _spec_windows_step(self, k: int) -> int:
+        """Up to SPEC_WINDOWS drafting windows of k greedy drafts for every running sequence, verified one after
+        another in one step: the scheduler books each sequence's tokens as one token and placeholder drafts
+        (pages, budget, as `_multi_step` does), each window drafts in one C call and verifies through the
+        runner, and `Scheduler.update` takes the tokens the windows kept as accepted drafts and a bonus token
+        (stops and max length apply there). What the loop saves is the per-window work of an engine step:
+        scheduling, the sampler's bookkeeping, updates and emits. Between windows adaptive k weighs the choice
+        again, and the loop ends where it no longer drafts k for every sequence, at a sequence's stop token,
+        or where a window would not fit in what was booked."""
+        sch = self.scheduler
+        sp = self.speculator
+        running = list(sch.running)
+        room = {seq.seq_id: min(SPEC_WINDOWS * (k + 1), seq.max_len - seq.num_tokens + 1) for seq in running}
+        sched = sch.schedule({seq.seq_id: [0] * (room[seq.seq_id] - 1) for seq in running})
+        if not sched:
+            return 0
+        self.timer.forward_started()
+        self.num_steps += 1
+        clean = (not sched.preempted and len(sched.seqs) == len(running)
+                 and all(n == room[seq.seq_id] and len(sched.drafts.get(seq.seq_id, ())) == n - 1
+                         for seq, n in zip(sched.seqs, sched.num_tokens)))
+        saved = [(seq, len(seq.token_ids), seq.num_computed) for seq in sched.seqs]
+        out: dict[int, list[int]] = {seq.seq_id: [] for seq in sched.seqs}
+        windows = 0
+        try:
+            if clean:
+                windows = self._verify_windows(sched.seqs, k, room, out)
+            if not windows:  # not expected (the checks above rule it out): verify the placeholders instead,
+                # which rejects them and samples the true next token
+                logits, batch = self.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
+                sampled = verify(logits, batch, sched.drafts, {}, self.eos_token_ids, None)
+        except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
+            log.exception("engine %s: speculative windows failed", self.name)
+            for seq, length, computed in saved:
+                del seq.token_ids[length:]
+                seq.num_computed = computed
+            for req in _requests(sched.seqs):
+                self._fail(req, f"engine error during forward: {type(e).__name__}: {e}")
+            self.timer.forward_failed()
+            return 0
+        if windows:
+            for seq, length, computed in saved:  # `Scheduler.update` appends them again, with stops and text
+                del seq.token_ids[length:]
+                seq.num_computed = computed
+            sampled = [Sampled(seq, toks, num_accepted=len(toks) - 1) for seq in sched.seqs
+                       if (toks := out[seq.seq_id])]
+        self._emit_many(sch.update(sched, sampled))
+        forward_s, step_s = self.timer.step_finished()
+        if windows and all(len(toks) for toks in out.values()):
+            sp.adaptive.observe_step(len(sched.seqs), k, step_s / windows)
+        return sched.total_tokens
+
+    def _verify_windows(self, seqs: list[Sequence], k: int, room: dict[int, int], out: dict[int, list[int]]
+                        ) -> int:
+        """`_spec_windows_step`'s loop: each sequence's kept tokens into `out`, the sequence itself advanced
+        past them for the drafter and the runner (the caller restores it for `Scheduler.update`); returns the
+        windows run (0: none, nothing changed)."""
+        sp = self.speculator
+        dr = sp.drafter
+        spare = len(seqs) + 1
+        active = list(seqs)
+        windows = 0
+        while active:
+            ks = [min(k, room[seq.seq_id] - len(out[seq.seq_id]) - 1) for seq in active]
+            if windows:  # adaptive k weighs this window as it would a step's (the plan is this loop's alone)
+                again = sp.plan(active) == k and sp.planned_for_all(active) == k
+                sp.drop_plan()
+                if not again or min(ks) < k:
+                    break
+            states = [dr.reserve(seq, k, spare) for seq in active]
+            if any(st is None for st in states):
+                break
+            drafts, _ = dr.draft(active, states, ks, [set()] * len(active), sp.adaptive.draft)
+            logits, _ = self.runner.execute(active, [k + 1] * len(active),
+                                            {seq.seq_id: d for seq, d in zip(active, drafts)})
+            targets = logits.argmax(dim=-1).tolist()
+            still = []
+            for i, (seq, d) in enumerate(zip(active, drafts)):
+                t = targets[i * (k + 1):(i + 1) * (k + 1)]
+                a = 0
+                while a < k and d[a] == t[a]:
+                    a += 1
+                kept = d[:a] + [t[a]]
+                seq.token_ids.extend(kept)
+                seq.num_computed += a + 1
+                out[seq.seq_id].extend(kept)
+                dr.rollback(seq, seq.num_tokens - 1)
+                sp.count_window(seq, k, a)
+                p = seq.request.params
+                stops = p.stop_token_ids if p.ignore_eos else (*self.eos_token_ids, *p.stop_token_ids)
+                if not any(tok in stops for tok in kept) and room[seq.seq_id] - len(out[seq.seq_id]) > k:
+                    still.append(seq)
+            windows += 1
+            active = still
+        return windows
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch, sched: SchedulerOutput, masks: Future | None
                 ) -> tuple[list[Sampled], str | None]:
@@ -430,6 +556,9 @@ class ModelEngine:
 # greedy tokens a step may take per sequence in one C call when nothing else could differ (`_multi_step`);
 # TANDEM_MULTI_STEP=1 turns it off
 MULTI_STEP_TOKENS = int(os.environ.get("TANDEM_MULTI_STEP", "4"))
+# drafting windows a step may verify one after another where every sequence drafts greedily (`_spec_windows_step`);
+# TANDEM_SPEC_WINDOWS=1 turns it off
+SPEC_WINDOWS = int(os.environ.get("TANDEM_SPEC_WINDOWS", "4"))
 
 
 def _put_all(items: list) -> None:

@@ -90,6 +90,34 @@ class SpeculativeDecoder:
         self._plan = None
         self._drop_unverified()
 
+    def planned_for_all(self, running: list[Sequence]) -> int:
+        """`plan`'s k when it drafts for every one of `running` with that same k (the engine may then run
+        windows in a loop of its own, `ModelEngine._spec_windows_step`), else 0."""
+        if self._plan is None:
+            return 0
+        picked, k = self._plan
+        if not k or len(picked) != len(running) or any(k_s != k for _, k_s in picked):
+            return 0
+        return k
+
+    def drop_plan(self) -> None:
+        """The step runs without `propose` (`ModelEngine._spec_windows_step` drafts itself)."""
+        self._plan = None
+        self._drop_unverified()
+
+    def count_window(self, seq: Sequence, k: int, num_accepted: int) -> None:
+        """One verified window of the drafter's k drafts for `seq`: the engine's and the sequence's own
+        acceptance (geometric model, its older windows decayed) and the request's counts."""
+        self._record(k, num_accepted, True)
+        acc, rej = self.own_counts(seq)
+        seq.draft_accepted = acc + num_accepted
+        seq.draft_rejected = rej + (num_accepted < k)
+        seq.draft_seen_at = seq.num_tokens
+        m = seq.request.metrics
+        if m is not None:  # per request, for the decode span and escalation accounting
+            m.num_draft_tokens += k
+            m.num_accepted_tokens += num_accepted
+
     def observe_plain_steps(self, batch: int, num_steps: int, forward_s: float, step_s: float) -> None:
         """A multi-step greedy step: `num_steps` plain decode steps of `batch` sequences (forward and whole
         step seconds): what plain decoding costs per step, and a target pass of `batch` tokens."""
@@ -239,17 +267,14 @@ class SpeculativeDecoder:
             if not d:
                 continue
             w = self._windows.pop(seq.seq_id, None)  # verified: not for _drop_unverified
-            drafted = w is not None and w.drafted
-            self._record(len(d), s.num_accepted, drafted)
-            if drafted:  # the sequence's own acceptance (geometric model, as the engine's), older windows decayed
-                acc, rej = self.own_counts(seq)
-                seq.draft_accepted = acc + s.num_accepted
-                seq.draft_rejected = rej + (s.num_accepted < len(d))
-                seq.draft_seen_at = seq.num_tokens
-            m = seq.request.metrics
-            if m is not None:  # per request, for the decode span and escalation accounting
-                m.num_draft_tokens += len(d)
-                m.num_accepted_tokens += s.num_accepted
+            if w is not None and w.drafted:
+                self.count_window(seq, len(d), s.num_accepted)
+            else:  # supplied drafts: not the drafter's acceptance
+                self._record(len(d), s.num_accepted, False)
+                m = seq.request.metrics
+                if m is not None:
+                    m.num_draft_tokens += len(d)
+                    m.num_accepted_tokens += s.num_accepted
             if not seq.finished and self.drafter is not None:  # the sequence took the accepted drafts + one
                 self.drafter.rollback(seq, seq.num_tokens - 1)
 

@@ -207,6 +207,52 @@ def test_aborts_mid_speculation_free_target_and_draft_pages(pair):
     assert not eng.has_work() and spec.core.pool.num_used == 0
 
 
+@pytest.mark.parametrize("round_seed", range(3))
+def test_drafting_windows_looped_in_one_step_equal_one_window_per_step_and_plain_decoding(pair, monkeypatch,
+                                                                                           round_seed):
+    """`ModelEngine._spec_windows_step` (up to SPEC_WINDOWS greedy windows verified in one step) against one
+    window per step and against plain decoding: random batches of 1-3 greedy requests, k 1-4, max_tokens that
+    end mid-window, EOS and stop ids that end a sequence mid-loop, a new request arriving and aborts at random
+    steps; the same tokens and finish reasons, the loop taken, and the pool back to zero pages."""
+    import engines.engine as engine_mod
+
+    path, target, _ = pair
+    rng = random.Random(round_seed)
+    plain = LLM(target, block_size=BLOCK)
+    for trial in range(4):
+        k = rng.randint(1, 4)
+        prompts = random_prompts(rng.randint(1, 3), 1, 25, seed=100 * round_seed + trial)
+        params = [SamplingParams(temperature=0, max_tokens=rng.randint(3, 60), ignore_eos=rng.random() < 0.5,
+                                 stop_token_ids=rng.sample(range(5, 384), 3)) for _ in prompts]
+        want = [o.outputs[0] for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        for windows in (1, 4):
+            monkeypatch.setattr(engine_mod, "SPEC_WINDOWS", windows)
+            spec = spec_llm(pair, k=k)
+            looped = []
+            orig = spec.engine._spec_windows_step
+            spec.engine._spec_windows_step = lambda k_, orig=orig, looped=looped: looped.append(k_) or orig(k_)
+            got = [o.outputs[0] for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params)]
+            assert [(g.token_ids, g.finish_reason) for g in got] == [(w.token_ids, w.finish_reason) for w in want]
+            assert bool(looped) == (windows > 1 and any(len(w.token_ids) > k + 1 for w in want))
+            assert spec.stats()["used_pages"] == 0
+    # aborts and an arrival between looped steps
+    monkeypatch.setattr(engine_mod, "SPEC_WINDOWS", 4)
+    spec = spec_llm(pair, k=3)
+    eng = spec.engine
+    greedy = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    eng.add_request(random_prompts(1, 5, 20, seed=round_seed)[0], greedy, "first")
+    for _ in range(rng.randint(2, 5)):
+        eng.step()
+    assert eng.stats()["spec_num_drafts"] > 0
+    eng.add_request(random_prompts(1, 5, 20, seed=round_seed + 7)[0], greedy, "second")
+    for _ in range(rng.randint(1, 4)):
+        eng.step()
+    eng.abort("first")
+    eng.abort("second")
+    eng.step()
+    assert not eng.has_work() and spec.core.pool.num_used == 0
+
+
 def test_per_request_speculative_false_never_drafts(pair):
     spec = spec_llm(pair, k=3)
     out = spec.generate({"prompt_token_ids": [7, 8, 9]},
