@@ -4,9 +4,11 @@ CPU steps whose every sequence runs a few queries (decodes, verify windows, shor
 A tiny model's decode step through PyTorch is ~100 framework ops (norms, matmuls, RoPE, residuals), each
 ~5-20 us of dispatch: more than the arithmetic. Here Python builds the step's index arrays once and C runs
 every layer: the projections stream each weight once (float32 `wt [K, N]`, the column-major layout
-`engines.model.cpu_weight_layout` stores, or int8 `[N, K]` with per-row scales, weight-only or w8a8), many-row steps
-take the register tiles 8 rows at a time or the MKL SGEMM torch ships (`cpu_kernels.calibrate` picks by
-timing both on the model's weights when it is built), K/V go into their pages and attention reads the pages in place.
+`engines.model.cpu_weight_layout` stores, read from a bfloat16 copy where its values are all bf16 (a bf16
+checkpoint: half the bytes, the same bits; `cpu_kernels.bf16_copy`), or int8 `[N, K]` with per-row scales,
+weight-only or w8a8), many-row steps take the register tiles 8 rows at a time or the MKL SGEMM torch ships
+(`cpu_kernels.calibrate` picks by timing both on the model's weights when it is built), K/V go into their pages
+and attention reads the pages in place.
 
 `CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (Qwen3's q/k norm, a
 sliding window, int4 in groups of 32, bfloat16 weights, biases on norms...); those keep the PyTorch forward.
@@ -29,7 +31,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _Lin(ctypes.Structure):
     _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64), ("w8a8", _I64), ("zero", _PTR),
-                ("group", _I64)]
+                ("group", _I64), ("w16", _PTR)]
 
 
 class _Layer(ctypes.Structure):
@@ -93,10 +95,13 @@ class CpuForward:
         head = model.lm_head
         self._head = head.weight if (type(head) is nn.Linear and head.bias is None
                                      and cpu_kernels.linear_fits(torch.empty(1, 1), head.weight)) else None
-        # the head as the C side's projection: a column-major float32 Linear or an int8 / w8a8 QuantLinear
-        self._head_lin = None
+        # the head as the C side's projection: a column-major float32 Linear (and its bf16 copy) or an int8 /
+        # w8a8 QuantLinear
+        self._head_lin, self._head16 = None, None
         if self._head is not None:
-            self._head_lin = _Lin(w=self._head.data_ptr(), scale=None, bias=None, ld=self._head.stride(1), w8a8=0)
+            self._head16 = cpu_kernels.bf16_copy(self._head)
+            self._head_lin = _Lin(w=self._head.data_ptr(), scale=None, bias=None, ld=self._head.stride(1), w8a8=0,
+                                  w16=_ptr(self._head16))
         elif getattr(head, "bias", None) is None:
             self._head_lin = _lin_group([head], None, self._keep)
         self._head_ref = None if self._head_lin is None else ctypes.byref(self._head_lin)
@@ -191,14 +196,14 @@ class CpuForward:
         """fp32 logits of hidden rows [N, H]: the head through the streaming GEMV / SGEMM where it is a plain
         column-major float32 Linear, else the model's own `compute_logits`."""
         if self._head is not None:
-            return cpu_kernels.linear(hidden, self._head)
+            return cpu_kernels.linear(hidden, self._head, weight16=self._head16)
         return self._model_ref.compute_logits(hidden)
 
 
 def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.Tensor]) -> _Lin | None:
     """One projection over the same input: float32 (the fused [K, sum N] weight of cpu_weight_layout, or one
-    column-major weight) or int8 / w8a8 QuantLinears of one mode (their rows stacked into one [sum N, K] weight the modules then
-    view, so nothing is stored twice)."""
+    column-major weight; with its bf16 copy where that is exact) or int8 / w8a8 QuantLinears of one mode (their
+    rows stacked into one [sum N, K] weight the modules then view, so nothing is stored twice)."""
     from kernels.quant_matmul import QuantLinear
 
     if all(type(lin) is nn.Linear for lin in linears):
@@ -210,11 +215,14 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
             return None
         if w.dtype != torch.float32 or w.device.type != "cpu" or w.stride(1) != 1:
             return None
+        w16 = cpu_kernels.bf16_copy(w)
         keep.append(w)  # a later cpu_weight_layout of the same module (a second engine) may rebind it
+        if w16 is not None:
+            keep.append(w16)
         if b is not None:
             b = b.detach().float().contiguous()
             keep.append(b)
-        return _Lin(w=w.data_ptr(), scale=None, bias=_ptr(b), ld=w.stride(0), w8a8=0)
+        return _Lin(w=w.data_ptr(), scale=None, bias=_ptr(b), ld=w.stride(0), w8a8=0, w16=_ptr(w16))
     modes = {getattr(lin, "mode", None) for lin in linears}
     if modes == {"int4"}:
         return _int4_group(linears, keep)

@@ -2,7 +2,8 @@
  * called through ctypes). Each has a PyTorch reference in kernels/cpu_kernels.py that the tests compare it to.
  *
  *   tk_linear_f32    y[M, N] = x[M, K] @ wt[K, N] (+ bias): the decode GEMV / skinny GEMM over a column-major
- *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous)
+ *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous);
+ *                    tk_linear_f32_w16 reads a bf16 copy of a bf16-exact weight instead (the same bits)
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
  *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics;
  *                    AMX int8 tiles at 3+ rows where the CPU has them)
@@ -112,52 +113,81 @@ static int64_t block_max_kn = BLOCK_MAX_KN;
 #define STREAM_PF 4
 #endif
 
+/* Every float32 linear below also reads its weight as bfloat16 (uint16_t bits, the same [K, N] layout and row
+ * stride) where the caller has a bf16 copy: a checkpoint stored in bf16 and upcast at load holds only
+ * bf16-exact values, and widening one back (its bits shifted up 16) gives the float32 exactly, so the same
+ * FMAs in the same order give the same bits while reading half the bytes. Each kernel is defined once over
+ * the weight's type WT, its loads (AT: one value; LD*: a vector) and SUF, the name's suffix. */
+static inline float bf16_to_f32(uint16_t h) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)h << 16};
+    return v.f;
+}
+#define AT_F32(p) (*(p))
+#define AT_BF16(p) bf16_to_f32(*(p))
+
 /* the streams' scalar pieces, shared by the 8- and 16-wide builds so that both give the same bits: columns
  * [n0, n1) of one step of four k (w0: its first weight row; x at that k), and the last values of k, k0..K-1 */
-static inline void stream_cols4(const float *x, int64_t ldx, int MR, const float *w0, int64_t ldw, float *y,
-                                int64_t ldy, int64_t n0, int64_t n1) {
-    const float *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
-    for (int64_t n = n0; n < n1; n++)
-        for (int r = 0; r < MR; r++) {
-            const float *xr = x + r * ldx;
-            y[r * ldy + n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];
-        }
-}
-
-static inline void stream_k_rest(const float *x, int64_t ldx, int MR, int64_t k0, int64_t K, const float *w,
-                                 int64_t ldw, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    for (int64_t k = k0; k < K; k++) {
-        const float *wk = w + k * ldw;
-        for (int r = 0; r < MR; r++) {
-            float xv = x[r * ldx + k];
-            for (int64_t n = n0; n < n1; n++) y[r * ldy + n] += xv * wk[n];
-        }
+#define TK_DEF_STREAM_SCALAR(SUF, WT, AT)                                                                      \
+    static inline void stream_cols4##SUF(const float *x, int64_t ldx, int MR, const WT *w0, int64_t ldw,      \
+                                         float *y, int64_t ldy, int64_t n0, int64_t n1) {                     \
+        const WT *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;                                              \
+        for (int64_t n = n0; n < n1; n++)                                                                      \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                const float *xr = x + r * ldx;                                                                 \
+                y[r * ldy + n] += xr[0] * AT(w0 + n) + xr[1] * AT(w1 + n) + xr[2] * AT(w2 + n) +               \
+                                  xr[3] * AT(w3 + n);                                                          \
+            }                                                                                                  \
+    }                                                                                                          \
+    static inline void stream_k_rest##SUF(const float *x, int64_t ldx, int MR, int64_t k0, int64_t K,         \
+                                          const WT *w, int64_t ldw, float *y, int64_t ldy, int64_t n0,        \
+                                          int64_t n1) {                                                        \
+        for (int64_t k = k0; k < K; k++) {                                                                     \
+            const WT *wk = w + k * ldw;                                                                        \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                float xv = x[r * ldx + k];                                                                     \
+                for (int64_t n = n0; n < n1; n++) y[r * ldy + n] += xv * AT(wk + n);                           \
+            }                                                                                                  \
+        }                                                                                                      \
     }
-}
+TK_DEF_STREAM_SCALAR(, float, AT_F32)
+TK_DEF_STREAM_SCALAR(_bf16, uint16_t, AT_BF16)
+
+/* the kernels' shape: x [rows, K] (row stride ldx), the weight (float or bf16 bits, by the table), y's columns
+ * [n0, n1) (row stride ldy) */
+typedef void (*stream_fn)(const float *, int64_t, int64_t, const void *, int64_t, float *, int64_t, int64_t,
+                          int64_t);
 
 #if TK_AVX2
-/* y[MR rows, n0:n1] (+)= x[MR, K] @ w[K, n0:n1]: four weight rows per pass over y */
-#define TK_DEF_STREAM(MR)                                                                                      \
-    static void stream_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y,   \
-                            int64_t ldy, int64_t n0, int64_t n1) {                                            \
+#define LD256_F32(p) _mm256_loadu_ps(p)
+#define LD256_BF16(p)                                                                                          \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+/* y[MR rows, n0:n1] (+)= x[MR, K] @ w[K, n0:n1]: four weight rows per pass over y; a prefetch per cache line
+ * (PFCOLS weights) of each */
+#define TK_DEF_STREAM(MR, SUF, WT, LD, PFCOLS)                                                                 \
+    static void stream_##MR##SUF(const float *x, int64_t ldx, int64_t K, const void *wv, int64_t ldw,         \
+                                 float *y, int64_t ldy, int64_t n0, int64_t n1) {                             \
+        const WT *w = (const WT *)wv;                                                                          \
         for (int r = 0; r < MR; r++) memset(y + r * ldy + n0, 0, sizeof(float) * (size_t)(n1 - n0));         \
         int64_t k = 0;                                                                                         \
         for (; k + 4 <= K; k += 4) {                                                                           \
-            const float *w0 = w + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;                   \
+            const WT *w0 = w + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;                      \
             __m256 xb[MR][4];                                                                                  \
             for (int r = 0; r < MR; r++)                                                                       \
                 for (int j = 0; j < 4; j++) xb[r][j] = _mm256_broadcast_ss(x + r * ldx + k + j);              \
             int64_t n = n0;                                                                                    \
-            const float *pf = w0 + STREAM_PF * ldw; /* rows further down, as in the int8 GEMVs */            \
+            const WT *pf = w0 + STREAM_PF * ldw; /* rows further down, as in the int8 GEMVs */               \
             for (; n + 8 <= n1; n += 8) {                                                                      \
-                if (!((n - n0) & 15)) {                                                                        \
+                if (!((n - n0) & (PFCOLS - 1))) {                                                              \
                     _mm_prefetch((const char *)(pf + n), _MM_HINT_T0);                                         \
                     _mm_prefetch((const char *)(pf + ldw + n), _MM_HINT_T0);                                   \
                     _mm_prefetch((const char *)(pf + 2 * ldw + n), _MM_HINT_T0);                               \
                     _mm_prefetch((const char *)(pf + 3 * ldw + n), _MM_HINT_T0);                               \
                 }                                                                                              \
-                __m256 a = _mm256_loadu_ps(w0 + n), b = _mm256_loadu_ps(w1 + n);                               \
-                __m256 c = _mm256_loadu_ps(w2 + n), d = _mm256_loadu_ps(w3 + n);                               \
+                __m256 a = LD(w0 + n), b = LD(w1 + n);                                                         \
+                __m256 c = LD(w2 + n), d = LD(w3 + n);                                                         \
                 for (int r = 0; r < MR; r++) {                                                                 \
                     float *yr = y + r * ldy + n;                                                               \
                     __m256 acc = _mm256_loadu_ps(yr);                                                          \
@@ -168,30 +198,40 @@ static inline void stream_k_rest(const float *x, int64_t ldx, int MR, int64_t k0
                     _mm256_storeu_ps(yr, acc);                                                                 \
                 }                                                                                              \
             }                                                                                                  \
-            stream_cols4(x + k, ldx, MR, w0, ldw, y, ldy, n, n1);                                              \
+            stream_cols4##SUF(x + k, ldx, MR, w0, ldw, y, ldy, n, n1);                                         \
         }                                                                                                      \
-        stream_k_rest(x, ldx, MR, k, K, w, ldw, y, ldy, n0, n1);                                               \
+        stream_k_rest##SUF(x, ldx, MR, k, K, w, ldw, y, ldy, n0, n1);                                          \
     }
-TK_DEF_STREAM(1)
-TK_DEF_STREAM(2)
-TK_DEF_STREAM(3)
-TK_DEF_STREAM(4)
-TK_DEF_STREAM(5)
-TK_DEF_STREAM(6)
-TK_DEF_STREAM(7)
-TK_DEF_STREAM(8)
-typedef void (*stream_fn)(const float *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t,
-                          int64_t);
+#define TK_DEF_STREAMS(SUF, WT, LD, PFCOLS)                                                                    \
+    TK_DEF_STREAM(1, SUF, WT, LD, PFCOLS)                                                                      \
+    TK_DEF_STREAM(2, SUF, WT, LD, PFCOLS)                                                                      \
+    TK_DEF_STREAM(3, SUF, WT, LD, PFCOLS)                                                                      \
+    TK_DEF_STREAM(4, SUF, WT, LD, PFCOLS)                                                                      \
+    TK_DEF_STREAM(5, SUF, WT, LD, PFCOLS)                                                                      \
+    TK_DEF_STREAM(6, SUF, WT, LD, PFCOLS)                                                                      \
+    TK_DEF_STREAM(7, SUF, WT, LD, PFCOLS)                                                                      \
+    TK_DEF_STREAM(8, SUF, WT, LD, PFCOLS)
+TK_DEF_STREAMS(, float, LD256_F32, 16)
+TK_DEF_STREAMS(_bf16, uint16_t, LD256_BF16, 32)
 static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, stream_5, stream_6, stream_7,
                                     stream_8};
+static const stream_fn STREAM_BF16[9] = {0, stream_1_bf16, stream_2_bf16, stream_3_bf16, stream_4_bf16,
+                                         stream_5_bf16, stream_6_bf16, stream_7_bf16, stream_8_bf16};
 #endif
 
 #if TK_AVX512
-/* the same streams 16 columns wide (one cache line of each of the four weight rows per step; 8 of the last
- * columns masked): each output column sums its products in the same order as the 8-wide ones */
-#define TK_DEF_STREAM512(MR)                                                                                   \
-    static void stream512_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y,\
-                               int64_t ldy, int64_t n0, int64_t n1) {                                         \
+#define LD512_F32(p) _mm512_loadu_ps(p)
+#define LD512M_F32(m, p) _mm512_maskz_loadu_ps(m, p)
+#define WIDEN_BF16(v) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16))
+#define LD512_BF16(p) WIDEN_BF16(_mm256_loadu_si256((const __m256i *)(p)))
+#define LD512M_BF16(m, p) WIDEN_BF16(_mm256_maskz_loadu_epi16(m, p))
+/* the same streams 16 columns wide (one cache line of each of the four float32 weight rows per step, half of
+ * one in bf16; 8 of the last columns masked): each output column sums its products in the same order as the
+ * 8-wide ones */
+#define TK_DEF_STREAM512(MR, SUF, WT, LD, LDM, PFCOLS)                                                         \
+    static void stream512_##MR##SUF(const float *x, int64_t ldx, int64_t K, const void *wv, int64_t ldw,      \
+                                    float *y, int64_t ldy, int64_t n0, int64_t n1) {                          \
+        const WT *w = (const WT *)wv;                                                                          \
         for (int r = 0; r < MR; r++) memset(y + r * ldy + n0, 0, sizeof(float) * (size_t)(n1 - n0));         \
         const int64_t nfull = n0 + (n1 - n0) / 16 * 16;                                                        \
         /* a masked step for 8 of the last columns, the last < 8 as the AVX2 build's scalar tail computes them */\
@@ -199,19 +239,21 @@ static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, s
         const int64_t nvec = nfull + ((n1 - n0) & 8);                                                          \
         int64_t k = 0;                                                                                         \
         for (; k + 4 <= K; k += 4) {                                                                           \
-            const float *w0 = w + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;                   \
+            const WT *w0 = w + k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;                      \
             __m512 xb[MR][4];                                                                                  \
             for (int r = 0; r < MR; r++)                                                                       \
                 for (int j = 0; j < 4; j++) xb[r][j] = _mm512_set1_ps(x[r * ldx + k + j]);                    \
-            const float *pf = w0 + STREAM_PF * ldw;                                                            \
+            const WT *pf = w0 + STREAM_PF * ldw;                                                               \
             int64_t n = n0;                                                                                    \
             for (; n < nfull; n += 16) {                                                                       \
-                _mm_prefetch((const char *)(pf + n), _MM_HINT_T0);                                             \
-                _mm_prefetch((const char *)(pf + ldw + n), _MM_HINT_T0);                                       \
-                _mm_prefetch((const char *)(pf + 2 * ldw + n), _MM_HINT_T0);                                   \
-                _mm_prefetch((const char *)(pf + 3 * ldw + n), _MM_HINT_T0);                                   \
-                __m512 a = _mm512_loadu_ps(w0 + n), b = _mm512_loadu_ps(w1 + n);                               \
-                __m512 c = _mm512_loadu_ps(w2 + n), d = _mm512_loadu_ps(w3 + n);                               \
+                if (PFCOLS == 16 || !((n - n0) & 31)) { /* a line per step (float32), every other (bf16) */    \
+                    _mm_prefetch((const char *)(pf + n), _MM_HINT_T0);                                         \
+                    _mm_prefetch((const char *)(pf + ldw + n), _MM_HINT_T0);                                   \
+                    _mm_prefetch((const char *)(pf + 2 * ldw + n), _MM_HINT_T0);                               \
+                    _mm_prefetch((const char *)(pf + 3 * ldw + n), _MM_HINT_T0);                               \
+                }                                                                                              \
+                __m512 a = LD(w0 + n), b = LD(w1 + n);                                                         \
+                __m512 c = LD(w2 + n), d = LD(w3 + n);                                                         \
                 for (int r = 0; r < MR; r++) {                                                                 \
                     float *yr = y + r * ldy + n;                                                               \
                     __m512 acc = _mm512_loadu_ps(yr);                                                          \
@@ -223,8 +265,8 @@ static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, s
                 }                                                                                              \
             }                                                                                                  \
             if (tail) {                                                                                        \
-                __m512 a = _mm512_maskz_loadu_ps(tail, w0 + n), b = _mm512_maskz_loadu_ps(tail, w1 + n);       \
-                __m512 c = _mm512_maskz_loadu_ps(tail, w2 + n), d = _mm512_maskz_loadu_ps(tail, w3 + n);       \
+                __m512 a = LDM(tail, w0 + n), b = LDM(tail, w1 + n);                                           \
+                __m512 c = LDM(tail, w2 + n), d = LDM(tail, w3 + n);                                           \
                 for (int r = 0; r < MR; r++) {                                                                 \
                     float *yr = y + r * ldy + n;                                                               \
                     __m512 acc = _mm512_maskz_loadu_ps(tail, yr);                                              \
@@ -235,25 +277,15 @@ static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, s
                     _mm512_mask_storeu_ps(yr, tail, acc);                                                      \
                 }                                                                                              \
             }                                                                                                  \
-            stream_cols4(x + k, ldx, MR, w0, ldw, y, ldy, nvec, n1);                                           \
+            stream_cols4##SUF(x + k, ldx, MR, w0, ldw, y, ldy, nvec, n1);                                      \
         }                                                                                                      \
-        stream_k_rest(x, ldx, MR, k, K, w, ldw, y, ldy, n0, n1);                                               \
+        stream_k_rest##SUF(x, ldx, MR, k, K, w, ldw, y, ldy, n0, n1);                                          \
     }
-TK_DEF_STREAM512(1)
-TK_DEF_STREAM512(2)
-TK_DEF_STREAM512(3)
-TK_DEF_STREAM512(4)
-TK_DEF_STREAM512(5)
-TK_DEF_STREAM512(6)
-TK_DEF_STREAM512(7)
-TK_DEF_STREAM512(8)
-static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3, stream512_4, stream512_5,
-                                       stream512_6, stream512_7, stream512_8};
 
 /* 2-8 rows: 32 columns at a time summed over all of K in registers (2 MR accumulators), so no output
- * traffic per step of k; the weight read as a 128-byte column, prefetched BLOCK_PF rows of k ahead, and the
- * next 32 columns' bytes of each row into L2 as it goes (so memory serves 256 contiguous bytes per row, not
- * 128). The same FMA chain per output column as the streams (k in order from 0): the same bits */
+ * traffic per step of k; the weight read as a 32-value column, prefetched BLOCK_PF rows of k ahead, and the
+ * next 32 columns' bytes of each row into L2 as it goes (so memory serves two columns' bytes per row, not
+ * one). The same FMA chain per output column as the streams (k in order from 0): the same bits */
 #define BLOCK_PF 8
 /* where the blocks beat the streams (bench/gemv_cpu.py on a 2-core AVX-512 VM, docs/benchmarks.md): from 5 rows
  * (a verify window of 4 drafts), over K up to 1024 (a longer column, the 80M model's down projection, streams),
@@ -264,14 +296,15 @@ static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3,
 #ifndef BLOCK_NEXT_PF /* the next 32 columns into L2 (bench/cpu_dram.py also builds without) */
 #define BLOCK_NEXT_PF 1
 #endif
-#define TK_DEF_BLOCK512(MR)                                                                                    \
-    static void block512_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y, \
-                              int64_t ldy, int64_t n0, int64_t n1) {                                          \
+#define TK_DEF_BLOCK512(MR, SUF, WT, LD)                                                                       \
+    static void block512_##MR##SUF(const float *x, int64_t ldx, int64_t K, const void *wv, int64_t ldw,       \
+                                   float *y, int64_t ldy, int64_t n0, int64_t n1) {                           \
+        const WT *w = (const WT *)wv;                                                                          \
         int64_t n = n0;                                                                                        \
         for (; n + 32 <= n1; n += 32) {                                                                        \
             __m512 acc[MR][2];                                                                                 \
             for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                        \
-            const float *wk = w + n;                                                                           \
+            const WT *wk = w + n;                                                                              \
             for (int64_t k = 0; k < K; k++, wk += ldw) {                                                       \
                 if (k + BLOCK_PF < K) {                                                                        \
                     _mm_prefetch((const char *)(wk + BLOCK_PF * ldw), _MM_HINT_T0);                            \
@@ -281,7 +314,7 @@ static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3,
                     _mm_prefetch((const char *)(wk + 32), _MM_HINT_T1);                                        \
                     _mm_prefetch((const char *)(wk + 48), _MM_HINT_T1);                                        \
                 }                                                                                              \
-                __m512 a = _mm512_loadu_ps(wk), b = _mm512_loadu_ps(wk + 16);                                  \
+                __m512 a = LD(wk), b = LD(wk + 16);                                                            \
                 for (int r = 0; r < MR; r++) {                                                                 \
                     __m512 xb = _mm512_set1_ps(x[r * ldx + k]);                                                \
                     acc[r][0] = _mm512_fmadd_ps(xb, a, acc[r][0]);                                             \
@@ -293,36 +326,60 @@ static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3,
                 _mm512_storeu_ps(y + r * ldy + n + 16, acc[r][1]);                                             \
             }                                                                                                  \
         }                                                                                                      \
-        if (n < n1) stream512_##MR(x, ldx, K, w, ldw, y, ldy, n, n1);                                          \
+        if (n < n1) stream512_##MR##SUF(x, ldx, K, w, ldw, y, ldy, n, n1);                                     \
     }
-TK_DEF_BLOCK512(2)
-TK_DEF_BLOCK512(3)
-TK_DEF_BLOCK512(4)
-TK_DEF_BLOCK512(5)
-TK_DEF_BLOCK512(6)
-TK_DEF_BLOCK512(7)
-TK_DEF_BLOCK512(8)
+#define TK_DEF_TILES512(SUF, WT, LD, LDM, PFCOLS)                                                              \
+    TK_DEF_STREAM512(1, SUF, WT, LD, LDM, PFCOLS)                                                              \
+    TK_DEF_STREAM512(2, SUF, WT, LD, LDM, PFCOLS)                                                              \
+    TK_DEF_STREAM512(3, SUF, WT, LD, LDM, PFCOLS)                                                              \
+    TK_DEF_STREAM512(4, SUF, WT, LD, LDM, PFCOLS)                                                              \
+    TK_DEF_STREAM512(5, SUF, WT, LD, LDM, PFCOLS)                                                              \
+    TK_DEF_STREAM512(6, SUF, WT, LD, LDM, PFCOLS)                                                              \
+    TK_DEF_STREAM512(7, SUF, WT, LD, LDM, PFCOLS)                                                              \
+    TK_DEF_STREAM512(8, SUF, WT, LD, LDM, PFCOLS)                                                              \
+    TK_DEF_BLOCK512(2, SUF, WT, LD)                                                                            \
+    TK_DEF_BLOCK512(3, SUF, WT, LD)                                                                            \
+    TK_DEF_BLOCK512(4, SUF, WT, LD)                                                                            \
+    TK_DEF_BLOCK512(5, SUF, WT, LD)                                                                            \
+    TK_DEF_BLOCK512(6, SUF, WT, LD)                                                                            \
+    TK_DEF_BLOCK512(7, SUF, WT, LD)                                                                            \
+    TK_DEF_BLOCK512(8, SUF, WT, LD)
+TK_DEF_TILES512(, float, LD512_F32, LD512M_F32, 16)
+TK_DEF_TILES512(_bf16, uint16_t, LD512_BF16, LD512M_BF16, 32)
+static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3, stream512_4, stream512_5,
+                                       stream512_6, stream512_7, stream512_8};
 static const stream_fn BLOCK512[9] = {0, stream512_1, block512_2, block512_3, block512_4, block512_5,
                                       block512_6, block512_7, block512_8};
+static const stream_fn STREAM512_BF16[9] = {0, stream512_1_bf16, stream512_2_bf16, stream512_3_bf16,
+                                            stream512_4_bf16, stream512_5_bf16, stream512_6_bf16,
+                                            stream512_7_bf16, stream512_8_bf16};
+static const stream_fn BLOCK512_BF16[9] = {0, stream512_1_bf16, block512_2_bf16, block512_3_bf16,
+                                           block512_4_bf16, block512_5_bf16, block512_6_bf16, block512_7_bf16,
+                                           block512_8_bf16};
 #endif
 
-/* columns [n0, n1) of rows [0, M), bias added: more rows than one register block take the whole column range
- * block after block (each reads the weight again; narrow column strips kept in L2 for every block measured
- * slower, their short strided bursts costing more than the rereads) */
-static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, const float *bias,
-                        float *y, int64_t N, int64_t n0, int64_t n1) {
+/* columns [n0, n1) of rows [0, M), bias added, from the bf16 copy w16 where there is one: more rows than one
+ * register block take the whole column range block after block (each reads the weight again; narrow column
+ * strips kept in L2 for every block measured slower, their short strided bursts costing more than the rereads) */
+static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, const uint16_t *w16, int64_t ldw,
+                        const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+#if TK_AVX2
+    const void *w = w16 ? (const void *)w16 : (const void *)wt;
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
         int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
 #if TK_AVX512
         const int block = mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K && K * N <= block_max_kn;
-        (block ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
+        const stream_fn *tiles = block ? (w16 ? BLOCK512_BF16 : BLOCK512) : (w16 ? STREAM512_BF16 : STREAM512);
+        tiles[mr](x + m0 * K, K, K, w, ldw, y + m0 * N, N, n0, n1);
 #elif TK_AVX2
-        STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
+        (w16 ? STREAM_BF16 : STREAM)[mr](x + m0 * K, K, K, w, ldw, y + m0 * N, N, n0, n1);
 #else
         for (int r = 0; r < mr; r++)
             for (int64_t n = n0; n < n1; n++) {
                 float s = 0.f;
-                for (int64_t k = 0; k < K; k++) s += x[(m0 + r) * K + k] * wt[k * ldw + n];
+                for (int64_t k = 0; k < K; k++)
+                    s += x[(m0 + r) * K + k] * (w16 ? AT_BF16(w16 + k * ldw + n) : wt[k * ldw + n]);
                 y[(m0 + r) * N + n] = s;
             }
 #endif
@@ -332,8 +389,9 @@ static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, i
     }
 }
 
-void tk_linear_f32(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, int64_t N,
-                   const float *bias, float *y, int nthreads) {
+/* tk_linear_f32 with the weight's bf16 copy w16 (or NULL) for the register tiles; the SGEMM reads wt */
+void tk_linear_f32_w16(const float *x, int64_t M, int64_t K, const float *wt, const uint16_t *w16, int64_t ldw,
+                       int64_t N, const float *bias, float *y, int nthreads) {
     if (tk_sgemm && M >= sgemm_min_rows && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)) {
         /* row-major y[M,N] = x[M,K] wt[K,N] is column-major y^T = wt^T x^T */
         int n = (int)N, m = (int)M, k = (int)K, lw = (int)ldw;
@@ -344,9 +402,14 @@ void tk_linear_f32(const float *x, int64_t M, int64_t K, const float *wt, int64_
                 for (int64_t c = 0; c < N; c++) y[r * N + c] += bias[c];
         return;
     }
-#define F32_COLS(a, b) linear_cols(x, M, K, wt, ldw, bias, y, N, a, b)
+#define F32_COLS(a, b) linear_cols(x, M, K, wt, w16, ldw, bias, y, N, a, b)
     TK_OVER_COLUMNS(N, nthreads, 16, F32_COLS);
 #undef F32_COLS
+}
+
+void tk_linear_f32(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, int64_t N,
+                   const float *bias, float *y, int nthreads) {
+    tk_linear_f32_w16(x, M, K, wt, 0, ldw, N, bias, y, nthreads);
 }
 
 /* ---- weight-only int8 linear: q [N, K] row-major, per-row scale -------------------------------------------- */
@@ -1394,6 +1457,8 @@ typedef struct {
     const uint8_t *zero; /* int4 (tk_linear_w4a8): zero points [N, K / group]; w is packed [N, K / 2], scale
                           * float32 [N, K / group] */
     int64_t group;
+    const uint16_t *w16; /* float32: the same weight as bf16 bits (same layout and ld), which the register tiles
+                          * read instead where it is not NULL (tk_linear_f32_w16) */
 } tk_lin;
 
 typedef struct {
@@ -1421,7 +1486,7 @@ static int lin_apply(const tk_lin *l, const float *x, int64_t M, int64_t K, int6
     if (l->scale)
         tk_linear_i8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);
     else
-        tk_linear_f32(x, M, K, (const float *)l->w, l->ld, N, l->bias, y, nthreads);
+        tk_linear_f32_w16(x, M, K, (const float *)l->w, l->w16, l->ld, N, l->bias, y, nthreads);
     return 0;
 }
 

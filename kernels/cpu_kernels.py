@@ -10,7 +10,9 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
   (`engines.model.cpu_weight_layout`): up to 8 rows the weight is streamed once in address order (the decode
   GEMV at the memory's speed), or summed in registers 32 columns at a time (5-8 rows); more rows take those
   tiles 8 rows at a time, or the MKL `SGEMM` torch ships. Which, on large weights and at many rows,
-  `calibrate` decides by timing both on the model's weights (it depends on the CPU).
+  `calibrate` decides by timing both on the model's weights (it depends on the CPU). `weight16`, a
+  `bf16_copy` of a weight whose values are all bfloat16 (a bf16 checkpoint upcast at load), is what the
+  register tiles read then: half the bytes, the same bits.
 - `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations; many
   rows widen the weight to float32 once and take the SGEMM too.
 - `linear_w8a8(x, q, scale, bias)`: the same weights with the activations quantised per 32 values
@@ -205,6 +207,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_simd_level.restype = _INT
     lib.tk_linear_f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.tk_linear_f32.restype = None
+    lib.tk_linear_f32_w16.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT]
+    lib.tk_linear_f32_w16.restype = None
     lib.tk_linear_i8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
     lib.tk_linear_i8.restype = None
     lib.tk_linear_w8a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
@@ -305,18 +309,34 @@ def linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.device.type == "cpu" and weight.stride(0) == 1 and weight.dim() == 2)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ weight.T (+ bias): weight [N, K] column-major (weight.t() contiguous)."""
+def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The float32 `weight` as bfloat16 in its own layout (the same strides), for `linear`'s register tiles to
+    read half the bytes with the same bits out, where every value is exactly a bfloat16 (a bf16 checkpoint
+    upcast at load); None where one is not, or with `TANDEM_CPU_BF16_WEIGHTS=0`."""
+    if os.environ.get("TANDEM_CPU_BF16_WEIGHTS", "1") == "0" or weight.dtype != torch.float32:
+        return None
+    weight = weight.detach()
+    w16 = torch.empty_strided(weight.shape, weight.stride(), dtype=torch.bfloat16).copy_(weight)
+    return w16 if torch.equal(w16.float(), weight) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight16: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ weight.T (+ bias): weight [N, K] column-major (weight.t() contiguous); `weight16` its
+    `bf16_copy`, which the register tiles read instead (the SGEMM reads `weight`)."""
     lib = load()
     if lib is None:
         return F.linear(x, weight, bias)
+    if weight16 is not None and (weight16.dtype != torch.bfloat16 or weight16.shape != weight.shape
+                                 or weight16.stride() != weight.stride()):
+        raise ValueError("linear: weight16 must be a bfloat16 copy of weight with its strides (bf16_copy)")
     if not x.is_contiguous():
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
-    lib.tk_linear_f32(x.data_ptr(), m, k, weight.data_ptr(), weight.stride(1), n,
-                      None if bias is None else bias.data_ptr(), y.data_ptr(), _threads())
+    lib.tk_linear_f32_w16(x.data_ptr(), m, k, weight.data_ptr(), None if weight16 is None else weight16.data_ptr(),
+                          weight.stride(1), n, None if bias is None else bias.data_ptr(), y.data_ptr(), _threads())
     return y
 
 
