@@ -13,13 +13,16 @@ PRIOR_WINDOWS = 4.0
 # an exploration's catch-ups may cost each sequence of the step at most this share of its remaining decode
 # time at plain decoding's pace (at least one plain step): a measurement must not move anyone's tail
 EXPLORE_STALL = 0.05
-# a choice of plain decoding at a batch larger than explore_seqs stands for this many more steps of that batch
-# size without being weighed again (weighing every k costs ~40 us a step, 2% of a batch-8 step, when the
-# choice all but never changes there); explorations still come on time, and a measured drafting step ends it
+# a choice of plain decoding stands for this many more steps of that batch size without being weighed again
+# (weighing every k costs ~40 us a step: 2% of a batch-8 step, and 8-15% of a batch-1 sampled step once the
+# target's weights are read as bf16); explorations still come on time, a measured drafting step ends it, and a
+# lone sequence's due probe waits for the next weighing
 REUSE_PLAIN = 8
 # drafting that wins by less than this predicted rate ratio is a close call: explorations of plain decoding
 # stay every `explore_every` choices instead of ever rarer
 CLOSE_CALL = 1.2
+# probes of a k never measured at a batch size before it is judged by the cost model like the others
+PROBE_TRIES = 2
 
 
 class CostModel:
@@ -116,6 +119,8 @@ class AdaptiveK:
         self.plain_step_s = 0.0
         self.saving_s = 0.0
         self._probe_k = 0  # of the latest choice of plain decoding: the k a probe of drafting would take
+        self._probe_bucket = 0  # and the batch-size bucket it was made at
+        self._probes: dict[tuple[int, int], int] = {}  # (batch-size bucket, k) -> probes of that k
         self._reuse = (0, 0)  # (batch size, steps left) of a choice of plain decoding that stands (REUSE_PLAIN)
 
     @property
@@ -255,9 +260,10 @@ class AdaptiveK:
                 best, best_rate = k, rate
             if rate > best_draft_rate:
                 best_draft, best_draft_rate = k, rate
-        # the k > 0 whose whole step was never measured at this batch size, largest first
+        # the k > 0 whose whole step was never measured at this batch size, largest first (a probe's step pays
+        # its drafter's catch-up and is never a measure: after PROBE_TRIES probes a k counts as tried)
         unmeasured = [k for k in range(self.k_max, 0, -1)
-                      if not self._measured(k, bucket)]
+                      if not self._measured(k, bucket) and self._probes.get((bucket, k), 0) < PROBE_TRIES]
         side = self._side.get(bucket)
         if (best > 0 and not side and best_rate < self.switch_margin * plain_rate
                 and not self._measured(best, bucket)):
@@ -302,14 +308,19 @@ class AdaptiveK:
             # per token it yields that sequence
             seconds = self.step_seconds(batch, best, d)
             self.saving_s = max(0.0, self.plain_step_s - seconds / self.expected_tokens(a_min, best))
+        self._probe_bucket = bucket
         if best == 0 and unmeasured:  # what `probe` drafts: a k never measured at this batch size, else the
             self._probe_k = unmeasured[0]  # best k > 0 where drafting could pay at some acceptance
         elif best == 0 and perfect_rate >= self.switch_margin * plain_rate:
             self._probe_k = best_draft
-        if best == 0 and not self.exploring and batch > self.explore_seqs:
+        if best == 0 and not self.exploring and not self._hold_plain:  # a choice, not an exploration of plain
             self._reuse = (batch, REUSE_PLAIN)
         self.k = best
         return best
+
+    def reweigh(self) -> None:
+        """The next `choose` weighs every k again, whatever choice of plain decoding stood."""
+        self._reuse = (0, 0)
 
     def probe(self) -> int:
         """After a choice of plain decoding (`choose` returned 0), the k > 0 to draft with instead to measure a
@@ -318,5 +329,7 @@ class AdaptiveK:
         even perfect acceptance would lose or nothing is measured yet. Marks the choice as an exploration."""
         if self._probe_k:
             self.k, self.exploring = self._probe_k, True
+            key = (self._probe_bucket, self._probe_k)
+            self._probes[key] = self._probes.get(key, 0) + 1
         return self._probe_k
 

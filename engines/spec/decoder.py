@@ -192,12 +192,15 @@ class SpeculativeDecoder:
         # needs no per-sequence list (the common case at large batches, kept off the step's Python)
         accs = ([ad.seq_acceptance(*self.own_counts(s)) for s in seqs]
                 if any(s.draft_seen_at for s in seqs) else None)
+        s = seqs[0]
+        due = (len(seqs) == 1 and ad.fixed is None
+               and (not s.draft_seen_at or s.num_tokens - s.draft_seen_at >= REPROBE_TOKENS << s.draft_probes))
+        if due:  # weighed now, not by a choice of plain decoding that stands (`AdaptiveK.reweigh`)
+            ad.reweigh()
         k = ad.choose(len(seqs), None if accs is None or None in accs else accs)
-        if k == 0 and len(seqs) == 1 and ad.fixed is None:
-            s = seqs[0]
-            if not s.draft_seen_at or s.num_tokens - s.draft_seen_at >= REPROBE_TOKENS << s.draft_probes:
-                k = ad.probe()
-                s.draft_probes += k > 0
+        if k == 0 and due:
+            k = ad.probe()
+            s.draft_probes += k > 0
         return k
 
     def _select(self, seqs: list[Sequence], k: int) -> list[tuple[Sequence, int]]:
