@@ -123,6 +123,7 @@ class _Seq:
     draft_rejected: float = 0.0
     draft_seen_at: int = 0
     draft_probes: int = 0
+    probe_idle_until: int = 0
 
     def __post_init__(self):
         self.request = _Request(_Params())

@@ -8,7 +8,9 @@ the llama-cpp-python sdist (`pip download`, its vendored llama.cpp) configured w
 target built with `-j2` into `~/.cache/tandem/llama.cpp` (outside the repository; never part of `make test`;
 about 20-40 minutes on 2 cores). The models are converted to GGUF here (this file's own converter, through the
 `gguf` package vendored in that llama.cpp tree): tandem-tiny-l and, with `--models tiny-l,llama80m`, a random
-~80M-parameter Llama built with the same tokenizer; f32, and 8-bit: by default q8_0 for every matrix for
+~80M-parameter Llama built with the same tokenizer; f32 (tandem told to read float32, TANDEM_CPU_BF16_WEIGHTS=0),
+bf16 (both models rounded to bfloat16: a BF16 GGUF against tandem's float32 math over its bf16 weight copies),
+and 8-bit: by default q8_0 for every matrix for
 llama.cpp (the tied embedding / output head too, as `convert_hf_to_gguf.py --outtype q8_0` writes it) against
 tandem's `w8a8` (int8 weights and head, activations quantised per 32 as q8_0's dots do); with
 `--tandem-8bit int8`, tandem's weight-only int8 against q8_0 layers with an f32 head (both heads f32).
@@ -114,7 +116,32 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = False) -> Path:
+def bf16_variant(folder: Path, out: Path) -> Path:
+    """The checkpoint with every weight rounded to bfloat16 (itself if it already is: tandem-tiny-l), so that
+    llama.cpp's BF16 GGUF and tandem's float32 upcast hold the same values and tandem reads its bf16 copies."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        if all(f.get_slice(k).get_dtype() == "BF16" for k in f.keys()):
+            return folder
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(folder / "model.safetensors")).items()},
+              str(out / "model.safetensors"))
+    for f in folder.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = False, bf16: bool = False) -> Path:
     if out.exists():
         return out
     import torch
@@ -139,7 +166,8 @@ def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = Fa
     w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if eight_bit else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if eight_bit
+                    else gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t for t in tok.get("added_tokens", [])}
     tokens = [t for t, _ in vocab]
@@ -158,11 +186,13 @@ def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = Fa
     w.add_add_bos_token(False)
 
     def add(name: str, arr: np.ndarray, quant: bool) -> None:
-        if quant and arr.ndim == 2 and arr.shape[1] % 32 == 0:
+        kind = (gguf.GGMLQuantizationType.Q8_0 if quant and arr.ndim == 2 and arr.shape[1] % 32 == 0
+                else gguf.GGMLQuantizationType.BF16 if bf16 and arr.ndim == 2 else None)
+        if kind is not None:
             from gguf.quants import quantize
 
-            q = quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            q = quantize(arr, kind)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(name, np.ascontiguousarray(arr))
 
@@ -223,13 +253,15 @@ def start_llama(server: Path, gguf_path: Path, threads: int, slots: int, ctx: in
     return proc, f"http://127.0.0.1:{port}", "llama"
 
 
-def start_tandem(folder: Path, threads: int, eight_bit: str | None, ctx: int, log: Path):
+def start_tandem(folder: Path, threads: int, eight_bit: str | None, ctx: int, log: Path, bf16_reads: bool = True):
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", str(folder), "--served-model-name", "tandem",
            "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning"]
     if eight_bit:
         cmd += ["--quantization", eight_bit]
     env = dict(os.environ, TANDEM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    if not bf16_reads:  # the f32 cells: tandem reads float32 weights as llama.cpp's f32 GGUF does, not the bf16
+        env["TANDEM_CPU_BF16_WEIGHTS"] = "0"  # copies it keeps of a bf16 checkpoint's (exact) values
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     wait_ready(f"http://127.0.0.1:{port}/ready", proc)
     return proc, f"http://127.0.0.1:{port}", "tandem"
@@ -317,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build", action="store_true", help="build llama-server into the cache, then exit")
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--models", default="tiny-l", help="comma list: tiny-l, llama80m")
-    ap.add_argument("--quant", default="f32,8bit")
+    ap.add_argument("--quant", default="f32,8bit", help="comma list: f32, bf16, 8bit")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
@@ -345,17 +377,18 @@ def main(argv: list[str] | None = None) -> int:
     cells = []
     load0 = os.getloadavg()
     for name in args.models.split(","):
-        folder = folders[name] or llama80m(work / "llama80m")
+        base = folders[name] or llama80m(work / "llama80m")
         for quant in args.quant.split(","):
-            eight = quant == "8bit"
+            eight, bf16 = quant == "8bit", quant == "bf16"
             head8 = eight and args.tandem_8bit == "w8a8"
-            gguf_kind = ("q8_0-all" if head8 else "q8_0-f32head") if eight else "f32"
-            path = to_gguf(gguf, folder, work / f"{name}-{gguf_kind}.gguf", eight, head8)
+            gguf_kind = ("q8_0-all" if head8 else "q8_0-f32head") if eight else quant
+            folder = bf16_variant(base, work / f"{name}-bf16") if bf16 else base
+            path = to_gguf(gguf, folder, work / f"{name}-{gguf_kind}.gguf", eight, head8, bf16)
             for streams in args.streams:
                 runs: dict[str, list[dict]] = {"llama": [], "tandem": []}
                 procs = [start_llama(server, path, args.threads, streams, ctx, work / "llama.log"),
                          start_tandem(folder, args.threads, args.tandem_8bit if eight else None, ctx,
-                                      work / "tandem.log")]
+                                      work / "tandem.log", bf16_reads=quant != "f32")]
                 agree = None
                 try:
                     # the conversion check: both servers' greedy continuations of two prompts

@@ -64,6 +64,7 @@ class Sequence:
     draft_rejected: float = 0.0
     draft_seen_at: int = 0
     draft_probes: int = 0  # probes of its own acceptance so far (each doubles the gap to the next)
+    probe_idle_until: int = 0  # a probe found nothing worth drafting: none weighed again before this length
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the committed full blocks
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest admission
     admit_order: int = -1

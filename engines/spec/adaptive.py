@@ -293,14 +293,14 @@ class AdaptiveK:
             if best > 0:  # plain decoding for 3 steps: the first after drafting pays the switch, the next two
                 self._hold_plain = 2  # measure plain decoding (observe_step)
                 best = 0
-            elif batch <= self.explore_seqs:
+            elif batch <= self.explore_seqs and (unmeasured or perfect_rate >= self.switch_margin * plain_rate):
                 # every sequence drafts: for 3 steps, so two steady ones measure the whole step at this batch
                 # size (a single step pays the switch and is never counted), the largest k not measured here
                 # yet, else the best k > 0: optimism where nothing is known (the modelled cost of an unmeasured
                 # k, scaled by another k's, can rate it too dear to be ever tried, and then ever measured)
                 best = unmeasured[0] if unmeasured else best_draft
                 self._hold_draft = (2, best)
-            elif perfect_rate >= self.switch_margin * plain_rate:
+            elif batch > self.explore_seqs and perfect_rate >= self.switch_margin * plain_rate:
                 best = 1  # a few sequences draft k = 1: it measures acceptance, not the cost of a whole step
             else:  # drafting would lose even if every draft were accepted: measuring acceptance cannot change
                 self.exploring = False  # the choice, and the few sequences' catch-ups cost

@@ -193,7 +193,7 @@ class SpeculativeDecoder:
         accs = ([ad.seq_acceptance(*self.own_counts(s)) for s in seqs]
                 if any(s.draft_seen_at for s in seqs) else None)
         s = seqs[0]
-        due = (len(seqs) == 1 and ad.fixed is None
+        due = (len(seqs) == 1 and ad.fixed is None and s.num_tokens >= s.probe_idle_until
                and (not s.draft_seen_at or s.num_tokens - s.draft_seen_at >= REPROBE_TOKENS << s.draft_probes))
         if due:  # weighed now, not by a choice of plain decoding that stands (`AdaptiveK.reweigh`)
             ad.reweigh()
@@ -201,6 +201,8 @@ class SpeculativeDecoder:
         if k == 0 and due:
             k = ad.probe()
             s.draft_probes += k > 0
+            if not k:  # nothing worth a probe now: weighed again REPROBE_TOKENS later, not every step
+                s.probe_idle_until = s.num_tokens + REPROBE_TOKENS
         return k
 
     def _select(self, seqs: list[Sequence], k: int) -> list[tuple[Sequence, int]]:

@@ -767,7 +767,7 @@ def test_a_sequence_decoding_alone_probes_its_own_acceptance_when_new_and_after_
     # the engine's acceptance 0.5: plain decoding wins on the mean, though drafting could pay at a higher one
     feed(ad, 1, plain=0.010, per_token=0.0002, draft=0.006, a=0.5)
     seq = SimpleNamespace(seq_id=1, num_tokens=100, max_len=400, draft_accepted=0.0, draft_rejected=0.0,
-                          draft_seen_at=0, draft_probes=0)
+                          draft_seen_at=0, draft_probes=0, probe_idle_until=0)
     assert ad.choose(1) == 0
     k = sp._choose([seq])
     assert k > 0 and ad.exploring  # new: a probe, which counts as an exploration (catch-up, all or none)
@@ -787,6 +787,32 @@ def test_a_sequence_decoding_alone_probes_its_own_acceptance_when_new_and_after_
     pair_ = [SimpleNamespace(**{**vars(seq), "seq_id": i, "draft_seen_at": 0}) for i in range(2)]
     feed(ad, 2, plain=0.010, per_token=0.0002, draft=0.006, a=0.5)
     assert sp._choose(pair_) == 0  # in a batch nobody probes
+
+
+def test_a_lone_sequence_with_nothing_worth_probing_is_not_weighed_every_step(pair):
+    """Where drafting would lose even with every draft accepted, a lone sequence's due probe finds nothing to
+    draft: it waits REPROBE_TOKENS before it is weighed again, and the steps between take the standing choice
+    of plain decoding (weighing every k each step cost a batch-1 sampled step ~6%)."""
+    from types import SimpleNamespace
+
+    from engines.spec.decoder import REPROBE_TOKENS
+
+    sp = spec_llm(pair, k=4, fixed=False).engine.speculator
+    ad = sp.adaptive
+    feed(ad, 1, plain=0.010, per_token=0.003, draft=0.006, a=0.5)  # k = 4 at best 5 tokens per 46 ms
+    for k in range(5):
+        for _ in range(2):
+            ad.observe_step(1, k, 0.010 + 0.009 * k)
+    seq = SimpleNamespace(seq_id=1, num_tokens=100, max_len=400, draft_accepted=0.0, draft_rejected=0.0,
+                          draft_seen_at=0, draft_probes=0, probe_idle_until=0)
+    weighed = []
+    choose = ad.choose
+    ad.choose = lambda b, accs=None: weighed.append(ad._reuse[1] == 0) or choose(b, accs)
+    for n in range(100, 100 + 2 * REPROBE_TOKENS):
+        seq.num_tokens = n
+        assert sp._choose([seq]) == 0
+    assert seq.probe_idle_until == 100 + 2 * REPROBE_TOKENS and seq.draft_probes == 0
+    assert sum(weighed) <= 2 * REPROBE_TOKENS // 8  # one weighing per standing choice, not one per step
 
 
 def test_adaptive_k_does_not_slow_the_sequence_that_gains_least_for_the_batchs_mean():
