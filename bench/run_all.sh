@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-ALL=(engine_throughput cpu_forward gemv_cpu simd_ab amx_ab cpu_dram model_quality quant_cpu quant_quality speculative spec_ceiling spec_replay router_latency routing
+ALL=(engine_throughput cpu_forward cpu_bf16 gemv_cpu simd_ab amx_ab cpu_dram model_quality quant_cpu quant_quality speculative spec_policy spec_replay router_latency routing
      slo_policy_overhead gateway_overhead loadgen_capacity slo)
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=("${ALL[@]}")
