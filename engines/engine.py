@@ -403,17 +403,16 @@ class ModelEngine:
         spare = len(seqs) + 1
         active = list(seqs)
         windows = 0
-        while active:
-            ks = [min(k, room[seq.seq_id] - len(out[seq.seq_id]) - 1) for seq in active]
+        while active:  # every sequence in it has room for a whole window of k (`_spec_windows_k`, `still`)
             if windows:  # adaptive k weighs this window as it would a step's (the plan is this loop's alone)
                 again = sp.plan(active) == k and sp.planned_for_all(active) == k
                 sp.drop_plan()
-                if not again or min(ks) < k:
+                if not again:
                     break
             states = [dr.reserve(seq, k, spare) for seq in active]
             if any(st is None for st in states):
                 break
-            drafts, _ = dr.draft(active, states, ks, [set()] * len(active), sp.adaptive.draft)
+            drafts, _ = dr.draft(active, states, [k] * len(active), [set()] * len(active), sp.adaptive.draft)
             logits, _ = self.runner.execute(active, [k + 1] * len(active),
                                             {seq.seq_id: d for seq, d in zip(active, drafts)})
             targets = logits.argmax(dim=-1).tolist()
