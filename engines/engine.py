@@ -389,7 +389,7 @@ class ModelEngine:
                        if (toks := out[seq.seq_id])]
         self._emit_many(sch.update(sched, sampled))
         forward_s, step_s = self.timer.step_finished()
-        if windows and all(len(toks) for toks in out.values()):
+        if windows:  # every window drafted for the whole batch: a measure of a step at k
             sp.adaptive.observe_step(len(sched.seqs), k, step_s / windows)
         return sched.total_tokens
 
@@ -397,7 +397,8 @@ class ModelEngine:
                         ) -> int:
         """`_spec_windows_step`'s loop: each sequence's kept tokens into `out`, the sequence itself advanced
         past them for the drafter and the runner (the caller restores it for `Scheduler.update`); returns the
-        windows run (0: none, nothing changed)."""
+        windows run (0: none, nothing changed), each for all of `seqs`: where one of them stops, the loop ends
+        (the next step weighs the smaller batch, whose windows measure that batch size)."""
         sp = self.speculator
         dr = sp.drafter
         spare = len(seqs) + 1
@@ -433,6 +434,8 @@ class ModelEngine:
                 if not any(tok in stops for tok in kept) and room[seq.seq_id] - len(out[seq.seq_id]) > k:
                     still.append(seq)
             windows += 1
+            if len(still) < len(seqs):
+                break
             active = still
         return windows
 
