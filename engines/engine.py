@@ -215,9 +215,9 @@ class ModelEngine:
         n = self._multi_step_tokens()
         if n:
             return self._multi_step(n)
-        k = self._spec_windows_k()
+        k, windows = self._spec_windows()
         if k:
-            return self._spec_windows_step(k)
+            return self._spec_windows_step(k, windows)
         drafts = self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule(drafts)
         for req in _requests(sched.expired):
@@ -314,35 +314,37 @@ class ModelEngine:
             self.speculator.observe_plain_steps(len(sched.seqs), n, forward_s, step_s)
         return sched.total_tokens
 
-    def _spec_windows_k(self) -> int:
-        """The k of a step of drafting windows in a loop (`_spec_windows_step`), or 0 for a normal step. Only where
-        `_multi_step_tokens` found every sequence on raw-logit greedy with nobody waiting and adaptive k then
-        drafted for all of them with one k, no min_tokens ban is left, every drafter is at most its last draft
-        and bonus token behind (no catch-up: that step goes the normal way) and drafts in one C call, and the
-        pool has the pages of the loop's every window."""
+    def _spec_windows(self) -> tuple[int, int]:
+        """(k, windows) of a step of drafting windows in a loop (`_spec_windows_step`), or (0, 0) for a normal
+        step. Only where `_multi_step_tokens` found every sequence on raw-logit greedy with nobody waiting and
+        adaptive k then drafted for all of them with one k, no min_tokens ban is left, every drafter is at most
+        its last draft and bonus token behind (no catch-up: that step goes the normal way) and drafts in one C
+        call, and the token budget and the pool take at least two whole windows of every sequence (up to
+        SPEC_WINDOWS)."""
         sp = self.speculator
         dr = sp.drafter
-        running = self.scheduler.running
-        if dr is None or SPEC_WINDOWS < 2 or dr.lean is not None:
-            return 0
-        k = sp.planned_for_all(running)
-        if not k or not dr.runner.can_draft_greedy([1]):
-            return 0
         sch = self.scheduler
+        running = sch.running
+        if dr is None or SPEC_WINDOWS < 2 or dr.lean is not None:
+            return 0, 0
+        k = sp.planned_for_all(running)
+        windows = min(SPEC_WINDOWS, sch.max_num_batched_tokens // (len(running) * (k + 1))) if k else 0
+        if windows < 2 or not dr.runner.can_draft_greedy([1]):
+            return 0, 0
         pages = 0
         for seq in running:
             if (seq.request.params.min_tokens > seq.num_output_tokens or dr.lag(seq) > 2
                     or seq.max_len - seq.num_tokens < k):  # room for one whole window
-                return 0
-            pages += sch.pages_needed(seq, min(SPEC_WINDOWS * (k + 1), seq.max_len - seq.num_tokens + 1))
-            pages += -(-(seq.num_tokens + SPEC_WINDOWS * (k + 1)) // self.pool.block_size)  # the draft's, at most
+                return 0, 0
+            pages += sch.pages_needed(seq, min(windows * (k + 1), seq.max_len - seq.num_tokens + 1))
+            pages += -(-(seq.num_tokens + windows * (k + 1)) // self.pool.block_size)  # the draft's, at most
         if pages + len(running) + 1 > self.pool.num_free:
-            return 0
+            return 0, 0
         sp.drop_plan()
-        return k
+        return k, windows
 
-    def _spec_windows_step(self, k: int) -> int:
-        """Up to SPEC_WINDOWS drafting windows of k greedy drafts for every running sequence, verified one after
+    def _spec_windows_step(self, k: int, max_windows: int) -> int:
+        """Up to `max_windows` drafting windows of k greedy drafts for every running sequence, verified one after
         another in one step: the scheduler books each sequence's tokens as one token and placeholder drafts
         (pages, budget, as `_multi_step` does), each window drafts in one C call and verifies through the
         runner, and `Scheduler.update` takes the tokens the windows kept as accepted drafts and a bonus token
@@ -353,7 +355,7 @@ class ModelEngine:
         sch = self.scheduler
         sp = self.speculator
         running = list(sch.running)
-        room = {seq.seq_id: min(SPEC_WINDOWS * (k + 1), seq.max_len - seq.num_tokens + 1) for seq in running}
+        room = {seq.seq_id: min(max_windows * (k + 1), seq.max_len - seq.num_tokens + 1) for seq in running}
         sched = sch.schedule({seq.seq_id: [0] * (room[seq.seq_id] - 1) for seq in running})
         if not sched:
             return 0
@@ -404,7 +406,7 @@ class ModelEngine:
         spare = len(seqs) + 1
         active = list(seqs)
         windows = 0
-        while active:  # every sequence in it has room for a whole window of k (`_spec_windows_k`, `still`)
+        while active:  # every sequence in it has room for a whole window of k (`_spec_windows`, `still`)
             if windows:  # adaptive k weighs this window as it would a step's (the plan is this loop's alone)
                 again = sp.plan(active) == k and sp.planned_for_all(active) == k
                 sp.drop_plan()

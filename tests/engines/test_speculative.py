@@ -231,7 +231,8 @@ def test_drafting_windows_looped_in_one_step_equal_one_window_per_step_and_plain
             spec = spec_llm(pair, k=k)
             looped = []
             orig = spec.engine._spec_windows_step
-            spec.engine._spec_windows_step = lambda k_, orig=orig, looped=looped: looped.append(k_) or orig(k_)
+            spec.engine._spec_windows_step = (lambda k_, w_, orig=orig, looped=looped:
+                                              looped.append(k_) or orig(k_, w_))
             got = [o.outputs[0] for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params)]
             assert [(g.token_ids, g.finish_reason) for g in got] == [(w.token_ids, w.finish_reason) for w in want]
             looped_steps[windows] += len(looped)
@@ -253,6 +254,28 @@ def test_drafting_windows_looped_in_one_step_equal_one_window_per_step_and_plain
     eng.abort("second")
     eng.step()
     assert not eng.has_work() and spec.core.pool.num_used == 0
+
+
+def test_the_windows_loop_takes_only_as_many_windows_as_the_token_budget_books(pair):
+    """A step of drafting windows books every window's tokens at once: it takes as many as the step's token budget
+    holds (at least two), else the step drafts one window the normal way, never a booking the budget trims."""
+    path, target, _ = pair
+    plain = LLM(target, block_size=BLOCK)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for batch, budget, windows in ((1, 16, 3), (2, 16, None), (2, 24, 2)):
+        prompts = random_prompts(batch, 5, 12, seed=batch + budget)
+        want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        spec = spec_llm(pair, k=4, max_num_batched_tokens=budget)
+        eng = spec.engine
+        looped = []  # (sequences running, windows booked) of each looped step
+        orig = eng._spec_windows_step
+        eng._spec_windows_step = (lambda k, w, orig=orig, looped=looped, eng=eng:
+                                  looped.append((len(eng.scheduler.running), w)) or orig(k, w))
+        got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert got == want and spec.stats()["used_pages"] == 0
+        # 16 tokens hold 3 windows of k = 4 for one sequence, none for two; 24 hold 2 for two
+        assert all(w == min(4, budget // (n * 5)) >= 2 for n, w in looped)
+        assert [w for n, w in looped if n == batch] if windows else not [n for n, w in looped if n == batch]
 
 
 def test_per_request_speculative_false_never_drafts(pair):
