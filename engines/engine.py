@@ -248,12 +248,13 @@ class ModelEngine:
         return sched.total_tokens
 
     def _multi_step_tokens(self) -> int:
-        """How many greedy tokens every running sequence takes this step in one C call (`_multi_step`), or 0 for
-        a normal step. Only where nothing could differ from `n` single steps: the CPU forward can take it, no
-        drafts this step (no drafter, or adaptive k picks plain decoding), nobody waiting (a newcomer waits at
-        most `n` tokens' time), every sequence decoding with raw-logit greedy (min_tokens' ban of EOS and stop
-        ids is applied in the C loop) and no logprobs or grammar, `n`
-        tokens within each one's max length, the token budget and the free pages (no preemption)."""
+        """How many tokens every running sequence takes this step in one C call (`_multi_step`), or 0 for a normal
+        step. Only where nothing could differ from `n` single steps: the CPU forward can take it, no drafts this
+        step (no drafter, or adaptive k picks plain decoding), nobody waiting (a newcomer waits at most `n`
+        tokens' time), every sequence decoding with raw-logit greedy or temperature alone without a seed (a
+        seeded draw stays on the sampler's path, which its reproducibility is defined by; min_tokens' ban of
+        EOS and stop ids is applied in the C loop) and no logprobs or grammar, `n` tokens within each one's max
+        length, the token budget and the free pages (no preemption)."""
         n = MULTI_STEP_TOKENS
         sch = self.scheduler
         running = sch.running
@@ -264,8 +265,9 @@ class ModelEngine:
         vocab = self.config.vocab_size
         for seq in running:
             p = seq.request.params
-            if (seq.num_tokens - seq.num_computed != 1 or not p.greedy or p.logprobs is not None
-                    or seq.grammar is not None or not plain_params(p, vocab, min_tokens_ok=True)):
+            if (seq.num_tokens - seq.num_computed != 1 or (not p.greedy and seq.seed is not None)
+                    or p.logprobs is not None or seq.grammar is not None
+                    or not plain_params(p, vocab, min_tokens_ok=True)):
                 return 0
             n = min(n, seq.max_len - seq.num_tokens)
         if n < 2 or sum(sch.pages_needed(seq, n) for seq in running) > self.pool.num_free:
@@ -277,10 +279,11 @@ class ModelEngine:
         return n
 
     def _multi_step(self, n: int) -> int:
-        """`n` greedy tokens for every running sequence: the scheduler books them as one token and n - 1 drafts
-        (pages, budget), the runner computes them in one call (`ModelRunner.draft_greedy`: forward, head and
-        argmax n times), and `Scheduler.update` takes them as n - 1 accepted drafts and a bonus token, so EOS,
-        stop ids, stop strings and max length end a sequence mid-way exactly as in single steps."""
+        """`n` tokens for every running sequence: the scheduler books them as one token and n - 1 drafts (pages,
+        budget), the runner computes them in one call (`ModelRunner.draft_greedy`: forward, head and argmax, or
+        a draw from softmax(logits / temperature) at a uniform from torch's generator as the sampler's inverse
+        CDF takes it, n times), and `Scheduler.update` takes them as n - 1 accepted drafts and a bonus token,
+        so EOS, stop ids, stop strings and max length end a sequence mid-way exactly as in single steps."""
         running = list(self.scheduler.running)
         self.speculator.skip_step()
         sched = self.scheduler.schedule({seq.seq_id: [0] * (n - 1) for seq in running})
@@ -299,7 +302,9 @@ class ModelEngine:
             else:
                 bans = greedy_bans(sched.seqs, [min_tokens_ban(s.request.params, self.eos_token_ids)
                                                 for s in sched.seqs])
-                tokens = self.runner.draft_greedy(sched.seqs, [1] * len(sched.seqs), n, bans)
+                temps = [0.0 if s.request.params.greedy else s.request.params.temperature for s in sched.seqs]
+                uniforms = torch.rand(len(temps), n) if any(temps) else None
+                tokens = self.runner.draft_greedy(sched.seqs, [1] * len(sched.seqs), n, bans, temps, uniforms)
                 sampled = [Sampled(seq, toks, num_accepted=n - 1) for seq, toks in zip(sched.seqs, tokens)]
         except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
             log.exception("engine %s: multi-step forward failed", self.name)
@@ -316,8 +321,8 @@ class ModelEngine:
 
     def _spec_windows(self) -> tuple[int, int]:
         """(k, windows) of a step of drafting windows in a loop (`_spec_windows_step`), or (0, 0) for a normal
-        step. Only where `_multi_step_tokens` found every sequence on raw-logit greedy with nobody waiting and
-        adaptive k then drafted for all of them with one k, no min_tokens ban is left, every drafter is at most
+        step. Only where `_multi_step_tokens` found every sequence on raw logits with nobody waiting and adaptive
+        k then drafted for all of them with one k, every one is greedy, no min_tokens ban is left, every drafter is at most
         its last draft and bonus token behind (no catch-up: that step goes the normal way) and drafts in one C
         call, and the token budget and the pool take at least two whole windows of every sequence (up to
         SPEC_WINDOWS)."""
@@ -333,7 +338,8 @@ class ModelEngine:
             return 0, 0
         pages = 0
         for seq in running:
-            if (seq.request.params.min_tokens > seq.num_output_tokens or dr.lag(seq) > 2
+            p = seq.request.params
+            if (not p.greedy or p.min_tokens > seq.num_output_tokens or dr.lag(seq) > 2
                     or seq.max_len - seq.num_tokens < k):  # room for one whole window
                 return 0, 0
             pages += sch.pages_needed(seq, min(windows * (k + 1), seq.max_len - seq.num_tokens + 1))

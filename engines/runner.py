@@ -199,13 +199,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_greedy(self, seqs: Seq[Sequence], num_tokens: Seq[int], k: int,
-                     bans: Seq[tuple[Iterable[int], int]] | None = None) -> list[list[int]]:
+                     bans: Seq[tuple[Iterable[int], int]] | None = None, temperatures: Seq[float] | None = None,
+                     uniforms: torch.Tensor | None = None) -> list[list[int]]:
         """k greedy tokens for each sequence, whose first `num_tokens` uncomputed tokens end at its last known
         one (every sequence samples): k forwards, heads and argmaxes in one C call. Writes the K/V of the
         computed tokens and of the first k - 1 drafts; the caller appends the drafts and advances
         num_computed by sum(num_tokens) + k - 1 per sequence. `bans[i]` = (ids, n): sequence i may not pick
-        those ids at its first n tokens (`greedy_bans`)."""
+        those ids at its first n tokens (`greedy_bans`). A sequence with `temperatures[i]` > 0 draws from
+        softmax(logits / temperature) at `uniforms[i]` ([S, k]) instead (`CpuForward.draft_greedy`)."""
         ids, positions, tables, meta, max_ctx, _, sample_seqs, _ = self._cpu_step_arrays(seqs, num_tokens, None)
         if len(sample_seqs) != len(seqs):
             raise ValueError("draft_greedy: every sequence must reach its last known token")
-        return self.cpu_forward.draft_greedy(ids, positions, tables, meta, max_ctx, k, bans).tolist()
+        return self.cpu_forward.draft_greedy(ids, positions, tables, meta, max_ctx, k, bans, temperatures,
+                                             uniforms).tolist()

@@ -57,7 +57,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.tk_forward_f32.restype = ctypes.c_int
         lib.tk_draft_greedy_f32.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Lin), _I64, _I64, _PTR, _PTR,
                                             _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR,
-                                            _PTR, _PTR, _PTR, ctypes.c_int]
+                                            _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int]
         lib.tk_draft_greedy_f32.restype = ctypes.c_int
         _bound = True
     return lib
@@ -169,11 +169,14 @@ class CpuForward:
         return self._head_lin is not None
 
     def draft_greedy(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
-                     max_ctx: int, k: int, bans: Seq[tuple[Iterable[int], int]] | None = None) -> torch.Tensor:
+                     max_ctx: int, k: int, bans: Seq[tuple[Iterable[int], int]] | None = None,
+                     temperatures: Seq[float] | None = None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
         """k greedy tokens per sequence [S, k]: `forward` of this step's rows (as there; `seqs` is overwritten),
         the head and argmax of each sequence's last row, and that token fed back, k times in one C call. The
         K/V of every pass but the last token's is written to the pages. `bans[s]` = (ids, passes): sequence s
-        may not pick those ids at its first `passes` tokens (min_tokens' EOS and stop ids)."""
+        may not pick those ids at its first `passes` tokens (min_tokens' EOS and stop ids). `temperatures[s]`
+        > 0: sequence s draws its tokens from softmax(logits / temperature) by the inverse CDF at
+        `uniforms[s, t]` (float32 [S, k] in [0, 1)) instead of taking the argmax."""
         n = seqs.shape[1]
         out = torch.empty((n, k), dtype=torch.long)
         p = seqs.data_ptr()
@@ -184,10 +187,16 @@ class CpuForward:
                     torch.tensor([0, *itertools.accumulate(len(f) for f in flat)], dtype=torch.long),
                     torch.tensor([until for _, until in bans], dtype=torch.long))
             ban = tuple(t.data_ptr() for t in keep)
+        temps = unif = None
+        if temperatures is not None and any(t > 0 for t in temperatures):
+            temps = torch.tensor(temperatures, dtype=torch.float32)
+            unif = uniforms.to(torch.float32).contiguous()
+            if unif.shape != (n, k):
+                raise ValueError(f"draft_greedy: uniforms of shape {tuple(unif.shape)}, not ({n}, {k})")
         rc = self.lib.tk_draft_greedy_f32(self._mref, self._head_ref, self.vocab, ids.shape[0],
                                           ids.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
                                           p, p + 8 * n, p + 16 * n, p + 24 * n, n, max_ctx, k, out.data_ptr(),
-                                          *ban, torch.get_num_threads())
+                                          *ban, _ptr(temps), _ptr(unif), torch.get_num_threads())
         if rc:
             raise MemoryError("cpu draft: scratch allocation failed")
         return out

@@ -1594,11 +1594,38 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
  * sequence, k times. qstart/qlen/ctx are scratch (overwritten). Bans (min_tokens: EOS and stop ids), when
  * ban_off is not NULL: sequence s may not pick ban_ids[ban_off[s] .. ban_off[s + 1]) at its passes t <
  * ban_until[s]. Writes out[s * k + t]; returns 0, or 1 on a failed allocation. */
+/* one token drawn from softmax(l / temp) by the inverse CDF at u in [0, 1): the first token whose cumulative
+ * mass exceeds u times the total (a token of zero probability, a banned one, never is); l is overwritten */
+static int64_t sample_row(float *l, int64_t V, float temp, float u) {
+    float mx = -INFINITY;
+    for (int64_t v = 0; v < V; v++) {
+        l[v] /= temp;
+        if (l[v] > mx) mx = l[v];
+    }
+    double total = 0.0;
+    for (int64_t v = 0; v < V; v++) {
+        l[v] = expf(l[v] - mx);
+        total += l[v];
+    }
+    const double cut = (double)u * total;
+    double acc = 0.0;
+    int64_t last = 0;
+    for (int64_t v = 0; v < V; v++) {
+        if (l[v] <= 0.f) continue;
+        acc += l[v];
+        last = v;
+        if (acc > cut) return v;
+    }
+    return last; /* u * total rounded up to the total: the last token with mass */
+}
+
+/* k tokens per sequence, each fed back: greedy (the argmax) where temps is NULL or temps[s] is 0, else drawn from
+ * softmax(logits / temps[s]) at the uniforms unif[s * k + t] (`sample_row`) */
 int tk_draft_greedy_f32(const tk_model *m, const tk_lin *head, int64_t V, int64_t T,
                         const int64_t *ids, const int64_t *pos, const int64_t *block_tables, int64_t max_blocks,
                         int64_t *qstart, int64_t *qlen, int64_t *ctx, const int64_t *rows, int64_t S,
                         int64_t max_ctx, int64_t k, int64_t *out, const int64_t *ban_ids, const int64_t *ban_off,
-                        const int64_t *ban_until, int nthreads) {
+                        const int64_t *ban_until, const float *temps, const float *unif, int nthreads) {
     const int64_t H = m->H;
     int64_t rows_max = T > S ? T : S;
     float *hid = (float *)malloc(sizeof(float) * (size_t)(rows_max * H));
@@ -1622,8 +1649,11 @@ int tk_draft_greedy_f32(const tk_model *m, const tk_lin *head, int64_t V, int64_
                     for (int64_t b = ban_off[s]; b < ban_off[s + 1]; b++)
                         if (ban_ids[b] >= 0 && ban_ids[b] < V) l[ban_ids[b]] = -INFINITY;
                 int64_t best = 0;
-                for (int64_t v = 1; v < V; v++)
-                    if (l[v] > l[best]) best = v;
+                if (temps && temps[s] > 0.f)
+                    best = sample_row(l, V, temps[s], unif[s * k + t]);
+                else
+                    for (int64_t v = 1; v < V; v++)
+                        if (l[v] > l[best]) best = v;
                 tok[s] = best;
                 out[s * k + t] = best;
                 tpos[s] = ctx[s]; /* the draft's position: after the sequence's context */

@@ -329,3 +329,62 @@ def test_a_draft_after_a_long_catch_up_still_runs_in_one_call(monkeypatch):
     assert len(calls) == sp.num_drafts > 0  # every drafting step (one sequence) drafted in one call, the first too
     assert sp.adaptive.draft.points  # the one-call drafts measured the draft passes
     assert llm.core.pool.stats()["used_pages"] == 0
+
+
+def test_the_c_loops_temperature_draw_is_the_samplers_inverse_cdf():
+    """`CpuForward.draft_greedy` with a temperature draws what the sampler draws from the same logits at the same
+    uniform (softmax(logits / T), the first token whose cumulative mass exceeds u times the total): the same
+    token at every uniform not within float rounding of a boundary between two tokens' mass."""
+    from engines.sampler import _inverse_cdf
+
+    llm = _engine(ROOT / "models" / "tandem-tiny-l")
+    runner = llm.engine.runner
+    fast = runner.cpu_forward
+    g = torch.Generator().manual_seed(0)
+    runner.kv_view.copy_(torch.randn(runner.kv_view.shape, generator=g))
+    tables = torch.randperm(runner.kv_view.shape[0], generator=g)[:8].view(1, 8).contiguous()
+    ctx = 30
+    ids, pos = torch.tensor([17]), torch.tensor([ctx - 1])
+    seqs = torch.tensor([[0], [1], [ctx], [0]], dtype=torch.long)
+    logits = fast.logits(fast.forward(ids, pos, tables, seqs.clone(), ctx))[0]
+    checked = 0
+    for temp in (0.5, 0.8, 1.3):
+        probs = torch.softmax(logits / temp, -1)
+        cdf = probs.double().cumsum(0)
+        for u in torch.rand(150, generator=g).tolist():
+            cut = u * float(cdf[-1])
+            if float((cdf - cut).abs().min()) < 1e-5:  # a boundary: float32 sums may fall either side of it
+                continue
+            want = int(_inverse_cdf(probs[None], torch.tensor([[u]]))[0])
+            got = fast.draft_greedy(ids, pos, tables, seqs.clone(), ctx, 1, None, [temp], torch.tensor([[u]]))
+            assert int(got[0, 0]) == want, (temp, u)
+            checked += 1
+    assert checked >= 400
+    # greedy rows of the same call keep the argmax
+    got = fast.draft_greedy(ids, pos, tables, seqs.clone(), ctx, 1, None, [0.0], torch.tensor([[0.99]]))
+    assert int(got[0, 0]) == int(logits.argmax())
+
+
+def test_multi_step_takes_unseeded_temperature_requests_and_leaves_the_rest_to_the_sampler(monkeypatch):
+    """Temperature-only requests without a seed decode by multi-step steps too (their uniforms from torch's
+    generator, as the sampler's); a seeded one stays on the sampler's path (its draws are defined there), as
+    do top-p and a greedy batch mixed with a seeded one."""
+    from engines import SamplingParams
+
+    llm = _engine(ROOT / "models" / "tandem-tiny-l")
+    runner = llm.engine.runner
+    calls = []
+    one_call = runner.draft_greedy
+    monkeypatch.setattr(runner, "draft_greedy", lambda *a: calls.append(a[4]) or one_call(*a))
+    prompts = ["def f(x):\n", "import sys\n"]
+    sampled = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    out = llm.generate(prompts, [sampled, greedy])
+    assert [len(o.outputs[0].token_ids) for o in out] == [30, 30]
+    assert len(calls) >= 5 and all(t == [0.8, 0.0] for t in calls)
+    for params in ([SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True), greedy],
+                   [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True)] * 2):
+        calls.clear()
+        assert all(len(o.outputs[0].token_ids) == 30 for o in llm.generate(prompts, params))
+        assert not calls
+    assert llm.core.pool.stats()["used_pages"] == 0
