@@ -414,7 +414,8 @@ class ModelEngine:
         windows = 0
         while active:  # every sequence in it has room for a whole window of k (`_spec_windows`, `still`)
             if windows:  # adaptive k weighs this window as it would a step's (the plan is this loop's alone)
-                again = sp.plan(active) == k and sp.planned_for_all(active) == k
+                sp.plan(active)
+                again = sp.planned_for_all(active) == k
                 sp.drop_plan()
                 if not again:
                     break

@@ -105,14 +105,15 @@ class SpeculativeDecoder:
         self._plan = None
         self._drop_unverified()
 
-    def count_window(self, seq: Sequence, k: int, num_accepted: int) -> None:
-        """One verified window of the drafter's k drafts for `seq`: the engine's and the sequence's own
-        acceptance (geometric model, its older windows decayed) and the request's counts."""
-        self._record(k, num_accepted, True)
-        acc, rej = self.own_counts(seq)
-        seq.draft_accepted = acc + num_accepted
-        seq.draft_rejected = rej + (num_accepted < k)
-        seq.draft_seen_at = seq.num_tokens
+    def count_window(self, seq: Sequence, k: int, num_accepted: int, drafted: bool = True) -> None:
+        """One verified window of k drafts for `seq`: the request's counts and, for the drafter's (not a caller's
+        supplied ones), the engine's and the sequence's own acceptance (geometric model, older windows decayed)."""
+        self._record(k, num_accepted, drafted)
+        if drafted:
+            acc, rej = self.own_counts(seq)
+            seq.draft_accepted = acc + num_accepted
+            seq.draft_rejected = rej + (num_accepted < k)
+            seq.draft_seen_at = seq.num_tokens
         m = seq.request.metrics
         if m is not None:  # per request, for the decode span and escalation accounting
             m.num_draft_tokens += k
@@ -272,14 +273,7 @@ class SpeculativeDecoder:
             if not d:
                 continue
             w = self._windows.pop(seq.seq_id, None)  # verified: not for _drop_unverified
-            if w is not None and w.drafted:
-                self.count_window(seq, len(d), s.num_accepted)
-            else:  # supplied drafts: not the drafter's acceptance
-                self._record(len(d), s.num_accepted, False)
-                m = seq.request.metrics
-                if m is not None:
-                    m.num_draft_tokens += len(d)
-                    m.num_accepted_tokens += s.num_accepted
+            self.count_window(seq, len(d), s.num_accepted, w is not None and w.drafted)
             if not seq.finished and self.drafter is not None:  # the sequence took the accepted drafts + one
                 self.drafter.rollback(seq, seq.num_tokens - 1)
 
