@@ -96,9 +96,11 @@ def test_bad_config_fails_at_start_up_naming_the_field(tmp_path: Path):
 
 @pytest.mark.slow
 def test_sigterm_finishes_in_flight_streams_then_exits_cleanly(tiny_checkpoint, tmp_path: Path):
-    proc, url = _serve_ready(tiny_checkpoint("llama"), tmp_path, grace_period_s=60)
+    # 2,000 sequential decode steps per stream (a 4096-token context): no machine finishes them between a
+    # stream's first chunk and the signal, so all four are in flight when the drain begins
+    proc, url = _serve_ready(tiny_checkpoint("llama", max_position_embeddings=4096), tmp_path, grace_period_s=60)
     try:
-        threads, started, results = _streams(url, 4, max_tokens=200)
+        threads, started, results = _streams(url, 4, max_tokens=2000)
         started.wait(timeout=60)  # every stream has its first chunk: all four are in flight
         proc.send_signal(signal.SIGTERM)
         for t in threads:
@@ -111,7 +113,7 @@ def test_sigterm_finishes_in_flight_streams_then_exits_cleanly(tiny_checkpoint, 
     for r in results:
         assert r["first"].startswith("data: {") and r["rest"][-1] == "data: [DONE]"
         usage = json.loads(r["rest"][-2][6:])["usage"]
-        assert usage["completion_tokens"] == 4 * 200  # every choice ran to max_tokens: nothing cut off
+        assert usage["completion_tokens"] == 4 * 2000  # every choice ran to max_tokens: nothing cut off
     assert proc.returncode == 0, out
     assert "draining: 4 request(s) in flight" in out and "Traceback" not in out
 
