@@ -153,7 +153,11 @@ class ModelEngine:
                                   f"context of {self.max_model_len} tokens: lower max_tokens to at most "
                                   f"{self.max_model_len - len(ids)}", ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise RequestRejected(f"logit_bias token ids must be in [0, {vocab}) for model {self.name!r}")
+            raise RequestRejected(f"logit_bias token ids must be in [0, {vocab}) for model {self.name!r}",
+                                  param="logit_bias")
+        if params.stop_token_ids and not all(0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestRejected(f"stop_token_ids must be in [0, {vocab}) for model {self.name!r}",
+                                  param="stop_token_ids")
         compiled = self._compile(params.structured) if params.structured is not None else None
         pages = -(-(len(ids) + max_tokens) // self.pool.block_size)
         if pages > self.pool.num_pages:

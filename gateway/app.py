@@ -14,8 +14,10 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import HttpMethod, Litestar, Request, Response, get, post
+from litestar import route as route_handler
 from litestar.exceptions import ValidationException
+from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.openapi.plugins import SwaggerRenderPlugin
@@ -32,7 +34,7 @@ from gateway.config import TandemConfig, engine_core_args
 from gateway.dashboard import HANDLERS as DASHBOARD_HANDLERS
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.lifecycle import resolve_route, serve, serve_completion
-from gateway.openapi import error_responses, publish, streaming
+from gateway.openapi import bound_parameter, error_responses, publish, streaming
 from gateway.prompts import chat_prompt
 from gateway.protocol import (
     ChatCompletion,
@@ -166,6 +168,26 @@ async def report_replicas(request: Request, replicas: Annotated[int, QueryParame
                                                             scaler.replicas)))
 
 
+def with_options(handlers: list[HTTPRouteHandler]) -> list[HTTPRouteHandler]:
+    """`handlers` with an OPTIONS answer for each path served by several of them: Litestar's own lists only the
+    methods of the first handler registered for a path (GET, not POST, for /v1/autoscale)."""
+    methods: dict[str, set[str]] = {}
+    for handler in handlers:
+        for path in handler.paths:
+            methods.setdefault(path, set()).update(handler.http_methods)
+    extra = [_options(path, ", ".join(sorted(verbs | {"OPTIONS"}))) for path, verbs in methods.items()
+             if len(verbs) > 1 and "OPTIONS" not in verbs]
+    return [*extra, *handlers]
+
+
+def _options(path: str, allow: str) -> HTTPRouteHandler:
+    def options() -> Response:
+        return Response(None, status_code=204, headers={"Allow": allow})
+
+    return route_handler(path, http_method=[HttpMethod.OPTIONS], include_in_schema=False, sync_to_thread=False,
+                 name=f"options:{path}")(options)
+
+
 # a request's own errors, then the gateway's: auth, rate limits (429), no such model (404), not ready or shed (503)
 GENERATION_ERRORS = error_responses(400, 401, 404, 413, 415, 429, 503)
 
@@ -273,8 +295,8 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         gc.unfreeze()  # let interpreter shutdown collect them (extension types report leaks otherwise)
 
     app = Litestar(
-        route_handlers=[health, ready, metrics, list_models, list_routes, autoscale, report_replicas, chat_completions,
-                        completions, *VLLM_HANDLERS, *DASHBOARD_HANDLERS],
+        route_handlers=with_options([health, ready, metrics, list_models, list_routes, autoscale, report_replicas,
+                                     chat_completions, completions, *VLLM_HANDLERS, *DASHBOARD_HANDLERS]),
         on_startup=[start_loading, start_autoscaling], on_shutdown=[stop],
         middleware=[AuthMiddleware(keyring)],
         plugins=[otel_plugin(provider)],
@@ -288,6 +310,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     )
     publish(app, [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
                   ModelList, Readiness, *VLLM_SCHEMAS])
+    bound_parameter(app, "/v1/autoscale", "replicas", cfg.autoscale.max_replicas)
     app.state.gateway = state
     app.state.on_error = telemetry.count_error
     return app

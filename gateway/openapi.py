@@ -97,6 +97,19 @@ def publish(app: Litestar, types: list[type[msgspec.Struct]]) -> None:
                     operation.responses[status].headers = {"Retry-After": RETRY_AFTER}
 
 
+def bound_parameter(app: Litestar, path: str, name: str, maximum: int) -> None:
+    """Publish a bound the configuration sets (not known when the handler is declared) on parameter `name` of
+    every operation on `path`."""
+    path_item = (app.openapi_schema.paths or {}).get(path)
+    for operation in (path_item.get, path_item.post) if path_item is not None else ():
+        for parameter in (operation.parameters or []) if operation is not None else ():
+            if getattr(parameter, "name", None) == name and isinstance(parameter.schema, Schema):
+                schema = parameter.schema
+                for option in schema.one_of or [schema]:  # an optional parameter: oneOf [integer, null]
+                    if isinstance(option, Schema) and option.type == OpenAPIType.INTEGER:
+                        option.maximum = maximum
+
+
 def _litestar_error(response: OpenAPIResponse) -> bool:
     """Whether Litestar documented this answer in its own error shape ({status_code, detail, extra})."""
     media = (response.content or {}).get("application/json")

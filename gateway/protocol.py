@@ -6,6 +6,7 @@ Request bodies are decoded strictly (`StrictJSONRequest`): JSON only, bounded ne
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -46,6 +47,7 @@ MaxTokens = Annotated[int, _within("at least 1", ge=1)]
 MinTokens = Annotated[int, _within("at least 0", ge=0)]
 TopLogprobs = Annotated[int, _within("between 0 and 20", ge=0, le=20)]
 CompletionTopLogprobs = Annotated[int, _within("between 0 and 5", ge=0, le=5)]
+TokenId = Annotated[int, _within("a token id: an integer from 0 to 2147483647", ge=0, le=2**31 - 1)]
 StopText = Annotated[str, Meta(min_length=1)]
 Stop = StopText | Annotated[list[StopText], _within("at most 4 sequences, each a non-empty string", max_length=4)]
 
@@ -147,7 +149,7 @@ class _SamplingFields(Struct, kw_only=True):
     top_k: TopK | None = None
     min_p: MinP | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], _within("at most 64 token ids", max_length=64)] | None = None
     ignore_eos: bool = False
     min_tokens: MinTokens = 0
     skip_special_tokens: bool = True
@@ -337,10 +339,64 @@ def decode_request(body: bytes, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=type_, strict=True)
     except msgspec.ValidationError as exc:
+        # JSON Schema (and so the published document) counts 2.0 as an integer: the one coercion taken
+        try:
+            relaxed = _integral_floats_as_ints(msgspec.json.decode(body))
+            if relaxed is not None:
+                return msgspec.convert(relaxed, type=type_, strict=True)
+        except msgspec.MsgspecError:
+            pass
         raise _invalid_body(exc, type_) from None
     except msgspec.DecodeError as exc:
+        where = _non_finite_number(body)
+        if where is not None:
+            raise InvalidParameter(where, f"Invalid value for {where!r}: NaN and Infinity are not JSON numbers; "
+                                   f"send a finite number", code="invalid_json") from None
         raise InvalidParameter(None, f"Could not parse the JSON body of the request: {exc}",
                                code="invalid_json") from None
+
+
+def _integral_floats_as_ints(value: Any) -> Any:
+    """`value` with every float that is a whole number (2.0) as an int, or None when it holds none."""
+    found = False
+
+    def walk(v: Any) -> Any:
+        nonlocal found
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:
+            found = True
+            return int(v)
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        return v
+
+    out = walk(value)
+    return out if found else None
+
+
+_NOT_FINITE = object()
+
+
+def _non_finite_number(body: bytes) -> str | None:
+    """Where a body that is JSON but for a NaN / Infinity literal holds one (`temperature`, `messages[0].x`),
+    or None. Only on the error path: the standard library's parser accepts those literals."""
+    try:
+        value = json.loads(body, parse_constant=lambda _: _NOT_FINITE)
+    except (ValueError, RecursionError):
+        return None
+
+    def find(v: Any, path: str) -> str | None:
+        if v is _NOT_FINITE:
+            return path or None
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, x in items:
+            hit = find(x, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else k)
+            if hit is not None:
+                return hit
+        return None
+
+    return find(value, "")
 
 
 def is_json_media_type(media_type: str) -> bool:

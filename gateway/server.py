@@ -134,6 +134,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_head, self._head_bytes = True, 0
         super().on_message_complete()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP (or a malformed head): OpenAI's error body, not plain text."""
+        self._refused = True
+        self._disarm()
+        log.info("refused a malformed request from %s: %s", self.client, msg)
+        self.transport.write(_error_bytes(400, f"The request is not valid HTTP/1.1: {msg.rstrip('.')}",
+                                          "invalid_http_request", self.server_state.default_headers))
+        self.transport.close()
+
     # ---- deadlines and refusals
     def _arm(self, delay: float, callback: Callable[[], None]) -> None:
         self._disarm()

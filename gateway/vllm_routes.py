@@ -18,7 +18,7 @@ from msgspec import Meta, Struct
 
 from gateway.errors import APIError
 from gateway.openapi import error_responses
-from gateway.prompts import INLINE_CHARS
+from gateway.prompts import INLINE_CHARS, MAX_CHARS_PER_TOKEN
 from gateway.protocol import ChatMessage, ModelCard
 from gateway.routing import Route
 from gateway.state import GatewayState
@@ -67,11 +67,25 @@ def _route(state: GatewayState, model: str | None) -> Route:
         raise APIError(503, f"The server is not ready: {state.load_error or 'models are loading'}",
                        code="not_ready", retry_after=5)
     if model is None:
-        if len(state.routes.routes) != 1:
+        if len(state.routes.routes) != 1 and not _one_tokenizer(state):
             raise APIError(400, f"Missing required parameter 'model': this server serves "
-                           f"{', '.join(state.routes.routes)}", param="model", code="missing_required_parameter")
+                           f"{', '.join(state.routes.routes)}, whose tokenizers differ", param="model",
+                           code="missing_required_parameter")
         model = next(iter(state.routes.routes))
     return state.routes.resolve(model)
+
+
+_ONE_TOKENIZER: dict[tuple[int, ...], bool] = {}
+
+
+def _one_tokenizer(state: GatewayState) -> bool:
+    """Whether every engine tokenises alike (the same tokenizer.json), so `model` may be left out, as with one
+    model in vLLM; worked out once per set of engines."""
+    engines = [e for e in state.engines.values() if getattr(e, "tokenizer", None) is not None]
+    key = tuple(id(e) for e in engines)
+    if key not in _ONE_TOKENIZER:
+        _ONE_TOKENIZER[key] = len({e.tokenizer.backend.to_str() for e in engines}) <= 1
+    return _ONE_TOKENIZER[key]
 
 
 @get("/version", sync_to_thread=False)
@@ -119,12 +133,20 @@ async def tokenize(request: Request, data: JSONBody[TokenizeRequest]) -> Tokeniz
                 raise APIError(400, f"{field} applies to 'messages' only", param=field, code="invalid_value")
         text = data.prompt or ""
         special = data.add_special_tokens is not False
+    if len(text) > engine.max_model_len * MAX_CHARS_PER_TOKEN:  # bounded before any work, as for generation
+        raise APIError(400, f"The text has {len(text)} characters, more than a context of {engine.max_model_len} "
+                       f"tokens can hold; shorten it", param="messages" if data.messages is not None else "prompt",
+                       code="context_length_exceeded")
 
     def work() -> tuple[list[int], list[str] | None]:
         ids = tokenizer.encode(text, add_special_tokens=special)
         return ids, [tokenizer.token_text(t) for t in ids] if data.return_token_strs else None
 
     ids, strs = await asyncio.to_thread(work) if len(text) > INLINE_CHARS else work()
+    if len(ids) > engine.max_model_len:  # as vLLM's /tokenize: a text the model cannot take is refused
+        raise APIError(400, f"The text is {len(ids)} tokens, more than the context of {engine.max_model_len} "
+                       f"tokens of {route.name!r}", param="messages" if data.messages is not None else "prompt",
+                       code="context_length_exceeded")
     return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
 
 

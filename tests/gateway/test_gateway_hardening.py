@@ -130,7 +130,7 @@ def test_nan_as_a_string_is_refused_naming_the_field(server, field):
 
 @pytest.mark.parametrize("fields,param", [({"max_tokens": "2"}, "max_tokens"), ({"temperature": "0.5"}, "temperature"),
                                           ({"stream": "false"}, "stream"), ({"logprobs": "true"}, "logprobs"),
-                                          ({"n": 1.0}, "n"), ({"ignore_eos": 1}, "ignore_eos")])
+                                          ({"n": 1.5}, "n"), ({"ignore_eos": 1}, "ignore_eos")])
 def test_strings_and_numbers_are_not_coerced(server, fields, param):
     err = _error(_post(server, "/v1/chat/completions", _chat(**fields)), 400)
     assert err["param"] == param and err["code"] == "invalid_value"
