@@ -130,3 +130,13 @@ def test_tokenize_past_the_context_is_a_400_before_and_after_tokenising(server):
     words = " ".join(["def"] * (max_len + 10))  # few characters a token: refused by its count
     err = _error(_post(server, "/tokenize", {"prompt": words}), 400)
     assert err["code"] == "context_length_exceeded" and str(max_len) in err["message"]
+
+
+def test_token_id_prompts_written_as_whole_floats_are_token_ids(server):
+    ids = _post(server, "/tokenize", {"prompt": "def main():"}).json()["tokens"]
+    as_ints = _post(server, "/v1/completions", _completion(prompt=ids, temperature=0))
+    as_floats = _post(server, "/v1/completions", _completion(prompt=[float(t) for t in ids], temperature=0))
+    assert as_floats.status_code == 200, as_floats.text
+    assert as_floats.json()["choices"][0]["text"] == as_ints.json()["choices"][0]["text"]
+    err = _error(_post(server, "/v1/completions", _completion(prompt=[ids[0] + 0.5])), 400)
+    assert err["param"] == "prompt"
