@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from typing import Any
 
 import msgspec
@@ -75,6 +76,9 @@ class ScaleOutOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     retries: int = 2  # replicas tried for a request whose replica died before its first byte
     access_log: bool = False  # Serve's per-request access log lines in the ingress and replicas (CPU per request)
     first_byte_timeout_s: float = 600.0
+    # the Ray actor every replica leases its API keys' limits from (default: a new one per build_app), so N
+    # replicas admit the configured requests/min and tokens/min, not N times them
+    limits_bank: str | None = None
 
     def __post_init__(self) -> None:
         if self.routing not in ("affinity", "pow2"):
@@ -146,7 +150,8 @@ def build_app(args: dict[str, Any] | ScaleOutOptions | None = None) -> Applicati
         replica_options["num_replicas"] = o.replicas
     replicas = serve.deployment(TandemReplicaDeployment).options(**replica_options).bind(
         o.config, o.overrides, torch_threads=o.torch_threads, pin_cpu=o.pin_cpu,
-        stream_interval_s=o.stream_interval_ms / 1000.0)
+        stream_interval_s=o.stream_interval_ms / 1000.0,
+        limits_bank=o.limits_bank or f"tandem-rate-limits-{uuid.uuid4().hex[:12]}")
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", num_replicas=o.ingress_replicas, max_ongoing_requests=4 * o.max_queued_requests,
         ray_actor_options={"num_cpus": o.ingress_num_cpus}, logging_config={"enable_access_log": o.access_log})

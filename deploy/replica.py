@@ -154,7 +154,7 @@ class TandemReplica:
 
     async def __init__(self, config: str | None = None, overrides: dict[str, Any] | None = None, *,
                        torch_threads: int | None = 1, pin_cpu: bool = False, ready_timeout_s: float = 600.0,
-                       stream_interval_s: float = 0.0):
+                       stream_interval_s: float = 0.0, limits_bank: str | None = None):
         self.core: tuple[int, int] | None = pin_to_free_core() if pin_cpu else None
         self.stream_interval_s = stream_interval_s
         if torch_threads:
@@ -173,6 +173,13 @@ class TandemReplica:
         self.started = time.time()
         self.served = 0
         self.chunks = 0  # body chunks streamed back (each one a Ray streaming item on every hop)
+        self._flusher: asyncio.Task | None = None
+        limiter = self.state.keyring.limiter
+        if limits_bank is not None and limiter.active:  # the deployment's one bank, not N replicas' own counts
+            from deploy.limits import RayBudgetSource, bank_actor, flush_periodically
+
+            limiter.share(RayBudgetSource(bank_actor(limits_bank)))
+            self._flusher = asyncio.create_task(flush_periodically(limiter))
         await self.lifespan.startup()
         deadline = time.monotonic() + ready_timeout_s
         while not self.state.ready:
@@ -234,6 +241,9 @@ class TandemReplica:
 
     async def shutdown(self) -> None:
         """The engines stop (what still runs ends with an engine error); the core's lock goes with the process."""
+        flusher = getattr(self, "_flusher", None)
+        if flusher is not None:
+            flusher.cancel()
         lifespan = getattr(self, "lifespan", None)
         if lifespan is not None:
             await lifespan.shutdown()

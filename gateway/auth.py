@@ -88,7 +88,7 @@ class AuthMiddleware(ASGIMiddleware):
         if scope["path"].startswith("/v1/") or scope["path"] in AUTHENTICATED_PATHS:
             key = self.keyring.identify(authorization)
             if self.keyring.limiter.active and not _UNLIMITED.match(scope["path"]):
-                self.keyring.limiter.admit(key)
+                await self.keyring.limiter.admit(key)
             state["api_key"] = key
         await next_app(scope, receive, send)
 

@@ -216,7 +216,7 @@ async def start_request(state: GatewayState, ctx: RoutingContext, span: Any,
     engine = state.engines[plan.engine]
     prompt_tokens = len(await ctx.prompt.get(engine)) if ctx.prompt.tokenize else 0  # token ids then
     if tokens is not None:  # before admission books anything: a 429 leaves nothing to undo
-        tokens.reserve(prompt_tokens + _completion_budget(state, ctx, engine, prompt_tokens))
+        await tokens.reserve(prompt_tokens + _completion_budget(state, ctx, engine, prompt_tokens))
     try:
         await _admit(state, ctx, plan, span, prompt_tokens)  # sheds with 503 + Retry-After (nothing is booked then)
         try:
@@ -540,7 +540,7 @@ async def _serve_prompt_only(request: Request, state: GatewayState, route: Route
                 raise APIError(400, f"prompt token ids must be below {vocab} for model {engine.name!r}",
                                param=prompt.param, code="invalid_value")
             if tokens is not None:
-                tokens.reserve(len(ids))
+                await tokens.reserve(len(ids))
                 tokens.settle(len(ids))
             prompt_tokens += len(ids)
             scored = await _score(engine, ids, k) if k is not None else None

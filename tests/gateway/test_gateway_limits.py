@@ -36,14 +36,14 @@ def _limiter(clock: Clock, tpm: int) -> RateLimiter:
     return RateLimiter(auth.keys(), clock=clock)
 
 
-def test_parallel_reservations_cannot_spend_more_than_the_bucket_holds():
+async def test_parallel_reservations_cannot_spend_more_than_the_bucket_holds():
     clock = Clock()
     limiter = _limiter(clock, 600)  # 10 tokens/s
     held, refused = [], []
     for _ in range(10):  # ten requests in flight at once, 110 tokens each at most
         try:
             tokens = limiter.reservation("k")
-            tokens.reserve(110)
+            await tokens.reserve(110)
             held.append(tokens)
         except APIError as exc:
             refused.append(exc)
@@ -51,10 +51,10 @@ def test_parallel_reservations_cannot_spend_more_than_the_bucket_holds():
     assert all(e.status == 429 and e.retry_after == pytest.approx(6.0) for e in refused)  # 60 missing at 10/s
     for tokens in held:
         tokens.settle(60)  # each used 60: 50 each go back
-    limiter.reservation("k").reserve(300)  # 600 - 5 x 60 = 300 left
+    await limiter.reservation("k").reserve(300)  # 600 - 5 x 60 = 300 left
 
 
-def test_lockout_never_exceeds_the_refill_time_of_real_usage():
+async def test_lockout_never_exceeds_the_refill_time_of_real_usage():
     """The issue's case: ten parallel requests of 420 tokens each on a 600/min key (7x the budget)."""
     clock = Clock()
     limiter = _limiter(clock, 600)
@@ -62,44 +62,44 @@ def test_lockout_never_exceeds_the_refill_time_of_real_usage():
     for _ in range(10):
         try:
             tokens = limiter.reservation("k")
-            tokens.reserve(420)
+            await tokens.reserve(420)
         except APIError:
             continue
         tokens.settle(420)
         used += 420
     assert used <= 600 + 420  # at most the bucket, plus one request larger than what was left
     with pytest.raises(APIError) as info:
-        limiter.reservation("k").reserve(420)
+        await limiter.reservation("k").reserve(420)
     assert info.value.retry_after <= used / 10.0  # never longer than the real usage takes to refill
     clock.now += info.value.retry_after
-    limiter.reservation("k").reserve(420)
+    await limiter.reservation("k").reserve(420)
 
 
-def test_the_unused_part_of_a_reservation_goes_back_and_settling_twice_changes_nothing():
+async def test_the_unused_part_of_a_reservation_goes_back_and_settling_twice_changes_nothing():
     clock = Clock()
     limiter = _limiter(clock, 600)
     tokens = limiter.reservation("k")
-    tokens.reserve(500)
+    await tokens.reserve(500)
     with pytest.raises(APIError):
-        limiter.reservation("k").reserve(200)
+        await limiter.reservation("k").reserve(200)
     tokens.settle(20)
     tokens.settle(20)
-    limiter.reservation("k").reserve(580)  # 600 - 20
+    await limiter.reservation("k").reserve(580)  # 600 - 20
     with pytest.raises(APIError):
-        limiter.reservation("k").reserve(10)
+        await limiter.reservation("k").reserve(10)
 
 
-def test_a_request_larger_than_the_bucket_waits_for_a_full_bucket_and_is_never_refused_for_good():
+async def test_a_request_larger_than_the_bucket_waits_for_a_full_bucket_and_is_never_refused_for_good():
     clock = Clock()
     limiter = _limiter(clock, 60)  # 1 token/s
     first = limiter.reservation("k")
-    first.reserve(90)
+    await first.reserve(90)
     first.settle(90)  # 30 tokens of debt
     with pytest.raises(APIError) as info:
-        limiter.reservation("k").reserve(90)
+        await limiter.reservation("k").reserve(90)
     assert info.value.retry_after == pytest.approx(90.0)  # back to a full bucket: the debt and 60
     clock.now += 90.0
-    limiter.reservation("k").reserve(90)
+    await limiter.reservation("k").reserve(90)
 
 
 def test_a_key_without_a_token_limit_reserves_nothing():

@@ -36,40 +36,40 @@ def _limiter(clock: Clock, **auth) -> RateLimiter:
                        clock=clock)
 
 
-def test_requests_per_minute_bucket_refuses_then_refills():
+async def test_requests_per_minute_bucket_refuses_then_refills():
     clock = Clock()
     limiter = _limiter(clock, api_keys=["k"], requests_per_minute=2)
-    limiter.admit("k")
-    limiter.admit("k")
+    await limiter.admit("k")
+    await limiter.admit("k")
     with pytest.raises(APIError) as info:
-        limiter.admit("k")
+        await limiter.admit("k")
     assert info.value.status == 429 and info.value.headers() == {"retry-after": "30"}
     clock.now += 29.0
     with pytest.raises(APIError):
-        limiter.admit("k")
+        await limiter.admit("k")
     clock.now += 1.0
-    limiter.admit("k")  # one request refilled after 30 s at 2/min
+    await limiter.admit("k")  # one request refilled after 30 s at 2/min
 
 
-def test_tokens_per_minute_settles_real_usage_and_waits_out_the_debt():
+async def test_tokens_per_minute_settles_real_usage_and_waits_out_the_debt():
     clock = Clock()
     limiter = _limiter(clock, api_keys=["k"], tokens_per_minute=60)
-    limiter.admit("k")
-    limiter.reservation("k").reserve(90)  # more than the bucket holds: taken from a full bucket
+    await limiter.admit("k")
+    await limiter.reservation("k").reserve(90)  # more than the bucket holds: taken from a full bucket
     with pytest.raises(APIError) as info:
-        limiter.reservation("k").reserve(1)
+        await limiter.reservation("k").reserve(1)
     assert info.value.retry_after == pytest.approx(31.0, abs=1e-6)  # 30 tokens of debt + 1 at 1 token/s
     assert "60 tokens per minute" in info.value.message
     clock.now += 31.5
-    limiter.reservation("k").reserve(1)
+    await limiter.reservation("k").reserve(1)
 
 
-def test_limits_apply_to_all_traffic_when_auth_is_off():
+async def test_limits_apply_to_all_traffic_when_auth_is_off():
     clock = Clock()
     limiter = _limiter(clock, requests_per_minute=1)
-    limiter.admit(ANONYMOUS)
+    await limiter.admit(ANONYMOUS)
     with pytest.raises(APIError):
-        limiter.admit(ANONYMOUS)
+        await limiter.admit(ANONYMOUS)
     assert not _limiter(clock).active
 
 
