@@ -221,7 +221,8 @@ def prompt_inputs(req: CompletionRequest) -> list[str | list[int]]:
         raise InvalidParameter("prompt", f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request")
     for i, one in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 and one is prompt else f"prompt[{i}]"
-        if isinstance(one, list) and all(isinstance(t, float) and t.is_integer() for t in one):
+        if isinstance(one, list) and one and all(isinstance(t, float) and t.is_integer()
+                                                 or isinstance(t, int) and not isinstance(t, bool) for t in one):
             one = prompts[i] = [int(t) for t in one]  # 5.0 is an integer to JSON Schema, as for every field
         if not isinstance(one, str) and not _is_token_ids(one):
             raise InvalidParameter(where, "prompt must be a string, a list of token ids, or a list of those")
