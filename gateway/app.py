@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admission import AdmissionController
+from gateway.anthropic_api import HANDLERS as ANTHROPIC_HANDLERS
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.autoscale import Autoscaler, ScaleSignals, evaluate_periodically, signals_from
 from gateway.config import TandemConfig, engine_core_args
@@ -45,6 +46,8 @@ from gateway.protocol import (
     ModelList,
     StrictJSONRequest,
 )
+from gateway.responses_api import HANDLERS as RESPONSES_HANDLERS
+from gateway.responses_store import ResponseStore
 from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.state import EngineHost, GatewayState
@@ -274,7 +277,8 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
 
     app = Litestar(
         route_handlers=[health, ready, metrics, list_models, list_routes, autoscale, report_replicas, chat_completions,
-                        completions, *VLLM_HANDLERS, *DASHBOARD_HANDLERS],
+                        completions, *RESPONSES_HANDLERS, *ANTHROPIC_HANDLERS, *VLLM_HANDLERS,
+                        *DASHBOARD_HANDLERS],
         on_startup=[start_loading, start_autoscaling], on_shutdown=[stop],
         middleware=[AuthMiddleware(keyring)],
         plugins=[otel_plugin(provider)],
@@ -289,6 +293,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     publish(app, [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
                   ModelList, Readiness, *VLLM_SCHEMAS])
     app.state.gateway = state
+    app.state.responses = ResponseStore()  # /v1/responses' stored responses (gateway/responses_store.py)
     app.state.on_error = telemetry.count_error
     return app
 
