@@ -202,9 +202,19 @@ def error_detail(err: APIError) -> dict[str, Any]:
     return {"type": kind, "message": message}
 
 
+class AnthropicErrorDetail(Struct, kw_only=True):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(Struct, kw_only=True):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
 def error_body(err: APIError) -> bytes:
     """Anthropic's error shape (the handlers' `opt`: gateway/errors.py answers their errors with it)."""
-    return encode({"type": "error", "error": error_detail(err)})
+    return encode(AnthropicErrorBody(error=AnthropicErrorDetail(**error_detail(err))))
 
 
 # ------------------------------------------------------------------------------------------- answers
@@ -309,7 +319,7 @@ class MessagesFormat:
 
 # ------------------------------------------------------------------------------------------- handlers
 
-ERRORS = error_responses(400, 401, 404, 413, 415, 429, 503)
+ERRORS = error_responses(400, 401, 404, 413, 415, 429, 503, body=AnthropicErrorBody)
 
 
 @post("/v1/messages", status_code=200, responses=ERRORS, opt={"error_body": error_body})

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admission import AdmissionController
 from gateway.anthropic_api import HANDLERS as ANTHROPIC_HANDLERS
+from gateway.anthropic_api import AnthropicErrorBody, CountTokensRequest, MessagesRequest
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.autoscale import Autoscaler, ScaleSignals, evaluate_periodically, signals_from
 from gateway.config import TandemConfig, engine_core_args
@@ -47,6 +48,7 @@ from gateway.protocol import (
     StrictJSONRequest,
 )
 from gateway.responses_api import HANDLERS as RESPONSES_HANDLERS
+from gateway.responses_api import ResponsesRequest
 from gateway.responses_store import ResponseStore
 from gateway.routes import Routes
 from gateway.slo import SLOAccounting
@@ -291,7 +293,8 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         debug=False,
     )
     publish(app, [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
-                  ModelList, Readiness, *VLLM_SCHEMAS])
+                  ModelList, Readiness, *VLLM_SCHEMAS, ResponsesRequest, MessagesRequest, CountTokensRequest],
+            error_shapes={"/v1/messages": AnthropicErrorBody})
     app.state.gateway = state
     app.state.responses = ResponseStore()  # /v1/responses' stored responses (gateway/responses_store.py)
     app.state.on_error = telemetry.count_error

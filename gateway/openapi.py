@@ -44,9 +44,9 @@ EVENT_STREAM = "text/event-stream"
 REF = "#/components/schemas/{name}"
 
 
-def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
-    """Part of a handler's `responses=`: OpenAI's error body for each of `statuses`."""
-    return {status: ResponseSpec(ErrorBody, description=ERRORS[status], generate_examples=False)
+def error_responses(*statuses: int, body: type[msgspec.Struct] = ErrorBody) -> dict[int, ResponseSpec]:
+    """Part of a handler's `responses=`: OpenAI's error body (or another API's, `body`) for each of `statuses`."""
+    return {status: ResponseSpec(body, description=ERRORS[status], generate_examples=False)
             for status in statuses}
 
 
@@ -73,16 +73,20 @@ def sse_event(chunk: type[msgspec.Struct]) -> Schema:
                                Schema(type=OpenAPIType.STRING, const="[DONE]")])})
 
 
-def publish(app: Litestar, types: list[type[msgspec.Struct]]) -> None:
+def publish(app: Litestar, types: list[type[msgspec.Struct]],
+            error_shapes: dict[str, type[msgspec.Struct]] | None = None) -> None:
     """Make the app's OpenAPI document true before it is first served: `types`, ErrorBody and every Struct they
     reach get msgspec's schema (Litestar's drops bounds on optional fields), every operation lists the statuses
-    the server answers by itself, and 429 and 503 carry Retry-After."""
+    the server answers by itself (in `error_shapes[path prefix]`'s body where another API's shape answers),
+    and 429 and 503 carry Retry-After."""
     document = app.openapi_schema  # built once and cached by Litestar: edits made now are what it serves
-    _, schemas = msgspec.json.schema_components([*types, ErrorBody], ref_template=REF)
+    shapes = error_shapes or {}
+    _, schemas = msgspec.json.schema_components([*types, ErrorBody, *shapes.values()], ref_template=REF)
     document.components.schemas.update(schemas)
-    error_body = OpenAPIMediaType(schema=Reference(REF.format(name=ErrorBody.__name__)))
-    for path_item in (document.paths or {}).values():
-        for operation in (path_item.get, path_item.post):
+    for path, path_item in (document.paths or {}).items():
+        shape = next((body for prefix, body in shapes.items() if path.startswith(prefix)), ErrorBody)
+        error_body = OpenAPIMediaType(schema=Reference(REF.format(name=shape.__name__)))
+        for operation in (path_item.get, path_item.post, path_item.delete):
             if operation is None or operation.responses is None:
                 continue
             for status, response in operation.responses.items():

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from litestar import Request, Response, delete, get, post
-from litestar.params import JSONBody
+from litestar.params import JSONBody, PathParameter
 from litestar.response import Stream
 from msgspec import Meta, Struct
 
@@ -388,7 +388,7 @@ async def create_response(request: Request, data: JSONBody[ResponsesRequest]) ->
 
 
 @get("/v1/responses/{response_id:str}", responses=error_responses(401, 404))
-async def get_response(request: Request, response_id: str) -> dict[str, Any]:
+async def get_response(request: Request, response_id: Annotated[str, PathParameter()]) -> dict[str, Any]:
     stored = _store(request).get(response_id)
     if stored is None:
         raise APIError(404, f"Response with id {response_id!r} not found (never stored, sent with store false, "
@@ -397,7 +397,7 @@ async def get_response(request: Request, response_id: str) -> dict[str, Any]:
 
 
 @delete("/v1/responses/{response_id:str}", status_code=200, responses=error_responses(401, 404))
-async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+async def delete_response(request: Request, response_id: Annotated[str, PathParameter()]) -> dict[str, Any]:
     if not _store(request).delete(response_id):
         raise APIError(404, f"Response with id {response_id!r} not found", param="response_id", code="not_found")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
