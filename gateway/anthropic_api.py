@@ -19,7 +19,7 @@ from engines.outputs import RequestOutput
 from gateway.chat_translation import OutputReader, Piece, arguments_object, refuse, serve_translated
 from gateway.errors import APIError
 from gateway.lifecycle import resolve_route
-from gateway.openapi import error_responses
+from gateway.openapi import error_responses, streaming
 from gateway.prompts import chat_prompt
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -220,6 +220,11 @@ def error_body(err: APIError) -> bytes:
 # ------------------------------------------------------------------------------------------- answers
 
 
+class MessageStreamEvent(Struct, kw_only=True):
+    """One event of a streamed message: its `type` names the event (`content_block_delta`, ...)."""
+    type: str
+
+
 def _event(kind: str, body: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + encode({"type": kind, **body}) + b"\n\n"
 
@@ -322,7 +327,8 @@ class MessagesFormat:
 ERRORS = error_responses(400, 401, 404, 413, 415, 429, 503, body=AnthropicErrorBody)
 
 
-@post("/v1/messages", status_code=200, responses=ERRORS, opt={"error_body": error_body})
+@post("/v1/messages", status_code=200, operation_class=streaming(MessageStreamEvent, typed_events=True),
+      responses=ERRORS, opt={"error_body": error_body})
 async def create_message(request: Request, data: JSONBody[MessagesRequest]) -> Response | Stream:
     """Anthropic's Messages API over the chat path (docs/api.md): system, text and tool blocks, tools,
     stop_sequences, streaming events; auth by `x-api-key` or Bearer."""

@@ -42,6 +42,7 @@ class EngineConfig(EngineOptions, forbid_unknown_fields=True, kw_only=True):
     checkpoint: str  # Hugging Face folder; relative paths are relative to the config file's folder
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every engine shares one device)
     served: bool = True  # also a model of its own (`model` = its name); false: a draft that only drafts
+    pooling: Literal["mean", "last"] = "mean"  # /v1/embeddings: the last hidden state's mean, or its last token
 
 
 class KVPoolConfig(PoolSpec, forbid_unknown_fields=True, kw_only=True):

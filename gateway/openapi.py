@@ -50,24 +50,27 @@ def error_responses(*statuses: int, body: type[msgspec.Struct] = ErrorBody) -> d
             for status in statuses}
 
 
-def streaming(chunk: type[msgspec.Struct]) -> type[Operation]:
+def streaming(chunk: type[msgspec.Struct], *, typed_events: bool = False) -> type[Operation]:
     """The operation class of an endpoint that answers SSE instead of JSON when the request says `"stream": true`:
-    its 200 lists both media types."""
+    its 200 lists both media types. `typed_events`: each event is named by its type (the Responses and Messages
+    APIs' streams), its `data` a `chunk`, errors included."""
 
     @dataclass
     class StreamingOperation(Operation):
         def __post_init__(self) -> None:
-            self.responses["200"].content[EVENT_STREAM] = OpenAPIMediaType(schema=sse_event(chunk))
+            self.responses["200"].content[EVENT_STREAM] = OpenAPIMediaType(schema=sse_event(chunk, typed_events))
 
     return StreamingOperation
 
 
-def sse_event(chunk: type[msgspec.Struct]) -> Schema:
+def sse_event(chunk: type[msgspec.Struct], typed_events: bool = False) -> Schema:
     """One event of a stream (the event schema of Open API 3.2's `itemSchema`): `data:` holds a `chunk` as JSON,
     an error body if the request fails after its first chunk, or the closing `[DONE]`."""
-    payload = Schema(one_of=[Reference(REF.format(name=chunk.__name__)), Reference(REF.format(name="ErrorBody"))])
+    payload = Reference(REF.format(name=chunk.__name__)) if typed_events else Schema(one_of=[
+        Reference(REF.format(name=chunk.__name__)), Reference(REF.format(name="ErrorBody"))])
     return Schema(type=OpenAPIType.OBJECT, required=["data"], properties={
-        "event": Schema(type=OpenAPIType.STRING, const="message"),
+        "event": Schema(type=OpenAPIType.STRING) if typed_events else Schema(type=OpenAPIType.STRING,
+                                                                             const="message"),
         "data": Schema(one_of=[Schema(type=OpenAPIType.STRING, content_media_type="application/json",
                                       content_schema=payload),
                                Schema(type=OpenAPIType.STRING, const="[DONE]")])})

@@ -17,7 +17,7 @@ from msgspec import Meta, Struct
 from engines.outputs import RequestOutput
 from gateway.chat_translation import OutputReader, Piece, convert, now, refuse, serve_translated, text_of
 from gateway.errors import APIError
-from gateway.openapi import error_responses
+from gateway.openapi import error_responses, streaming
 from gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -208,6 +208,12 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
 # ------------------------------------------------------------------------------------------- answers
 
 
+class ResponseStreamEvent(Struct, kw_only=True):
+    """One event of a streamed response: its `type` names the event (`response.output_text.delta`, ...)."""
+    type: str
+    sequence_number: int
+
+
 def _event(kind: str, seq: int, body: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + encode({"type": kind, "sequence_number": seq, **body}) \
         + b"\n\n"
@@ -363,7 +369,8 @@ def _store(request: Request) -> ResponseStore:
     return request.app.state.responses
 
 
-@post("/v1/responses", status_code=200, responses=error_responses(400, 401, 404, 413, 415, 429, 503))
+@post("/v1/responses", status_code=200, operation_class=streaming(ResponseStreamEvent, typed_events=True),
+      responses=error_responses(400, 401, 404, 413, 415, 429, 503))
 async def create_response(request: Request, data: JSONBody[ResponsesRequest]) -> Response | Stream:
     """OpenAI's Responses API over the chat path (docs/api.md): text, function tools, `text.format`
     json_schema, streaming events, `previous_response_id` from the server-side store."""

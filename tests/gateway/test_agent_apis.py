@@ -169,6 +169,14 @@ def test_responses_bad_input_is_a_4xx_naming_the_field(server, body, status, par
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
 
 
+def test_a_schema_the_grammar_cannot_compile_is_a_400_naming_text_format(server):
+    r = _post(server, "/v1/responses", {"model": "fast", "input": "x", "text": {"format": {
+        "type": "json_schema", "name": "a", "schema": {"type": "string", "pattern": "(?<=a)b"}}}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"].startswith("text.format") and "response_format" not in error["message"]
+
+
 def test_the_store_is_bounded_and_expires():
     clock = [0.0]
     store = ResponseStore(capacity=2, ttl_s=10, clock=lambda: clock[0])
