@@ -2,13 +2,14 @@
 OpenAI's Responses API through the official `openai` SDK (`client.responses.create` plain, streamed, with a
 function tool, with `text.format` json_schema, `previous_response_id`, `store: false`) and Anthropic's Messages
 API through the official `anthropic` SDK (`client.messages.create` and `.stream`, plain and with tools,
-tool_result turns, stop_sequences, count_tokens, `x-api-key`). Bad input to each is a 4xx in that API's own
-error shape. The server-side store's bound and expiry are checked without a server."""
+tool_result turns, stop_sequences, count_tokens, `x-api-key`), and `/v1/embeddings` (the engine's vectors,
+float and base64). Bad input to each is a 4xx in that API's own error shape. The server-side store's bound and expiry are checked without a server."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -290,3 +291,40 @@ def test_messages_need_a_key_and_the_sdk_raises_its_own_errors(server, claude):
     assert r.status_code == 401 and r.json()["type"] == "error"
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model="fast", max_tokens=4, messages=[{"role": "system", "content": "x"}])
+
+
+# ------------------------------------------------------------------------------------------- embeddings
+
+def test_embeddings_are_the_engines_vectors_as_floats_and_base64(oai, server):
+    import numpy as np
+    import torch
+
+    from engines.embedding import embed
+    from engines.loader import load_checkpoint
+    from engines.tokenizer import Tokenizer
+
+    small = Path(__file__).resolve().parents[2] / "models" / "tandem-tiny-s"
+    texts = ["The quick brown fox", "the sea"]
+    r = oai.embeddings.create(model="fast", input=texts)  # the SDK asks for base64 and decodes it
+    tokenizer = Tokenizer.from_pretrained(small)
+    ids = [tokenizer.encode(t) for t in texts]
+    expected = embed(load_checkpoint(small, dtype=torch.float32).model, ids, "mean")
+    got = np.array([d.embedding for d in r.data])
+    assert [d.index for d in r.data] == [0, 1] and got.shape == tuple(expected.shape)
+    assert np.allclose(got, expected.numpy(), atol=1e-4)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(i) for i in ids)
+    floats = _post(server, "/v1/embeddings", {"model": "fast", "input": ids[0], "encoding_format": "float"})
+    assert floats.status_code == 200 and floats.headers["x-tandem-model"] == "tandem-small"
+    assert np.allclose(floats.json()["data"][0]["embedding"], got[0], atol=1e-6)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "fast", "input": "x", "dimensions": 3}, "dimensions"),
+    ({"model": "fast", "input": []}, "input"),
+    ({"model": "fast", "input": ["ok", ""]}, "input[1]"),
+    ({"model": "fast", "input": [[1, 2], [10**9]]}, "input[1]"),
+    ({"model": "fast", "input": "x", "encoding_format": "int8"}, "encoding_format"),
+])
+def test_embeddings_bad_input_is_a_400_naming_the_field(server, body, param):
+    r = _post(server, "/v1/embeddings", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
