@@ -17,9 +17,11 @@ import jsonschema
 import openai
 import pytest
 from live_server import start_serve, stop  # conftest puts tests/ on the path
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config import load_config
 from gateway.responses_store import ResponseStore
-from gateway.server import free_port
+from gateway.server import ServerThread, free_port
 
 KEY = "sk-agent-apis-test"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
@@ -252,13 +254,37 @@ def test_messages_tools_give_tool_use_blocks_and_take_tool_results(claude):
     assert answer.usage.input_tokens > m.usage.input_tokens
 
 
-def test_messages_go_through_the_route_and_the_metrics(server):
+def _served(server: str, route: str) -> float:
+    """Requests the route has answered, as its e2e latency histogram counts them."""
+    text = httpx.get(server + "/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "tandem:e2e_request_latency_seconds_count" and s.labels.get("route") == route)
+
+
+def test_both_apis_go_through_the_route_and_its_metrics(server):
+    before = _served(server, "best")
     r = httpx.post(server + "/v1/messages", headers={"x-api-key": KEY}, timeout=60, json={
         "model": "best", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200 and r.headers["x-tandem-route"] == "best"
     assert r.headers["x-tandem-model"] == "tandem-large"
-    metrics = httpx.get(server + "/metrics").text
-    assert 'route="best"' in metrics
+    r = _post(server, "/v1/responses", {"model": "best", "input": "Hi", "max_output_tokens": 4, "stream": True})
+    assert r.status_code == 200 and r.headers["x-tandem-route"] == "best"
+    assert _served(server, "best") == before + 2
+
+
+def test_a_keys_request_limit_answers_429_in_each_apis_shape():
+    cfg = load_config(env={}, overrides={"kv_pool.memory_bytes": "64MiB", "auth.api_keys": [
+        {"key": KEY, "requests_per_minute": 1}]})
+    with ServerThread(cfg) as srv:
+        ok = httpx.post(srv.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60, json={
+            "model": "fast", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert ok.status_code == 200
+        limited = httpx.post(srv.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60, json={
+            "model": "fast", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
+        assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+        assert limited.json()["type"] == "error" and limited.json()["error"]["type"] == "rate_limit_error"
+        limited = _post(srv.url, "/v1/responses", {"model": "fast", "input": "Hi"})
+        assert limited.status_code == 429 and limited.json()["error"]["type"] == "rate_limit_error"
 
 
 @pytest.mark.parametrize(("body", "status", "kind", "mentions"), [
