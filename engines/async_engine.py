@@ -7,11 +7,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
+from engines.embedding import embed_async
 from engines.outputs import PositionLogprobs, RequestOutput
 from engines.sampling_params import SamplingParams
 from engines.scoring import score_async
 
 if TYPE_CHECKING:
+    import torch
+
     from engines.engine import ModelEngine
 
 
@@ -30,6 +33,7 @@ class AsyncEngine:
         self.name = engine.name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.embedding_size = engine.config.hidden_size  # /v1/embeddings' vectors (engines/embedding.py)
         self.eos_token_ids = engine.eos_token_ids
         self.generation_defaults = engine.generation_defaults
 
@@ -75,6 +79,12 @@ class AsyncEngine:
         (engines/scoring.py); raises ScoringBusy when too many wait."""
         self._core.check_alive()
         return await score_async(self._engine.model, token_ids, top_k, self.tokenizer)
+
+    async def embed(self, inputs: list[list[int]], pooling: str = "mean") -> torch.Tensor:
+        """Unit vectors of each input's last hidden state (`mean` or `last` pooling), batched with the others
+        waiting on the embedding thread beside the step loop (engines/embedding.py); EmbeddingBusy when full."""
+        self._core.check_alive()
+        return await embed_async(self._engine.model, inputs, pooling)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's KV pages are freed at the engine's next step."""

@@ -196,14 +196,15 @@ class ModelEngine:
     def _compile(self, so: StructuredOutput) -> object:
         """The constraint compiled for this engine's vocabulary (cached); RequestRejected naming its field."""
         if self.tokenizer is None:
-            raise RequestRejected(f"{so.param}: engine {self.name!r} has no tokenizer to constrain the output with")
+            raise RequestRejected(f"{so.param}: engine {self.name!r} has no tokenizer to constrain the output with",
+                                  param=so.param)
         with self._grammars_lock:  # built once, by whichever caller thread comes first
             if self.grammars is None:
                 self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         try:
             return self.grammars.compile(so)
         except InvalidConstraint as e:
-            raise RequestRejected(str(e)) from None
+            raise RequestRejected(str(e), param=e.param) from None
 
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))

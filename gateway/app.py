@@ -28,10 +28,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admission import AdmissionController
+from gateway.anthropic_api import HANDLERS as ANTHROPIC_HANDLERS
+from gateway.anthropic_api import AnthropicErrorBody, CountTokensRequest, MessagesRequest, MessageStreamEvent
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.autoscale import Autoscaler, ScaleSignals, evaluate_periodically, signals_from
 from gateway.config import TandemConfig, engine_core_args
 from gateway.dashboard import HANDLERS as DASHBOARD_HANDLERS
+from gateway.embeddings_api import HANDLERS as EMBEDDINGS_HANDLERS
+from gateway.embeddings_api import EmbeddingRequest
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.lifecycle import resolve_route, serve, serve_completion
 from gateway.openapi import bound_parameter, error_responses, publish, streaming
@@ -47,10 +51,14 @@ from gateway.protocol import (
     ModelList,
     StrictJSONRequest,
 )
+from gateway.responses_api import HANDLERS as RESPONSES_HANDLERS
+from gateway.responses_api import ResponsesRequest, ResponseStreamEvent
+from gateway.responses_store import ResponseStore
 from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.state import EngineHost, GatewayState
 from gateway.telemetry import Telemetry, build_meter_provider, build_tracer_provider, otel_plugin
+from gateway.vllm_metrics import VllmLabelView
 from gateway.vllm_routes import HANDLERS as VLLM_HANDLERS
 from gateway.vllm_routes import SCHEMAS as VLLM_SCHEMAS
 
@@ -103,7 +111,7 @@ async def ready(request: Request) -> Response:
 
 @get("/metrics", sync_to_thread=False, include_in_schema=False)
 def metrics(request: Request) -> Response:
-    return Response(generate_latest(_state(request).telemetry.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(request.app.state.metrics_source), media_type=CONTENT_TYPE_LATEST)
 
 
 @get("/v1/models", responses=error_responses(401))
@@ -296,7 +304,8 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
 
     app = Litestar(
         route_handlers=with_options([health, ready, metrics, list_models, list_routes, autoscale, report_replicas,
-                                     chat_completions, completions, *VLLM_HANDLERS, *DASHBOARD_HANDLERS]),
+                                     chat_completions, completions, *RESPONSES_HANDLERS, *ANTHROPIC_HANDLERS,
+                                     *EMBEDDINGS_HANDLERS, *VLLM_HANDLERS, *DASHBOARD_HANDLERS]),
         on_startup=[start_loading, start_autoscaling], on_shutdown=[stop],
         middleware=[AuthMiddleware(keyring)],
         plugins=[otel_plugin(provider)],
@@ -309,9 +318,15 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         debug=False,
     )
     publish(app, [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion,
-                  ModelList, Readiness, *VLLM_SCHEMAS])
+                  ModelList, Readiness, *VLLM_SCHEMAS, ResponsesRequest, MessagesRequest, CountTokensRequest,
+                  EmbeddingRequest, ResponseStreamEvent, MessageStreamEvent],
+            error_shapes={"/v1/messages": AnthropicErrorBody})
     bound_parameter(app, "/v1/autoscale", "replicas", cfg.autoscale.max_replicas)
     app.state.gateway = state
+    # under vLLM's names, vLLM's families keep vLLM's labels (route copies under their own names)
+    app.state.metrics_source = VllmLabelView(telemetry.registry, cfg.telemetry.metric_prefix) \
+        if cfg.telemetry.metric_prefix == "vllm" else telemetry.registry
+    app.state.responses = ResponseStore()  # /v1/responses' stored responses (gateway/responses_store.py)
     app.state.on_error = telemetry.count_error
     return app
 

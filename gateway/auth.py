@@ -1,4 +1,5 @@
-"""Bearer API-key authentication and per-key admission, as ASGI middleware on the `/v1` API.
+"""API-key authentication (`Authorization: Bearer`, or Anthropic's `x-api-key`) and per-key admission, as ASGI
+middleware on the `/v1` API.
 
 With no keys configured auth is off (every request is the anonymous key); `/health`, `/ready`, `/metrics`,
 `/version` and `/schema` stay open so probes and scrapers need no key (`/tokenize` and `/detokenize` need one).
@@ -39,16 +40,21 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def identify(self, authorization: str | None) -> str:
+    def identify(self, authorization: str | None, api_key: str | None = None) -> str:
+        """The key of `Authorization: Bearer <key>`, or of Anthropic's `x-api-key: <key>` when that is sent."""
         if not self.enabled:
             return ANONYMOUS
-        if not authorization:
-            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'",
+        if not authorization and not api_key:
+            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                            code="missing_api_key")
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "Malformed Authorization header: expected 'Bearer <key>'", code="invalid_api_key")
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            token = token.strip()
+            if scheme.lower() != "bearer" or not token:
+                raise APIError(401, "Malformed Authorization header: expected 'Bearer <key>'",
+                               code="invalid_api_key")
+        else:
+            token = (api_key or "").strip()
         for key in self.keys:  # constant-time comparison: no timing hints about a key's prefix
             if hmac.compare_digest(key.encode(), token.encode()):
                 return key
@@ -72,10 +78,12 @@ class AuthMiddleware(ASGIMiddleware):
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         state = scope.setdefault("state", {})
         state["arrival"] = time.monotonic()  # TTFT and E2E count from here, before the body is parsed
-        authorization = client_id = None
+        authorization = api_key = client_id = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
+            elif name == b"x-api-key":
+                api_key = value.decode("latin-1")
             elif name == b"x-request-id":
                 client_id = value
         state["request_id"] = os.urandom(16).hex()  # as random as uuid4().hex, a third of its cost
@@ -86,7 +94,7 @@ class AuthMiddleware(ASGIMiddleware):
                 raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
             state["client_request_id"] = True  # engine and admission ids then get a suffix: clients may reuse it
         if scope["path"].startswith("/v1/") or scope["path"] in AUTHENTICATED_PATHS:
-            key = self.keyring.identify(authorization)
+            key = self.keyring.identify(authorization, api_key)
             if self.keyring.limiter.active and not _UNLIMITED.match(scope["path"]):
                 await self.keyring.limiter.admit(key)
             state["api_key"] = key

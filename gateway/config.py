@@ -42,6 +42,7 @@ class EngineConfig(EngineOptions, forbid_unknown_fields=True, kw_only=True):
     checkpoint: str  # Hugging Face folder; relative paths are relative to the config file's folder
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every engine shares one device)
     served: bool = True  # also a model of its own (`model` = its name); false: a draft that only drafts
+    pooling: Literal["mean", "last"] = "mean"  # /v1/embeddings: the last hidden state's mean, or its last token
 
 
 class KVPoolConfig(PoolSpec, forbid_unknown_fields=True, kw_only=True):
@@ -192,8 +193,9 @@ class TandemConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 def read_config_file(path: str | Path | None) -> tuple[Path, dict[str, Any], Path]:
     """(the file, its parsed TOML, the folder its relative paths start from) for `path`, or the embedded default
-    when None; ConfigError for a missing file or bad TOML. The embedded default names checkpoints relative to
-    the project root; a user's file relative to itself."""
+    when None; ConfigError for a missing file or bad TOML. A file without `[engines]` overlays the embedded
+    default (its tables merged into the default's); one with `[engines]` replaces the default whole. The
+    embedded default names checkpoints relative to the project root; a user's file relative to itself."""
     file = Path(path) if path is not None else DEFAULT_CONFIG_PATH
     try:
         raw = tomllib.loads(file.read_text())
@@ -201,7 +203,30 @@ def read_config_file(path: str | Path | None) -> tuple[Path, dict[str, Any], Pat
         raise ConfigError(f"config file {file} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+    if path is not None and "engines" not in raw:  # a file that tunes the default, not one that replaces it
+        raw = _overlaid(_default_with_absolute_paths(), raw)
     return file, raw, PROJECT_ROOT if path is None else file.resolve().parent
+
+
+def _default_with_absolute_paths() -> dict[str, Any]:
+    """The embedded default's TOML with its paths (relative to the project root) made absolute."""
+    raw = tomllib.loads(DEFAULT_CONFIG_PATH.read_text())
+    for engine in raw["engines"].values():
+        engine["checkpoint"] = _resolve(PROJECT_ROOT, engine["checkpoint"])
+    for route in raw.get("routes", {}).values():
+        for table, key in (("router", "artifact"), ("cascade", "scorer")):
+            if route.get(table, {}).get(key):
+                route[table][key] = _resolve(PROJECT_ROOT, route[table][key])
+    return raw
+
+
+def _overlaid(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top`'s tables merged into `base`'s key by key (a value in `top` replaces `base`'s)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _overlaid(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
 
 
 def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
@@ -56,12 +57,20 @@ class APIError(Exception):
         return sse(self.body())
 
 
-def error_response(err: APIError, request_id: str | None = None) -> Response:
+def error_response(err: APIError, request_id: str | None = None,
+                   shape: Callable[[APIError], bytes] | None = None) -> Response:
+    """The error as JSON: OpenAI's shape, or `shape`'s (another API's, named by its handlers' `opt`)."""
     headers = err.headers()
     if request_id:
         headers["x-request-id"] = request_id
-    return Response(content=encode(err.body()), status_code=err.status, media_type="application/json",
-                    headers=headers)
+    return Response(content=shape(err) if shape else encode(err.body()), status_code=err.status,
+                    media_type="application/json", headers=headers)
+
+
+def _shape(request: Request) -> Callable[[APIError], bytes] | None:
+    """The error shape of the endpoint asked for: a handler's `opt={"error_body": ...}` (gateway/anthropic_api.py)."""
+    handler = request.scope.get("route_handler")
+    return handler.opt.get("error_body") if handler is not None else None
 
 
 def _request_id(request: Request) -> str | None:
@@ -73,7 +82,7 @@ def _respond(request: Request, err: APIError, headers: dict[str, str] | None = N
     on_error = getattr(request.app.state, "on_error", None)
     if on_error is not None:
         on_error(request.scope.get("state", {}).get("route"), err.status)
-    response = error_response(err, _request_id(request))
+    response = error_response(err, _request_id(request), _shape(request))
     response.headers.update(headers or {})
     return response
 

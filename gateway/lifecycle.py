@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,10 @@ from gateway.telemetry import add_child_span
 
 log = logging.getLogger("tandem.gateway")
 
+# another API's answer format: (request id, the answering engine's tokenizer) -> an object with Formatter's
+# opening / deltas / full / error_event / closing
+AnswerFormat = Callable[[str, Any], Any]
+
 
 def resolve_route(request: Request, state: GatewayState, model: str) -> Route:
     if not state.ready:
@@ -80,10 +84,12 @@ async def serve(request: Request, state: GatewayState, route: Route,
                 data: ChatCompletionRequest | CompletionRequest, operation: str, prompt: Prompt, *,
                 conversation: list[dict[str, Any]] | None = None, prompt_text: str | None = None,
                 prompt_token_ids: list[int] | None = None, part: int | None = None,
-                watch_client: bool = True) -> Response | Stream:
+                watch_client: bool = True, answer_format: AnswerFormat | None = None) -> Response | Stream:
     """Admit, start and answer one parsed request on `route` (the handlers' common path). From admission to the
     answer the client is watched: if it leaves, the wait is cancelled and every engine request is aborted.
-    `part`: the prompt's index in a completion of several prompts (whose caller watches the client)."""
+    `part`: the prompt's index in a completion of several prompts (whose caller watches the client);
+    `answer_format`: another API's answer (gateway/responses_api.py, gateway/anthropic_api.py) instead of
+    OpenAI chat's, made from the request id and the answering engine's tokenizer."""
     scope_state = request.scope["state"]
     arrival = scope_state.get("arrival") or time.monotonic()
     request_id = _engine_request_id(scope_state, part)
@@ -111,7 +117,7 @@ async def serve(request: Request, state: GatewayState, route: Route,
     ctx = RoutingContext(request_id=request_id, route=route, params=params, prompt=prompt,
                          conversation=conversation, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
                          ledger=state.admission if state.admission is not None else NO_LEDGER)
-    answer = _Answer(scope_state["request_id"], (part or 0) * params.n)
+    answer = _Answer(scope_state["request_id"], (part or 0) * params.n, answer_format)
     if not watch_client:
         return await _answer(state, ctx, data, operation, span, arrival, tokens, answer)
     watch = ClientWatch(request.receive)  # the body is read: from here a client that leaves cancels the request
@@ -132,6 +138,7 @@ class _Answer:
 
     request_id: str
     index_base: int = 0
+    answer_format: AnswerFormat | None = None
 
 
 def _prompt_logprobs_k(data: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -173,9 +180,9 @@ async def _answer(state: GatewayState, ctx: RoutingContext, data: ChatCompletion
         response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + answer.request_id
         k = _prompt_logprobs_k(data)
         prompt_lps = None if k is None or first.error else await _score(run.engine, first.prompt_token_ids, k)
-        fmt = Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
-                        params.logprobs, ctx.prompt_text, index_base=answer.index_base,
-                        prompt_logprobs=prompt_lps)
+        fmt = answer.answer_format(answer.request_id, run.engine.tokenizer) if answer.answer_format else \
+            Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
+                      params.logprobs, ctx.prompt_text, index_base=answer.index_base, prompt_logprobs=prompt_lps)
     except BaseException as exc:
         dropped = isinstance(exc, APIError) and exc.code == ErrorCode.TTFT_EXPIRED
         if dropped:  # dropped late by the engine: a shed
@@ -287,7 +294,7 @@ async def _first_output(run: RoutedRun, ctx: RoutingContext) -> RequestOutput:
     try:
         first = await anext(run.outputs)
     except (RequestRejected, EngineDeadError) as exc:
-        param = getattr(exc, "param", None)
+        param = getattr(exc, "param", None)  # a constraint's field (a structured output's 400 names it)
         if exc.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and await ctx.prompt.fits(run.engine):
             param = "max_tokens"  # the prompt alone fits: max_tokens on top of it does not
         raise engine_api_error(exc.code, str(exc), param=param) from None
@@ -377,8 +384,8 @@ async def _stream_events(first: RequestOutput, run: RoutedRun, progress: Progres
                              code="internal_error")
         if error is not None:
             finish.state.telemetry.count_error(finish.route.name, error.status)
-            pending.append(error.sse_event())
-        pending.append(SSE_DONE)
+            pending.append(fmt.error_event(error))
+        pending.append(fmt.closing())
         yield b"".join(pending)
     finally:
         finish.close()

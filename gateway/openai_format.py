@@ -9,6 +9,7 @@ from typing import Any
 
 from engines.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from gateway.protocol import (
+    SSE_DONE,
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -60,12 +61,7 @@ class Formatter:
     def _parser(self, index: int | None = None) -> Any:
         if index is not None and index in self.parsers:
             return self.parsers[index]
-        if self.tool_mode == "named":
-            parser = NamedCallParser(self.data.tool_choice.function.name)
-        elif self.tool_mode == "required":
-            parser = RequiredCallsParser()
-        else:
-            parser = PARSERS["hermes"]()
+        parser = tool_parser(self.data, self.tool_mode)
         if index is not None:
             self.parsers[index] = parser
         return parser
@@ -144,6 +140,13 @@ class Formatter:
             if c.finished:
                 self.finished.add(c.index)
         return events
+
+    def error_event(self, error: Any) -> bytes:
+        """The event a stream sends when it fails after its first chunk (an APIError's body)."""
+        return error.sse_event()
+
+    def closing(self) -> bytes:
+        return SSE_DONE
 
     def usage_chunk(self, out: RequestOutput) -> bytes:
         if self.chat:
@@ -266,6 +269,15 @@ def tool_mode(data: ChatCompletionRequest) -> str | None:
     if isinstance(data.tool_choice, NamedToolChoice):
         return "named"
     return "required" if data.tool_choice == "required" else "auto"
+
+
+def tool_parser(data: ChatCompletionRequest, mode: str | None) -> Any:
+    """The parser reading tool calls out of the model's text in tool mode `mode` (gateway/tool_parsers.py)."""
+    if mode == "named":
+        return NamedCallParser(data.tool_choice.function.name)
+    if mode == "required":
+        return RequiredCallsParser()
+    return PARSERS["hermes"]()
 
 
 def _joined(first: CompletionLogprobs | None, second: CompletionLogprobs | None) -> CompletionLogprobs | None:

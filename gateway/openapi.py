@@ -44,45 +44,52 @@ EVENT_STREAM = "text/event-stream"
 REF = "#/components/schemas/{name}"
 
 
-def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
-    """Part of a handler's `responses=`: OpenAI's error body for each of `statuses`."""
-    return {status: ResponseSpec(ErrorBody, description=ERRORS[status], generate_examples=False)
+def error_responses(*statuses: int, body: type[msgspec.Struct] = ErrorBody) -> dict[int, ResponseSpec]:
+    """Part of a handler's `responses=`: OpenAI's error body (or another API's, `body`) for each of `statuses`."""
+    return {status: ResponseSpec(body, description=ERRORS[status], generate_examples=False)
             for status in statuses}
 
 
-def streaming(chunk: type[msgspec.Struct]) -> type[Operation]:
+def streaming(chunk: type[msgspec.Struct], *, typed_events: bool = False) -> type[Operation]:
     """The operation class of an endpoint that answers SSE instead of JSON when the request says `"stream": true`:
-    its 200 lists both media types."""
+    its 200 lists both media types. `typed_events`: each event is named by its type (the Responses and Messages
+    APIs' streams), its `data` a `chunk`, errors included."""
 
     @dataclass
     class StreamingOperation(Operation):
         def __post_init__(self) -> None:
-            self.responses["200"].content[EVENT_STREAM] = OpenAPIMediaType(schema=sse_event(chunk))
+            self.responses["200"].content[EVENT_STREAM] = OpenAPIMediaType(schema=sse_event(chunk, typed_events))
 
     return StreamingOperation
 
 
-def sse_event(chunk: type[msgspec.Struct]) -> Schema:
+def sse_event(chunk: type[msgspec.Struct], typed_events: bool = False) -> Schema:
     """One event of a stream (the event schema of Open API 3.2's `itemSchema`): `data:` holds a `chunk` as JSON,
     an error body if the request fails after its first chunk, or the closing `[DONE]`."""
-    payload = Schema(one_of=[Reference(REF.format(name=chunk.__name__)), Reference(REF.format(name="ErrorBody"))])
+    payload = Reference(REF.format(name=chunk.__name__)) if typed_events else Schema(one_of=[
+        Reference(REF.format(name=chunk.__name__)), Reference(REF.format(name="ErrorBody"))])
     return Schema(type=OpenAPIType.OBJECT, required=["data"], properties={
-        "event": Schema(type=OpenAPIType.STRING, const="message"),
+        "event": Schema(type=OpenAPIType.STRING) if typed_events else Schema(type=OpenAPIType.STRING,
+                                                                             const="message"),
         "data": Schema(one_of=[Schema(type=OpenAPIType.STRING, content_media_type="application/json",
                                       content_schema=payload),
                                Schema(type=OpenAPIType.STRING, const="[DONE]")])})
 
 
-def publish(app: Litestar, types: list[type[msgspec.Struct]]) -> None:
+def publish(app: Litestar, types: list[type[msgspec.Struct]],
+            error_shapes: dict[str, type[msgspec.Struct]] | None = None) -> None:
     """Make the app's OpenAPI document true before it is first served: `types`, ErrorBody and every Struct they
     reach get msgspec's schema (Litestar's drops bounds on optional fields), every operation lists the statuses
-    the server answers by itself, and 429 and 503 carry Retry-After."""
+    the server answers by itself (in `error_shapes[path prefix]`'s body where another API's shape answers),
+    and 429 and 503 carry Retry-After."""
     document = app.openapi_schema  # built once and cached by Litestar: edits made now are what it serves
-    _, schemas = msgspec.json.schema_components([*types, ErrorBody], ref_template=REF)
+    shapes = error_shapes or {}
+    _, schemas = msgspec.json.schema_components([*types, ErrorBody, *shapes.values()], ref_template=REF)
     document.components.schemas.update(schemas)
-    error_body = OpenAPIMediaType(schema=Reference(REF.format(name=ErrorBody.__name__)))
-    for path_item in (document.paths or {}).values():
-        for operation in (path_item.get, path_item.post):
+    for path, path_item in (document.paths or {}).items():
+        shape = next((body for prefix, body in shapes.items() if path.startswith(prefix)), ErrorBody)
+        error_body = OpenAPIMediaType(schema=Reference(REF.format(name=shape.__name__)))
+        for operation in (path_item.get, path_item.post, path_item.delete):
             if operation is None or operation.responses is None:
                 continue
             for status, response in operation.responses.items():

@@ -327,6 +327,11 @@ def _invalid_body(exc: msgspec.ValidationError, type_: Any) -> InvalidParameter:
     if missing:
         param = f"{where}.{missing.group(1)}" if where else missing.group(1)
         return InvalidParameter(param, f"Missing required parameter {param!r}", code="missing_required_parameter")
+    unknown = re.fullmatch(r"Object contains unknown field `(.+?)`", message)
+    if unknown:  # a field this endpoint does not implement: refused, named
+        param = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        return InvalidParameter(param, f"Unknown parameter {param!r}: this server does not implement it",
+                                code="unknown_parameter")
     if where is None:
         return InvalidParameter(None, f"Invalid request body: {message}")
     hint = _allowed(type_, where)

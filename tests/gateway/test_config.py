@@ -43,6 +43,26 @@ def test_toml_file_paths_resolve_relative_to_the_file(tmp_path: Path):
     assert cfg.kv_pool.memory_bytes == int(1.5 * 2**30)
 
 
+def test_a_file_without_engines_overlays_the_embedded_default(tmp_path: Path):
+    """A vLLM user's one-line file ([telemetry] metric_prefix = "vllm") tunes the default instead of failing
+    "engines is empty"; its tables merge key by key, the default's paths still resolve to the project's models."""
+    file = tmp_path / "t.toml"
+    file.write_text('[telemetry]\nmetric_prefix = "vllm"\n[routes.fast]\nmax_tokens = 64\n')
+    cfg = load_config(file, env={})
+    default = load_config(env={})
+    assert cfg.telemetry.metric_prefix == "vllm" and default.telemetry.metric_prefix == "tandem"
+    assert cfg.telemetry.service_name == default.telemetry.service_name  # the rest of the table kept
+    assert list(cfg.engines) == list(default.engines) and set(cfg.routes) == set(default.routes)
+    assert cfg.engines["tandem-small"].checkpoint == str(PROJECT_ROOT / "models" / "tandem-tiny-s")
+    assert cfg.routes["auto"].router.artifact == default.routes["auto"].router.artifact
+    assert cfg.routes["fast"].max_tokens == 64 and cfg.routes["fast"].slo == default.routes["fast"].slo
+    assert str(file) in cfg.source
+    # a file that names engines replaces the default's engines and routes whole
+    file.write_text('[telemetry]\nmetric_prefix = "vllm"\n[engines.only]\ncheckpoint = "/abs/only"\n')
+    cfg = load_config(file, env={})
+    assert list(cfg.engines) == ["only"] and cfg.routes == {}
+
+
 def test_env_overrides_shortcuts_and_nested_keys_with_dashes():
     cfg = load_config(env={"TANDEM_API_KEYS": "k1, k2", "TANDEM_PORT": "9001",
                            "TANDEM_ENGINES__TANDEM_SMALL__DTYPE": "bfloat16",

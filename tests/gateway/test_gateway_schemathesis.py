@@ -30,6 +30,9 @@ KEY = "sk-schemathesis-0001"
 MAX_TOKENS = 4  # generation is not what is under test here: keep every request to a few tokens
 MODELS = ["auto", "cascade", "fast", "best", "tandem-small", "tandem-large", "no-such-model"]
 EXAMPLES = {"/v1/chat/completions": 400, "/v1/completions": 400}  # per mode; other operations get 10
+# the generating operations and the field that caps their tokens
+GENERATING = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens", "/v1/responses": "max_output_tokens",
+              "/v1/messages": "max_tokens"}
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
 
 
@@ -48,7 +51,8 @@ def api_schema(server):
 @schemathesis.hook
 def before_load_schema(ctx, raw_schema: dict) -> None:
     """Mostly the names this server serves: a random string would only ever reach the 404."""
-    for request in ("ChatCompletionRequest", "CompletionRequest"):
+    for request in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest",
+                    "CountTokensRequest", "EmbeddingRequest"):
         raw_schema["components"]["schemas"][request]["properties"]["model"] = {"enum": MODELS}
 
 
@@ -56,13 +60,13 @@ def before_load_schema(ctx, raw_schema: dict) -> None:
 def map_body(ctx, body):
     """At most MAX_TOKENS generated tokens per choice (no max_tokens means up to the context): a bound on the
     test's time, not a workaround (integers written as 2.0 are served as JSON Schema says)."""
-    if not isinstance(body, dict) or ctx.operation is None or not ctx.operation.path.endswith("completions"):
+    if not isinstance(body, dict) or ctx.operation is None or ctx.operation.path not in GENERATING:
         return body
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(field), int | float) and not isinstance(body[field], bool) and body[field] > MAX_TOKENS:
             body[field] = MAX_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = MAX_TOKENS
+    if not any(body.get(field) is not None for field in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
+        body[GENERATING[ctx.operation.path]] = MAX_TOKENS
     return body
 
 

@@ -143,6 +143,16 @@ def test_vllm_prefix_exports_everything_the_official_vllm_dashboard_queries(vllm
                  "vllm:request_max_num_generation_tokens_sum", "vllm:request_prompt_tokens_bucket",
                  "vllm:e2e_request_latency_seconds_count", "vllm:generation_tokens_total"):
         assert _total(exported, name, model_name="tandem-small") > 0, name
+    # vLLM's label set on vLLM's families (one line per model on its panels); by route under their own names
+    assert not [name for name in VLLM_DASHBOARD_METRICS if any("route" in s.labels for s in exported[name])]
+    counts = [s.labels["model_name"] for s in exported["vllm:e2e_request_latency_seconds_count"]]
+    assert sorted(counts) == sorted(set(counts))
+    for name in ("vllm:e2e_request_latency_seconds_count", "vllm:request_success_total",
+                 "vllm:request_prompt_tokens_count"):
+        by_route = name.replace("vllm:", "vllm:route_", 1)
+        assert _total(exported, name, model_name="tandem-small") == _total(exported, by_route,
+                                                                           model_name="tandem-small") > 0, name
+    assert _total(exported, "vllm:route_e2e_request_latency_seconds_count", route="best") == 2
     # vLLM's token buckets: the 1-2-5 series up to the engine's max_model_len
     max_len = vllm_server.app.state.gateway.engines["tandem-small"].max_model_len
     bounds = sorted({float(s.labels["le"]) for s in exported["vllm:request_prompt_tokens_bucket"]

@@ -1,0 +1,70 @@
+"""Embeddings from the last hidden state (engines/embedding.py) against transformers' own model class on the
+embedded small checkpoint: mean and last-token pooling of its final hidden states, normalised; a varlen batch
+gives each input what it gets alone; requests waiting together are embedded in one batch."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.embedding import embed, embed_async
+from engines.loader import load_checkpoint
+from engines.tokenizer import Tokenizer
+
+SMALL = Path(__file__).resolve().parents[2] / "models" / "tandem-tiny-s"
+TEXTS = ["The quick brown fox", "def read_config(path):", "Once upon a time there was a sea"]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_checkpoint(SMALL, dtype=torch.float32).model
+
+
+@pytest.fixture(scope="module")
+def ids():
+    tokenizer = Tokenizer.from_pretrained(SMALL)
+    return [tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_vectors_are_transformers_last_hidden_state_pooled_and_normalised(model, ids, pooling):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(SMALL, dtype=torch.float32).eval()
+    ours = embed(model, ids, pooling)
+    assert ours.shape == (len(ids), hf.config.hidden_size)
+    for i, one in enumerate(ids):
+        with torch.no_grad():
+            hidden = hf(torch.tensor([one]), output_hidden_states=True).hidden_states[-1][0]  # after the norm
+        pooled = hidden.mean(0) if pooling == "mean" else hidden[-1]
+        theirs = pooled / pooled.norm()
+        assert torch.allclose(ours[i], theirs, atol=1e-4), (i, (ours[i] - theirs).abs().max())
+    assert torch.allclose(ours.norm(dim=-1), torch.ones(len(ids)), atol=1e-5)
+    assert (ours[0] @ ours[1]).item() < 0.9999  # different texts, different vectors
+
+
+def test_a_batch_gives_each_input_what_it_gets_alone(model, ids):
+    together = embed(model, ids)
+    for i, one in enumerate(ids):
+        assert torch.allclose(together[i], embed(model, [one])[0], atol=1e-5)
+
+
+def test_requests_waiting_together_are_answered_each_with_its_own(model, ids):
+    async def main():
+        return await asyncio.gather(*(embed_async(model, [one]) for one in ids), embed_async(model, ids))
+
+    *singles, batch = asyncio.run(main())
+    for i, single in enumerate(singles):
+        assert single.shape == (1, batch.shape[1]) and torch.allclose(single[0], batch[i], atol=1e-5)
+
+
+def test_bad_pooling_and_empty_inputs_are_refused(model):
+    with pytest.raises(ValueError, match="pooling"):
+        embed(model, [[1, 2]], "cls")
+    with pytest.raises(ValueError, match="at least one token"):
+        embed(model, [[1], []])
