@@ -41,7 +41,6 @@ from gateway.protocol import (
     Completion,
     CompletionRequest,
     ErrorBody,
-    ModelCard,
     ModelList,
     StrictJSONRequest,
 )
@@ -51,6 +50,7 @@ from gateway.state import EngineHost, GatewayState
 from gateway.telemetry import Telemetry, build_meter_provider, build_tracer_provider, otel_plugin
 from gateway.vllm_routes import HANDLERS as VLLM_HANDLERS
 from gateway.vllm_routes import SCHEMAS as VLLM_SCHEMAS
+from gateway.vllm_routes import model_card
 
 log = logging.getLogger("tandem.gateway")
 
@@ -107,13 +107,7 @@ def metrics(request: Request) -> Response:
 @get("/v1/models", responses=error_responses(401))
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
-    cards = []
-    for name, route in state.routes.routes.items():
-        lens = [getattr(state.engines.get(e), "max_model_len", None) for e in route.config.engines]
-        cards.append(ModelCard(id=name, created=state.created, owned_by="tandem",
-                               kind="engine" if route.direct else "route",
-                               max_model_len=min(lens) if lens and None not in lens else None))
-    return ModelList(data=cards)
+    return ModelList(data=[model_card(state, route) for route in state.routes.routes.values()])
 
 
 @get("/v1/routes", responses=error_responses(401))
