@@ -25,6 +25,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engines.model_config import CheckpointError
 from gateway.admission import AdmissionController
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.autoscale import Autoscaler, ScaleSignals, evaluate_periodically, signals_from
@@ -244,7 +245,10 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
                 log.info("engines ready: %s", ", ".join(state.engines))
             except Exception as exc:
                 state.load_error = f"engine start-up failed: {type(exc).__name__}: {exc}"
-                log.exception("engine start-up failed")
+                if isinstance(exc, CheckpointError):  # a file that cannot load: the message says it all
+                    log.error("engine start-up failed: %s", exc)
+                else:
+                    log.exception("engine start-up failed")
                 if on_load_error is not None:
                     on_load_error(state.load_error)
         loading.append(asyncio.create_task(run()))

@@ -542,6 +542,13 @@ def check_checkpoints(cfg: TandemConfig) -> None:
             if not folder.is_file():
                 raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint = {engine.checkpoint!r}: GGUF file "
                                   "does not exist")
+            from engines.formats.gguf import check
+            from engines.model_config import CheckpointError
+
+            try:  # the header only: a damaged file or a type tandem cannot load fails before anything loads
+                check(folder)
+            except CheckpointError as e:
+                raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
             continue
         if not (folder / "config.json").is_file():
             reason = "does not exist" if not folder.exists() else "has no config.json"

@@ -84,7 +84,7 @@ def model_card(state: GatewayState, route: Route) -> ModelCard:
     lens = [getattr(state.engines.get(e), "max_model_len", None) for e in route.config.engines]
     loaded = []
     for e in route.config.engines:
-        info = getattr(getattr(state.engines.get(e), "model", None), "load_info", None)
+        info = getattr(state.engines.get(e), "load_info", None)
         if isinstance(info, dict):
             loaded.append(LoadedWeights(engine=e, **{k: info[k] for k in LoadedWeights.__struct_fields__
                                                      if k != "engine"}))
