@@ -88,6 +88,10 @@ def _can_dequantize(gguf: Any, qtype: Any) -> bool:
 def hf_config(reader: Any, path: Path) -> dict[str, Any]:
     """The config.json a Hugging Face checkpoint of this file would have."""
     arch = field(reader, "general.architecture")
+    parts = field(reader, "split.count")
+    if parts is not None and int(parts) > 1:
+        raise CheckpointError(f"{path}: one part of a GGUF split into {int(parts)} files; merge them into one first "
+                              "(llama.cpp: llama-gguf-split --merge FIRST_PART OUT.gguf)")
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                               f"{', '.join(ARCHITECTURES)}")

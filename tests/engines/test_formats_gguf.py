@@ -193,3 +193,33 @@ def test_serve_truncated_gguf_is_one_line_without_traceback(ggufs, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"engines.{bad}.checkpoint: {bad}: not a readable GGUF file" in lines[0]
+
+
+def test_unsupported_architecture_and_split_files_are_one_line(tmp_path):
+    import gguf
+
+    def header_only(name: str, arch: str, **extra) -> Path:
+        w = gguf.GGUFWriter(str(tmp_path / name), arch)
+        for key, value in extra.items():
+            w.add_uint32(key, value)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / name
+
+    assert _one_line_error(header_only("mamba.gguf", "mamba")) == (
+        f"{tmp_path / 'mamba.gguf'}: GGUF architecture 'mamba' is not supported; supported: llama, qwen2, qwen3")
+    assert "one part of a GGUF split into 3 files" in _one_line_error(
+        header_only("part.gguf", "llama", **{"split.count": 3}))
+
+
+def test_gguf_draft_drafts_for_a_gguf_target(ggufs):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    alone = LLM(ggufs("llama", "F16"), max_model_len=256).generate(prompts, params)
+    llm = LLM(ggufs("llama", "F16"), draft_model=ggufs("qwen2", "Q4_0"), num_speculative_tokens=3,
+              max_model_len=256)
+    drafted = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in alone]
+    assert llm.core.engines["default-draft"].model.load_info["format"] == "gguf"
