@@ -50,8 +50,10 @@ def load_model(spec: EngineSpec, device: torch.device) -> LoadedModel:
         tokenizer = Tokenizer.from_pretrained(source.path)
         eos = set(ckpt.eos_token_ids) | set(tokenizer.eos_token_ids)
         generation = ckpt.generation
-        quant = getattr(ckpt, "quantization", None) or spec.quantization
-        model = cpu_weight_layout(_quantize(ckpt.model, spec) if quant == spec.quantization else ckpt.model)
+        quant = ckpt.quantization or spec.quantization  # a pre-quantised checkpoint says what it loaded as
+        if ckpt.quantization and spec.quantization != "none":
+            quant += f"; floats quantised at load: {spec.quantization}"
+        model = cpu_weight_layout(_quantize(ckpt.model, spec))
     info = describe(model, source.describe(), source.format, quant)
     info["path"] = str(source.path)
     log.info("engine %s: loaded %s (%s, quantization %s): %s weight bytes, context %d tokens", spec.name,

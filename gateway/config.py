@@ -523,6 +523,24 @@ def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], PoolSpec, str]:
     return specs, cfg.kv_pool, device  # memory_bytes was parsed to an int at load
 
 
+def _check_quantization_config(cfg: TandemConfig, name: str, folder: Path) -> None:
+    """A pre-quantised checkpoint's scheme that tandem does not load fails before anything loads."""
+    import json
+
+    from engines.formats.prequant import Scheme, quantization_config
+    from engines.model_config import CheckpointError
+
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+        qc = quantization_config(folder, raw if isinstance(raw, dict) else {})
+        if qc is not None:
+            Scheme(qc, str(folder / "config.json"))
+    except json.JSONDecodeError:
+        return  # the loader names the file and the problem
+    except CheckpointError as e:
+        raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
+
+
 def check_checkpoints(cfg: TandemConfig) -> None:
     """Fail before loading anything when an engine's checkpoint or a router route's artifact is missing."""
     from engines.formats.hub import is_hub_id
@@ -534,9 +552,10 @@ def check_checkpoints(cfg: TandemConfig) -> None:
             from engines.model_config import CheckpointError
 
             try:  # downloads now (with a progress bar), before anything loads; cached for the engine's load
-                download(engine.checkpoint, engine.revision)
+                snapshot, _ = download(engine.checkpoint, engine.revision)
             except CheckpointError as e:
                 raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
+            _check_quantization_config(cfg, name, snapshot)
             continue
         if folder.suffix.lower() == ".gguf":
             if not folder.is_file():
@@ -550,6 +569,8 @@ def check_checkpoints(cfg: TandemConfig) -> None:
             except CheckpointError as e:
                 raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
             continue
+        if (folder / "config.json").is_file():
+            _check_quantization_config(cfg, name, folder)
         if not (folder / "config.json").is_file():
             reason = "does not exist" if not folder.exists() else "has no config.json"
             raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint = {engine.checkpoint!r} {reason}; "
