@@ -114,10 +114,16 @@ def test_weights_equal_the_formats_dequantisation_and_logits_match(made, kind, t
         assert got == seq[len(PROMPT):]
 
 
-def test_4bit_weights_take_no_more_memory_than_the_file(made):
-    folder = made("gptq-sym")
-    info = LLM(folder, max_model_len=64).engine.model.load_info
-    assert info["weight_bytes"] <= (folder / "model.safetensors").stat().st_size
+@pytest.mark.parametrize("kind", ["gptq-sym", "awq-gemm", "ct-w4a16"])
+def test_4bit_weights_take_the_files_memory(made, kind, tiny_checkpoint):
+    """Packed weights and scales as stored, never widened; the zero points one byte per group (files pack them
+    8 to an int32, or store none when symmetric): at most that much over the file."""
+    folder = made(kind)
+    model = LLM(folder, max_model_len=64).engine.model
+    zero_bytes = sum(m.zero.numel() for m in model.modules() if isinstance(m, QuantLinear))
+    assert model.load_info["weight_bytes"] <= (folder / "model.safetensors").stat().st_size + zero_bytes
+    float_file = tiny_checkpoint("llama", **GEOMETRY) / "model.safetensors"
+    assert model.load_info["weight_bytes"] < 0.35 * float_file.stat().st_size
 
 
 def test_quantize_config_json_is_read_too(made, tmp_path):
