@@ -57,10 +57,29 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def spm_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary of `size` (tokens, scores, GGUF token types): <unk>, <s>, </s>, the 256
+    byte-fallback tokens, then pieces (with U+2581 for spaces) of a BPE trained with the tokenizers library,
+    scored by merge rank, as llama.cpp's converter writes a Llama 2 tokenizer."""
+    from tokenizers import SentencePieceBPETokenizer
+    from tiny_checkpoints import _CORPUS
+
+    trainer = SentencePieceBPETokenizer()
+    ascii_text = ["".join(c for c in line if ord(c) < 128) for line in _CORPUS]
+    trainer.train_from_iterator(ascii_text, vocab_size=size, min_frequency=1, show_progress=False)
+    pieces = [t for t, _ in sorted(trainer.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [p for p in pieces if p not in tokens][:size - len(tokens)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
+    return tokens, scores, types
+
+
 def write_gguf(folder: Path, out: Path, linear_type: str = "F32", embed_type: str = "F32",
-               chat_template: str | None = None, name: str = "tiny") -> Path:
+               chat_template: str | None = None, name: str = "tiny", tokenizer: str = "gpt2") -> Path:
     """The checkpoint in `folder` as one GGUF file: 2-D weights in `linear_type` (F32, F16, Q8_0, Q4_0,
-    Q4_K...), the embedding table in `embed_type`, norms and biases in F32."""
+    Q4_K...), the embedding table in `embed_type`, norms and biases in F32; `tokenizer` gpt2 (the folder's
+    byte-level BPE) or spm (`spm_vocab`, no merges: they come from the scores)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -81,20 +100,30 @@ def write_gguf(folder: Path, out: Path, linear_type: str = "F32", embed_type: st
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    vocab = dict(tok["model"]["vocab"])
-    special = {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
-    vocab.update(special)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_add_bos_token(False)
+    if tokenizer == "spm":
+        tokens, scores, types = spm_vocab(cfg["vocab_size"])
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+    else:
+        tok = json.loads((folder / "tokenizer.json").read_text())
+        vocab = dict(tok["model"]["vocab"])
+        special = {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
+        vocab.update(special)
+        tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in special else 1 for t in tokens])
+        w.add_token_merges(merges)
+        w.add_bos_token_id(cfg["bos_token_id"])
+        w.add_eos_token_id(cfg["eos_token_id"])
+        w.add_add_bos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for hf, t in state.items():

@@ -51,7 +51,9 @@ def tokenizer_from_gguf(reader: Any, path: Path) -> Tokenizer:
         unk = field(reader, "tokenizer.ggml.unknown_token_id")
         backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, unk_token=tokens[unk] if unk is not None else None,
                                                   fuse_unk=True, byte_fallback=True))
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        prefix = field(reader, "tokenizer.ggml.add_space_prefix", True)
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                         prepend_scheme="first" if prefix else "never")
         backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                              decoders.Fuse(), decoders.Strip(content=" ", left=1)])
     else:
@@ -77,12 +79,13 @@ def tokenizer_from_gguf(reader: Any, path: Path) -> Tokenizer:
 
 def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
     """SentencePiece files carry scores, not merges: every split of a token into two tokens is a merge, ranked
-    by the merged token's score (best first)."""
+    by the merged token's score (best first), ties by the longer left then right piece, then token order (the
+    ranking transformers' GGUF loader gives the same vocabulary)."""
     ranked = []
     for token, i in vocab.items():
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[i], vocab[left], vocab[right], left, right))
-    ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+        local = [(token[:cut], token[cut:]) for cut in range(1, len(token))
+                 if token[:cut] in vocab and token[cut:] in vocab]
+        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        ranked.extend((scores[i], left, right) for left, right in local)
+    ranked.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in ranked]

@@ -223,3 +223,21 @@ def test_gguf_draft_drafts_for_a_gguf_target(ggufs):
     drafted = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in alone]
     assert llm.core.engines["default-draft"].model.load_info["format"] == "gguf"
+
+
+def test_sentencepiece_tokenizer_from_scores_equals_transformers(tiny_checkpoint, tmp_path):
+    import transformers
+
+    path = write_gguf(tiny_checkpoint("llama", **GEOMETRY), tmp_path / "spm.gguf", "F16", tokenizer="spm")
+    llm = LLM(path, max_model_len=64)
+    tok = llm.tokenizer
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["The quick brown fox jumps", "def read_config(path):\n    return json.load(f)",
+                 "Ünïcödé 你好 🙂 bytes", "  two leading spaces", "print(i * 2, 'even')"]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert tok.encode("hi", add_special_tokens=True)[0] == 1 == tok.bos_token_id  # add_bos_token default
+    assert tok.eos_token_ids == {2}
+    out = llm.generate("The quick brown", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and isinstance(out.outputs[0].text, str)
