@@ -61,8 +61,8 @@ def spm_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
     """A SentencePiece-style vocabulary of `size` (tokens, scores, GGUF token types): <unk>, <s>, </s>, the 256
     byte-fallback tokens, then pieces (with U+2581 for spaces) of a BPE trained with the tokenizers library,
     scored by merge rank, as llama.cpp's converter writes a Llama 2 tokenizer."""
-    from tokenizers import SentencePieceBPETokenizer
     from tiny_checkpoints import _CORPUS
+    from tokenizers import SentencePieceBPETokenizer
 
     trainer = SentencePieceBPETokenizer()
     ascii_text = ["".join(c for c in line if ord(c) < 128) for line in _CORPUS]
