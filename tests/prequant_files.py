@@ -39,22 +39,26 @@ def _save(dst: Path, cfg: dict, state: dict[str, torch.Tensor], qc: dict, in_con
 
 def compressed_tensors(src: Path, dst: Path, preset: str = "W4A16") -> Path:
     """`preset` (W4A16: int4 groups of 128 symmetric, pack-quantized; W4A16_ASYM; W8A8: int8 per channel,
-    int-quantized) applied with compressed-tensors' calculate_qparams and compressors."""
+    int-quantized; FP8: float8 e4m3 per tensor, float-quantized) applied with compressed-tensors' calculate_qparams and compressors."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
-    fmt = "int-quantized" if scheme.weights.num_bits == 8 else "pack-quantized"
+    fmt = ("float-quantized" if scheme.weights.type == "float" else
+           "int-quantized" if scheme.weights.num_bits == 8 else "pack-quantized")
     compressor = BaseCompressor.get_value_from_registry(fmt)
     cfg = _copy(src, dst)
     state = load_file(str(src / "model.safetensors"))
     for prefix in _linears(state):
         w = state.pop(f"{prefix}.weight")
         n, k = w.shape
-        g = scheme.weights.group_size or k
-        wg = w.reshape(n, k // g, g)
-        scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), scheme.weights)
+        if scheme.weights.strategy == "tensor":
+            scale, zp = calculate_qparams(w.amin().reshape(1), w.amax().reshape(1), scheme.weights)
+        else:
+            g = scheme.weights.group_size or k
+            wg = w.reshape(n, k // g, g)
+            scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), scheme.weights)
         out = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
         state.update({f"{prefix}.{name}": t for name, t in out.items()})
     qc = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"],

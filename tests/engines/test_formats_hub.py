@@ -102,3 +102,10 @@ def test_serve_hub_id_not_cached_is_one_line_without_traceback(tmp_path):
     assert len(lines) == 1 and "Traceback" not in proc.stderr
     assert lines[0].startswith("tandem serve: configuration error: tandem serve tandem-org/absent: "
                                "engines.tandem-org/absent.checkpoint: tandem-org/absent: neither a local path")
+
+
+def test_gguf_only_repository_says_to_serve_the_file(hub):
+    add_repo(hub, "tandem-org/tiny-gguf", {"README.md": b"gguf files", "tiny-q8_0.gguf": b"GGUF"})
+    with pytest.raises(CheckpointError, match=r"^tandem-org/tiny-gguf: the repository has GGUF files only "
+                                              r"\(tiny-q8_0.gguf\); download one .* and serve the .gguf path$"):
+        LLM("tandem-org/tiny-gguf")
