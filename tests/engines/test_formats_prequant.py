@@ -60,7 +60,7 @@ def made(tiny_checkpoint, tmp_path_factory):
     return get
 
 
-def _dequantised_float_folder(folder: Path, kind: str, out: Path) -> Path:
+def _dequantised_float_folder(folder: Path, reference, out: Path) -> Path:
     """The same model with every quantised Linear replaced by its format's dequantisation (transformers'
     input where it does not load the format on the CPU)."""
     cfg = json.loads((folder / "config.json").read_text())
@@ -70,7 +70,7 @@ def _dequantised_float_folder(folder: Path, kind: str, out: Path) -> Path:
     state = load_file(str(folder / "model.safetensors"))
     prefixes = {n.rsplit(".", 1)[0] for n in state if n.endswith((".qweight", ".weight_packed", ".weight_scale"))}
     floats = {n: t for n, t in state.items() if n.rsplit(".", 1)[0] not in prefixes}
-    floats.update({f"{p}.weight": MAKERS[kind][1](folder, p).contiguous() for p in prefixes})
+    floats.update({f"{p}.weight": reference(folder, p).contiguous() for p in prefixes})
     save_file(floats, str(out / "model.safetensors"))
     return out
 
@@ -95,7 +95,7 @@ def test_weights_equal_the_formats_dequantisation_and_logits_match(made, kind, t
     # transformers 5.24 loads compressed-tensors itself, except the asymmetric packed zero points (it expects
     # them unpacked: a load-report size mismatch), which take the dequantised folder as GPTQ and AWQ do
     native = kind in ("ct-w4a16", "ct-w8a8")
-    ref_dir = folder if native else _dequantised_float_folder(folder, kind, tmp_path / "float")
+    ref_dir = folder if native else _dequantised_float_folder(folder, reference, tmp_path / "float")
     ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_weights_equal_the_formats_dequantisation_and_logits_match(made, kind, t
         # float activations on the CPU (the W8A8 checkpoint's dynamic int8 activations are not applied: int8
         # weight-only): the greedy tokens of transformers on the dequantised weights
         dense = ref if not native else transformers.AutoModelForCausalLM.from_pretrained(
-            _dequantised_float_folder(folder, kind, tmp_path / "float"), dtype=torch.float32).eval()
+            _dequantised_float_folder(folder, reference, tmp_path / "float"), dtype=torch.float32).eval()
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         got = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids
         seq = list(PROMPT)
@@ -172,3 +172,20 @@ def test_serve_refuses_unsupported_gptq_bits_in_one_line(made, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith(f"{dst / 'config.json'}: GPTQ bits=3 is not supported: tandem loads "
                                                  "4-bit GPTQ (onto its int4 kernels)")
+
+
+def test_gptq_qwen2_keeps_its_qkv_biases(tiny_checkpoint, tmp_path):
+    import transformers
+
+    src = tiny_checkpoint("qwen2", **GEOMETRY)
+    folder = gptq(src, tmp_path / "qwen2-gptq", group=64, sym=False)
+    model = LLM(folder, max_model_len=64).engine.model
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, QuantLinear) and q.bias is not None
+    assert torch.equal(q.bias, load_file(str(src / "model.safetensors"))["model.layers.0.self_attn.q_proj.bias"])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        _dequantised_float_folder(folder, gptq_reference, tmp_path / "float"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref(torch.tensor([PROMPT])).logits[0]
+        ours = model.dense_logits(torch.tensor([PROMPT]))[0]
+    assert (ours - theirs).abs().max().item() < 0.25

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from gguf_files import write_gguf  # conftest puts tests/ on the path
 from hub_cache import add_folder
+from tiny_checkpoints import CHATML
 
 from gateway.config import check_checkpoints, config_from_dict
 from gateway.server import ServerThread
@@ -27,7 +28,7 @@ def test_models_cards_and_log_say_what_was_loaded(tiny_checkpoint, tmp_path, mon
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     sha = add_folder(tmp_path / "hub", "tandem-org/tiny-s", ROOT / "models" / "tandem-tiny-s")
     src = tiny_checkpoint("llama", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
-    gguf_file = write_gguf(src, tmp_path / "tiny-q4_0.gguf", "Q4_0")
+    gguf_file = write_gguf(src, tmp_path / "tiny-q4_0.gguf", "Q4_0", chat_template=CHATML)
     cfg = config_from_dict({
         "engines": {"hub": {"checkpoint": "tandem-org/tiny-s", "max_model_len": 256},
                     "gguf": {"checkpoint": str(gguf_file), "max_model_len": 256, "quantization": "int8"}},
@@ -37,6 +38,9 @@ def test_models_cards_and_log_say_what_was_loaded(tiny_checkpoint, tmp_path, mon
     with caplog.at_level(logging.INFO, logger="tandem.load"), ServerThread(cfg) as srv:
         cards = {c["id"]: c for c in httpx.get(srv.url + "/v1/models").json()["data"]}
         one = httpx.get(srv.url + "/v1/models/gguf").json()
+        chat = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "gguf", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0})
+        tokens = httpx.post(srv.url + "/tokenize", json={"model": "gguf", "prompt": "hello world"}).json()
     hub = cards["hub"]["loaded"]
     assert hub == [{"engine": "hub", "source": f"tandem-org/tiny-s@{sha}", "format": "safetensors",
                     "quantization": "none", "weight_bytes": hub[0]["weight_bytes"],
@@ -53,6 +57,9 @@ def test_models_cards_and_log_say_what_was_loaded(tiny_checkpoint, tmp_path, mon
     assert gguf["weight_bytes"] <= gguf_file.stat().st_size * 1.5  # int4 stays int4 (+ float embeddings)
     assert one["loaded"] == [gguf]
     assert cards["alias"]["kind"] == "route" and cards["alias"]["loaded"] == [gguf]
+    # the GGUF's own tokenizer and chat template serve the chat request (ChatML prompt: 3 message tokens + ...)
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3
+    assert chat.json()["usage"]["prompt_tokens"] > 4 and tokens["count"] == len(tokens["tokens"]) > 1
     lines = [r.getMessage() for r in caplog.records if r.name == "tandem.load"]
     assert any(f"engine hub: loaded tandem-org/tiny-s@{sha} (safetensors, quantization none)" in m for m in lines)
     assert any(m.startswith(f"engine gguf: loaded {gguf_file} (gguf, quantization gguf ") for m in lines)
