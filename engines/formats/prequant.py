@@ -128,7 +128,14 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
                 zero = zero + 1  # GPTQ v1 stores zero - 1
             g_idx = get(f"{prefix}.g_idx").long() if f"{prefix}.g_idx" in names else None
             if g_idx is not None and not torch.equal(g_idx, torch.arange(k) // group):
-                # desc_act: input rows visit the groups out of order, which no int4 kernel does: floats
+                # desc_act: input rows visit the groups out of order. With `group` rows per group, sorting
+                # the rows by group makes them contiguous: the weight is stored in that order and the
+                # activations are gathered into it (QuantLinear.input_perm); else floats
+                perm = torch.argsort(g_idx, stable=True)
+                if torch.equal(g_idx[perm], torch.arange(k) // group):
+                    m = int4(q[:, perm].to(torch.uint8), zero, scales.t(), group)
+                    m.input_perm = perm.to(device)
+                    return m, "int4 (act-order)"
                 w = (q.float() - zero.float()[:, g_idx]) * scales.t().float()[:, g_idx]
                 return _float(linear, w, bias, device, dtype), "dequantised (desc_act)"
         else:

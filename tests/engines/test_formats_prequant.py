@@ -3,10 +3,10 @@ made with the library's own qparams and compressors (W4A16 symmetric and asymmet
 per channel; FP8 per tensor, dequantised at load), GPTQ (4-bit, groups, symmetric and asymmetric, desc_act
 false and true) and AWQ (GEMM) packed to their documented layouts. For each, the loaded weights equal the
 format's dequantisation exactly (the library's own for compressed-tensors), the layers are tandem's QuantLinear
-(never widened, except FP8 and desc_act's reordered groups, said so), and the logits are within 0.25 of
+(never widened, except FP8, said so; desc_act's reordered groups with the activations gathered into the
+stored order), and the logits are within 0.25 of
 transformers' on the dequantised weights (transformers loads symmetric compressed-tensors itself on the CPU);
-greedy tokens are compared where the CPU path runs float activations (int8 weight-only, the dequantised FP8
-and desc_act floats). Bad configs (GPTQ bits, unknown method) fail with one line naming config.json."""
+greedy tokens are compared where the CPU path runs float activations (int8 weight-only, the dequantised FP8). Bad configs (GPTQ bits, unknown method) fail with one line naming config.json."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ MAKERS = {
     "ct-fp8": (lambda s, d: compressed_tensors(s, d, "FP8"), compressed_tensors_reference, "dequantised (fp8)"),
     "gptq-sym": (lambda s, d: gptq(s, d, group=64, sym=True), gptq_reference, "int4"),
     "gptq-asym-g128": (lambda s, d: gptq(s, d, group=128, sym=False), gptq_reference, "int4"),
-    "gptq-desc-act": (lambda s, d: gptq(s, d, group=64, desc_act=True), gptq_reference, "dequantised (desc_act)"),
+    "gptq-desc-act": (lambda s, d: gptq(s, d, group=64, desc_act=True), gptq_reference, "int4 (act-order)"),
     "awq-gemm": (lambda s, d: awq(s, d, group=64), awq_reference, "int4"),
 }
 
@@ -89,7 +89,8 @@ def test_weights_equal_the_formats_dequantisation_and_logits_match(made, kind, t
             assert type(module) is torch.nn.Linear
             assert torch.equal(module.weight, reference(folder, prefix))
         else:
-            assert isinstance(module, QuantLinear) and module.mode == loaded_as
+            assert isinstance(module, QuantLinear) and module.mode == loaded_as.split()[0]
+            assert (module.input_perm is not None) == ("act-order" in loaded_as)
             assert torch.equal(module.dequantized_weight(), reference(folder, prefix))
     assert f"{loaded_as} x14" in model.load_info["quantization"]
     # transformers 5.24 loads compressed-tensors itself, except the asymmetric packed zero points (it expects
@@ -189,3 +190,19 @@ def test_gptq_qwen2_keeps_its_qkv_biases(tiny_checkpoint, tmp_path):
         theirs = ref(torch.tensor([PROMPT])).logits[0]
         ours = model.dense_logits(torch.tensor([PROMPT]))[0]
     assert (ours - theirs).abs().max().item() < 0.25
+
+
+@pytest.mark.parametrize("kind", ["gptq-sym", "gptq-desc-act", "awq-gemm", "ct-w4a16"])
+def test_engine_decoding_equals_the_models_own_forward(made, kind):
+    """The engine's CPU decode path (the C decoder stack where it covers the model) gives the tokens of a
+    greedy loop over the model's own forward: act-order weights, whose input must be gathered first, keep the
+    module path."""
+    llm = LLM(made(kind), max_model_len=64)
+    model = llm.engine.model
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids
+    seq = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(8):
+            seq.append(int(model.dense_logits(torch.tensor([seq]))[0, -1].argmax()))
+    assert got == seq[len(PROMPT):]
