@@ -36,6 +36,7 @@ class AsyncEngine:
         self.embedding_size = engine.config.hidden_size  # /v1/embeddings' vectors (engines/embedding.py)
         self.eos_token_ids = engine.eos_token_ids
         self.generation_defaults = engine.generation_defaults
+        self.load_info = getattr(engine.model, "load_info", None)  # engines/loaded.py: what was loaded
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
                        priority: int = 0, draft_token_ids: list[int] | None = None,

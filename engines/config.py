@@ -17,6 +17,7 @@ Fraction = Annotated[float, Meta(gt=0, le=1)]
 
 class EngineOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    revision: str | None = None  # a Hub id's branch, tag or commit (default: main); refused for local paths
     max_num_seqs: PositiveInt = 64
     max_num_batched_tokens: PositiveInt = 512
     max_model_len: PositiveInt | None = None
@@ -46,7 +47,9 @@ class EngineOptions(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class EngineSpec(EngineOptions, kw_only=False):
     name: str
-    model: Any  # a checkpoint folder (str | Path), or a built engines.model.Transformer (token-id prompts only)
+    # a checkpoint folder, a .gguf file, a Hub id ORG/NAME (str | Path), or a built engines.model.Transformer
+    # (token-id prompts only)
+    model: Any
 
 
 class PoolSpec(Struct, kw_only=True, forbid_unknown_fields=True):

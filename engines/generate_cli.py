@@ -52,7 +52,8 @@ def generate_tokens(model: Transformer, prompt_ids: list[int], max_tokens: int, 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem generate", description="Generate a completion from a checkpoint folder.")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder (config.json, safetensors, tokenizer)")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder (config.json, safetensors, "
+                   "tokenizer), a .gguf file, or a Hub id ORG/NAME (docs/models.md)")
     p.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"tokens to generate (default: generation_config.json max_new_tokens, else {DEFAULT_MAX_TOKENS})")

@@ -81,6 +81,7 @@ class LoadedCheckpoint:
     config: ModelConfig
     generation: GenerationDefaults
     path: Path
+    quantization: str | None = None  # a pre-quantised checkpoint's scheme and what its layers became
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -145,6 +146,13 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
     device = torch.device(device)
     target_dtype = resolve_dtype(dtype, config, device)
     files = weight_files(folder)
+    from engines.formats.prequant import load_prequantized, quantization_config
+
+    qc = quantization_config(folder, config.raw)
+    if qc is not None:  # quantised by another tool (GPTQ, AWQ, compressed-tensors): into the quantised kernels
+        model, quantization = load_prequantized(folder, config, qc, files, target_dtype, device)
+        return LoadedCheckpoint(model=model, config=config, generation=generation, path=folder,
+                                quantization=quantization)
 
     with torch.device("meta"):
         model = Transformer(config)

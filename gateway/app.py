@@ -27,6 +27,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engines.model_config import CheckpointError
 from gateway.admission import AdmissionController
 from gateway.anthropic_api import HANDLERS as ANTHROPIC_HANDLERS
 from gateway.anthropic_api import AnthropicErrorBody, CountTokensRequest, MessagesRequest, MessageStreamEvent
@@ -47,7 +48,6 @@ from gateway.protocol import (
     Completion,
     CompletionRequest,
     ErrorBody,
-    ModelCard,
     ModelList,
     StrictJSONRequest,
 )
@@ -61,6 +61,7 @@ from gateway.telemetry import Telemetry, build_meter_provider, build_tracer_prov
 from gateway.vllm_metrics import VllmLabelView
 from gateway.vllm_routes import HANDLERS as VLLM_HANDLERS
 from gateway.vllm_routes import SCHEMAS as VLLM_SCHEMAS
+from gateway.vllm_routes import model_card
 
 log = logging.getLogger("tandem.gateway")
 
@@ -117,13 +118,7 @@ def metrics(request: Request) -> Response:
 @get("/v1/models", responses=error_responses(401))
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
-    cards = []
-    for name, route in state.routes.routes.items():
-        lens = [getattr(state.engines.get(e), "max_model_len", None) for e in route.config.engines]
-        cards.append(ModelCard(id=name, created=state.created, owned_by="tandem",
-                               kind="engine" if route.direct else "route",
-                               max_model_len=min(lens) if lens and None not in lens else None))
-    return ModelList(data=cards)
+    return ModelList(data=[model_card(state, route) for route in state.routes.routes.values()])
 
 
 @get("/v1/routes", responses=error_responses(401))
@@ -280,7 +275,10 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
                 log.info("engines ready: %s", ", ".join(state.engines))
             except Exception as exc:
                 state.load_error = f"engine start-up failed: {type(exc).__name__}: {exc}"
-                log.exception("engine start-up failed")
+                if isinstance(exc, CheckpointError):  # a file that cannot load: the message says it all
+                    log.error("engine start-up failed: %s", exc)
+                else:
+                    log.exception("engine start-up failed")
                 if on_load_error is not None:
                     on_load_error(state.load_error)
         loading.append(asyncio.create_task(run()))

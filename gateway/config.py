@@ -39,7 +39,9 @@ class EngineConfig(EngineOptions, forbid_unknown_fields=True, kw_only=True):
     """[engines.NAME]: the engine's options (engines.config.EngineOptions, defined there once) and where its
     model lives."""
 
-    checkpoint: str  # Hugging Face folder; relative paths are relative to the config file's folder
+    # a Hugging Face folder or a .gguf file (relative paths are relative to the config file's folder), or a Hub
+    # id ORG/NAME where no such path exists (`revision` picks its branch, tag or commit)
+    checkpoint: str
     device: str = "auto"  # auto | cpu | cuda | cuda:N (every engine shares one device)
     served: bool = True  # also a model of its own (`model` = its name); false: a draft that only drafts
     pooling: Literal["mean", "last"] = "mean"  # /v1/embeddings: the last hidden state's mean, or its last token
@@ -266,7 +268,7 @@ def config_from_dict(raw: dict[str, Any], *, base_dir: str | Path = ".", source:
     cfg = msgspec.structs.replace(shell, engines=engines, routes=routes, source=source)
     base = Path(base_dir)
     for engine in cfg.engines.values():
-        engine.checkpoint = _resolve(base, engine.checkpoint)
+        engine.checkpoint = _resolve_checkpoint(base, engine.checkpoint)
     for route in cfg.routes.values():
         if route.router.artifact:
             route.router.artifact = _resolve(base, route.router.artifact)
@@ -276,6 +278,14 @@ def config_from_dict(raw: dict[str, Any], *, base_dir: str | Path = ".", source:
         cfg.kv_pool.memory_bytes = _parse_size(cfg.kv_pool.memory_bytes, source)
     _cross_check(cfg)
     return cfg
+
+
+def _resolve_checkpoint(base: Path, value: str) -> str:
+    """A path relative to `base` when one exists there (or the value cannot be a Hub id), else the Hub id."""
+    from engines.formats.hub import is_hub_id
+
+    local = _resolve(base, value)
+    return value if is_hub_id(value) and not Path(local).exists() else local
 
 
 def _resolve(base: Path, value: str) -> str:
@@ -538,14 +548,58 @@ def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], PoolSpec, str]:
     return specs, cfg.kv_pool, device  # memory_bytes was parsed to an int at load
 
 
+def _check_quantization_config(cfg: TandemConfig, name: str, folder: Path) -> None:
+    """A pre-quantised checkpoint's scheme that tandem does not load fails before anything loads."""
+    import json
+
+    from engines.formats.prequant import Scheme, quantization_config
+    from engines.model_config import CheckpointError
+
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+        qc = quantization_config(folder, raw if isinstance(raw, dict) else {})
+        if qc is not None:
+            Scheme(qc, str(folder / "config.json"))
+    except json.JSONDecodeError:
+        return  # the loader names the file and the problem
+    except CheckpointError as e:
+        raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
+
+
 def check_checkpoints(cfg: TandemConfig) -> None:
     """Fail before loading anything when an engine's checkpoint or a router route's artifact is missing."""
+    from engines.formats.hub import is_hub_id
+
     for name, engine in cfg.engines.items():
         folder = Path(engine.checkpoint)
+        if is_hub_id(engine.checkpoint) and not folder.exists():
+            from engines.formats.hub import download
+            from engines.model_config import CheckpointError
+
+            try:  # downloads now (with a progress bar), before anything loads; cached for the engine's load
+                snapshot, _ = download(engine.checkpoint, engine.revision)
+            except CheckpointError as e:
+                raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
+            _check_quantization_config(cfg, name, snapshot)
+            continue
+        if folder.suffix.lower() == ".gguf":
+            if not folder.is_file():
+                raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint = {engine.checkpoint!r}: GGUF file "
+                                  "does not exist")
+            from engines.formats.gguf import check
+            from engines.model_config import CheckpointError
+
+            try:  # the header only: a damaged file or a type tandem cannot load fails before anything loads
+                check(folder)
+            except CheckpointError as e:
+                raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
+            continue
+        if (folder / "config.json").is_file():
+            _check_quantization_config(cfg, name, folder)
         if not (folder / "config.json").is_file():
             reason = "does not exist" if not folder.exists() else "has no config.json"
             raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint = {engine.checkpoint!r} {reason}; "
-                              f"point it at a Hugging Face model folder")
+                              f"point it at a Hugging Face model folder, a .gguf file or a Hub id ORG/NAME")
     for name, route in cfg.routes.items():
         if route.strategy != "router":
             continue

@@ -625,6 +625,17 @@ class Completion(Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
+class LoadedWeights(Struct, kw_only=True):
+    """What one engine behind a model card loaded (engines/loaded.py's `info`)."""
+
+    engine: str
+    source: str  # a path, or a Hub id with its resolved revision (ORG/NAME@sha)
+    format: str  # safetensors | gguf | torch (an in-memory model)
+    quantization: str  # none, int8, int4, w8a8 (applied at load), or the file's own (gguf q8_0, gptq-int4...)
+    weight_bytes: int
+    context_length: int  # the model's own; max_model_len is what the engine serves
+
+
 class ModelCard(Struct, kw_only=True):
     id: str
     object: Literal["model"] = "model"
@@ -632,6 +643,7 @@ class ModelCard(Struct, kw_only=True):
     owned_by: str
     kind: Literal["route", "engine"]
     max_model_len: int | None = None
+    loaded: list[LoadedWeights] | None = None  # per engine of the route (one for an engine); None: unknown
 
 
 class ModelList(Struct, kw_only=True):

@@ -321,13 +321,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem serve", description="Run the OpenAI-compatible gateway.",
                                      epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                        help="a Hugging Face checkpoint folder to serve as the only model (config: "
-                             "engines.NAME.checkpoint; default: the config's engines and routes)")
+                        help="a Hugging Face checkpoint folder, a .gguf file or a Hub id ORG/NAME to serve as "
+                             "the only model (config: engines.NAME.checkpoint; default: the config's engines and "
+                             "routes)")
+    parser.add_argument("--revision", default=None, metavar="REV",
+                        help="with a Hub id MODEL: its branch, tag or commit (config: engines.NAME.revision; "
+                             "default: main)")
     parser.add_argument("--config", type=Path, default=None, metavar="FILE",
                         help="TOML config file (default: $TANDEM_CONFIG or the embedded default)")
     parser.add_argument("--draft", default=None, metavar="DIR",
-                        help="with MODEL: a checkpoint folder (same tokenizer) that drafts for it, speculative "
-                             "decoding (config: engines.NAME-draft.checkpoint and engines.NAME.draft)")
+                        help="with MODEL: a checkpoint folder, .gguf file or Hub id (same tokenizer) that drafts "
+                             "for it, speculative decoding (config: engines.NAME-draft.checkpoint and "
+                             "engines.NAME.draft)")
+    parser.add_argument("--draft-revision", default=None, metavar="REV",
+                        help="with a Hub id --draft: its branch, tag or commit (config: "
+                             "engines.NAME-draft.revision)")
     parser.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "w8a8"],
                         help="with --draft: the draft engine's own quantization, after --quantization (a draft "
                              "changes only how many tokens are accepted, never the output; w8a8 makes a CPU "
@@ -356,8 +364,10 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     env = os.environ if env is None else env
     if args.draft_quantization is not None and args.draft is None:
         raise ConfigError("--draft-quantization needs --draft: tandem serve MODEL --draft DIR --draft-quantization ...")
+    if args.draft_revision is not None and args.draft is None:
+        raise ConfigError("--draft-revision needs --draft: tandem serve MODEL --draft ORG/NAME --draft-revision ...")
     if args.model is None:
-        for flag in ("draft", "served_model_name"):
+        for flag in ("draft", "served_model_name", "revision"):
             if getattr(args, flag) is not None:
                 raise ConfigError(f"--{flag.replace('_', '-')} needs MODEL: tandem serve MODEL "
                                   f"--{flag.replace('_', '-')} ...")
@@ -374,11 +384,15 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         source += f" (with {', '.join(applied)} from the environment)"
     if args.model is not None:
         name = args.served_model_name or args.model
-        engine: dict[str, Any] = {"checkpoint": str(Path(args.model).resolve())}
+        engine: dict[str, Any] = {"checkpoint": _checkpoint_arg(args.model)}
+        if args.revision is not None:
+            engine["revision"] = args.revision
         engines = {name: engine}
         if args.draft is not None:
             engine["draft"] = f"{name}-draft"
-            engines[f"{name}-draft"] = {"checkpoint": str(Path(args.draft).resolve()), "served": False}
+            engines[f"{name}-draft"] = {"checkpoint": _checkpoint_arg(args.draft), "served": False}
+            if args.draft_revision is not None:
+                engines[f"{name}-draft"]["revision"] = args.draft_revision
         raw["engines"], raw["routes"] = engines, {}
     for flag, _, key, _ in ENGINE_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
@@ -406,6 +420,14 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         if getattr(args, flag) is not None:
             section("server")[flag] = getattr(args, flag)
     return config_from_dict(raw, base_dir=base, source=source)
+
+
+def _checkpoint_arg(value: str) -> str:
+    """MODEL / --draft as given: an existing path (made absolute), else a Hub id left as it is."""
+    from engines.formats.hub import is_hub_id
+
+    path = Path(value).expanduser()
+    return value if is_hub_id(value) and not path.exists() else str(path.resolve())
 
 
 def main(argv: list[str] | None = None) -> int:

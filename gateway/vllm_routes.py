@@ -19,7 +19,7 @@ from msgspec import Meta, Struct
 from gateway.errors import APIError
 from gateway.openapi import error_responses
 from gateway.prompts import INLINE_CHARS, MAX_CHARS_PER_TOKEN
-from gateway.protocol import ChatMessage, ModelCard
+from gateway.protocol import ChatMessage, LoadedWeights, ModelCard
 from gateway.routing import Route
 from gateway.state import GatewayState
 
@@ -96,9 +96,15 @@ def version() -> Version:
 
 def model_card(state: GatewayState, route: Route) -> ModelCard:
     lens = [getattr(state.engines.get(e), "max_model_len", None) for e in route.config.engines]
+    loaded = []
+    for e in route.config.engines:
+        info = getattr(state.engines.get(e), "load_info", None)
+        if isinstance(info, dict):
+            loaded.append(LoadedWeights(engine=e, **{k: info[k] for k in LoadedWeights.__struct_fields__
+                                                     if k != "engine"}))
     return ModelCard(id=route.name, created=state.created, owned_by="tandem",
                      kind="engine" if route.direct else "route",
-                     max_model_len=min(lens) if lens and None not in lens else None)
+                     max_model_len=min(lens) if lens and None not in lens else None, loaded=loaded or None)
 
 
 @get("/v1/models/{model:path}", responses=error_responses(401, 404))

@@ -215,6 +215,8 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
     rows stacked into one [sum N, K] weight the modules then view, so nothing is stored twice)."""
     from kernels.quant_matmul import QuantLinear
 
+    if any(getattr(lin, "input_perm", None) is not None for lin in linears):
+        return None  # act-order weights gather their input first: QuantLinear.forward does, the C stack does not
     if all(type(lin) is nn.Linear for lin in linears):
         if fused is not None:
             w, b, _ = fused

@@ -273,6 +273,9 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device),
                                  requires_grad=False) if bias else None
         self._cpu_cache: tuple | None = None
+        # act-order checkpoints (GPTQ desc_act): the weight's in_features stored sorted by group; the
+        # activations are gathered in that order first (an index [K]); None: the natural order
+        self.register_buffer("input_perm", None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, group_size: int = 64) -> QuantLinear:
@@ -301,13 +304,20 @@ class QuantLinear(nn.Module):
         return cached[1]
 
     def dequantized_weight(self) -> torch.Tensor:
+        """The float weight [N, K] in the input's order (an input_perm undone)."""
         if self.mode in ("int8", "w8a8"):
-            return dequantize_int8(self.weight, self.scale)
-        return dequantize_int4(self.weight, self.scale, self.zero)
+            w = dequantize_int8(self.weight, self.scale)
+        else:
+            w = dequantize_int4(self.weight, self.scale, self.zero)
+        if self.input_perm is not None:
+            w = w[:, torch.argsort(self.input_perm)]
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self.input_perm is not None:
+            x2 = x2.index_select(1, self.input_perm)
         if self.mode == "w8a8":
             if x2.is_cuda:
                 raise ValueError("w8a8 quantization runs on the CPU; use int8 on CUDA")
