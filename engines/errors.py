@@ -36,9 +36,10 @@ class RequestRejected(ValueError):
     Raised by `AsyncEngine.generate` / `LLM.generate` before the first output; the message says what to change.
     """
 
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST):
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST, param: str | None = None):
         super().__init__(message)
         self.code = code
+        self.param = param  # the request field at fault, when known (an output constraint's)
 
 
 class EngineDeadError(RuntimeError):

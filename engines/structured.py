@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import threading
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
@@ -17,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engines import schema_support
+from engines.llguidance_backend import LLGTemplate, LLGuidanceBackend, LLGuidanceError, clean_message
+
 if TYPE_CHECKING:
     import xgrammar
 
@@ -24,11 +28,17 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class InvalidConstraint(ValueError):
-    """A constraint the grammar library cannot compile; `param` names the request field."""
+    """A constraint the grammar library cannot compile; `param` names the request field; for a schema keyword
+    no backend enforces exactly, `keyword` and `pointer` (JSON pointer) name it."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, keyword: str | None = None, pointer: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.keyword, self.pointer = param, keyword, pointer
+
+    @property
+    def where(self) -> str:
+        """The request field, with the keyword's JSON pointer after '#' for a schema keyword."""
+        return self.param if self.pointer is None else f"{self.param}#{self.pointer}"
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.max_cached = max_cached
         self.num_compiled = 0
+        self._llg_args = (backend.to_str(), vocab_size, list(stop_token_ids))
+        self._llg: LLGuidanceBackend | None = None  # the second backend, built with the first schema needing it
 
     def compile(self, so: StructuredOutput) -> xgrammar.CompiledGrammar:
         key = (so.kind, so.spec)
@@ -96,28 +108,54 @@ class GrammarCompiler:
         c = self._compiler
         try:
             if so.kind == "json":
-                return c.compile_json_schema(so.spec, any_whitespace=False, separators=(", ", ": "))
+                return self._compile_schema(so)
             if so.kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(", ", ": "),
                                              strict_mode=False)
             if so.kind == "regex":
+                check_regex(so)
                 return c.compile_regex(so.spec)
             if so.kind == "choice":
                 options = json.loads(so.spec)
                 return c.compile_regex("|".join(f"({_regex_literal(o)})" for o in options))
             if so.kind == "grammar":
                 return c.compile_grammar(so.spec)
+        except InvalidConstraint:
+            raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
-            raise InvalidConstraint(so.param, f"{so.param} cannot be compiled: {e}") from None
+            raise InvalidConstraint(so.param, f"{so.param} cannot be compiled: {clean_message(str(e))}") from None
         raise InvalidConstraint(so.param, f"{so.param}: unknown constraint kind {so.kind!r}")
+
+    def _compile_schema(self, so: StructuredOutput) -> Any:
+        """A JSON schema on the backend that enforces all of its keywords (engines/schema_support.py), or
+        InvalidConstraint naming the keyword and its JSON pointer."""
+        try:
+            chosen = schema_support.plan(json.loads(so.spec))
+        except schema_support.SchemaRefused as e:
+            raise InvalidConstraint(so.param, f"{so.param}: {e}", keyword=e.keyword, pointer=e.pointer) from None
+        if chosen.backend == schema_support.XGRAMMAR:
+            return self._compiler.compile_json_schema(json.dumps(chosen.schema), any_whitespace=False,
+                                                      separators=(", ", ": "))
+        if self._llg is None:
+            with self._lock:
+                if self._llg is None:
+                    self._llg = LLGuidanceBackend(*self._llg_args)
+        try:
+            return self._llg.compile_json(chosen.schema)
+        except LLGuidanceError as e:
+            keyword, pointer = _blame(str(e), chosen.needs)
+            raise InvalidConstraint(so.param, f"{so.param}: the JSON schema's `{keyword}` at {pointer or '/'} "
+                                    f"cannot be enforced exactly ({e})", keyword=keyword, pointer=pointer) from None
 
     def cached(self, so: StructuredOutput) -> bool:
         """Whether `compile(so)` would return at once (the caller can compile elsewhere otherwise)."""
         with self._lock:
             return (so.kind, so.spec) in self._cache
 
-    def matcher(self, compiled: xgrammar.CompiledGrammar) -> Grammar:
+    def matcher(self, compiled: xgrammar.CompiledGrammar | LLGTemplate) -> Grammar:
         """A fresh per-sequence state over a compiled grammar."""
+        if isinstance(compiled, LLGTemplate):
+            return Grammar(compiled.matcher(), self.vocab_size)
         return Grammar(self._xgr.GrammarMatcher(compiled), self.vocab_size)
 
 
@@ -238,3 +276,19 @@ def _vocab_meta(backend) -> tuple[Any, bool]:
     if '"ByteFallback"' in dec:
         return xgr.VocabType.BYTE_FALLBACK, '"Strip"' in dec
     return xgr.VocabType.RAW, '"Strip"' in dec
+
+
+def check_regex(so: StructuredOutput) -> None:
+    """InvalidConstraint for a regex feature the backend would not enforce exactly."""
+    what = schema_support.regex_refusal(so.spec)
+    if what is not None:
+        raise InvalidConstraint(so.param, f"{so.param}: the regex uses {what}, which tandem cannot enforce")
+
+
+def _blame(message: str, needs: list[tuple[str, str]]) -> tuple[str, str]:
+    """The (keyword, pointer) llguidance's refusal is about: the first keyword it names among those the walk
+    sent to it, else the first of those."""
+    for keyword, pointer in needs:
+        if re.search(rf"\b{re.escape(keyword)}\b", message):
+            return keyword, pointer
+    return needs[0] if needs else ("type", "")

@@ -228,7 +228,7 @@ def test_tool_results_round_trip_in_the_history(client):
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"guided_regex": "("}, None),
+    ({"guided_regex": "("}, "guided_regex"),
     ({"guided_json": "not json"}, "guided_json"),
     ({"guided_choice": []}, "guided_choice"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),

@@ -1,0 +1,355 @@
+"""Which backend enforces a JSON schema exactly, decided before compiling: a walk over every keyword (with its
+JSON pointer) against the table `KEYWORDS`, giving xgrammar, llguidance, or a refusal naming the keyword;
+the same for regex features. Also OpenAI's `strict` rules. Pure functions over JSON values."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+XGRAMMAR, LLGUIDANCE, REFUSED, ANNOTATION = "xgrammar", "llguidance", "refused", "annotation"
+
+# keyword -> how it is enforced where it stands alone beside `type` (sibling rules in `_walk` may move a
+# node to llguidance). docs/structured.md renders this table.
+KEYWORDS: dict[str, str] = {
+    "type": XGRAMMAR, "enum": XGRAMMAR, "const": XGRAMMAR, "anyOf": XGRAMMAR, "$ref": XGRAMMAR,
+    "properties": XGRAMMAR, "required": XGRAMMAR, "additionalProperties": XGRAMMAR,
+    "items": XGRAMMAR, "prefixItems": XGRAMMAR, "minItems": XGRAMMAR, "maxItems": XGRAMMAR,
+    "minLength": XGRAMMAR, "maxLength": XGRAMMAR, "pattern": XGRAMMAR,
+    "minimum": XGRAMMAR, "maximum": XGRAMMAR, "exclusiveMinimum": XGRAMMAR, "exclusiveMaximum": XGRAMMAR,
+    "oneOf": LLGUIDANCE, "allOf": LLGUIDANCE, "multipleOf": LLGUIDANCE, "format": LLGUIDANCE,
+    "patternProperties": LLGUIDANCE, "minProperties": LLGUIDANCE, "maxProperties": LLGUIDANCE,
+    "additionalItems": LLGUIDANCE,
+    "not": REFUSED, "if": REFUSED, "uniqueItems": REFUSED, "contains": REFUSED, "minContains": REFUSED,
+    "maxContains": REFUSED, "propertyNames": REFUSED, "dependentRequired": REFUSED,
+    "dependentSchemas": REFUSED, "dependencies": REFUSED, "unevaluatedProperties": REFUSED,
+    "unevaluatedItems": REFUSED, "$dynamicRef": REFUSED, "$recursiveRef": REFUSED, "extends": REFUSED,
+    "disallow": REFUSED, "divisibleBy": REFUSED,
+}
+# no assertion of their own (JSON Schema: unknown keywords are annotations too); stripped before compiling
+ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment",
+    "$schema", "$id", "id", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$vocabulary", "$defs",
+    "definitions", "contentMediaType", "contentEncoding", "contentSchema", "then", "else"})
+FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
+                     "uri"})
+TYPES = frozenset({"null", "boolean", "object", "array", "number", "string", "integer"})
+_BY_TYPE = {
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "array": {"items", "prefixItems", "minItems", "maxItems", "additionalItems"},
+    "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+               "maxProperties"},
+}
+_TYPED = {k: t for t, ks in _BY_TYPE.items() for k in ks}
+_APPLICATORS = {"anyOf", "oneOf", "allOf", "$ref", "enum", "const"}
+
+# ECMA-262 features neither backend enforces: (regex, what to call it)
+_REGEX_REFUSED = [
+    (re.compile(r"\(\?<?[=!]"), "lookaround assertions"),
+    (re.compile(r"\\[bB]"), "word boundaries (\\b, \\B)"),
+    (re.compile(r"\\[1-9]|\\k<"), "backreferences"),
+]
+# what xgrammar's regex dialect covers exactly (anything else goes to llguidance)
+_XGR_ATOM = re.compile(r"\\[dDwWsS.\\/\-^$|?*+(){}\[\]]|\[(?:\\.|[^\]\\])*\]|\(\?:|[^\\\[]")
+
+
+class SchemaRefused(ValueError):
+    """A keyword no backend enforces exactly: `keyword` and `pointer` (JSON pointer into the schema)."""
+
+    def __init__(self, keyword: str, pointer: str, message: str):
+        super().__init__(message)
+        self.keyword, self.pointer = keyword, pointer
+
+
+@dataclass
+class Plan:
+    """The walk's verdict: the backend, the schema to compile (annotations stripped) and, when it is
+    llguidance, the (keyword, pointer) pairs that need it."""
+
+    backend: str
+    schema: Any
+    needs: list[tuple[str, str]] = field(default_factory=list)
+
+
+def pointer_join(pointer: str, key: str | int) -> str:
+    return f"{pointer}/{str(key).replace('~', '~0').replace('/', '~1')}"
+
+
+def regex_refusal(pattern: str) -> str | None:
+    """The regex feature in `pattern` that neither backend enforces, or None."""
+    stripped = re.sub(r"\\\\", "", pattern)
+    for rx, what in _REGEX_REFUSED:
+        if rx.search(stripped):
+            return what
+    return None
+
+
+def _xgrammar_pattern(pattern: str) -> bool:
+    """Whether xgrammar matches `pattern` exactly as JSON Schema means it: xgrammar matches the whole string,
+    so only ^...$ without a top-level alternation, written in the subset `_XGR_ATOM` covers."""
+    if not (pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")):
+        return False
+    body, depth, pos = pattern[1:-1], 0, 0
+    while pos < len(body):
+        m = _XGR_ATOM.match(body, pos)
+        if m is None:
+            return False
+        tok = m.group()
+        if tok in ("(", "(?:"):
+            depth += 1
+        elif tok == ")":
+            depth -= 1
+        elif tok == "|" and depth == 0:
+            return False
+        elif tok in ("^", "$", "."):
+            return False  # an inner anchor; '.' also matches line breaks in xgrammar
+        pos = m.end()
+    return depth == 0
+
+
+class _Walk:
+    def __init__(self, root: Any):
+        self.root = root
+        self.needs: list[tuple[str, str]] = []
+        self.refs: list[tuple[str, str]] = []
+        self.seen: set[int] = set()
+        self.has_ref = '"$ref"' in _dumps(root)
+
+    def refuse(self, keyword: str, pointer: str, why: str) -> SchemaRefused:
+        where = pointer or "/"
+        return SchemaRefused(keyword, pointer, f"the JSON schema's `{keyword}` at {where}: {why}")
+
+    def schema(self, node: Any, ptr: str) -> Any:
+        """`node` with annotations stripped; records what needs llguidance, raises SchemaRefused."""
+        if isinstance(node, bool):
+            if node is False:
+                self.needs.append(("false", ptr))
+            return node
+        if not isinstance(node, dict):
+            raise self.refuse("type", ptr, "a schema must be an object or a boolean")
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            here = pointer_join(ptr, key)
+            how = KEYWORDS.get(key)
+            if how == REFUSED:
+                if key == "uniqueItems" and value is False:
+                    continue
+                raise self.refuse(key, here, _refusal_reason(key))
+            if how is None:
+                if key in ("$defs", "definitions") and isinstance(value, dict):
+                    out[key] = {k: self.schema(v, pointer_join(here, k)) for k, v in value.items()}
+                elif key in ("$id", "id") and ptr and self.has_ref and isinstance(value, str) \
+                        and not value.startswith("#"):
+                    raise self.refuse(key, here, "a nested $id changes what $ref resolves against; tandem "
+                                                 "resolves $ref against the whole schema only")
+                continue  # an annotation, or a keyword JSON Schema does not define (also an annotation)
+            out[key] = self.keyword(key, value, here, node)
+        self.node_backend(node, ptr)
+        return out
+
+    def keyword(self, key: str, value: Any, here: str, node: dict) -> Any:
+        if key in ("properties", "patternProperties"):
+            if not isinstance(value, dict):
+                raise self.refuse(key, here, "must be an object of schemas")
+            return {k: self.schema(v, pointer_join(here, k)) for k, v in value.items()}
+        if key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+            if not isinstance(value, list) or not value:
+                raise self.refuse(key, here, "must be a non-empty list of schemas")
+            return [self.schema(v, pointer_join(here, i)) for i, v in enumerate(value)]
+        if key == "items":
+            if isinstance(value, list):  # draft 4-7 tuple form
+                self.needs.append((key, here))
+                return [self.schema(v, pointer_join(here, i)) for i, v in enumerate(value)]
+            return self.schema(value, here)
+        if key in ("additionalProperties", "additionalItems"):
+            return value if isinstance(value, bool) else self.schema(value, here)
+        if key == "$ref":
+            self.reference(value, here)
+            return value
+        if key == "required":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise self.refuse(key, here, "must be a list of property names (the draft 3 boolean form is "
+                                             "not supported)")
+            return value
+        if key == "type":
+            names = value if isinstance(value, list) else [value]
+            if not names or not all(isinstance(t, str) and t in TYPES for t in names):
+                raise self.refuse(key, here, f"must name JSON types among {sorted(TYPES)}")
+            return value
+        if key in ("exclusiveMinimum", "exclusiveMaximum", "minimum", "maximum", "multipleOf"):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise self.refuse(key, here, "must be a number (the draft 4 boolean form is not supported)")
+            if key == "multipleOf" and value <= 0:
+                raise self.refuse(key, here, "must be greater than 0")
+            return value
+        if key in ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise self.refuse(key, here, "must be a non-negative integer")
+            return value
+        if key == "pattern":
+            if not isinstance(value, str):
+                raise self.refuse(key, here, "must be a string")
+            what = regex_refusal(value)
+            if what is not None:
+                raise self.refuse(key, here, f"the pattern uses {what}, which tandem cannot enforce")
+            return value
+        if key == "format":
+            if value not in FORMATS:
+                raise self.refuse(key, here, f"format {value!r} is not enforced; supported formats: "
+                                             f"{', '.join(sorted(FORMATS))}")
+            return value
+        if key == "enum" and (not isinstance(value, list) or not value):
+            raise self.refuse(key, here, "must be a non-empty list")
+        return value
+
+    def reference(self, ref: Any, here: str) -> None:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise self.refuse("$ref", here, f"{ref!r} is not a reference into this schema (#/...); remote "
+                                            f"documents and anchors are not fetched")
+        target: Any = self.root
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                raise self.refuse("$ref", here, f"{ref!r} points at nothing in this schema")
+        if not isinstance(target, dict | bool):
+            raise self.refuse("$ref", here, f"{ref!r} does not point at a schema")
+        self.refs.append((ref, here))
+        if id(target) not in self.seen:
+            self.seen.add(id(target))
+            self.schema(target, ref[1:])
+
+    def node_backend(self, node: dict, ptr: str) -> None:
+        """Record the keywords of `node` that xgrammar would approximate (the sibling rules)."""
+        asserting = [k for k in node if k in KEYWORDS]
+        for k in asserting:
+            if KEYWORDS[k] == LLGUIDANCE:
+                self.needs.append((k, pointer_join(ptr, k)))
+        applied = [k for k in asserting if k in _APPLICATORS]
+        if applied and len(asserting) > 1:  # xgrammar uses the first applicator alone, dropping siblings
+            self.needs.append((applied[0], pointer_join(ptr, applied[0])))
+        typed = [k for k in asserting if k in _TYPED]
+        if typed and "type" not in node and not applied:  # e.g. bare `properties`: any other type is valid
+            self.needs.append((typed[0], pointer_join(ptr, typed[0])))
+        req, props = node.get("required"), node.get("properties")
+        if isinstance(req, list) and not set(req) <= set(props if isinstance(props, dict) else ()):
+            self.needs.append(("required", pointer_join(ptr, "required")))
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and (not _xgrammar_pattern(pattern) or "minLength" in node
+                                         or "maxLength" in node or "format" in node):
+            self.needs.append(("pattern", pointer_join(ptr, "pattern")))
+        types = node.get("type")
+        numeric = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(node)
+        if numeric and (types == "number" or isinstance(types, list) and "number" in types):
+            self.needs.append((sorted(numeric)[0], pointer_join(ptr, sorted(numeric)[0])))
+        if isinstance(types, list) and len(types) > 1 and typed:
+            self.needs.append(("type", pointer_join(ptr, "type")))
+        enum = node.get("enum", [node["const"]] if "const" in node else [])
+        if isinstance(enum, list) and any(isinstance(v, dict | list) for v in enum):  # xgrammar: compact only
+            k = "enum" if "enum" in node else "const"
+            self.needs.append((k, pointer_join(ptr, k)))
+
+
+def _refusal_reason(keyword: str) -> str:
+    if keyword in ("$dynamicRef", "$recursiveRef"):
+        return "dynamic references are not supported"
+    if keyword in ("extends", "disallow", "divisibleBy"):
+        return "a draft 3 keyword tandem does not support"
+    return "no grammar backend in tandem enforces it exactly, so the request is refused rather than served " \
+           "with the keyword ignored"
+
+
+def _dumps(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def plan(schema: Any) -> Plan:
+    """Walk `schema`: the backend that enforces every keyword exactly and the schema to give it; SchemaRefused
+    naming the first keyword none does."""
+    walk = _Walk(schema)
+    if isinstance(schema, dict):
+        walk.seen.add(id(schema))
+    cleaned = walk.schema(schema, "")
+    for ref, here in walk.refs:  # a reference into a stripped annotation would dangle
+        target: Any = cleaned
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            ok = isinstance(target, dict) and part in target or isinstance(target, list) and part.isdigit()
+            if not ok:
+                raise walk.refuse("$ref", here, f"{ref!r} points into a part of the schema that is not a schema")
+            target = target[part] if isinstance(target, dict) else target[int(part)]
+    return Plan(LLGUIDANCE if walk.needs else XGRAMMAR, cleaned, walk.needs)
+
+
+# OpenAI's strict mode: the keywords it accepts (annotations aside); tandem adds minLength / maxLength,
+# which it enforces exactly
+STRICT_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf", "$ref",
+    "$defs", "definitions", "pattern", "format", "multipleOf", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "minItems", "maxItems", "minLength", "maxLength"})
+STRICT_MAX_PROPERTIES, STRICT_MAX_DEPTH, STRICT_MAX_ENUM = 5000, 10, 1000
+
+
+def strict_violation(schema: Any) -> SchemaRefused | None:
+    """The first rule of OpenAI's strict mode that `schema` breaks, or None: the root is an object schema
+    (not anyOf); every object sets additionalProperties false and lists each of its properties in required;
+    only STRICT_KEYWORDS (and annotations); at most 5000 properties, 10 levels of nesting, 1000 enum values."""
+    if not isinstance(schema, dict) or schema.get("type") != "object" or "anyOf" in schema:
+        return _strict("type", "", "the root must be a schema of type object (not anyOf)")
+    counts = {"properties": 0, "enum": 0}
+    return _strict_node(schema, "", 1, counts)
+
+
+def _strict(keyword: str, pointer: str, why: str) -> SchemaRefused:
+    return SchemaRefused(keyword, pointer, f"strict mode: the JSON schema's `{keyword}` at {pointer or '/'}: {why}")
+
+
+def _strict_node(node: Any, ptr: str, depth: int, counts: dict[str, int]) -> SchemaRefused | None:
+    if not isinstance(node, dict):
+        return None if node is True else _strict("type", ptr, "a schema must be an object")
+    for key in node:
+        if key in KEYWORDS and key not in STRICT_KEYWORDS:
+            return _strict(key, pointer_join(ptr, key), "not allowed in strict mode; send strict: false to "
+                                                        "use it")
+    types = node.get("type")
+    is_object = types == "object" or isinstance(types, list) and "object" in types or "properties" in node
+    if is_object:
+        if depth > STRICT_MAX_DEPTH:
+            return _strict("properties", ptr, f"objects nest more than {STRICT_MAX_DEPTH} levels deep")
+        props = node.get("properties") or {}
+        if node.get("additionalProperties") is not False:
+            return _strict("additionalProperties", pointer_join(ptr, "additionalProperties"),
+                           "must be false on every object")
+        missing = [k for k in props if k not in (node.get("required") or [])]
+        if missing:
+            return _strict("required", pointer_join(ptr, "required"),
+                           f"must list every property; missing {missing[0]!r} (make a property optional "
+                           f"with a type that includes \"null\")")
+        counts["properties"] += len(props)
+        if counts["properties"] > STRICT_MAX_PROPERTIES:
+            return _strict("properties", pointer_join(ptr, "properties"),
+                           f"more than {STRICT_MAX_PROPERTIES} properties in all")
+    if isinstance(node.get("enum"), list):
+        counts["enum"] += len(node["enum"])
+        if counts["enum"] > STRICT_MAX_ENUM:
+            return _strict("enum", pointer_join(ptr, "enum"), f"more than {STRICT_MAX_ENUM} enum values in all")
+    children: list[tuple[Any, str, int]] = []
+    for key in ("properties", "$defs", "definitions"):
+        for k, v in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
+            children.append((v, pointer_join(pointer_join(ptr, key), k), depth + (key == "properties")))
+    for i, v in enumerate(node.get("anyOf") or []):
+        children.append((v, pointer_join(pointer_join(ptr, "anyOf"), i), depth))
+    if isinstance(node.get("items"), dict):
+        children.append((node["items"], pointer_join(ptr, "items"), depth + 1))
+    for child, where, d in children:
+        found = _strict_node(child, where, d, counts)
+        if found is not None:
+            return found
+    return None

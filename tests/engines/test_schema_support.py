@@ -1,0 +1,155 @@
+"""The schema walk's decisions on hand-picked tricky schemas (which backend, or which keyword at which JSON
+pointer is refused), OpenAI's strict rules, and that each backend enforces what it is given: strings that
+jsonschema accepts and rejects, fed token by token to the compiled grammar of the default tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from engines import schema_support as ss
+from engines.structured import GrammarCompiler, InvalidConstraint, StructuredOutput
+from engines.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+X, L = ss.XGRAMMAR, ss.LLGUIDANCE
+
+# (schema, backend the walk picks, JSON documents to try: each must be accepted iff jsonschema accepts it)
+DECIDED = [
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": -3, "maximum": 12}},
+      "required": ["a"], "additionalProperties": False}, X, ['{"a": -3}', '{"a": 13}', '{}']),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, L,
+     ['{"a": 1}', '{"a": 1, "b": 2}']),  # xgrammar drops a required key missing from properties
+    ({"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}]}, L,
+     ['{"a": 1}', '5', '{}']),  # xgrammar loses the sibling type
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "anyOf": [{"required": ["a"]}]}, L,
+     ['{}', '{"a": "x"}']),  # xgrammar drops required beside anyOf
+    ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, L, ['"a"', '1', 'true']),
+    ({"type": "string", "pattern": "a"}, L, ['"a"', '"xa"', '"b"']),  # unanchored: JSON Schema searches
+    ({"type": "string", "pattern": "^[0-9]{3}$"}, X, ['"123"', '"12"']),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, L, ['"abc"', '"abcd"']),
+    ({"type": "number", "minimum": 0.5, "exclusiveMaximum": 1.5}, L, ['0.5', '1.5', '0.4', '1.25']),
+    ({"type": "integer", "multipleOf": 3}, L, ['3', '4', '-6']),
+    ({"properties": {"a": {"type": "integer"}}}, L, ['{"a": 1}', '1', '"s"', '{"a": "x"}']),
+    ({"type": ["string", "integer"], "minLength": 2}, L, ['"a"', '"ab"', '1']),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [{"type": "integer"}],
+      "additionalItems": False}, L, ['[1]', '[1, 2]', '["a"]']),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False}, L,
+     ['{"xa": 1}', '{"y": 1}']),
+    ({"type": "string", "format": "date"}, L, ['"2024-02-29"', '"tomorrow"']),
+    ({"enum": ["a", {"x": [1]}]}, L, ['"a"', '{"x": [1]}', '"b"']),
+    ({"$ref": "#/definitions/n", "definitions": {"n": {"type": "object", "properties": {
+        "next": {"$ref": "#/definitions/n"}}, "additionalProperties": False}}}, X,
+     ['{}', '{"next": {"next": {}}}', '{"next": 1}']),
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False,
+      "markdownDescription": "an editor's annotation", "x-intellij-html-description": "<b>"}, X, ['{"a": true}']),
+]
+# (schema, refused keyword, its JSON pointer)
+REFUSED = [
+    ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if", "/if"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "not", "/properties/a/not"),
+    ({"type": "object", "$ref": "https://example.com/other.json"}, "$ref", "/$ref"),
+    ({"$ref": "#/definitions/missing"}, "$ref", "/$ref"),
+    ({"type": "string", "pattern": "^(?=x)x$"}, "pattern", "/pattern"),
+    ({"type": "string", "pattern": "(?<!a)b"}, "pattern", "/pattern"),
+    ({"type": "string", "pattern": "\\bword\\b"}, "pattern", "/pattern"),
+    ({"type": "string", "pattern": "^(a)\\1$"}, "pattern", "/pattern"),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems", "/uniqueItems"),
+    ({"type": "array", "contains": {"const": 1}}, "contains", "/contains"),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames", "/propertyNames"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "/dependentRequired"),
+    ({"definitions": {"a/b": {"type": "integer", "exclusiveMinimum": True, "minimum": 1}}},
+     "exclusiveMinimum", "/definitions/a~1b/exclusiveMinimum"),
+    ({"type": "string", "format": "regex"}, "format", "/format"),
+    ({"type": "object", "properties": {"x": {"$id": "https://example.com/x", "type": "integer"},
+                                       "y": {"$ref": "#/properties/x"}}}, "$id", "/properties/x/$id"),
+]
+
+
+def test_the_walk_refuses_what_no_backend_enforces_naming_keyword_and_pointer():
+    for schema, keyword, pointer in REFUSED:
+        with pytest.raises(ss.SchemaRefused) as exc:
+            ss.plan(schema)
+        assert (exc.value.keyword, exc.value.pointer) == (keyword, pointer), schema
+        assert f"`{keyword}`" in str(exc.value) and (pointer in str(exc.value)), str(exc.value)
+
+
+def test_the_walk_strips_annotations_and_keeps_assertions():
+    schema = DECIDED[-1][0]
+    chosen = ss.plan(schema)
+    assert chosen.backend == X
+    assert chosen.schema == {k: v for k, v in schema.items() if k in ("type", "properties", "required",
+                                                                    "additionalProperties")}
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    tok = Tokenizer.from_pretrained(ROOT / "models" / "tandem-tiny-s")
+    return tok, GrammarCompiler(tok, tok.backend.get_vocab_size(), sorted(tok.eos_token_ids))
+
+
+def _accepts(tok, compiler, compiled, text: str) -> bool:
+    grammar = compiler.matcher(compiled)
+    for t in tok.backend.encode(text, add_special_tokens=False).ids:
+        if not grammar.matcher.accept_token(t):
+            return False
+    return grammar.matcher.accept_token(min(tok.eos_token_ids))
+
+
+@pytest.mark.parametrize("schema, backend, docs", DECIDED, ids=[str(i) for i in range(len(DECIDED))])
+def test_each_backend_accepts_exactly_what_jsonschema_accepts(compiler, schema, backend, docs):
+    tok, comp = compiler
+    assert ss.plan(schema).backend == backend
+    compiled = comp.compile(StructuredOutput.json_schema(schema))
+    checker = jsonschema.validators.validator_for(schema)(schema, format_checker=jsonschema.FormatChecker())
+    for doc in docs:
+        assert _accepts(tok, comp, compiled, doc) == checker.is_valid(json.loads(doc)), (schema, doc)
+
+
+def test_llguidance_refusals_name_the_keyword(compiler):
+    _, comp = compiler
+    schema = {"type": "object", "properties": {"v": {"oneOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}},
+        {"type": "object", "properties": {"b": {"type": "integer"}}}]}}}
+    with pytest.raises(InvalidConstraint) as exc:  # not provably disjoint: llguidance will not take it
+        comp.compile(StructuredOutput.json_schema(schema, "guided_json"))
+    assert exc.value.where == "guided_json#/properties/v/oneOf"
+    assert "`oneOf`" in str(exc.value) and "/project/" not in str(exc.value)
+
+
+def test_regex_features_without_an_exact_backend_are_refused(compiler):
+    _, comp = compiler
+    for rx, what in [("(?=a)a", "lookaround"), ("\\bab", "word boundaries"), ("(a)\\1", "backreferences")]:
+        with pytest.raises(InvalidConstraint) as exc:
+            comp.compile(StructuredOutput("regex", rx, "guided_regex"))
+        assert exc.value.where == "guided_regex" and what in str(exc.value)
+    with pytest.raises(InvalidConstraint) as exc:  # a syntax error: xgrammar's reason, without its source path
+        comp.compile(StructuredOutput("regex", "(", "guided_regex"))
+    assert ".cc" not in str(exc.value) and "[" not in str(exc.value).split(":", 1)[1][:4]
+
+
+STRICT_OK = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                              "tags": {"type": "array", "items": {"type": "string"}},
+                                              "when": {"type": ["string", "null"], "format": "date"}},
+             "required": ["name", "tags", "when"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema, keyword, pointer", [
+    ({"anyOf": [STRICT_OK]}, "type", ""),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "additionalProperties",
+     "/additionalProperties"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"],
+      "additionalProperties": False}, "required", "/required"),
+    (dict(STRICT_OK, properties=dict(STRICT_OK["properties"], name={"allOf": [{"type": "string"}]})), "allOf",
+     "/properties/name/allOf"),
+    (dict(STRICT_OK, properties=dict(STRICT_OK["properties"], tags={"type": "array", "items": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False}})),
+     "required", "/properties/tags/items/required"),
+])
+def test_openai_strict_rules(schema, keyword, pointer):
+    assert ss.strict_violation(STRICT_OK) is None
+    found = ss.strict_violation(schema)
+    assert found is not None and (found.keyword, found.pointer) == (keyword, pointer), found
