@@ -276,7 +276,10 @@ def plan(schema: Any) -> Plan:
     walk = _Walk(schema)
     if isinstance(schema, dict):
         walk.seen.add(id(schema))
-    cleaned = walk.schema(schema, "")
+    try:
+        cleaned = walk.schema(schema, "")
+    except RecursionError:  # a chain of $refs deeper than the interpreter's stack
+        raise walk.refuse("$ref", "", "the schema's references nest too deeply") from None
     for ref, here in walk.refs:  # a reference into a stripped annotation would dangle
         target: Any = cleaned
         for part in ref[2:].split("/") if ref != "#" else []:
@@ -301,8 +304,10 @@ def strict_violation(schema: Any) -> SchemaRefused | None:
     """The first rule of OpenAI's strict mode that `schema` breaks, or None: the root is an object schema
     (not anyOf); every object sets additionalProperties false and lists each of its properties in required;
     only STRICT_KEYWORDS (and annotations); at most 5000 properties, 10 levels of nesting, 1000 enum values."""
-    if not isinstance(schema, dict) or schema.get("type") != "object" or "anyOf" in schema:
-        return _strict("type", "", "the root must be a schema of type object (not anyOf)")
+    if isinstance(schema, dict) and "anyOf" in schema:
+        return _strict("anyOf", "/anyOf", "the root must be a schema of type object, not anyOf")
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        return _strict("type", "/type", "the root must be a schema of type object")
     counts = {"properties": 0, "enum": 0}
     return _strict_node(schema, "", 1, counts)
 
@@ -323,11 +328,12 @@ def _strict_node(node: Any, ptr: str, depth: int, counts: dict[str, int]) -> Sch
     if is_object:
         if depth > STRICT_MAX_DEPTH:
             return _strict("properties", ptr, f"objects nest more than {STRICT_MAX_DEPTH} levels deep")
-        props = node.get("properties") or {}
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = node.get("required") if isinstance(node.get("required"), list) else []
         if node.get("additionalProperties") is not False:
             return _strict("additionalProperties", pointer_join(ptr, "additionalProperties"),
                            "must be false on every object")
-        missing = [k for k in props if k not in (node.get("required") or [])]
+        missing = [k for k in props if k not in required]
         if missing:
             return _strict("required", pointer_join(ptr, "required"),
                            f"must list every property; missing {missing[0]!r} (make a property optional "
@@ -344,7 +350,7 @@ def _strict_node(node: Any, ptr: str, depth: int, counts: dict[str, int]) -> Sch
     for key in ("properties", "$defs", "definitions"):
         for k, v in (node.get(key) or {}).items() if isinstance(node.get(key), dict) else ():
             children.append((v, pointer_join(pointer_join(ptr, key), k), depth + (key == "properties")))
-    for i, v in enumerate(node.get("anyOf") or []):
+    for i, v in enumerate(node["anyOf"] if isinstance(node.get("anyOf"), list) else []):
         children.append((v, pointer_join(pointer_join(ptr, "anyOf"), i), depth))
     if isinstance(node.get("items"), dict):
         children.append((node["items"], pointer_join(ptr, "items"), depth + 1))

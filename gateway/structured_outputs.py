@@ -37,12 +37,11 @@ def _schema(value: Any, param: str) -> Any:
 def checked_schema(schema: Any, param: str, strict: bool = False) -> Any:
     """`schema` if tandem can enforce it exactly (and, when `strict`, it follows OpenAI's strict rules); else
     InvalidParameter with param `<field>#<JSON pointer of the keyword>`."""
-    refused = schema_support.strict_violation(schema) if strict else None
-    if refused is None:
-        try:
-            schema_support.plan(schema)
-        except schema_support.SchemaRefused as e:
-            refused = e
+    try:
+        schema_support.plan(schema)
+        refused = schema_support.strict_violation(schema) if strict else None
+    except schema_support.SchemaRefused as e:
+        refused = e
     if refused is not None:
         raise _invalid(f"{param}#{refused.pointer}", f"{param}: {refused}")
     return schema

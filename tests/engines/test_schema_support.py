@@ -138,7 +138,8 @@ STRICT_OK = {"type": "object", "properties": {"name": {"type": "string", "maxLen
 
 
 @pytest.mark.parametrize("schema, keyword, pointer", [
-    ({"anyOf": [STRICT_OK]}, "type", ""),
+    ({"anyOf": [STRICT_OK]}, "anyOf", "/anyOf"),
+    ({"type": "array", "items": STRICT_OK}, "type", "/type"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "additionalProperties",
      "/additionalProperties"),
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"],
@@ -153,3 +154,18 @@ def test_openai_strict_rules(schema, keyword, pointer):
     assert ss.strict_violation(STRICT_OK) is None
     found = ss.strict_violation(schema)
     assert found is not None and (found.keyword, found.pointer) == (keyword, pointer), found
+
+
+def test_no_free_whitespace_on_either_backend(compiler):
+    """vLLM's disable-any-whitespace: one layout, separators ", " and ": ", nothing before, after or inside."""
+    tok, comp = compiler
+    for schema in ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array"}},
+                    "required": ["a", "b"], "additionalProperties": False},
+                   {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array"}},
+                    "required": ["a", "b"], "additionalProperties": False, "minProperties": 2}):
+        assert ss.plan(schema).backend == (L if "minProperties" in schema else X)
+        compiled = comp.compile(StructuredOutput.json_schema(schema))
+        assert _accepts(tok, comp, compiled, '{"a": 1, "b": [1, 2]}'), schema
+        for loose in ['{"a":1, "b": []}', '{ "a": 1, "b": []}', '{"a": 1,  "b": []}', '{"a": 1, "b": [1,2]}',
+                      '{"a": 1, "b": []}\n', ' {"a": 1, "b": []}', '{"a": 1, "b": [\n]}']:
+            assert not _accepts(tok, comp, compiled, loose), (schema, loose)
