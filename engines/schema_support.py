@@ -116,6 +116,9 @@ class _Walk:
         self.refs: list[tuple[str, str]] = []
         self.seen: set[int] = set()
         self.has_ref = '"$ref"' in _dumps(root)
+        declared = root.get("$schema") if isinstance(root, dict) else None
+        # before 2019-09, prefixItems is no keyword (an annotation) and `items` may be a list (tuples)
+        self.old_draft = isinstance(declared, str) and bool(re.search(r"draft-0[3-7]", declared))
 
     def refuse(self, keyword: str, pointer: str, why: str) -> SchemaRefused:
         where = pointer or "/"
@@ -133,6 +136,8 @@ class _Walk:
         for key, value in node.items():
             here = pointer_join(ptr, key)
             how = KEYWORDS.get(key)
+            if key == "prefixItems" and self.old_draft:
+                continue
             if how == REFUSED:
                 if key == "uniqueItems" and value is False:
                     continue
@@ -181,6 +186,8 @@ class _Walk:
         if key in ("exclusiveMinimum", "exclusiveMaximum", "minimum", "maximum", "multipleOf"):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise self.refuse(key, here, "must be a number (the draft 4 boolean form is not supported)")
+            if abs(value) >= 2 ** 53:
+                raise self.refuse(key, here, _BIG)
             if key == "multipleOf" and value <= 0:
                 raise self.refuse(key, here, "must be greater than 0")
             return value
@@ -202,6 +209,8 @@ class _Walk:
             return value
         if key == "enum" and (not isinstance(value, list) or not value):
             raise self.refuse(key, here, "must be a non-empty list")
+        if key in ("enum", "const") and _has_big_number(value):
+            raise self.refuse(key, here, _BIG)
         return value
 
     def reference(self, ref: Any, here: str) -> None:
@@ -247,12 +256,29 @@ class _Walk:
         numeric = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(node)
         if numeric and (types == "number" or isinstance(types, list) and "number" in types):
             self.needs.append((sorted(numeric)[0], pointer_join(ptr, sorted(numeric)[0])))
+        fractional = [k for k in sorted(numeric) if isinstance(node[k], float) and not node[k].is_integer()]
+        if fractional:  # xgrammar takes only whole bounds for integers
+            self.needs.append((fractional[0], pointer_join(ptr, fractional[0])))
+        prefix = node.get("prefixItems")
+        if isinstance(prefix, list) and isinstance(node.get("maxItems"), int) and node["maxItems"] < len(prefix):
+            self.needs.append(("maxItems", pointer_join(ptr, "maxItems")))  # xgrammar wants every prefix item
         if isinstance(types, list) and len(types) > 1 and typed:
             self.needs.append(("type", pointer_join(ptr, "type")))
         enum = node.get("enum", [node["const"]] if "const" in node else [])
         if isinstance(enum, list) and any(isinstance(v, dict | list) for v in enum):  # xgrammar: compact only
             k = "enum" if "enum" in node else "const"
             self.needs.append((k, pointer_join(ptr, k)))
+
+
+_BIG = "numbers of magnitude 2^53 or more are not enforced exactly (both backends round them)"
+
+
+def _has_big_number(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_has_big_number(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_big_number(v) for v in value)
+    return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) >= 2 ** 53
 
 
 def _refusal_reason(keyword: str) -> str:

@@ -88,6 +88,8 @@ class GrammarCompiler:
         self.num_compiled = 0
         self._llg_args = (backend.to_str(), vocab_size, list(stop_token_ids))
         self._llg: LLGuidanceBackend | None = None  # the second backend, built with the first schema needing it
+        self._info = info
+        self._control: tuple[frozenset[int], torch.Tensor] | None = None  # built with the first JSON matcher
 
     def compile(self, so: StructuredOutput) -> xgrammar.CompiledGrammar:
         key = (so.kind, so.spec)
@@ -110,8 +112,8 @@ class GrammarCompiler:
             if so.kind == "json":
                 return self._compile_schema(so)
             if so.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(", ", ": "),
-                                             strict_mode=False)
+                return CompactJSON(c.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                         separators=(", ", ": "), strict_mode=False))
             if so.kind == "regex":
                 check_regex(so)
                 return c.compile_regex(so.spec)
@@ -134,8 +136,8 @@ class GrammarCompiler:
         except schema_support.SchemaRefused as e:
             raise InvalidConstraint(so.param, f"{so.param}: {e}", keyword=e.keyword, pointer=e.pointer) from None
         if chosen.backend == schema_support.XGRAMMAR:
-            return self._compiler.compile_json_schema(json.dumps(chosen.schema), any_whitespace=False,
-                                                      separators=(", ", ": "))
+            return CompactJSON(self._compiler.compile_json_schema(json.dumps(chosen.schema), any_whitespace=False,
+                                                                  separators=(", ", ": ")))
         if self._llg is None:
             with self._lock:
                 if self._llg is None:
@@ -156,7 +158,57 @@ class GrammarCompiler:
         """A fresh per-sequence state over a compiled grammar."""
         if isinstance(compiled, LLGTemplate):
             return Grammar(compiled.matcher(), self.vocab_size)
+        if isinstance(compiled, CompactJSON):
+            if self._control is None:
+                self._control = _control_tokens(self._info, self.vocab_size)
+            return Grammar(NoControlBytes(self._xgr.GrammarMatcher(compiled.compiled), *self._control),
+                           self.vocab_size)
         return Grammar(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+class CompactJSON:
+    """A JSON grammar compiled by xgrammar for the compact layout: no raw byte below 0x20 belongs in its output
+    (xgrammar lets control characters into length-bounded strings, which is not JSON), so its matchers mask
+    the tokens holding one."""
+
+    __slots__ = ("compiled",)
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+
+class NoControlBytes:
+    """An xgrammar matcher that also refuses the tokens in `forbidden` (`allowed`: their packed complement)."""
+
+    __slots__ = ("m", "forbidden", "allowed")
+
+    def __init__(self, m, forbidden: frozenset[int], allowed: torch.Tensor):
+        self.m, self.forbidden, self.allowed = m, forbidden, allowed
+
+    def is_terminated(self) -> bool:
+        return self.m.is_terminated()
+
+    def accept_token(self, token: int) -> bool:
+        return token not in self.forbidden and self.m.accept_token(token)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        self.m.fill_next_token_bitmask(bitmask, index)
+        bitmask[index] &= self.allowed
+
+    def rollback(self, num_tokens: int) -> None:
+        self.m.rollback(num_tokens)
+
+
+def _control_tokens(info, vocab_size: int) -> tuple[frozenset[int], torch.Tensor]:
+    """The tokens whose bytes hold a control character (below 0x20; stop tokens excepted), and the packed
+    mask [W] allowing every other token."""
+    stops = set(info.stop_token_ids)
+    forbidden = frozenset(i for i, b in enumerate(info.decoded_vocab[:vocab_size])
+                          if i not in stops and any(c < 0x20 for c in b))
+    bits = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.int64)
+    bits[list(forbidden)] = 0
+    packed = (bits.view(-1, 32) << torch.arange(32, dtype=torch.int64)).sum(1)
+    return forbidden, torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
 
 
 class Grammar:

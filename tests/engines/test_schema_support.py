@@ -169,3 +169,59 @@ def test_no_free_whitespace_on_either_backend(compiler):
         for loose in ['{"a":1, "b": []}', '{ "a": 1, "b": []}', '{"a": 1,  "b": []}', '{"a": 1, "b": [1,2]}',
                       '{"a": 1, "b": []}\n', ' {"a": 1, "b": []}', '{"a": 1, "b": [\n]}']:
             assert not _accepts(tok, comp, compiled, loose), (schema, loose)
+
+
+FUZZED = [  # schemas whose every output must validate: random walks under the masks, on both backends
+    {"type": "string", "minLength": 1, "maxLength": 3},  # xgrammar alone lets raw control bytes in here
+    {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}, "n": {"type": "integer",
+     "minimum": -5, "maximum": 5}}, "required": ["s", "n"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "boolean"}},
+    {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "boolean"}, "maxItems": 3},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "prefixItems": [{"type": "integer"}],
+     "items": {"type": "boolean"}, "maxItems": 3},  # draft 7: prefixItems is an annotation
+    {"type": "integer", "minimum": -1.5, "exclusiveMaximum": 2.5},
+    {"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.25, "maximum": 2},
+    {"enum": ["a\"b", "\u00e9", "\n", 1.5, True, None, {"k": [1]}]},
+    {"anyOf": [{"type": "integer", "minimum": 5}, {"type": "string", "maxLength": 1}], "type": "integer"},
+    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 2}}, "required": ["a", "b"],
+     "additionalProperties": {"type": "boolean"}},
+    {"oneOf": [{"type": "string", "maxLength": 2}, {"type": "boolean"}]},
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+               {"properties": {"a": {"maximum": 3}}}]},
+    {"type": "string", "pattern": "[0-9]{2}", "maxLength": 4},
+    {"type": "string", "pattern": "^[\\w-]{2,4}$"},
+    {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
+    {"$ref": "#/$defs/t", "$defs": {"t": {"anyOf": [{"type": "null"}, {"type": "array", "items": {
+        "$ref": "#/$defs/t"}, "maxItems": 2}]}}},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"},
+                                      "id": {"type": "string", "format": "uuid"}}, "required": ["when"]},
+]
+
+
+@pytest.mark.parametrize("schema", FUZZED, ids=[str(i) for i in range(len(FUZZED))])
+def test_random_walks_under_the_masks_only_produce_valid_documents(compiler, schema):
+    import random
+
+    import torch
+
+    tok, comp = compiler
+    compiled = comp.compile(StructuredOutput.json_schema(schema))
+    checker = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(
+        schema, format_checker=jsonschema.FormatChecker())
+    stops, vocab, rng, finished = sorted(tok.eos_token_ids), tok.backend.get_vocab_size(), random.Random(0), 0
+    for _ in range(16):
+        grammar, ids = comp.matcher(compiled), []
+        for _ in range(48):
+            mask = grammar.next_mask()
+            allowed = (((mask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab]
+                       .nonzero().flatten().tolist())
+            ends = [t for t in allowed if t in stops]
+            t = ends[0] if ends and rng.random() < 0.3 else rng.choice(allowed)
+            grammar.accept(t)
+            if t in stops:
+                text = tok.backend.decode(ids, skip_special_tokens=False)
+                assert checker.is_valid(json.loads(text)), (schema, text)
+                finished += 1
+                break
+            ids.append(t)
+    assert finished >= 4, schema

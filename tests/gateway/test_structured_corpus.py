@@ -114,7 +114,11 @@ def test_json_prefix_check_itself():
 
 
 def _validator(schema: dict):
-    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)(schema)
+    """The validator of the schema's declared draft; undeclared: 2020-12, as tandem reads it (draft 7 when an
+    `items` list shows an older schema)."""
+    old = '"items": [' in json.dumps(schema)
+    default = jsonschema.Draft7Validator if old else jsonschema.Draft202012Validator
+    return jsonschema.validators.validator_for(schema, default=default)(schema)
 
 
 def _refused_keyword(err: openai.BadRequestError) -> str:
