@@ -39,7 +39,7 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST, param: str | None = None):
         super().__init__(message)
         self.code = code
-        self.param = param  # the request field at fault, when known (an output constraint's)
+        self.param = param  # the request field at fault, when one is (an API names it in its error)
 
 
 class EngineDeadError(RuntimeError):
