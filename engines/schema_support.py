@@ -52,7 +52,7 @@ _REGEX_REFUSED = [
     (re.compile(r"\\[1-9]|\\k<"), "backreferences"),
 ]
 # what xgrammar's regex dialect covers exactly (anything else goes to llguidance)
-_XGR_ATOM = re.compile(r"\\[dDwWsS.\\/\-^$|?*+(){}\[\]]|\[(?:\\.|[^\]\\])*\]|\(\?:|[^\\\[]")
+_XGR_ATOM = re.compile(r"\\[dDwWsS./\-^$|?*+(){}\[\]]|\[(?:\\.|[^\]\\])*\]|\(\?:|[^\\\[]")
 
 
 class SchemaRefused(ValueError):
@@ -90,6 +90,8 @@ def _xgrammar_pattern(pattern: str) -> bool:
     """Whether xgrammar matches `pattern` exactly as JSON Schema means it: xgrammar matches the whole string,
     so only ^...$ without a top-level alternation, written in the subset `_XGR_ATOM` covers."""
     if not (pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")):
+        return False
+    if '"' in pattern or re.search(r"\\[\\xuc0-9]", pattern):  # xgrammar emits a matched " or \ unescaped
         return False
     body, depth, pos = pattern[1:-1], 0, 0
     while pos < len(body):

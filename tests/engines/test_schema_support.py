@@ -190,6 +190,9 @@ FUZZED = [  # schemas whose every output must validate: random walks under the m
                {"properties": {"a": {"maximum": 3}}}]},
     {"type": "string", "pattern": "[0-9]{2}", "maxLength": 4},
     {"type": "string", "pattern": "^[\\w-]{2,4}$"},
+    {"type": "string", "pattern": "^[\"a]{1,3}$"},  # xgrammar would emit the quote unescaped
+    {"type": "string", "pattern": "^\\\\[ab]$"},  # likewise a backslash
+    {"type": "string", "pattern": "^[^a]{1,3}$"},
     {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
     {"$ref": "#/$defs/t", "$defs": {"t": {"anyOf": [{"type": "null"}, {"type": "array", "items": {
         "$ref": "#/$defs/t"}, "maxItems": 2}]}}},
@@ -225,3 +228,13 @@ def test_random_walks_under_the_masks_only_produce_valid_documents(compiler, sch
                 break
             ids.append(t)
     assert finished >= 4, schema
+
+
+def test_patterns_matching_a_quote_or_backslash_leave_xgrammar(compiler):
+    """xgrammar would emit a quote or a backslash the pattern matches unescaped (three quotes are not JSON)."""
+    tok, comp = compiler
+    for pattern, raw, escaped in [('^["a]{1,3}$', '"""', '"\\""'), ("^\\\\[ab]$", '"\\a"', '"\\\\a"')]:
+        schema = {"type": "string", "pattern": pattern}
+        assert ss.plan(schema).backend == L
+        compiled = comp.compile(StructuredOutput.json_schema(schema))
+        assert not _accepts(tok, comp, compiled, raw) and _accepts(tok, comp, compiled, escaped), pattern
