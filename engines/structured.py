@@ -161,42 +161,19 @@ class GrammarCompiler:
         if isinstance(compiled, CompactJSON):
             if self._control is None:
                 self._control = _control_tokens(self._info, self.vocab_size)
-            return Grammar(NoControlBytes(self._xgr.GrammarMatcher(compiled.compiled), *self._control),
-                           self.vocab_size)
+            return Grammar(self._xgr.GrammarMatcher(compiled.compiled), self.vocab_size, *self._control)
         return Grammar(self._xgr.GrammarMatcher(compiled), self.vocab_size)
 
 
 class CompactJSON:
     """A JSON grammar compiled by xgrammar for the compact layout: no raw byte below 0x20 belongs in its output
-    (xgrammar lets control characters into length-bounded strings, which is not JSON), so its matchers mask
+    (xgrammar lets control characters into length-bounded strings, which is not JSON), so its Grammars mask
     the tokens holding one."""
 
     __slots__ = ("compiled",)
 
     def __init__(self, compiled):
         self.compiled = compiled
-
-
-class NoControlBytes:
-    """An xgrammar matcher that also refuses the tokens in `forbidden` (`allowed`: their packed complement)."""
-
-    __slots__ = ("m", "forbidden", "allowed")
-
-    def __init__(self, m, forbidden: frozenset[int], allowed: torch.Tensor):
-        self.m, self.forbidden, self.allowed = m, forbidden, allowed
-
-    def is_terminated(self) -> bool:
-        return self.m.is_terminated()
-
-    def accept_token(self, token: int) -> bool:
-        return token not in self.forbidden and self.m.accept_token(token)
-
-    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
-        self.m.fill_next_token_bitmask(bitmask, index)
-        bitmask[index] &= self.allowed
-
-    def rollback(self, num_tokens: int) -> None:
-        self.m.rollback(num_tokens)
 
 
 def _control_tokens(info, vocab_size: int) -> tuple[frozenset[int], torch.Tensor]:
@@ -212,17 +189,20 @@ def _control_tokens(info, vocab_size: int) -> tuple[frozenset[int], torch.Tensor
 
 
 class Grammar:
-    """One sequence's grammar state over its output tokens (a matcher and a mask buffer)."""
+    """One sequence's grammar state over its output tokens (a matcher and a mask buffer). `forbidden` tokens
+    are refused whatever the matcher says (`allowed`: the packed mask of every other token)."""
 
-    __slots__ = ("matcher", "vocab_size", "_buf", "_xgr")
+    __slots__ = ("matcher", "vocab_size", "_buf", "_xgr", "forbidden", "allowed")
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, forbidden: frozenset[int] = frozenset(),
+                 allowed: torch.Tensor | None = None):
         import xgrammar as xgr
 
         self._xgr = xgr
         self.matcher = matcher
         self.vocab_size = vocab_size
         self._buf = xgr.allocate_token_bitmask(1, vocab_size)
+        self.forbidden, self.allowed = forbidden, allowed
 
     def accept(self, token: int) -> None:
         """The sequence appended `token` (the masks allowed it)."""
@@ -236,7 +216,7 @@ class Grammar:
         if self.matcher.is_terminated():
             return torch.full((self._buf.shape[1],), -1, dtype=torch.int32)
         self.matcher.fill_next_token_bitmask(self._buf, 0)
-        return self._buf[0].clone()
+        return self._buf[0].clone() if self.allowed is None else self._buf[0] & self.allowed
 
     def window_masks(self, drafts: Seq[int]) -> torch.Tensor:
         """Masks [k + 1, W] for the positions of a speculative window: position j after drafts[:j]. A position
@@ -248,11 +228,13 @@ class Grammar:
             if m.is_terminated():
                 break
             m.fill_next_token_bitmask(out, j)
-            if j == len(drafts) or not m.accept_token(drafts[j]):
+            if j == len(drafts) or drafts[j] in self.forbidden or not m.accept_token(drafts[j]):
                 break
             taken += 1
         if taken:
             m.rollback(taken)
+        if self.allowed is not None:
+            out[:taken + 1] &= self.allowed
         return out
 
     def draft_mask(self, token_ids_since: Seq[int]) -> torch.Tensor:
@@ -260,7 +242,7 @@ class Grammar:
         m = self.matcher
         taken = 0
         for t in token_ids_since:
-            if m.is_terminated() or not m.accept_token(t):
+            if m.is_terminated() or t in self.forbidden or not m.accept_token(t):
                 break
             taken += 1
         try:
