@@ -233,8 +233,8 @@ class Grammar:
             taken += 1
         if taken:
             m.rollback(taken)
-        if self.allowed is not None:
-            out[:taken + 1] &= self.allowed
+        if self.allowed is not None:  # rows past a refused draft stay "all" but for the forbidden tokens
+            out.bitwise_and_(self.allowed)
         return out
 
     def draft_mask(self, token_ids_since: Seq[int]) -> torch.Tensor:
