@@ -205,7 +205,7 @@ class _Walk:
                 raise self.refuse(key, here, f"the pattern uses {what}, which tandem cannot enforce")
             return value
         if key == "format":
-            if value not in FORMATS:
+            if not isinstance(value, str) or value not in FORMATS:
                 raise self.refuse(key, here, f"format {value!r} is not enforced; supported formats: "
                                              f"{', '.join(sorted(FORMATS))}")
             return value
@@ -302,6 +302,8 @@ def plan(schema: Any) -> Plan:
     """Walk `schema`: the backend that enforces every keyword exactly and the schema to give it; SchemaRefused
     naming the first keyword none does."""
     walk = _Walk(schema)
+    if schema is False:
+        raise SchemaRefused("false", "", "the JSON schema is `false`: no answer can match it")
     if isinstance(schema, dict):
         walk.seen.add(id(schema))
     try:
@@ -387,3 +389,22 @@ def _strict_node(node: Any, ptr: str, depth: int, counts: dict[str, int]) -> Sch
         if found is not None:
             return found
     return None
+
+
+def keyword_pointers(schema: Any, ptr: str = "") -> list[tuple[str, str]]:
+    """Every (keyword, JSON pointer) of a walked schema, depth first."""
+    out: list[tuple[str, str]] = []
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            here = pointer_join(ptr, key)
+            if key in KEYWORDS:
+                out.append((key, here))
+            if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+                for k, v in value.items():
+                    out.extend(keyword_pointers(v, pointer_join(here, k)))
+            elif isinstance(value, list) and key in ("anyOf", "oneOf", "allOf", "prefixItems", "items"):
+                for i, v in enumerate(value):
+                    out.extend(keyword_pointers(v, pointer_join(here, i)))
+            elif isinstance(value, dict) and key in ("items", "additionalProperties", "additionalItems"):
+                out.extend(keyword_pointers(value, here))
+    return out

@@ -136,8 +136,11 @@ class GrammarCompiler:
         except schema_support.SchemaRefused as e:
             raise InvalidConstraint(so.param, f"{so.param}: {e}", keyword=e.keyword, pointer=e.pointer) from None
         if chosen.backend == schema_support.XGRAMMAR:
-            return CompactJSON(self._compiler.compile_json_schema(json.dumps(chosen.schema), any_whitespace=False,
-                                                                  separators=(", ", ": ")))
+            try:
+                return CompactJSON(self._compiler.compile_json_schema(
+                    json.dumps(chosen.schema), any_whitespace=False, separators=(", ", ": ")))
+            except Exception:  # e.g. a combination xgrammar rejects: llguidance may still take it
+                pass
         if self._llg is None:
             with self._lock:
                 if self._llg is None:
@@ -145,9 +148,10 @@ class GrammarCompiler:
         try:
             return self._llg.compile_json(chosen.schema)
         except LLGuidanceError as e:
-            keyword, pointer = _blame(str(e), chosen.needs)
-            raise InvalidConstraint(so.param, f"{so.param}: the JSON schema's `{keyword}` at {pointer or '/'} "
-                                    f"cannot be enforced exactly ({e})", keyword=keyword, pointer=pointer) from None
+            keyword, pointer = _blame(str(e), chosen.needs or schema_support.keyword_pointers(chosen.schema))
+            where = f"schema's `{keyword}` at {pointer or '/'}" if keyword else "schema"
+            raise InvalidConstraint(so.param, f"{so.param}: the JSON {where} cannot be enforced exactly ({e})",
+                                    keyword=keyword, pointer=pointer) from None
 
     def cached(self, so: StructuredOutput) -> bool:
         """Whether `compile(so)` would return at once (the caller can compile elsewhere otherwise)."""
@@ -319,10 +323,10 @@ def check_regex(so: StructuredOutput) -> None:
         raise InvalidConstraint(so.param, f"{so.param}: the regex uses {what}, which tandem cannot enforce")
 
 
-def _blame(message: str, needs: list[tuple[str, str]]) -> tuple[str, str]:
+def _blame(message: str, needs: list[tuple[str, str]]) -> tuple[str | None, str | None]:
     """The (keyword, pointer) llguidance's refusal is about: the first keyword it names among those the walk
-    sent to it, else the first of those."""
+    sent to it (or, when xgrammar failed first, among all the schema's), else the first of those."""
     for keyword, pointer in needs:
         if re.search(rf"\b{re.escape(keyword)}\b", message):
             return keyword, pointer
-    return needs[0] if needs else ("type", "")
+    return needs[0] if needs else (None, None)
