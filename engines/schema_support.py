@@ -117,6 +117,8 @@ class _Walk:
         self.needs: list[tuple[str, str]] = []
         self.refs: list[tuple[str, str]] = []
         self.seen: set[int] = set()
+        self.aliases: dict[str, str] = {}  # a $ref into a non-schema place -> its copy's name under $defs
+        self.copies: dict[str, Any] = {}
         self.has_ref = '"$ref"' in _dumps(root)
         declared = root.get("$schema") if isinstance(root, dict) else None
         # before 2019-09, prefixItems is no keyword (an annotation) and `items` may be a list (tuples)
@@ -173,8 +175,7 @@ class _Walk:
         if key in ("additionalProperties", "additionalItems"):
             return value if isinstance(value, bool) else self.schema(value, here)
         if key == "$ref":
-            self.reference(value, here)
-            return value
+            return self.reference(value, here)
         if key == "required":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise self.refuse(key, here, "must be a list of property names (the draft 3 boolean form is "
@@ -215,13 +216,15 @@ class _Walk:
             raise self.refuse(key, here, _BIG)
         return value
 
-    def reference(self, ref: Any, here: str) -> None:
+    def reference(self, ref: Any, here: str) -> str:
+        """Check and follow a $ref; the reference to compile (a copy under $defs for a target that sits in a
+        place that is not a schema's, such as inside an unknown keyword, which is stripped)."""
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise self.refuse("$ref", here, f"{ref!r} is not a reference into this schema (#/...); remote "
                                             f"documents and anchors are not fetched")
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")] if ref != "#" else []
         target: Any = self.root
-        for part in ref[2:].split("/") if ref != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
+        for part in parts:
             if isinstance(target, dict) and part in target:
                 target = target[part]
             elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
@@ -230,10 +233,16 @@ class _Walk:
                 raise self.refuse("$ref", here, f"{ref!r} points at nothing in this schema")
         if not isinstance(target, dict | bool):
             raise self.refuse("$ref", here, f"{ref!r} does not point at a schema")
-        self.refs.append((ref, here))
-        if id(target) not in self.seen:
-            self.seen.add(id(target))
-            self.schema(target, ref[1:])
+        if _schema_place(parts):
+            self.refs.append((ref, here))
+            if id(target) not in self.seen:
+                self.seen.add(id(target))
+                self.schema(target, ref[1:])
+            return ref
+        if ref not in self.aliases:
+            self.aliases[ref] = f"tandem-ref-{len(self.aliases)}"
+            self.copies[self.aliases[ref]] = self.schema(target, ref[1:])
+        return f"#/$defs/{self.aliases[ref]}"
 
     def node_backend(self, node: dict, ptr: str) -> None:
         """Record the keywords of `node` that xgrammar would approximate (the sibling rules)."""
@@ -283,6 +292,34 @@ def _has_big_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) >= 2 ** 53
 
 
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_SCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems"}
+_SCHEMA_VALUES = {"additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+                  "propertyNames", "unevaluatedItems", "unevaluatedProperties"}
+
+
+def _schema_place(parts: list[str]) -> bool:
+    """Whether the JSON pointer `parts` leads from the root through schemas only (so the walk keeps it)."""
+    state = "schema"
+    for part in parts:
+        if state == "items":  # `items` holds a schema or a list of them
+            state = "schema"
+            if part.isdigit():
+                continue
+        if state == "schema":
+            state = ("map" if part in _SCHEMA_MAPS else "list" if part in _SCHEMA_LISTS else "items"
+                     if part == "items" else "schema" if part in _SCHEMA_VALUES else "")
+            if not state:
+                return False
+        elif state == "map":
+            state = "schema"
+        elif state == "list":
+            if not part.isdigit():
+                return False
+            state = "schema"
+    return state in ("schema", "items")
+
+
 def _refusal_reason(keyword: str) -> str:
     if keyword in ("$dynamicRef", "$recursiveRef"):
         return "dynamic references are not supported"
@@ -310,6 +347,10 @@ def plan(schema: Any) -> Plan:
         cleaned = walk.schema(schema, "")
     except RecursionError:  # a chain of $refs deeper than the interpreter's stack
         raise walk.refuse("$ref", "", "the schema's references nest too deeply") from None
+    if walk.copies:
+        if not isinstance(cleaned, dict) or not isinstance(cleaned.get("$defs", {}), dict):
+            raise walk.refuse("$ref", "", "references into places that are not schemas need an object schema")
+        cleaned["$defs"] = {**cleaned.get("$defs", {}), **walk.copies}
     for ref, here in walk.refs:  # a reference into a stripped annotation would dangle
         target: Any = cleaned
         for part in ref[2:].split("/") if ref != "#" else []:

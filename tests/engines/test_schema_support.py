@@ -44,6 +44,12 @@ DECIDED = [
     ({"$ref": "#/definitions/n", "definitions": {"n": {"type": "object", "properties": {
         "next": {"$ref": "#/definitions/n"}}, "additionalProperties": False}}}, X,
      ['{}', '{"next": {"next": {}}}', '{"next": 1}']),
+    ({"x-library": {"t": {"type": "object", "properties": {"c": {"$ref": "#/x-library/t"}},
+                          "additionalProperties": False}}, "$ref": "#/x-library/t"}, X,
+     ['{}', '{"c": {"c": {}}}', '{"c": 1}']),  # a $ref into an unknown keyword: copied under $defs
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "x-library": {"n": {"type": "integer"}},
+      "type": "object", "properties": {"a": {"$ref": "#/x-library/n"}}, "required": ["a"], "minProperties": 1}, L,
+     ['{"a": 1}', '{"a": "x"}', '{}']),
     ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False,
       "markdownDescription": "an editor's annotation", "x-intellij-html-description": "<b>"}, X, ['{"a": true}']),
 ]
@@ -238,3 +244,32 @@ def test_patterns_matching_a_quote_or_backslash_leave_xgrammar(compiler):
         assert ss.plan(schema).backend == L
         compiled = comp.compile(StructuredOutput.json_schema(schema))
         assert not _accepts(tok, comp, compiled, raw) and _accepts(tok, comp, compiled, escaped), pattern
+
+
+def test_the_walk_raises_nothing_but_refusals_on_random_keyword_trees():
+    import random
+
+    rng = random.Random(5)
+    keys = [*ss.KEYWORDS, *ss.ANNOTATIONS, "x-editor", "a", "0"]
+    leaves = [None, True, False, 0, -1, 1.5, 2 ** 60, "", "a", "#", "#/", "#/definitions/a", "^a$", "(?=x)",
+              "string", "object", "integer", "date", [], {}]
+
+    def tree(depth: int):
+        r = rng.random()
+        if depth > 3 or r < 0.3:
+            return rng.choice(leaves)
+        if r < 0.5:
+            return [tree(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(keys): tree(depth + 1) for _ in range(rng.randint(0, 4))}
+
+    outcomes = {"planned": 0, "refused": 0}
+    for _ in range(2000):
+        schema = tree(0)
+        try:
+            ss.plan(schema)
+            ss.strict_violation(schema)
+            outcomes["planned"] += 1
+        except ss.SchemaRefused as e:
+            assert e.keyword and str(e), schema
+            outcomes["refused"] += 1
+    assert outcomes["planned"] > 100 and outcomes["refused"] > 100, outcomes
