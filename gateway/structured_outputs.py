@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from engines import schema_support
 from engines.structured import StructuredOutput
+from gateway.strict_schema import strict_violation
 
 if TYPE_CHECKING:
     from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
@@ -39,7 +40,7 @@ def checked_schema(schema: Any, param: str, strict: bool = False) -> Any:
     InvalidParameter with param `<field>#<JSON pointer of the keyword>`."""
     try:
         schema_support.plan(schema)
-        refused = schema_support.strict_violation(schema) if strict else None
+        refused = strict_violation(schema) if strict else None
     except schema_support.SchemaRefused as e:
         refused = e
     if refused is not None:
@@ -58,8 +59,12 @@ def structured_output(req: ChatCompletionRequest | CompletionRequest) -> Structu
         if rf.json_schema is None:
             raise _invalid("response_format.json_schema", "response_format of type json_schema needs json_schema")
         where = "response_format.json_schema.schema"
-        schema = _schema(rf.json_schema.schema, where) if rf.json_schema.schema is not None else {"type": "object"}
-        found.append(StructuredOutput.json_schema(checked_schema(schema, where, bool(rf.json_schema.strict)), where))
+        if rf.json_schema.schema is None:  # no schema: any JSON object (strict has nothing to check)
+            found.append(StructuredOutput.json_schema({"type": "object"}, where))
+        else:
+            strict = bool(rf.json_schema.strict)
+            found.append(StructuredOutput.json_schema(
+                checked_schema(_schema(rf.json_schema.schema, where), where, strict), where))
     if req.guided_json is not None:
         found.append(StructuredOutput.json_schema(checked_schema(_schema(req.guided_json, "guided_json"),
                                                                  "guided_json"), "guided_json"))

@@ -1,6 +1,7 @@
 """The schema walk's decisions on hand-picked tricky schemas (which backend, or which keyword at which JSON
-pointer is refused), OpenAI's strict rules, and that each backend enforces what it is given: strings that
-jsonschema accepts and rejects, fed token by token to the compiled grammar of the default tokenizer."""
+pointer is refused), and that each backend enforces what it is given: strings that
+jsonschema accepts and rejects, fed token by token to the compiled grammar of the default tokenizer. OpenAI's
+strict rules: tests/gateway/test_strict_schema.py."""
 
 from __future__ import annotations
 
@@ -137,31 +138,6 @@ def test_regex_features_without_an_exact_backend_are_refused(compiler):
     assert ".cc" not in str(exc.value) and "[" not in str(exc.value).split(":", 1)[1][:4]
 
 
-STRICT_OK = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                              "tags": {"type": "array", "items": {"type": "string"}},
-                                              "when": {"type": ["string", "null"], "format": "date"}},
-             "required": ["name", "tags", "when"], "additionalProperties": False}
-
-
-@pytest.mark.parametrize("schema, keyword, pointer", [
-    ({"anyOf": [STRICT_OK]}, "anyOf", "/anyOf"),
-    ({"type": "array", "items": STRICT_OK}, "type", "/type"),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "additionalProperties",
-     "/additionalProperties"),
-    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a"],
-      "additionalProperties": False}, "required", "/required"),
-    (dict(STRICT_OK, properties=dict(STRICT_OK["properties"], name={"allOf": [{"type": "string"}]})), "allOf",
-     "/properties/name/allOf"),
-    (dict(STRICT_OK, properties=dict(STRICT_OK["properties"], tags={"type": "array", "items": {
-        "type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False}})),
-     "required", "/properties/tags/items/required"),
-])
-def test_openai_strict_rules(schema, keyword, pointer):
-    assert ss.strict_violation(STRICT_OK) is None
-    found = ss.strict_violation(schema)
-    assert found is not None and (found.keyword, found.pointer) == (keyword, pointer), found
-
-
 def test_no_free_whitespace_on_either_backend(compiler):
     """vLLM's disable-any-whitespace: one layout, separators ", " and ": ", nothing before, after or inside."""
     tok, comp = compiler
@@ -267,7 +243,6 @@ def test_the_walk_raises_nothing_but_refusals_on_random_keyword_trees():
         schema = tree(0)
         try:
             ss.plan(schema)
-            ss.strict_violation(schema)
             outcomes["planned"] += 1
         except ss.SchemaRefused as e:
             assert e.keyword and str(e), schema
