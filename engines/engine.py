@@ -204,7 +204,7 @@ class ModelEngine:
         try:
             return self.grammars.compile(so)
         except InvalidConstraint as e:
-            raise RequestRejected(str(e), param=e.param) from None
+            raise RequestRejected(str(e), param=e.where) from None
 
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))

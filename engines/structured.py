@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import threading
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
@@ -17,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engines import schema_support
+from engines.llguidance_backend import LLGTemplate, LLGuidanceBackend, LLGuidanceError, clean_message
+
 if TYPE_CHECKING:
     import xgrammar
 
@@ -24,11 +28,17 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class InvalidConstraint(ValueError):
-    """A constraint the grammar library cannot compile; `param` names the request field."""
+    """A constraint the grammar library cannot compile; `param` names the request field; for a schema keyword
+    no backend enforces exactly, `keyword` and `pointer` (JSON pointer) name it."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, keyword: str | None = None, pointer: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.keyword, self.pointer = param, keyword, pointer
+
+    @property
+    def where(self) -> str:
+        """The request field, with the keyword's JSON pointer after '#' for a schema keyword."""
+        return self.param if self.pointer is None else f"{self.param}#{self.pointer}"
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.max_cached = max_cached
         self.num_compiled = 0
+        self._llg_args = (backend.to_str(), vocab_size, list(stop_token_ids))
+        self._llg: LLGuidanceBackend | None = None  # the second backend, built with the first schema needing it
+        self._info = info
+        self._control: tuple[frozenset[int], torch.Tensor] | None = None  # built with the first JSON matcher
 
     def compile(self, so: StructuredOutput) -> xgrammar.CompiledGrammar:
         key = (so.kind, so.spec)
@@ -96,43 +110,103 @@ class GrammarCompiler:
         c = self._compiler
         try:
             if so.kind == "json":
-                return c.compile_json_schema(so.spec, any_whitespace=False, separators=(", ", ": "))
+                return self._compile_schema(so)
             if so.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(", ", ": "),
-                                             strict_mode=False)
+                return CompactJSON(c.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                         separators=(", ", ": "), strict_mode=False))
             if so.kind == "regex":
+                check_regex(so)
                 return c.compile_regex(so.spec)
             if so.kind == "choice":
                 options = json.loads(so.spec)
                 return c.compile_regex("|".join(f"({_regex_literal(o)})" for o in options))
             if so.kind == "grammar":
                 return c.compile_grammar(so.spec)
+        except InvalidConstraint:
+            raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
-            raise InvalidConstraint(so.param, f"{so.param} cannot be compiled: {e}") from None
+            raise InvalidConstraint(so.param, f"{so.param} cannot be compiled: {clean_message(str(e))}") from None
         raise InvalidConstraint(so.param, f"{so.param}: unknown constraint kind {so.kind!r}")
+
+    def _compile_schema(self, so: StructuredOutput) -> Any:
+        """A JSON schema on the backend that enforces all of its keywords (engines/schema_support.py), or
+        InvalidConstraint naming the keyword and its JSON pointer."""
+        try:
+            chosen = schema_support.plan(json.loads(so.spec))
+        except schema_support.SchemaRefused as e:
+            raise InvalidConstraint(so.param, f"{so.param}: {e}", keyword=e.keyword, pointer=e.pointer) from None
+        if chosen.backend == schema_support.XGRAMMAR:
+            try:
+                return CompactJSON(self._compiler.compile_json_schema(
+                    json.dumps(chosen.schema), any_whitespace=False, separators=(", ", ": ")))
+            except Exception:  # e.g. a combination xgrammar rejects: llguidance may still take it
+                pass
+        if self._llg is None:
+            with self._lock:
+                if self._llg is None:
+                    self._llg = LLGuidanceBackend(*self._llg_args)
+        try:
+            return self._llg.compile_json(chosen.schema)
+        except LLGuidanceError as e:
+            keyword, pointer = _blame(str(e), chosen.needs or schema_support.keyword_pointers(chosen.schema))
+            where = f"schema's `{keyword}` at {pointer or '/'}" if keyword else "schema"
+            raise InvalidConstraint(so.param, f"{so.param}: the JSON {where} cannot be enforced exactly ({e})",
+                                    keyword=keyword, pointer=pointer) from None
 
     def cached(self, so: StructuredOutput) -> bool:
         """Whether `compile(so)` would return at once (the caller can compile elsewhere otherwise)."""
         with self._lock:
             return (so.kind, so.spec) in self._cache
 
-    def matcher(self, compiled: xgrammar.CompiledGrammar) -> Grammar:
+    def matcher(self, compiled: xgrammar.CompiledGrammar | LLGTemplate) -> Grammar:
         """A fresh per-sequence state over a compiled grammar."""
+        if isinstance(compiled, LLGTemplate):
+            return Grammar(compiled.matcher(), self.vocab_size)
+        if isinstance(compiled, CompactJSON):
+            if self._control is None:
+                self._control = _control_tokens(self._info, self.vocab_size)
+            return Grammar(self._xgr.GrammarMatcher(compiled.compiled), self.vocab_size, *self._control)
         return Grammar(self._xgr.GrammarMatcher(compiled), self.vocab_size)
 
 
+class CompactJSON:
+    """A JSON grammar compiled by xgrammar for the compact layout: no raw byte below 0x20 belongs in its output
+    (xgrammar lets control characters into length-bounded strings, which is not JSON), so its Grammars mask
+    the tokens holding one."""
+
+    __slots__ = ("compiled",)
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+
+def _control_tokens(info, vocab_size: int) -> tuple[frozenset[int], torch.Tensor]:
+    """The tokens whose bytes hold a control character (below 0x20; stop tokens excepted), and the packed
+    mask [W] allowing every other token."""
+    stops = set(info.stop_token_ids)
+    forbidden = frozenset(i for i, b in enumerate(info.decoded_vocab[:vocab_size])
+                          if i not in stops and any(c < 0x20 for c in b))
+    bits = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.int64)
+    bits[list(forbidden)] = 0
+    packed = (bits.view(-1, 32) << torch.arange(32, dtype=torch.int64)).sum(1)
+    return forbidden, torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
 class Grammar:
-    """One sequence's grammar state over its output tokens (a matcher and a mask buffer)."""
+    """One sequence's grammar state over its output tokens (a matcher and a mask buffer). `forbidden` tokens
+    are refused whatever the matcher says (`allowed`: the packed mask of every other token)."""
 
-    __slots__ = ("matcher", "vocab_size", "_buf", "_xgr")
+    __slots__ = ("matcher", "vocab_size", "_buf", "_xgr", "forbidden", "allowed")
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, forbidden: frozenset[int] = frozenset(),
+                 allowed: torch.Tensor | None = None):
         import xgrammar as xgr
 
         self._xgr = xgr
         self.matcher = matcher
         self.vocab_size = vocab_size
         self._buf = xgr.allocate_token_bitmask(1, vocab_size)
+        self.forbidden, self.allowed = forbidden, allowed
 
     def accept(self, token: int) -> None:
         """The sequence appended `token` (the masks allowed it)."""
@@ -146,7 +220,7 @@ class Grammar:
         if self.matcher.is_terminated():
             return torch.full((self._buf.shape[1],), -1, dtype=torch.int32)
         self.matcher.fill_next_token_bitmask(self._buf, 0)
-        return self._buf[0].clone()
+        return self._buf[0].clone() if self.allowed is None else self._buf[0] & self.allowed
 
     def window_masks(self, drafts: Seq[int]) -> torch.Tensor:
         """Masks [k + 1, W] for the positions of a speculative window: position j after drafts[:j]. A position
@@ -158,11 +232,13 @@ class Grammar:
             if m.is_terminated():
                 break
             m.fill_next_token_bitmask(out, j)
-            if j == len(drafts) or not m.accept_token(drafts[j]):
+            if j == len(drafts) or drafts[j] in self.forbidden or not m.accept_token(drafts[j]):
                 break
             taken += 1
         if taken:
             m.rollback(taken)
+        if self.allowed is not None:  # rows past a refused draft stay "all" but for the forbidden tokens
+            out.bitwise_and_(self.allowed)
         return out
 
     def draft_mask(self, token_ids_since: Seq[int]) -> torch.Tensor:
@@ -170,7 +246,7 @@ class Grammar:
         m = self.matcher
         taken = 0
         for t in token_ids_since:
-            if m.is_terminated() or not m.accept_token(t):
+            if m.is_terminated() or t in self.forbidden or not m.accept_token(t):
                 break
             taken += 1
         try:
@@ -238,3 +314,19 @@ def _vocab_meta(backend) -> tuple[Any, bool]:
     if '"ByteFallback"' in dec:
         return xgr.VocabType.BYTE_FALLBACK, '"Strip"' in dec
     return xgr.VocabType.RAW, '"Strip"' in dec
+
+
+def check_regex(so: StructuredOutput) -> None:
+    """InvalidConstraint for a regex feature the backend would not enforce exactly."""
+    what = schema_support.regex_refusal(so.spec)
+    if what is not None:
+        raise InvalidConstraint(so.param, f"{so.param}: the regex uses {what}, which tandem cannot enforce")
+
+
+def _blame(message: str, needs: list[tuple[str, str]]) -> tuple[str | None, str | None]:
+    """The (keyword, pointer) llguidance's refusal is about: the first keyword it names among those the walk
+    sent to it (or, when xgrammar failed first, among all the schema's), else the first of those."""
+    for keyword, pointer in needs:
+        if re.search(rf"\b{re.escape(keyword)}\b", message):
+            return keyword, pointer
+    return needs[0] if needs else (None, None)

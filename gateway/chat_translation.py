@@ -149,6 +149,7 @@ async def serve_translated(request: Request, data: ChatCompletionRequest, answer
         if exc.param:
             renamed = rename(exc.param)
             if renamed != exc.param:
-                exc.message = exc.message.replace(exc.param, renamed)
+                field, renamed_field = exc.param.split("#")[0], renamed.split("#")[0]  # '#': a schema pointer
+                exc.message = exc.message.replace(exc.param, renamed).replace(field, renamed_field)
                 exc.param = renamed
         raise exc from None

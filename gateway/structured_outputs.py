@@ -1,14 +1,18 @@
 """What a request asks its output to match, as one `engines.structured.StructuredOutput`: OpenAI's
 `response_format` and forced `tool_choice`, vLLM's `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar` and its newer `structured_outputs`. At most one may constrain a request; anything that
-cannot be honoured is an InvalidParameter naming its field."""
+cannot be honoured is an InvalidParameter naming its field. Every JSON schema is checked here before it
+reaches an engine (engines/schema_support.py): OpenAI's strict rules where `strict` is true, then a keyword
+no backend enforces exactly is a 400 whose `param` is the field plus the keyword's JSON pointer."""
 
 from __future__ import annotations
 
 import json
 from typing import TYPE_CHECKING, Any
 
+from engines import schema_support
 from engines.structured import StructuredOutput
+from gateway.strict_schema import strict_violation
 
 if TYPE_CHECKING:
     from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
@@ -31,6 +35,19 @@ def _schema(value: Any, param: str) -> Any:
     return value
 
 
+def checked_schema(schema: Any, param: str, strict: bool = False) -> Any:
+    """`schema` if tandem can enforce it exactly (and, when `strict`, it follows OpenAI's strict rules); else
+    InvalidParameter with param `<field>#<JSON pointer of the keyword>`."""
+    try:
+        schema_support.plan(schema)
+        refused = strict_violation(schema) if strict else None
+    except schema_support.SchemaRefused as e:
+        refused = e
+    if refused is not None:
+        raise _invalid(f"{param}#{refused.pointer}", f"{param}: {refused}")
+    return schema
+
+
 def structured_output(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
     """The request's one output constraint, or None; InvalidParameter when it asks for several or an
     impossible one."""
@@ -41,12 +58,16 @@ def structured_output(req: ChatCompletionRequest | CompletionRequest) -> Structu
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
             raise _invalid("response_format.json_schema", "response_format of type json_schema needs json_schema")
-        schema = rf.json_schema.schema
-        found.append(StructuredOutput.json_schema(
-            _schema(schema, "response_format.json_schema.schema") if schema is not None else {"type": "object"},
-            "response_format.json_schema"))
+        where = "response_format.json_schema.schema"
+        if rf.json_schema.schema is None:  # no schema: any JSON object (strict has nothing to check)
+            found.append(StructuredOutput.json_schema({"type": "object"}, where))
+        else:
+            strict = bool(rf.json_schema.strict)
+            found.append(StructuredOutput.json_schema(
+                checked_schema(_schema(rf.json_schema.schema, where), where, strict), where))
     if req.guided_json is not None:
-        found.append(StructuredOutput.json_schema(_schema(req.guided_json, "guided_json"), "guided_json"))
+        found.append(StructuredOutput.json_schema(checked_schema(_schema(req.guided_json, "guided_json"),
+                                                                 "guided_json"), "guided_json"))
     if req.guided_regex is not None:
         found.append(StructuredOutput("regex", req.guided_regex, "guided_regex"))
     if req.guided_choice is not None:
@@ -57,7 +78,8 @@ def structured_output(req: ChatCompletionRequest | CompletionRequest) -> Structu
     if so is not None:
         where = "structured_outputs"
         if so.json is not None:
-            found.append(StructuredOutput.json_schema(_schema(so.json, f"{where}.json"), f"{where}.json"))
+            found.append(StructuredOutput.json_schema(checked_schema(_schema(so.json, f"{where}.json"),
+                                                                     f"{where}.json"), f"{where}.json"))
         if so.regex is not None:
             found.append(StructuredOutput("regex", so.regex, f"{where}.regex"))
         if so.choice is not None:
@@ -90,6 +112,9 @@ def tool_call_constraint(req: Any) -> StructuredOutput | None:
         return None
     if not tools:
         raise _invalid("tool_choice", "tool_choice needs tools to choose from")
+    for i, t in enumerate(tools):
+        if t.function.parameters is not None:
+            checked_schema(t.function.parameters, f"tools[{i}].function.parameters", bool(t.function.strict))
     if choice == "required":
         calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                             "arguments": parameters(t)},
