@@ -9,14 +9,13 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from engines.structured import StructuredOutput
+from gateway.invalid_parameter import InvalidParameter
 
 if TYPE_CHECKING:
     from gateway.protocol import ChatCompletionRequest, CompletionRequest, Tool
 
 
 def _invalid(param: str, message: str) -> Exception:
-    from gateway.protocol import InvalidParameter
-
     return InvalidParameter(param, message)
 
 

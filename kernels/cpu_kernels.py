@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cbuild import NoCompiler, build_library
+from kernels.quant_formats import dequantize_int4, quantize_act_q8
 
 _SRC = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno"]
@@ -392,8 +393,6 @@ def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 
 def linear_w4a8_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    from kernels.quant_matmul import dequantize_int4, quantize_act_q8
-
     xq, d = quantize_act_q8(x)
     m, k = x.shape
     xd = (xq.float().view(m, k // 32, 32) * d[..., None]).view(m, k)
@@ -412,8 +411,6 @@ def quant_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
                     ) -> torch.Tensor:
-    from kernels.quant_matmul import quantize_act_q8
-
     xq, d = quantize_act_q8(x)
     m, k = x.shape
     xd = (xq.float().view(m, k // 32, 32) * d[..., None]).view(m, k)
