@@ -148,7 +148,7 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
 
     - 5-8 rows on weights above the blocks' built-in bound (4 MiB): the register blocks or the streams. The
       blocks' strided reads from memory lose to address-order reads on some machines and win on others
-      (docs/benchmarks.md); one pass over those weights at 8 rows each way. The same bits either way.
+      (docs/benchmark_log.md); one pass over those weights at 8 rows each way. The same bits either way.
     - Many rows: the MKL SGEMM from 13 rows, or the register tiles 8 rows at a time. MKL takes its fast
       paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape, the SGEMM keeps the
       row counts from the first where it is faster.

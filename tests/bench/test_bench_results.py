@@ -32,7 +32,7 @@ def named_files(cell: str) -> list[str]:
 def test_every_measured_row_names_a_results_file_that_carries_machine_commit_and_date():
     rows = measured_rows()
     assert len(rows) >= 15
-    for what, result, command in rows:
+    for what, _, command in rows:
         files = named_files(command)
         assert files, f"row {what!r} names no results file"
         for name in files:
