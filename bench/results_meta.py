@@ -60,12 +60,14 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
-    """HEAD's hash, with "+dirty" when tracked files differ from it; "unknown" outside a git checkout."""
+    """HEAD's hash, with "+dirty" when tracked files outside bench/results/ differ from it (a rerun rewriting
+    a results file is no change to what ran); "unknown" outside a git checkout."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)bench/results"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
