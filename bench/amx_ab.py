@@ -10,7 +10,6 @@ bench/results/amx_ab.json; on a CPU (or kernel) without AMX int8 it says so and 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from bench.simd_ab import SHAPES  # noqa: E402
 from kernels import cpu_kernels as ck  # noqa: E402
 from kernels.quant_matmul import quantize_int8  # noqa: E402
@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['shape']} | {r['n']} x {r['k']} | {r['rows']} | {r['vnni_us']} | {r['amx_us']} | "
               f"{r['speedup']:.2f}x | {r['amx_gmac_s']} | {r['max_rel_diff']:.1e} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"simd": ck.simd_level(), "reps": args.reps, "rows": rows}, indent=2))
+    write_results(Path(args.out), {"simd": ck.simd_level(), "reps": args.reps, "rows": rows}, indent=2)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -230,9 +230,10 @@ def build_table(runs_dir: Path, plan: list[str], out_json: Path, img_dir: Path |
         reports[(variant, float(report["metadata"]["rate"]))] = report
     table = markdown_table(rows)
     plots = [_show(p) for p in plot(rows, reports, img_dir)] if img_dir and rows else []
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps({**extra, "rows": rows, "skipped": skipped, "plots": plots,
-                                    "table_md": table}, indent=2))
+    from bench.results_meta import write_results
+
+    write_results(out_json, {**extra, "rows": rows, "skipped": skipped, "plots": plots,
+                                    "table_md": table}, indent=2)
     notes = [f"- skipped {s['variant']} at {s['rate']:g} req/s: {s['reason']}" for s in skipped]
     return "\n".join([table, *notes])
 

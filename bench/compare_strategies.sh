@@ -2,7 +2,7 @@
 # Compare serving strategies on one workload: large-only (best), small-only (fast), router (auto), cascade,
 # and for the large model speculation off, prefix caching off and a w8a8 draft-only copy of the small model. One fresh `tandem serve` per variant and
 # rate (a warm prefix cache from the previous run would flatter the next one), the same prompts everywhere
-# (fixed --seed and --prompt-seed), one table at the end (docs/benchmarks.md, "Strategies compared").
+# (fixed --seed and --prompt-seed), one table at the end (docs/benchmark_log.md, "Strategies compared").
 #
 # The prefix-caching knob is also run on a workload with shared prefixes (long_context_multiturn, variants
 # *_mt), because chat prompts share none and the knob cannot show there.

@@ -11,7 +11,6 @@ bench/results/cpu_bf16.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 from kernels import cpu_kernels  # noqa: E402
 
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {k} | {v['f32']:.3f} | {v['bf16']:.3f} | {v['bf16'] / v['f32']:.2f} |")
     out = {"model": args.model, "rounds": args.rounds, "rows": rows, "calibration": cpu_kernels.calibration(),
            "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_results(Path(args.out), out, indent=2)
     print(f"wrote {args.out}")
     return 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from kernels import cpu_kernels as ck  # noqa: E402
 from kernels.cbuild import build_library  # noqa: E402
 
@@ -88,9 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         cells = " | ".join(f"{r[f'{n}_ms']} ({r[f'{n}_gb_s']})" for n in names)
         print(f"| {r['model']} | {r['weights_gb'] * 1e3:.0f} MB | {r['rows']} | {cells} | {r['same_bits']} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"simd": ck.simd_level(), "read_gb_s": round(bandwidth, 1),
-                                          "reps": args.reps, "rows": rows}, indent=2))
+    write_results(Path(args.out), {"simd": ck.simd_level(), "read_gb_s": round(bandwidth, 1),
+                                          "reps": args.reps, "rows": rows}, indent=2)
     print(f"\nwrote {args.out}")
     return 0
 

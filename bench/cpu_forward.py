@@ -10,7 +10,6 @@ bench/results/cpu_forward.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -23,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * r['same_prefix_fraction']:.0f}% |")
     result = {"model": args.model, "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows,
               "load_average": os.getloadavg(), "machine": platform.processor() or platform.machine()}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(Path(args.out), result, indent=2)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -9,7 +9,6 @@ throughput with each layout. Prints two tables, writes bench/results/cpu_layout.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -23,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from bench.speculative import LARGE, prompts_from_heldout, run  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {d['batch']} | {d['row_major_tok_s']} | {d['col_major_tok_s']} | {d['speedup']:.2f}x |")
     out = {"ops": ops, "decode_tandem_tiny_l": decode, "threads": args.threads,
            "machine": f"{platform.machine()}, torch {torch.__version__}"}
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_results(Path(args.out), out, indent=2)
     print(f"wrote {Path(args.out).relative_to(ROOT)}")
     return 0
 

@@ -47,11 +47,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=40.0, help="traffic before the screenshot")
     ap.add_argument("--clients", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "docs" / "img" / "dashboard.png"))
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "dashboard_screenshot.json"))
     args = ap.parse_args()
 
     import torch
     from playwright.sync_api import sync_playwright
 
+    from bench.results_meta import write_results
     from gateway.config import load_config
     from gateway.server import ServerThread
 
@@ -78,7 +80,9 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=args.out, full_page=True)
         context.close()
-    print(f"wrote {args.out}; console errors: {errors or 'none'}")
+    write_results(args.json, {"screenshot": args.out, "seconds": args.seconds, "clients": args.clients,
+                              "console_errors": errors})
+    print(f"wrote {args.out} and {args.json}; console errors: {errors or 'none'}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ table, writes bench/results/draft_match.json.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines.loader import load_checkpoint  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
 from training.corpus import load_corpus_split  # noqa: E402
@@ -58,7 +58,7 @@ def main() -> int:
         print(f"| {r['target_temperature']} | {r['greedy_draft']} | "
               + " | ".join(str(r[f'draft_T{t}']) for t in DRAFT_TEMPS) + " |")
     out = ROOT / "bench" / "results" / "draft_match.json"
-    out.write_text(json.dumps({"positions": int(lp.shape[0]), "rows": rows}, indent=2) + "\n")
+    write_results(out, {"positions": int(lp.shape[0]), "rows": rows}, indent=2)
     print(f"wrote {out.relative_to(ROOT)}")
     return 0
 

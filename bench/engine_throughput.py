@@ -9,7 +9,6 @@ waste at steady state. Prints a table and writes bench/results/engine_throughput
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -25,6 +24,7 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 from traces.workloads import build_workload, fit_to_context  # noqa: E402
 
@@ -280,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
               "greedy_agreement": agree, "prefix_cache": prefix, "caching_overhead_0pct_hits": overhead,
               "kv_waste_simulated_unscaled": simulated}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_results(out, result, indent=2)
     print(f"wrote {out}")
     return 0
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.results_meta import write_results  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "gateway_overhead.json"
@@ -506,12 +508,11 @@ def main(argv: list[str] | None = None) -> int:
           f"req/s (rates tried: {args.rates})")
     met = all(a["p50"] <= 1.0 and a["p99"] <= 5.0 for a in added.values())
     print(f"target p50 <= 1 ms, p99 <= 5 ms added at 200 req/s: {'met' if met else 'NOT met'}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_results(RESULTS, {
         "bench": "gateway_overhead", "duration_s": args.duration, "rounds": args.rounds, "nice": args.nice, "tokens": TOKENS, "timeout_s": TIMEOUT_S,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         "load_average": os.getloadavg(), "at_200": at200, "added_ms": added, "uvicorn_share_ms": uvicorn_share,
-        "sweep": sweep, "highest_zero_error_rate": highest, "target_met": met}, indent=1) + "\n")
+        "sweep": sweep, "highest_zero_error_rate": highest, "target_met": met}, indent=1)
     print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 

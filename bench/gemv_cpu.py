@@ -14,7 +14,6 @@ rounds (steadier than wall time on a shared machine). Prints tables, writes benc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from kernels import cpu_kernels as ck  # noqa: E402
 from kernels.quant_matmul import quantize_int4, quantize_int8  # noqa: E402
 
@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
            "simd": ck.simd_level(),
            "cpus": os.cpu_count(),
            "loadavg": os.getloadavg(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_results(Path(args.out), out, indent=1)
     return 0
 
 

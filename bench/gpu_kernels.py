@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import sys
 import time
 import traceback
@@ -25,6 +24,7 @@ if str(ROOT) not in sys.path:
 
 from triton.testing import do_bench as triton_do_bench  # noqa: E402
 
+from bench.results_meta import write_results  # noqa: E402
 from engines.model import Transformer, rope_inv_freq  # noqa: E402
 from engines.model_config import ModelConfig  # noqa: E402
 from kernels.kv_write import write_kv  # noqa: E402
@@ -341,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table()
     out = {"bench": "gpu_kernels", "device": device_name, "torch": torch.__version__,
            "triton": triton.__version__, "copy_bandwidth_gb_s": round(gbs, 1), "rows": ROWS}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_results(Path(args.out), out, indent=2)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,7 +1,9 @@
 """Greedy outputs of the default pair (plain, speculative batched, speculative one by one, small), written to
 JSON so two checkouts can be compared token for token (the redesign's parity check). Prints a summary.
 
-    .venv/bin/python bench/greedy_parity.py OUT.json [--against OTHER.json]
+    .venv/bin/python bench/greedy_parity.py [OUT.json, default bench/results/greedy_parity.json] [--against OTHER.json]
+
+The comparison takes the token lists only (the machine / commit / date stamp differs between checkouts).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = ["def read_config(path):\n", "import json\n\ndef load(path):", "class Engine:\n    def step(self):",
@@ -25,7 +28,7 @@ PROMPTS = ["def read_config(path):\n", "import json\n\ndef load(path):", "class 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out")
+    ap.add_argument("out", nargs="?", default=str(ROOT / "bench" / "results" / "greedy_parity.json"))
     ap.add_argument("--against", help="a file written by another checkout: exit 1 unless equal")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -36,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     out["spec_batch"] = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)]
     out["spec_single"] = [spec.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
     out["small"] = [o.outputs[0].token_ids for o in LLM(small).generate(PROMPTS, params)]
-    Path(args.out).write_text(json.dumps(out))
+    write_results(args.out, out, indent=None)
     print({k: sum(map(len, v)) for k, v in out.items()}, "tokens;", "speculative equals plain:",
           out["spec_batch"] == out["plain"] == out["spec_single"])
     if args.against:
-        same = json.loads(Path(args.against).read_text()) == out
+        other = json.loads(Path(args.against).read_text())
+        same = {k: other.get(k) for k in out} == out
         print("identical to", args.against, ":", same)
         return 0 if same else 1
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -22,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results_meta import write_results  # noqa: E402
 from traces.arrivals import poisson_arrivals  # noqa: E402
 from traces.client import PlannedRequest, run_requests  # noqa: E402
 from traces.metrics import percentiles  # noqa: E402
@@ -133,10 +133,9 @@ def main() -> int:
               f"{'yes' if r['keeps_up'] else 'NO'} ({r['runs_keeping_up']}/{r['repeats']})")
     best = max((r["rate"] for r in rows if r["keeps_up"]), default=None)
     print(f"highest rate kept up with: {best} req/s (target >= 200)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"bench": "loadgen_capacity", "duration_s": args.duration, "tokens": args.tokens,
+    write_results(RESULTS, {"bench": "loadgen_capacity", "duration_s": args.duration, "tokens": args.tokens,
                                    "machine": f"{platform.machine()} {mp.cpu_count()} cores, {platform.python_version()}",
-                                   "rows": rows, "highest_rate_kept_up": best}, indent=1) + "\n")
+                                   "rows": rows, "highest_rate_kept_up": best}, indent=1)
     return 0 if best is not None and best >= 200 else 1
 
 

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines.generate_cli import generate_tokens  # noqa: E402
 from engines.loader import load_checkpoint  # noqa: E402
 from engines.model import Transformer  # noqa: E402
@@ -163,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         for sample in m["samples"]:
             print(f"--- {role}: {sample['prompt']!r}\n{sample['prompt']}{sample['completion']}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(out, result, indent=2)
     print(f"wrote {out}")
     return 0
 

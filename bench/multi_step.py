@@ -9,7 +9,6 @@ code. Prints a table, writes bench/results/multi_step.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -22,6 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import engines.engine as engine_mod  # noqa: E402
+from bench.results_meta import write_results  # noqa: E402
 from bench.speculative import prompts_from_heldout, run  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 
@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['multi_step_tok_per_cpu_s']:.0f} | {r['ratio']:.2f}x |")
     out = {"model": args.model, "rounds": args.rounds, "max_tokens": args.max_tokens, "rows": rows,
            "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_results(Path(args.out), out, indent=2)
     print(f"wrote {args.out}")
     return 0
 

@@ -10,8 +10,6 @@ in memory and the checkpoint's bytes on disk; writes bench/results/prequant.json
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -25,6 +23,7 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 
 
@@ -75,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['model']:<30} {r['tok_s']:>8.1f} {r['ratio']:>8.2f} {r['weight_bytes'] / 1e6:>11.2f} "
               f"{r['file_bytes'] / 1e6:>8.2f}")
-    Path(args.out).write_text(json.dumps({"args": vars(args), "machine": platform.processor() or platform.machine(),
-                                          "torch": torch.__version__, "rows": rows}, indent=2))
+    write_results(Path(args.out), {"args": vars(args), "torch": torch.__version__, "rows": rows})
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines.attention import ContiguousCache  # noqa: E402
 from engines.model import Transformer, rope_inv_freq  # noqa: E402
 from engines.model_config import ModelConfig  # noqa: E402
@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
               "load_average": list(os.getloadavg()), "prompt_tokens": args.prompt, "rounds": args.rounds,
               "steps_per_round": args.steps, "int4_group_size": args.group_size, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(Path(args.out), result, indent=2)
     print(f"\nwrote {args.out}")
     return 0
 

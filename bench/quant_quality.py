@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines.attention import DenseCausal, PagedAttention  # noqa: E402
 from engines.llm import LLM  # noqa: E402
 from engines.loader import load_checkpoint  # noqa: E402
@@ -160,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "quant_quality", "model": str(args.model), "training_steps": training.get("steps"),
               "params": ckpt.config.num_params,
               "chunks": len(chunks), "tokens": tokens, "seq_len": args.seq_len, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(Path(args.out), result, indent=2)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines.outputs import CompletionOutput, Logprob  # noqa: E402
 from engines.tokenizer import Tokenizer  # noqa: E402
 from gateway.cascade import CascadeStrategy  # noqa: E402
@@ -122,12 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     ok_best = all(r[k]["p99_best_of_repeats_ms"] <= 1.0 for r in results.values() for k in ("router", "escalation"))
     print(f"target p99 <= 1 ms: {'met' if ok else 'NOT met'} on the raw p99; "
           f"{'met' if ok_best else 'NOT met'} on the p99 of each request's best of {args.repeat}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"router": args.router, "cascade": args.cascade, "loadavg_1m_start": load_start,
+    write_results(Path(args.out), {"router": args.router, "cascade": args.cascade, "loadavg_1m_start": load_start,
                                           "loadavg_1m": load,
                                           "ngram_hashing": hashing,
                                           "results": results, "target_met_raw_p99": ok,
-                                          "target_met_best_of_repeats": ok_best}, indent=2) + "\n")
+                                          "target_met_best_of_repeats": ok_best}, indent=2)
     return 0
 
 

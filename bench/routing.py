@@ -16,7 +16,6 @@ Prints the tables, writes bench/results/routing.json and docs/img/routing_qualit
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from router_model.cli import policy_scores  # noqa: E402
 from router_model.data import parse_example, read_rows  # noqa: E402
 from router_model.evaluate import compare_policies, format_comparison  # noqa: E402
@@ -113,10 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     print("least cost reaching 95% of always-large EM: " + "; ".join(
         f"{k} {'never' if v is None else f'{v:.0%}'}" for k, v in settings.items()))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"data": args.data, "router": args.router, "cascade": args.cascade,
+    write_results(out, {"data": args.data, "router": args.router, "cascade": args.cascade,
                                "num_prompts": len(rows), "num_modules": len(set(groups)),
-                               "bootstrap": args.bootstrap, "checks": checks, "results": results}, indent=2) + "\n")
+                               "bootstrap": args.bootstrap, "checks": checks, "results": results}, indent=2)
     plot_path = Path(args.plot)
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     plot(results, plot_path)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -31,6 +30,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.results_meta import write_results  # noqa: E402
 
 # Replicas push autoscaling metrics every second (default 10 s): set before Ray starts its workers.
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
@@ -476,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                           "loadavg_end": list(os.getloadavg()),
                           "note": "each replica pinned to one core; ingress, proxy and load generator share them"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, result, indent=1)
     print(f"wrote {args.out}")
     return 0
 

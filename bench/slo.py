@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import socket
@@ -46,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench.results_meta import write_results  # noqa: E402
 from traces.loadtest import LoadTestConfig, load_records, run_once, sweep_point  # noqa: E402
 from traces.metrics import Slo, in_window, meets, route_of  # noqa: E402
 
@@ -382,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  rate {p['rate']:g} {key}: n={e['count']} mean error {e['mean_error_s'] * 1000:+.0f} ms, "
                   f"mean |error| {e['mean_abs_error_s'] * 1000:.0f} ms, within max(20%, 50 ms): "
                   f"{e['within_20pct']:.0%}, TTFT over target: {e['late']:.0%}")
-    results_path.parent.mkdir(parents=True, exist_ok=True)
-    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results_path, results, indent=2)
     print(f"wrote {results_path.relative_to(ROOT)} and {plot_path.relative_to(ROOT)} in {results['elapsed_s']} s")
     return 0
 

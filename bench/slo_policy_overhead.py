@@ -10,7 +10,6 @@ The CPU is shared, so each row reports the best of `rounds` runs (the least dist
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines.step_model import BatchCapController, StepTimeModel  # noqa: E402
 from engines.waiting_queue import WaitingQueue  # noqa: E402
 from gateway.admission import AdmissionController  # noqa: E402
@@ -126,9 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, us in rows.items():
         print(f"{name:<{width}}  {us:8.2f}")
     out = ROOT / "bench" / "results" / "slo_policy_overhead.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
-                               "args": vars(args), "us_per_call": rows}, indent=2) + "\n")
+    write_results(out, {"python": platform.python_version(), "machine": platform.machine(),
+                               "args": vars(args), "us_per_call": rows}, indent=2)
     print(f"wrote {out.relative_to(ROOT)}")
     return 0
 

@@ -26,6 +26,11 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.results_meta import write_results  # noqa: E402
+
 ROUTES = ["fast", "best", "auto", "cascade", "tandem-small", "tandem-large"]
 PROMPTS = ["def read_config(path):\n", "import json\n\ndef load(path):", "class Engine:\n    def step(self):",
            "for i in range(10):\n    print(", "def main():\n    args = ", "x = [i * i for i in",
@@ -217,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<32} {v}")
     for f in result["failures"]:
         print("  !", f)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(Path(args.out), result, indent=2)
     return 0 if ok else 1
 
 

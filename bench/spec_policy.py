@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from bench.speculative import LARGE, SMALL, prompts_from_heldout  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 from engines.spec.decoder import SpeculativeDecoder  # noqa: E402
@@ -240,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = rows[-1]
                 print(f"drafting step x{scale:<4} {name:>5} k={r['k']!s:>8}: {r['speedup']:.3f}x  "
                       f"(per noise seed {r['seeds']})", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": vars(args), "costs": costs, "rows": rows}, indent=2))
+    write_results(args.out, {"config": vars(args), "costs": costs, "rows": rows})
     print(f"wrote {args.out}")
     return 0
 

@@ -18,7 +18,6 @@ how far apart this machine times identical work.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -34,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 from traces.metrics import percentiles  # noqa: E402
 from training.corpus import load_corpus_split  # noqa: E402
@@ -149,8 +149,7 @@ def main() -> None:
     meta = {"command": " ".join(sys.argv), "git_commit": git, "threads": args.threads,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f}",
             "draft_quantization": args.draft_quantization, "fixed_k": args.fixed_k, "mix": args.mix}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_results(Path(args.out), {"meta": meta, "rows": rows}, indent=1)
     print(f"\nwrote {args.out}")
 
 

@@ -16,7 +16,6 @@ engines with.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 from kernels.cpu_kernels import simd_level  # noqa: E402
 from training.corpus import load_corpus_split  # noqa: E402
@@ -200,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                          "python": platform.python_version(), "cpu_simd": simd_level(),
                          "torch": torch.__version__, "machine": platform.machine()},
               "rows": rows, "fixed_k_batch1_greedy": sweep, "adaptive_cost_model": measured}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_results(Path(args.out), result, indent=2)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 from engines.structured import GrammarCompiler, StructuredOutput  # noqa: E402
 
@@ -158,7 +159,7 @@ def main() -> None:
     result = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
               "torch": torch.__version__, "max_tokens": args.tokens, "rounds": args.rounds, "schema": SCHEMA,
               "throughput": rows, "compile": compile_, "mask_costs": masks}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(Path(args.out), result, indent=2)
     print(f"wrote {args.out}")
 
 

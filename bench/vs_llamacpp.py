@@ -44,6 +44,8 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from bench.results_meta import write_results  # noqa: E402
+
 CACHE = Path(os.environ.get("TANDEM_BENCH_CACHE", Path.home() / ".cache" / "tandem"))
 LLAMA_CPP_PYTHON = "0.3.16"
 
@@ -435,8 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"cells": cells, "args": vars(args), "llama_server": str(server), "machine": platform.processor(),
            "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_results(args.out, out, indent=1)
     return 0
 
 

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from torch import nn
 
+from engines.formats.safetensors_io import assign_parameter, open_safetensors
 from engines.model import Transformer, rope_inv_freq
 from engines.model_config import CheckpointError, ModelConfig
 
@@ -162,7 +161,7 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
 
     loaded: set[str] = set()
     for file in files:
-        with _open_safetensors(file, device) as f:
+        with open_safetensors(file, device) as f:
             names = list(f.keys())
             _check_names_and_shapes(f, names, expected, config, file)
             for name in names:
@@ -170,7 +169,7 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
                     continue
                 # One tensor at a time: read, cast on the device, hand to the module (no second model copy).
                 tensor = f.get_tensor(name).to(device=device, dtype=target_dtype)
-                _assign_parameter(model, name, tensor)
+                assign_parameter(model, name, tensor)
                 loaded.add(name)
 
     missing = [name for name in expected if name not in loaded]
@@ -209,23 +208,6 @@ def _name_list(names: list[str], shown: int = 5) -> str:
 
 def _ignorable(name: str, config: ModelConfig) -> bool:
     return bool(_IGNORED_TENSORS.search(name)) or (config.tie_word_embeddings and name == "lm_head.weight")
-
-
-def _assign_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module_path, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_path)
-    setattr(module, leaf, nn.Parameter(tensor))
-
-
-def _open_safetensors(file: Path, device: torch.device) -> Any:
-    # Tensors are read straight onto the GPU when loading there: no host-side copy of the whole model.
-    where = "cpu"
-    if device.type == "cuda":
-        where = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-    try:
-        return safe_open(str(file), framework="pt", device=where)
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{file}: cannot be read as safetensors ({e})") from e
 
 
 def _read_json(path: Path) -> Any:

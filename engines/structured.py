@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engines import schema_support
+import engines.schema_support as schema_support
 from engines.llguidance_backend import LLGTemplate, LLGuidanceBackend, LLGuidanceError, clean_message
 
 if TYPE_CHECKING:

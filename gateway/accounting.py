@@ -14,7 +14,7 @@ from gateway.limits import TokenReservation
 from gateway.routing import ESCALATED, Route, RoutedRun
 from gateway.slo import time_per_output_token
 from gateway.state import GatewayState
-from gateway.telemetry import add_child_span, add_engine_spans, add_escalation_span
+from gateway.tracing import add_child_span, add_engine_spans, add_escalation_span
 
 
 @dataclass

@@ -57,7 +57,8 @@ from gateway.responses_store import ResponseStore
 from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.state import EngineHost, GatewayState
-from gateway.telemetry import Telemetry, build_meter_provider, build_tracer_provider, otel_plugin
+from gateway.telemetry import Telemetry, build_meter_provider
+from gateway.tracing import build_tracer_provider, otel_plugin
 from gateway.vllm_metrics import VllmLabelView
 from gateway.vllm_routes import HANDLERS as VLLM_HANDLERS
 from gateway.vllm_routes import SCHEMAS as VLLM_SCHEMAS

@@ -48,7 +48,7 @@ from gateway.protocol import (
 from gateway.routing import ESCALATED, NO_LEDGER, Plan, Route, RoutedRun, RoutingContext
 from gateway.state import GatewayState
 from gateway.streaming import ClientWatch, EventStream
-from gateway.telemetry import add_child_span
+from gateway.tracing import add_child_span
 
 log = logging.getLogger("tandem.gateway")
 

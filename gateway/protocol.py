@@ -18,6 +18,7 @@ from litestar.exceptions import InternalServerException
 from msgspec import Meta, Struct
 
 from engines.sampling_params import SEED_MAX, SEED_MIN, InvalidSamplingParameter, SamplingParams
+from gateway.invalid_parameter import InvalidParameter
 from gateway.structured_outputs import structured_output
 
 # ------------------------------------------------------------------------------------------- requests
@@ -250,15 +251,6 @@ def client_request_id(value: bytes) -> str:
         raise InvalidParameter("X-Request-Id", "The X-Request-Id header must be 1 to 128 characters of A-Z, a-z, "
                                "0-9, '.', '_', ':' and '-'", code="invalid_request_id")
     return value.decode("ascii")
-
-
-class InvalidParameter(ValueError):
-    """A request parameter the server cannot accept (a 400); `param` names it for the OpenAI error body."""
-
-    def __init__(self, param: str | None, message: str, *, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 class UnsupportedMediaType(ValueError):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from engines import schema_support
 from engines.structured import StructuredOutput
+from gateway.invalid_parameter import InvalidParameter
 from gateway.strict_schema import strict_violation
 
 if TYPE_CHECKING:
@@ -19,8 +20,6 @@ if TYPE_CHECKING:
 
 
 def _invalid(param: str, message: str) -> Exception:
-    from gateway.protocol import InvalidParameter
-
     return InvalidParameter(param, message)
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cbuild import NoCompiler, build_library
+from kernels.quant_formats import dequantize_int4, quantize_act_q8
 
 _SRC = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno"]
@@ -147,7 +148,7 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
 
     - 5-8 rows on weights above the blocks' built-in bound (4 MiB): the register blocks or the streams. The
       blocks' strided reads from memory lose to address-order reads on some machines and win on others
-      (docs/benchmarks.md); one pass over those weights at 8 rows each way. The same bits either way.
+      (docs/benchmark_log.md); one pass over those weights at 8 rows each way. The same bits either way.
     - Many rows: the MKL SGEMM from 13 rows, or the register tiles 8 rows at a time. MKL takes its fast
       paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape, the SGEMM keeps the
       row counts from the first where it is faster.
@@ -392,8 +393,6 @@ def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 
 def linear_w4a8_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    from kernels.quant_matmul import dequantize_int4, quantize_act_q8
-
     xq, d = quantize_act_q8(x)
     m, k = x.shape
     xd = (xq.float().view(m, k // 32, 32) * d[..., None]).view(m, k)
@@ -412,8 +411,6 @@ def quant_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def linear_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
                     ) -> torch.Tensor:
-    from kernels.quant_matmul import quantize_act_q8
-
     xq, d = quantize_act_q8(x)
     m, k = x.shape
     xd = (xq.float().view(m, k // 32, 32) * d[..., None]).view(m, k)

@@ -2,13 +2,7 @@
 that dequantises weight tiles in the loop (split-K for skinny decode shapes, one pass over K for large M),
 the PyTorch references, and `QuantLinear` / `quantize_model`, a module swap in the style of gpt-fast.
 
-Formats (weights are nn.Linear's [N, K]):
-- int8: w ~= q[n, k] * scale[n]; q int8 in [-127, 127], scale float32 [N] (symmetric, per output channel).
-- w8a8 (CPU): int8's weights, and the activations quantised at run time per block of 32 values
-  (`quantize_act_q8`, llama.cpp's q8_0 rounding), so the dots are integer dots; the head is quantised too.
-- int4: w ~= (q[n, k] - zero[n, g]) * scale[n, g], g = k // group; q in [0, 15] packed two per byte
-  (even k in the low nibble, odd k in the high one) as uint8 [N, K/2]; scale float16 [N, K/group],
-  zero uint8 [N, K/group] (asymmetric, per group of 32, 64 or 128).
+The formats (int8, w8a8, int4) and their quantise / dequantise functions: kernels/quant_formats.py.
 """
 
 from __future__ import annotations
@@ -17,73 +11,17 @@ import torch
 from torch import nn
 
 from kernels.launch import HAVE_TRITON, dot_precision, kernel, require_triton, sm_count, tl
+from kernels.quant_formats import (  # noqa: F401 - the formats' functions, re-exported where they always were
+    INT4_GROUPS,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_act_q8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
-INT4_GROUPS = (32, 64, 128)
 W4A8_GROUPS = (64, 128)  # the groups kernels/cpu_kernels.c's int4 GEMV (w4a8) takes
-
-
-# ----------------------------------------------------------------------------------------------------------
-# quantise on load
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float weight [N, K] -> (int8 [N, K], float32 scale [N])."""
-    w = w.detach().float()
-    scale = w.abs().amax(1).clamp_min(1e-8) / 127.0
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def quantize_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w8a8's activations: x [M, K] (K % 32 == 0) -> (int8 [M, K], float32 scale [M, K / 32]), per block of 32
-    d = amax / 127 and q = round-half-even(x * (1 / d)) (0 where d is 0): llama.cpp's q8_0 rounding, and
-    bit for bit what kernels/cpu_kernels.c quantises."""
-    m, k = x.shape
-    if k % 32:
-        raise ValueError(f"w8a8 needs in_features divisible by 32, got {k}")
-    g = x.detach().float().reshape(m, k // 32, 32)
-    d = g.abs().amax(-1) / 127.0
-    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
-    q = torch.round(g * inv[..., None]).clamp(-127, 127).to(torch.int8)
-    return q.reshape(m, k), d
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float()[:, None]
-
-
-def quantize_int4(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float weight [N, K] -> (packed uint8 [N, K/2], float16 scale [N, K/group], uint8 zero [N, K/group])."""
-    if group not in INT4_GROUPS:
-        raise ValueError(f"int4 group size must be one of {INT4_GROUPS}, got {group}")
-    n, k = w.shape
-    if k % group:
-        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group}")
-    g = w.detach().float().reshape(n, k // group, group)
-    lo = g.amin(-1).clamp_max(0.0)  # keep 0 representable so zero rows stay exact
-    hi = g.amax(-1).clamp_min(0.0)
-    scale = ((hi - lo).clamp_min(1e-6) / 15.0).half().float()  # round the scale first: q uses what is stored
-    zero = torch.round(-lo / scale).clamp(0, 15)
-    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)
-    return packed, scale.half(), zero.to(torch.uint8)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> uint8 [N, K] of values 0..15 (low nibble = even k)."""
-    n, half = packed.shape
-    out = torch.empty(n, half * 2, dtype=torch.uint8, device=packed.device)
-    out[:, 0::2] = packed & 0xF
-    out[:, 1::2] = packed >> 4
-    return out
-
-
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    q = unpack_int4(packed).float()
-    n, k = q.shape
-    group = k // scale.shape[1]
-    q = q.view(n, k // group, group)
-    return ((q - zero.float()[..., None]) * scale.float()[..., None]).view(n, k)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from router_model import native
+import router_model.native as native
 
 # One prompt: a plain string (one user turn) or OpenAI-style messages.
 Conversation = str | Sequence[Mapping[str, Any]]

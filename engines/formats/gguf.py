@@ -17,7 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from engines.loader import GenerationDefaults, _assign_parameter, resolve_dtype
+from engines.formats.gguf_tokenizer import field, tokenizer_from_gguf
+from engines.formats.safetensors_io import assign_parameter
+from engines.loader import GenerationDefaults, resolve_dtype
 from engines.model import Transformer, rope_inv_freq
 from engines.model_config import CheckpointError, ModelConfig
 
@@ -47,14 +49,6 @@ def read(path: Path) -> Any:
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on a damaged file
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{path}: not a readable GGUF file, truncated or damaged ({detail})") from None
-
-
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
 
 
 def check(path: str | Path) -> None:
@@ -138,7 +132,6 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", device: str |
 
     `quantization` ("none" or a quantise-on-load mode) applies to the tensors that load as floats; Q4_0 goes
     onto int4 whatever it says (exactly), Q8_0 onto int8 / w8a8 when it says so (one more rounding)."""
-    from engines.formats.gguf_tokenizer import tokenizer_from_gguf
 
     path = Path(path)
     reader = read(path)
@@ -180,7 +173,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", device: str |
             w = torch.from_numpy(_dequantize(t, path).reshape(shape).copy())
             if rows is not None:
                 w = w[rows]
-            _assign_parameter(model, name, w.to(device=device, dtype=target))
+            assign_parameter(model, name, w.to(device=device, dtype=target))
             if len(shape) == 2:
                 kinds[qtype if qtype in FLOAT_TYPES else f"{qtype}->float (dequantised)"] += 1
         loaded.add(name)

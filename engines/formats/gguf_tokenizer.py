@@ -24,9 +24,13 @@ PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _
 CONTROL, USER_DEFINED = 3, 4
 
 
-def tokenizer_from_gguf(reader: Any, path: Path) -> Tokenizer:
-    from engines.formats.gguf import field
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value of a `gguf.GGUFReader`, or `default` when the file lacks it."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
 
+
+def tokenizer_from_gguf(reader: Any, path: Path) -> Tokenizer:
     kind = field(reader, "tokenizer.ggml.model")
     tokens = field(reader, "tokenizer.ggml.tokens")
     if not tokens:

@@ -234,7 +234,7 @@ def _float(linear: nn.Linear, w: torch.Tensor, bias: torch.Tensor | None, device
 def load_prequantized(folder: Path, config: Any, qc: dict[str, Any], files: list[Path], dtype: torch.dtype,
                       device: torch.device) -> tuple[nn.Module, str]:
     """The Transformer of a pre-quantised checkpoint, its quantised Linears straight into QuantLinear."""
-    from engines.loader import _assign_parameter, _open_safetensors
+    from engines.formats.safetensors_io import assign_parameter, open_safetensors
     from engines.model import Transformer, rope_inv_freq
 
     where = str(folder / "config.json")
@@ -244,7 +244,7 @@ def load_prequantized(folder: Path, config: Any, qc: dict[str, Any], files: list
     located: dict[str, Path] = {}
     handles = {}
     for file in files:
-        handles[file] = _open_safetensors(file, torch.device("cpu"))
+        handles[file] = open_safetensors(file, torch.device("cpu"))
         for name in handles[file].keys():
             located[name] = file
 
@@ -281,7 +281,7 @@ def load_prequantized(folder: Path, config: Any, qc: dict[str, Any], files: list
         if tuple(t.shape) != expected[name]:
             raise CheckpointError(f"{located[name]}: tensor {name!r} has shape {list(t.shape)} but config.json "
                                   f"implies {list(expected[name])}")
-        _assign_parameter(model, name, t.to(device=device, dtype=dtype))
+        assign_parameter(model, name, t.to(device=device, dtype=dtype))
         expected.pop(name)
     if expected:
         raise CheckpointError(f"{folder}: missing tensor(s) {', '.join(sorted(expected)[:5])} for {scheme.name}")
