@@ -23,6 +23,7 @@ from engines.errors import RequestRejected
 from engines.outputs import CompletionOutput, RequestOutput
 from gateway.config import DEFAULT_CASCADE_SCORER, ConfigError, RouteConfig
 from gateway.errors import APIError
+from gateway.route_monitor import RouteMonitor
 from gateway.router_strategy import conversation_of
 from gateway.routing import ESCALATED, Plan, RoutedRun, RoutingContext
 from router_model import Router, RouterArtifactError
@@ -119,6 +120,9 @@ class CascadeStrategy:
         else:
             self.threshold, self.threshold_source = route.cascade.confidence_threshold, "route confidence_threshold"
         self._same_vocab: dict[tuple[int, int], bool] = {}
+        # the escalation rate (and, learned, the scorer's score distribution and drift) over recent traffic
+        self.monitor = RouteMonitor(name, static_threshold=self.threshold, label="escalated", reference_quantiles=(
+            self.scorer.score_quantiles.tolist() if self.scorer is not None else None))
 
     def should_escalate(self, output: CompletionOutput, conversation: Any = None,
                         tokenizer: Any = None) -> tuple[bool, float]:
@@ -169,6 +173,7 @@ class CascadeStrategy:
             yield whole_answer(final, asked)
             return
         escalate, score = self.should_escalate(answer, conversation_of(ctx, small, large), small.tokenizer)
+        self.monitor.record(score if self.scorer is not None else None, escalate)
         run.attributes.update({"tandem.cascade.confidence": max(score, -1e9), "tandem.cascade.mode": self.mode,
                                "tandem.cascade.threshold": self.threshold,
                                "tandem.cascade.small_completion_tokens": len(answer.token_ids), ESCALATED: False})

@@ -61,6 +61,14 @@ class RouterConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     threshold: Annotated[float, Meta(ge=0, le=1)] | None = None  # P(large needed) above this -> large
     target_large_fraction: Fraction | None = None  # or calibrate the threshold to send this share to large
     artifact: str | None = None  # router artifact folder (JSON + npz); unset: models/router of the project
+    # with target_large_fraction: the threshold follows the (1 - target) quantile of the last `window` scores
+    # once `warmup` are seen, so the target holds on traffic the artifact never saw; false: the artifact's
+    # held-out quantile, fixed
+    hold_target: bool = True
+    window: Annotated[int, Meta(ge=10, le=100_000)] = 1000  # recent scores held (also the drift check's sample)
+    warmup: Annotated[int, Meta(ge=1, le=100_000)] = 100  # scores seen before the threshold follows the window
+    drift_min_ks: Annotated[float, Meta(gt=0, le=1)] = 0.1  # warn when the KS distance reaches this (and p<0.001)
+    history_interval_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0  # one /v1/routes history bucket per this
 
 
 class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -337,6 +345,9 @@ def _cross_check(cfg: TandemConfig) -> None:
                               f"be different engines")
         if route.router.threshold is not None and route.router.target_large_fraction is not None:
             raise ConfigError(f"{src}: {where}.router sets both threshold and target_large_fraction; set one")
+        if route.router.warmup > route.router.window:
+            raise ConfigError(f"{src}: {where}.router.warmup = {route.router.warmup} is above its window = "
+                              f"{route.router.window}; the window never holds that many scores, lower warmup")
         if route.allow_downgrade and route.strategy == "fixed":
             raise ConfigError(f"{src}: {where}.allow_downgrade = true is invalid for strategy 'fixed': a "
                               f"fixed route has one engine to fall back to")
