@@ -54,7 +54,7 @@ from gateway.protocol import (
 from gateway.responses_api import HANDLERS as RESPONSES_HANDLERS
 from gateway.responses_api import ResponsesRequest, ResponseStreamEvent
 from gateway.responses_store import ResponseStore
-from gateway.route_metrics import RouteMonitorCollector, route_monitors
+from gateway.route_metrics import RouteMonitorCollector, routing_reports
 from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.state import EngineHost, GatewayState
@@ -133,7 +133,7 @@ async def list_routes(request: Request) -> dict[str, Any]:
     state.engine_stats()  # busy time for the cost columns
     reports = state.slo.reports()
     out = []
-    monitors = route_monitors(state.routes.strategies)
+    routing = routing_reports(state.routes.strategies)
     for name, route in state.cfg.routes.items():
         out.append({"name": name, "description": route.description, "strategy": route.strategy,
                     "engines": route.engines,
@@ -142,7 +142,7 @@ async def list_routes(request: Request) -> dict[str, Any]:
                     "max_waiting": route.max_waiting,
                     "waiting": state.admission.num_waiting(name) if state.admission is not None else None,
                     "attainment": msgspec.to_builtins(reports[name]),
-                    "routing": monitors[name].report() if name in monitors else None})
+                    "routing": routing.get(name)})
     return {"object": "list", "data": out,
             "admission": state.admission.stats() if state.admission is not None else None}
 
@@ -263,8 +263,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
                          autoscaler=autoscaler, admission=admission)
     telemetry.bind_state(state)  # engines, admission and autoscaler for the scrape-time metrics
     # the router and cascade routes' held thresholds, realised shares and drift (gateway/route_metrics.py)
-    telemetry.registry.register(RouteMonitorCollector(telemetry.prefix,
-                                                      lambda: route_monitors(state.routes.strategies)))
+    telemetry.registry.register(RouteMonitorCollector(telemetry.prefix, lambda: state.routes.strategies))
     build = host_factory or default_host_factory(cfg)
     loading: list[asyncio.Task] = []
     periodic: list[asyncio.Task] = []

@@ -69,6 +69,13 @@ class RouterConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     warmup: Annotated[int, Meta(ge=1, le=100_000)] = 100  # scores seen before the threshold follows the window
     drift_min_ks: Annotated[float, Meta(gt=0, le=1)] = 0.1  # warn when the KS distance reaches this (and p<0.001)
     history_interval_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0  # one /v1/routes history bucket per this
+    # shadow labels: this share of requests also runs greedily on both engines in the background (at most
+    # shadow_max_inflight at once, shadow_max_tokens each); their agreement is a label (gateway/shadow.py)
+    shadow_fraction: Annotated[float, Meta(ge=0, le=0.5)] = 0.0
+    shadow_max_inflight: Annotated[int, Meta(ge=1, le=64)] = 1
+    shadow_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 32
+    shadow_labels: str | None = None  # JSONL the labels go to (features, no prompt text); unset: counts only
+    shadow_max_records: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000  # then rotated once to <file>.1
 
 
 class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -278,6 +285,8 @@ def config_from_dict(raw: dict[str, Any], *, base_dir: str | Path = ".", source:
     for route in cfg.routes.values():
         if route.router.artifact:
             route.router.artifact = _resolve(base, route.router.artifact)
+        if route.router.shadow_labels:
+            route.router.shadow_labels = _resolve(base, route.router.shadow_labels)
         if route.cascade.scorer:
             route.cascade.scorer = _resolve(base, route.cascade.scorer)
     if isinstance(cfg.kv_pool.memory_bytes, str):

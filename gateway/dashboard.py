@@ -17,8 +17,7 @@ from litestar import Request, Response, get
 from prometheus_client import Histogram
 
 from gateway.autoscale import signals_from
-from gateway.route_metrics import route_monitors
-from gateway.route_monitor import RouteMonitor
+from gateway.route_metrics import routing_reports
 from gateway.state import GatewayState
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
@@ -109,7 +108,7 @@ def snapshot(state: GatewayState, latency: EngineLatency) -> dict[str, Any]:
     stats = state.engine_stats() if state.ready else {}
     reports = state.slo.reports()
     routes = []
-    monitors = route_monitors(state.routes.strategies)
+    routing = routing_reports(state.routes.strategies)
     for name, r in reports.items():
         cfg = state.cfg.routes.get(name)
         routes.append({
@@ -122,7 +121,7 @@ def snapshot(state: GatewayState, latency: EngineLatency) -> dict[str, Any]:
             "attainment": r.attainment, "goodput_share": r.goodput_share,
             "waiting": state.admission.num_waiting(name) if state.admission is not None else None,
             "cost_per_1k_tokens": r.cost_per_1k_tokens,
-            "routing": _routing(monitors[name]) if name in monitors else None})
+            "routing": _routing(routing[name]) if name in routing else None})
     per_engine = latency.report(state)
     engines = []
     for name, s in stats.items():
@@ -144,11 +143,12 @@ def snapshot(state: GatewayState, latency: EngineLatency) -> dict[str, Any]:
             "replicas": {"desired": desired, "current": scaler.replicas}}
 
 
-def _routing(monitor: RouteMonitor) -> dict[str, Any]:
-    """A router or cascade route's held threshold, realised share, score quantiles and drift, and its history."""
-    r = monitor.report()
+def _routing(r: dict[str, Any]) -> dict[str, Any]:
+    """A router or cascade route's held threshold, realised share, score quantiles, drift, shadow labels and
+    history."""
     return {"threshold": r["threshold"], "target_fraction": r["target_fraction"],
-            "holding_target": r["holding_target"], **r["window"], "drift": r["drift"], "history": r["history"]}
+            "holding_target": r["holding_target"], **r["window"], "drift": r["drift"], "shadow": r["shadow"],
+            "history": r["history"]}
 
 
 @get("/dashboard", sync_to_thread=False, include_in_schema=False)

@@ -146,6 +146,13 @@ CATALOG: tuple[MetricSpec, ...] = (
                "from the artifact's held-out score distribution.", when="scrape"),
     MetricSpec("router_score_drift_warning", "gauge", ("route",), "1 while the recent scores have drifted from "
                "the artifact's (KS >= router.drift_min_ks and p < 0.001), else 0.", when="scrape"),
+    MetricSpec("router_shadow_runs", "counter", ("route", "outcome"), "Shadow pairs of a router route (both "
+               "engines, greedy) by outcome: labelled, skipped_budget (shadow_max_inflight reached), failed.",
+               when="scrape"),
+    MetricSpec("router_shadow_tokens", "counter", ("model_name", "route"), "Tokens (prompt + generated) the "
+               "route's shadow pairs cost on each engine.", when="scrape"),
+    MetricSpec("router_shadow_agreement", "gauge", ("route",), "Share of the route's labelled shadow pairs "
+               "whose small and large greedy answers have the same first line.", when="scrape"),
     MetricSpec("autoscale_desired_replicas", "gauge", (), "The autoscaler's desired replica count at its last "
                "evaluation (GET /v1/autoscale explains it).", when="scrape"),
     MetricSpec("autoscale_current_replicas", "gauge", (), "The replica count last reported to the autoscaler "

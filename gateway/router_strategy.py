@@ -11,7 +11,8 @@ from typing import Any
 
 from gateway.config import DEFAULT_ROUTER_ARTIFACT, ConfigError, RouteConfig, TandemConfig
 from gateway.route_monitor import RouteMonitor
-from gateway.routing import Plan, RoutingContext, start_planned
+from gateway.routing import Plan, RoutedRun, RoutingContext, start_planned
+from gateway.shadow import LabelStore, ShadowRunner, ShadowSampler
 from router_model import Router, RouterArtifactError
 from router_model.features import Conversation
 
@@ -44,7 +45,7 @@ def conversation_of(ctx: RoutingContext, small: Any, large: Any) -> Conversation
 class RouterStrategy:
     """P(large needed) >= threshold -> the large engine, else the small one."""
 
-    def __init__(self, name: str, route: RouteConfig, router: Router):
+    def __init__(self, name: str, route: RouteConfig, router: Router, *, record_content: bool = False):
         self.name = name
         self.small, self.large = route.engines
         self.router = router
@@ -57,6 +58,13 @@ class RouterStrategy:
                                     reference_quantiles=router.score_quantiles.tolist(), window=cfg.window,
                                     warmup=cfg.warmup, drift_min_ks=cfg.drift_min_ks,
                                     interval_s=cfg.history_interval_s)
+        self.shadow: ShadowRunner | None = None
+        if cfg.shadow_fraction > 0:
+            self.shadow = ShadowRunner(
+                name, (self.small, self.large), ShadowSampler(cfg.shadow_fraction, cfg.shadow_max_inflight),
+                LabelStore(cfg.shadow_labels, cfg.shadow_max_records), features=router.features,
+                max_tokens=cfg.shadow_max_tokens, record_content=record_content,
+                artifact=str(router.metadata.get("trained_at", "")) + " " + (cfg.artifact or "default"))
 
     @property
     def threshold(self) -> float:
@@ -78,7 +86,12 @@ class RouterStrategy:
         return Plan(self.large if choice == "large" else self.small, score=score,
                     attributes={"tandem.router.choice": choice, "tandem.router.threshold": threshold})
 
-    start = staticmethod(start_planned)
+    async def start(self, plan: Plan, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
+        run = await start_planned(plan, ctx, engines)
+        if self.shadow is not None and self.shadow.sampler.admit():
+            self.shadow.start(ctx, engines, plan.score, plan.attributes["tandem.router.choice"],
+                              self.conversation(ctx, engines))
+        return run
 
 
 def load_route_router(name: str, route: RouteConfig, cfg: TandemConfig) -> Router:
