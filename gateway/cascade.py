@@ -65,6 +65,16 @@ def whole_answer(out: RequestOutput, top_logprobs: int | None) -> RequestOutput:
     return dataclasses.replace(out, outputs=choices)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Leading tokens two answers share: how much of the small answer the large model's verification kept."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def load_cascade_scorer(name: str, route: RouteConfig) -> Router:
     """The route's escalation scorer, or a ConfigError naming the route's setting and the fix."""
     folder = route.cascade.scorer or str(DEFAULT_CASCADE_SCORER)
@@ -203,9 +213,16 @@ class CascadeStrategy:
         run.engine = large
         run.attributes[ESCALATED] = True
         run.attributes["tandem.cascade.draft_tokens"] = len(drafts or ())
+        self._verified(first, drafts)
         yield first
         async for out in outputs:
+            self._verified(out, drafts)  # before the yield: a consumer stops at the finished output
             yield out
+
+    def _verified(self, out: RequestOutput, drafts: list[int] | None) -> None:
+        """On the large answer's end: the verification's label, the share of the small answer it accepted."""
+        if drafts and out.finished and not out.error:
+            self.monitor.record_acceptance(_common_prefix(drafts, out.outputs[0].token_ids) / len(drafts))
 
     def _shares_vocabulary(self, small: Any, large: Any) -> bool:
         """Drafts are token ids: only meaningful when both engines tokenize identically (checked once)."""

@@ -146,6 +146,8 @@ CATALOG: tuple[MetricSpec, ...] = (
                "from the artifact's held-out score distribution.", when="scrape"),
     MetricSpec("router_score_drift_warning", "gauge", ("route",), "1 while the recent scores have drifted from "
                "the artifact's (KS >= router.drift_min_ks and p < 0.001), else 0.", when="scrape"),
+    MetricSpec("cascade_escalation_acceptance", "gauge", ("route",), "Mean share of the small answer the large "
+               "model accepted over the cascade route's recent escalations (drafts verified).", when="scrape"),
     MetricSpec("router_shadow_runs", "counter", ("route", "outcome"), "Shadow pairs of a router route (both "
                "engines, greedy) by outcome: labelled, skipped_budget (shadow_max_inflight reached), failed.",
                when="scrape"),

@@ -48,7 +48,11 @@ class RouteMonitorCollector(Collector):
         quantiles, ks, warning = (self._family(n) for n in (
             "router_score_quantile", "router_score_drift_ks", "router_score_drift_warning"))
         strategies = self.strategies()
+        acceptance = self._family("cascade_escalation_acceptance")
         for route, m in route_monitors(strategies).items():
+            accepted = m.acceptance()
+            if accepted is not None:
+                acceptance.add_metric([route], accepted)
             threshold.add_metric([route], m.threshold)
             if m.target_fraction is not None:
                 target.add_metric([route], m.target_fraction)
@@ -62,7 +66,7 @@ class RouteMonitorCollector(Collector):
             if drift.ks is not None:
                 ks.add_metric([route], drift.ks)
                 warning.add_metric([route], 1.0 if drift.warning else 0.0)
-        yield from (threshold, target, realised, quantiles, ks, warning)
+        yield from (threshold, target, realised, quantiles, ks, warning, acceptance)
         runs = self._family("router_shadow_runs", CounterMetricFamily)
         tokens = self._family("router_shadow_tokens", CounterMetricFamily)
         agreement = self._family("router_shadow_agreement")

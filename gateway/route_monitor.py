@@ -107,6 +107,8 @@ class Bucket:
     large: int = 0
     scores: list[float] = field(default_factory=list)  # bounded: at most MAX_BUCKET_SCORES
     threshold: float | None = None
+    verified: int = 0  # cascade escalations whose verification finished
+    accepted: float = 0.0  # the sum of their accepted shares of the small answer
 
 
 MAX_BUCKET_SCORES = 512
@@ -177,6 +179,7 @@ class RouteMonitor:
         self._large_in_window = 0
         self._recent = target_fraction or 0.0  # moving average of large over the last ~window/10 decisions
         self._recent_rate = 1.0 / max(10, window // 10)
+        self._acceptance: deque[float] = deque(maxlen=window)  # a cascade's accepted share per verification
         self._unscored = 0  # decisions recorded without a score (a cascade's raw-confidence modes)
         self.decisions = 0
         self.large_total = 0
@@ -212,6 +215,19 @@ class RouteMonitor:
         """A decision made elsewhere (a cascade's escalation): observed, the threshold untouched."""
         with self._lock:
             self._observe(score, large)
+
+    def record_acceptance(self, share: float) -> None:
+        """A finished escalation: the share of the small answer the large model accepted as drafts."""
+        with self._lock:
+            self._acceptance.append(share)
+            if self.history:
+                self.history[-1].verified += 1
+                self.history[-1].accepted += share
+
+    def acceptance(self) -> float | None:
+        """Mean accepted share over the recent verifications (None before the first)."""
+        with self._lock:
+            return sum(self._acceptance) / len(self._acceptance) if self._acceptance else None
 
     def _observe(self, score: float | None, large: bool) -> None:
         if score is not None:
@@ -294,7 +310,8 @@ class RouteMonitor:
             "target_fraction": self.target_fraction,
             "holding_target": self.holding,
             "window": {"size": self.window.size, "scores": len(self.window), "decisions": len(self._choices),
-                       f"realised_{self.label}_fraction": self.realised_fraction(), "score_quantiles": self.quantiles()},
+                       f"realised_{self.label}_fraction": self.realised_fraction(), "score_quantiles": self.quantiles(),
+                       "verifications": len(self._acceptance), "escalation_acceptance": self.acceptance()},
             "decisions": self.decisions, f"{self.label}_total": self.large_total,
             "drift": {"ks": drift.ks, "p_value": drift.p_value, "warning": drift.warning,
                       "min_ks": self.drift_min_ks, "max_p_value": self.drift_p_value},
@@ -309,4 +326,5 @@ def _bucket_summary(b: Bucket, label: str) -> dict[str, Any]:
         return scores[min(len(scores) - 1, int(p * len(scores)))] if scores else None
 
     return {"start": b.start, "requests": b.requests, f"{label}_fraction": b.large / b.requests if b.requests else None,
-            "threshold": b.threshold, "score_quantiles": {f"p{round(p * 100)}": q(p) for p in SUMMARY_QUANTILES}}
+            "threshold": b.threshold, "escalation_acceptance": b.accepted / b.verified if b.verified else None,
+            "score_quantiles": {f"p{round(p * 100)}": q(p) for p in SUMMARY_QUANTILES}}
