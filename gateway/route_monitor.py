@@ -156,8 +156,8 @@ def ks_against_quantiles(window: ScoreWindow, reference: Sequence[float]) -> flo
 class RouteMonitor:
     """One route's live scores. `decide(score)` (router routes) returns large/small against the threshold: the
     static one, or, with `target_fraction` and `warmup` scores seen, the window's (1 - target) quantile, ties in
-    its bin split at random so the window's large share is the target. `record(score, large)` (cascades) only
-    observes. `report()` is the snapshot for /v1/routes, the dashboard and metrics."""
+    its bin split at random so the window's large share is the target, nudged by the share of the latest
+    decisions while a shift passes through the window. `record(score, large)` (cascades) only observes. `report()` is the snapshot for /v1/routes, the dashboard and metrics."""
 
     def __init__(self, route: str, *, static_threshold: float, target_fraction: float | None = None,
                  reference_quantiles: Sequence[float] | None = None, window: int = 1000, warmup: int = 100,
@@ -180,7 +180,6 @@ class RouteMonitor:
         self._recent = target_fraction or 0.0  # moving average of large over the last ~window/10 decisions
         self._recent_rate = 1.0 / max(10, window // 10)
         self._acceptance: deque[float] = deque(maxlen=window)  # a cascade's accepted share per verification
-        self._unscored = 0  # decisions recorded without a score (a cascade's raw-confidence modes)
         self.decisions = 0
         self.large_total = 0
         self._threshold = static_threshold
@@ -230,10 +229,8 @@ class RouteMonitor:
             return sum(self._acceptance) / len(self._acceptance) if self._acceptance else None
 
     def _observe(self, score: float | None, large: bool) -> None:
-        if score is not None:
+        if score is not None:  # None: a cascade's raw-confidence modes, whose scores are not probabilities
             self.window.push(score)
-        else:
-            self._unscored += 1
         self._choices.append(large)
         self._large_in_window += large
         self._recent += self._recent_rate * (large - self._recent)
