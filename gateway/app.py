@@ -54,6 +54,7 @@ from gateway.protocol import (
 from gateway.responses_api import HANDLERS as RESPONSES_HANDLERS
 from gateway.responses_api import ResponsesRequest, ResponseStreamEvent
 from gateway.responses_store import ResponseStore
+from gateway.route_metrics import RouteMonitorCollector, routing_reports
 from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.state import EngineHost, GatewayState
@@ -128,6 +129,7 @@ async def list_routes(request: Request) -> dict[str, Any]:
     state.engine_stats()  # busy time for the cost columns
     reports = state.slo.reports()
     out = []
+    routing = routing_reports(state.routes.strategies)
     for name, route in state.cfg.routes.items():
         out.append({"name": name, "description": route.description, "strategy": route.strategy,
                     "engines": route.engines,
@@ -135,7 +137,8 @@ async def list_routes(request: Request) -> dict[str, Any]:
                     "allow_downgrade": route.allow_downgrade, "slo": msgspec.to_builtins(route.slo),
                     "max_waiting": route.max_waiting,
                     "waiting": state.admission.num_waiting(name) if state.admission is not None else None,
-                    "attainment": msgspec.to_builtins(reports[name])})
+                    "attainment": msgspec.to_builtins(reports[name]),
+                    "routing": routing.get(name)})
     return {"object": "list", "data": out,
             "admission": state.admission.stats() if state.admission is not None else None}
 
@@ -255,6 +258,8 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     state = GatewayState(cfg=cfg, routes=Routes(cfg), keyring=keyring, telemetry=telemetry, slo=slo,
                          autoscaler=autoscaler, admission=admission)
     telemetry.bind_state(state)  # engines, admission and autoscaler for the scrape-time metrics
+    # the router and cascade routes' held thresholds, realised shares and drift (gateway/route_metrics.py)
+    telemetry.registry.register(RouteMonitorCollector(telemetry.prefix, lambda: state.routes.strategies))
     build = host_factory or default_host_factory(cfg)
     loading: list[asyncio.Task] = []
     periodic: list[asyncio.Task] = []

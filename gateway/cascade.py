@@ -23,6 +23,7 @@ from engines.errors import RequestRejected
 from engines.outputs import CompletionOutput, RequestOutput
 from gateway.config import DEFAULT_CASCADE_SCORER, ConfigError, RouteConfig
 from gateway.errors import APIError
+from gateway.route_monitor import RouteMonitor
 from gateway.router_strategy import conversation_of
 from gateway.routing import ESCALATED, Plan, RoutedRun, RoutingContext
 from router_model import Router, RouterArtifactError
@@ -62,6 +63,16 @@ def whole_answer(out: RequestOutput, top_logprobs: int | None) -> RequestOutput:
         choices.append(dataclasses.replace(c, logprobs=kept, delta_text=c.text, delta_token_ids=list(c.token_ids),
                                            delta_logprobs=kept))
     return dataclasses.replace(out, outputs=choices)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Leading tokens two answers share: how much of the small answer the large model's verification kept."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def load_cascade_scorer(name: str, route: RouteConfig) -> Router:
@@ -119,6 +130,9 @@ class CascadeStrategy:
         else:
             self.threshold, self.threshold_source = route.cascade.confidence_threshold, "route confidence_threshold"
         self._same_vocab: dict[tuple[int, int], bool] = {}
+        # the escalation rate (and, learned, the scorer's score distribution and drift) over recent traffic
+        self.monitor = RouteMonitor(name, static_threshold=self.threshold, label="escalated", reference_quantiles=(
+            self.scorer.score_quantiles.tolist() if self.scorer is not None else None))
 
     def should_escalate(self, output: CompletionOutput, conversation: Any = None,
                         tokenizer: Any = None) -> tuple[bool, float]:
@@ -169,6 +183,7 @@ class CascadeStrategy:
             yield whole_answer(final, asked)
             return
         escalate, score = self.should_escalate(answer, conversation_of(ctx, small, large), small.tokenizer)
+        self.monitor.record(score if self.scorer is not None else None, escalate)
         run.attributes.update({"tandem.cascade.confidence": max(score, -1e9), "tandem.cascade.mode": self.mode,
                                "tandem.cascade.threshold": self.threshold,
                                "tandem.cascade.small_completion_tokens": len(answer.token_ids), ESCALATED: False})
@@ -198,9 +213,16 @@ class CascadeStrategy:
         run.engine = large
         run.attributes[ESCALATED] = True
         run.attributes["tandem.cascade.draft_tokens"] = len(drafts or ())
+        self._verified(first, drafts)
         yield first
         async for out in outputs:
+            self._verified(out, drafts)  # before the yield: a consumer stops at the finished output
             yield out
+
+    def _verified(self, out: RequestOutput, drafts: list[int] | None) -> None:
+        """On the large answer's end: the verification's label, the share of the small answer it accepted."""
+        if drafts and out.finished and not out.error:
+            self.monitor.record_acceptance(_common_prefix(drafts, out.outputs[0].token_ids) / len(drafts))
 
     def _shares_vocabulary(self, small: Any, large: Any) -> bool:
         """Drafts are token ids: only meaningful when both engines tokenize identically (checked once)."""

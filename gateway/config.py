@@ -63,6 +63,21 @@ class RouterConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     threshold: Annotated[float, Meta(ge=0, le=1)] | None = None  # P(large needed) above this -> large
     target_large_fraction: Fraction | None = None  # or calibrate the threshold to send this share to large
     artifact: str | None = None  # router artifact folder (JSON + npz); unset: models/router of the project
+    # with target_large_fraction: the threshold follows the (1 - target) quantile of the last `window` scores
+    # once `warmup` are seen, so the target holds on traffic the artifact never saw; false: the artifact's
+    # held-out quantile, fixed
+    hold_target: bool = True
+    window: Annotated[int, Meta(ge=10, le=100_000)] = 1000  # recent scores held (also the drift check's sample)
+    warmup: Annotated[int, Meta(ge=1, le=100_000)] = 100  # scores seen before the threshold follows the window
+    drift_min_ks: Annotated[float, Meta(gt=0, le=1)] = 0.1  # warn when the KS distance reaches this (and p<0.001)
+    history_interval_s: Annotated[float, Meta(gt=0, le=86_400)] = 60.0  # one /v1/routes history bucket per this
+    # shadow labels: this share of requests also runs greedily on both engines in the background (at most
+    # shadow_max_inflight at once, shadow_max_tokens each); their agreement is a label (gateway/shadow.py)
+    shadow_fraction: Annotated[float, Meta(ge=0, le=0.5)] = 0.0
+    shadow_max_inflight: Annotated[int, Meta(ge=1, le=64)] = 1
+    shadow_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 32
+    shadow_labels: str | None = None  # JSONL the labels go to (features, no prompt text); unset: counts only
+    shadow_max_records: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000  # then rotated once to <file>.1
 
 
 class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -272,6 +287,8 @@ def config_from_dict(raw: dict[str, Any], *, base_dir: str | Path = ".", source:
     for route in cfg.routes.values():
         if route.router.artifact:
             route.router.artifact = _resolve(base, route.router.artifact)
+        if route.router.shadow_labels:
+            route.router.shadow_labels = _resolve(base, route.router.shadow_labels)
         if route.cascade.scorer:
             route.cascade.scorer = _resolve(base, route.cascade.scorer)
     if isinstance(cfg.kv_pool.memory_bytes, str):
@@ -347,6 +364,9 @@ def _cross_check(cfg: TandemConfig) -> None:
                               f"be different engines")
         if route.router.threshold is not None and route.router.target_large_fraction is not None:
             raise ConfigError(f"{src}: {where}.router sets both threshold and target_large_fraction; set one")
+        if route.router.warmup > route.router.window:
+            raise ConfigError(f"{src}: {where}.router.warmup = {route.router.warmup} is above its window = "
+                              f"{route.router.window}; the window never holds that many scores, lower warmup")
         if route.allow_downgrade and route.strategy == "fixed":
             raise ConfigError(f"{src}: {where}.allow_downgrade = true is invalid for strategy 'fixed': a "
                               f"fixed route has one engine to fall back to")

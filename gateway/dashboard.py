@@ -1,8 +1,8 @@
 """The built-in dashboard: `GET /dashboard` is one self-contained page (gateway/static/dashboard.html: inline CSS,
 JS and SVG charts, no external assets, so it works offline) that polls `GET /dashboard/data`, a JSON snapshot of
 the gateway's own state: per-route SLO windows (TTFT/TPOT p50/p99 against the targets, attainment, goodput),
-per-engine latency quantiles, queues, KV usage, prefix-cache, routing, escalation and speculative counters, cost
-and the autoscaler's desired replicas. Neither needs a key, like `/metrics`; neither is in the OpenAPI document.
+per-engine latency quantiles, queues, KV usage, prefix-cache, routing, escalation and speculative counters, cost,
+the autoscaler's desired replicas, and each router/cascade route's held threshold, realised share and drift. Neither needs a key, like `/metrics`; neither is in the OpenAPI document.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from litestar import Request, Response, get
 from prometheus_client import Histogram
 
 from gateway.autoscale import signals_from
+from gateway.route_metrics import routing_reports
 from gateway.state import GatewayState
 
 PAGE = Path(__file__).parent / "static" / "dashboard.html"
@@ -107,6 +108,7 @@ def snapshot(state: GatewayState, latency: EngineLatency) -> dict[str, Any]:
     stats = state.engine_stats() if state.ready else {}
     reports = state.slo.reports()
     routes = []
+    routing = routing_reports(state.routes.strategies)
     for name, r in reports.items():
         cfg = state.cfg.routes.get(name)
         routes.append({
@@ -118,7 +120,8 @@ def snapshot(state: GatewayState, latency: EngineLatency) -> dict[str, Any]:
                      "attainment": r.tpot.attainment},
             "attainment": r.attainment, "goodput_share": r.goodput_share,
             "waiting": state.admission.num_waiting(name) if state.admission is not None else None,
-            "cost_per_1k_tokens": r.cost_per_1k_tokens})
+            "cost_per_1k_tokens": r.cost_per_1k_tokens,
+            "routing": _routing(routing[name]) if name in routing else None})
     per_engine = latency.report(state)
     engines = []
     for name, s in stats.items():
@@ -138,6 +141,14 @@ def snapshot(state: GatewayState, latency: EngineLatency) -> dict[str, Any]:
             "escalations": _counter(t.cascade_escalations, "route"),
             "requests_total": _counter(t.requests, "route"),
             "replicas": {"desired": desired, "current": scaler.replicas}}
+
+
+def _routing(r: dict[str, Any]) -> dict[str, Any]:
+    """A router or cascade route's held threshold, realised share, score quantiles, drift, shadow labels and
+    history."""
+    return {"threshold": r["threshold"], "target_fraction": r["target_fraction"],
+            "holding_target": r["holding_target"], **r["window"], "drift": r["drift"], "shadow": r["shadow"],
+            "history": r["history"]}
 
 
 @get("/dashboard", sync_to_thread=False, include_in_schema=False)

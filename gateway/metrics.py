@@ -130,6 +130,31 @@ CATALOG: tuple[MetricSpec, ...] = (
                "their first token (admission control's queue).", when="scrape"),
     MetricSpec("cost_per_1k_tokens", "gauge", ("route",), "Device cost per 1,000 tokens (prompt + completion) "
                "over the window, from [cost] price_per_device_hour.", when="scrape"),
+    # --- router and cascade routes over their last `router.window` decisions (gateway/route_monitor.py)
+    MetricSpec("router_threshold", "gauge", ("route",), "The score threshold the route's next decision uses (a "
+               "cascade's: its escalation threshold); with a held target it follows the recent scores.",
+               when="scrape"),
+    MetricSpec("router_target_large_fraction", "gauge", ("route",), "The large share the route's threshold "
+               "holds on its recent scores (router routes with target_large_fraction and hold_target).",
+               when="scrape"),
+    MetricSpec("router_realised_large_fraction", "gauge", ("route",), "Share of the route's recent decisions "
+               "that went large (a cascade: that escalated), as the router decided (before any downgrade).",
+               when="scrape"),
+    MetricSpec("router_score_quantile", "gauge", ("route", "quantile"), "Quantiles (0.1, 0.5, 0.9) of the "
+               "route's recent router (or escalation scorer) scores.", when="scrape"),
+    MetricSpec("router_score_drift_ks", "gauge", ("route",), "Kolmogorov-Smirnov distance of the recent scores "
+               "from the artifact's held-out score distribution.", when="scrape"),
+    MetricSpec("router_score_drift_warning", "gauge", ("route",), "1 while the recent scores have drifted from "
+               "the artifact's (KS >= router.drift_min_ks and p < 0.001), else 0.", when="scrape"),
+    MetricSpec("cascade_escalation_acceptance", "gauge", ("route",), "Mean share of the small answer the large "
+               "model accepted over the cascade route's recent escalations (drafts verified).", when="scrape"),
+    MetricSpec("router_shadow_runs", "counter", ("route", "outcome"), "Shadow pairs of a router route (both "
+               "engines, greedy) by outcome: labelled, skipped_budget (shadow_max_inflight reached), failed.",
+               when="scrape"),
+    MetricSpec("router_shadow_tokens", "counter", ("model_name", "route"), "Tokens (prompt + generated) the "
+               "route's shadow pairs cost on each engine.", when="scrape"),
+    MetricSpec("router_shadow_agreement", "gauge", ("route",), "Share of the route's labelled shadow pairs "
+               "whose small and large greedy answers have the same first line.", when="scrape"),
     MetricSpec("autoscale_desired_replicas", "gauge", (), "The autoscaler's desired replica count at its last "
                "evaluation (GET /v1/autoscale explains it).", when="scrape"),
     MetricSpec("autoscale_current_replicas", "gauge", (), "The replica count last reported to the autoscaler "

@@ -1,6 +1,7 @@
 """The `router` route strategy: score each request with the route's trained router (whole conversation, text
 features only, microseconds) and send it to the route's small or large engine. The artifact loads once at
-start-up; the threshold is the route's own, or calibrated from a target large fraction.
+start-up; the threshold is the route's own, or calibrated from a target large fraction and then held on live
+traffic by the route's `RouteMonitor` (gateway/route_monitor.py), which also watches its scores drift.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.config import DEFAULT_ROUTER_ARTIFACT, ConfigError, RouteConfig, TandemConfig
-from gateway.routing import Plan, RoutingContext, start_planned
+from gateway.route_monitor import RouteMonitor
+from gateway.routing import Plan, RoutedRun, RoutingContext, start_planned
+from gateway.shadow import LabelStore, ShadowRunner, ShadowSampler
 from router_model import Router, RouterArtifactError
 from router_model.features import Conversation
 
@@ -42,25 +45,53 @@ def conversation_of(ctx: RoutingContext, small: Any, large: Any) -> Conversation
 class RouterStrategy:
     """P(large needed) >= threshold -> the large engine, else the small one."""
 
-    def __init__(self, name: str, route: RouteConfig, router: Router):
+    def __init__(self, name: str, route: RouteConfig, router: Router, *, record_content: bool = False):
         self.name = name
         self.small, self.large = route.engines
         self.router = router
-        self.threshold, self.threshold_source = route_threshold(router, route)
+        static, self.threshold_source = route_threshold(router, route)
+        cfg = route.router
+        held = cfg.target_large_fraction if cfg.threshold is None and cfg.hold_target else None
+        if held is not None:
+            self.threshold_source += f", held on the last {cfg.window} scores"
+        self.monitor = RouteMonitor(name, static_threshold=static, target_fraction=held,
+                                    reference_quantiles=router.score_quantiles.tolist(), window=cfg.window,
+                                    warmup=cfg.warmup, drift_min_ks=cfg.drift_min_ks,
+                                    interval_s=cfg.history_interval_s)
+        self.shadow: ShadowRunner | None = None
+        if cfg.shadow_fraction > 0:
+            self.shadow = ShadowRunner(
+                name, (self.small, self.large), ShadowSampler(cfg.shadow_fraction, cfg.shadow_max_inflight),
+                LabelStore(cfg.shadow_labels, cfg.shadow_max_records), features=router.features,
+                max_tokens=cfg.shadow_max_tokens, record_content=record_content,
+                artifact=str(router.metadata.get("trained_at", "")) + " " + (cfg.artifact or "default"))
+
+    @property
+    def threshold(self) -> float:
+        """The threshold the next decision uses (the held one moves with the route's recent scores)."""
+        return self.monitor.threshold
 
     def conversation(self, ctx: RoutingContext, engines: Mapping[str, Any]) -> Conversation:
         return conversation_of(ctx, engines[self.small], engines[self.large])
 
     def decide(self, conversation: Conversation) -> tuple[str, float]:
-        """("small" | "large", score) for one conversation under this route's threshold."""
-        return self.router.decide(conversation, threshold=self.threshold)
+        """("small" | "large", score) for one conversation under this route's threshold (then the score joins
+        the route's window)."""
+        score = self.router.score(conversation)
+        return ("large" if self.monitor.decide(score) else "small"), score
 
     def plan(self, ctx: RoutingContext, engines: Mapping[str, Any]) -> Plan:
+        threshold = self.threshold  # the one this decision is taken against
         choice, score = self.decide(self.conversation(ctx, engines))
         return Plan(self.large if choice == "large" else self.small, score=score,
-                    attributes={"tandem.router.choice": choice, "tandem.router.threshold": self.threshold})
+                    attributes={"tandem.router.choice": choice, "tandem.router.threshold": threshold})
 
-    start = staticmethod(start_planned)
+    async def start(self, plan: Plan, ctx: RoutingContext, engines: Mapping[str, Any]) -> RoutedRun:
+        run = await start_planned(plan, ctx, engines)
+        if self.shadow is not None and self.shadow.sampler.admit():
+            self.shadow.start(ctx, engines, plan.score, plan.attributes["tandem.router.choice"],
+                              self.conversation(ctx, engines))
+        return run
 
 
 def load_route_router(name: str, route: RouteConfig, cfg: TandemConfig) -> Router:

@@ -15,7 +15,8 @@ from gateway.routing import FixedStrategy, Route, Strategy
 StrategyFactory = Callable[[str, RouteConfig, TandemConfig], Strategy]  # (route name, route, config)
 STRATEGIES: dict[str, StrategyFactory] = {
     "fixed": lambda name, route, cfg: FixedStrategy(),
-    "router": lambda name, route, cfg: RouterStrategy(name, route, load_route_router(name, route, cfg)),
+    "router": lambda name, route, cfg: RouterStrategy(name, route, load_route_router(name, route, cfg),
+                                                      record_content=cfg.telemetry.record_content),
     "cascade": lambda name, route, cfg: CascadeStrategy(name, route),
 }
 

@@ -21,7 +21,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PANELS = ["ttft_route", "tpot_route", "ttft_engine", "tpot_engine", "attainment", "goodput", "queue", "kv",
-          "prefix", "routing", "escalations", "spec", "cost", "replicas"]
+          "prefix", "routing", "escalations", "held", "spec", "cost", "replicas"]
 MESSAGES = [{"role": "user", "content": "Tell me a short story about the sea."}]
 
 if not os.path.exists(CHROMIUM):

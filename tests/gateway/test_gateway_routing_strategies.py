@@ -6,6 +6,7 @@ otherwise; headers, metrics, spans, buffered streaming and aborts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -21,7 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tiny_checkpoints import with_chat_template  # noqa: E402
 
-from engines.outputs import CompletionOutput, Logprob
+from engines.outputs import CompletionOutput, Logprob, RequestOutput
 from gateway.cascade import CascadeStrategy, confidence
 from gateway.config import ConfigError, config_from_dict, load_config
 from gateway.router_strategy import RouterStrategy, load_route_router, route_threshold
@@ -253,6 +254,27 @@ def test_greedy_cascade_answers_exactly_as_large_when_escalating_and_as_small_ot
     assert stay_headers["x-tandem-escalated"] == "false" and stay_headers["x-tandem-model"] == "tandem-small"
     assert _metric(server, "tandem:cascade_escalations_total", route="cascade-never") == 0
     assert stay.choices[0].logprobs is None  # logprobs were computed for the decision, not asked for
+
+
+
+def test_cascade_escalations_report_the_share_of_the_small_answer_the_large_accepted(server, client):
+    monitor = server.app.state.gateway.routes.strategies["cascade-always"].monitor
+    before = monitor.report()["window"]["verifications"]
+    _chat(client, "cascade-always", **GREEDY)
+    routing = {r["name"]: r for r in httpx.get(server.url + "/v1/routes").json()["data"]}["cascade-always"]["routing"]
+    assert routing["window"]["verifications"] == before + 1 and routing["window"]["realised_escalated_fraction"] == 1
+    share = monitor._acceptance[-1]  # 12 drafts verified: a whole number of them kept
+    assert 0 <= share < 1 and share * 12 == round(share * 12)  # the answers differ (the greedy test above checks it)
+    assert _metric(server, "tandem:cascade_escalation_acceptance", route="cascade-always") == \
+        pytest.approx(routing["window"]["escalation_acceptance"])
+    # the share is the leading drafts the large answer kept
+    strategy = server.app.state.gateway.routes.strategies["cascade-always"]
+    finished = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], finished=True,
+                             outputs=[CompletionOutput(index=0, token_ids=[5, 6, 9, 9])])
+    strategy._verified(finished, [5, 6, 7, 8])
+    assert monitor._acceptance[-1] == 0.5
+    strategy._verified(dataclasses.replace(finished, finished=False), [5, 6, 7, 8])  # not the end: nothing kept
+    assert monitor._acceptance[-1] == 0.5 and monitor.report()["window"]["verifications"] == before + 2
 
 
 def test_learned_cascade_escalates_by_the_scorer_and_answers_exactly_as_the_chosen_engine(server, client):
