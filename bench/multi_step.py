@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import engines.engine as engine_mod  # noqa: E402
+import engines.step_plan as engine_mod  # noqa: E402
 from bench.speculative import prompts_from_heldout, run  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 

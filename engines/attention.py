@@ -124,21 +124,25 @@ class ContiguousCache:
 
 @dataclass
 class StepBatch:
-    # the tensors the PyTorch forward reads are None in a step the C forward ran (ModelRunner's
-    # `_execute_cpu_forward` builds only the block tables and the sampling layout)
-    input_ids: torch.Tensor | None  # [T]
-    positions: torch.Tensor | None  # [T]
-    write_pages: torch.Tensor | None  # [T] page of each new token's K/V (slot mapping = page * block + offset)
-    write_offsets: torch.Tensor | None  # [T]
-    block_tables: torch.Tensor  # [S, max_blocks]
-    query_start_loc: torch.Tensor | None  # [S + 1]
-    context_lens: torch.Tensor | None  # [S]
+    """One step's flattened batch. The host layout (`ModelRunner.layout`) is what both forwards read; the device
+    tensors of the PyTorch forward are filled by `ModelRunner.prepare` (None in a step the C forward ran)."""
+    ids: list[int]  # [T] token ids
+    host_positions: list[int]  # [T]
+    meta: list[list[int]]  # [4, S]: first row, query count, context length (after this step), table row
+    block_tables: torch.Tensor  # [S, max_blocks] (on the device once prepared)
     max_query_len: int
     max_context_len: int
-    plan: PagedAttentionPlan | None  # torch path only
-    logits_indices: torch.Tensor | None  # rows of the hidden states that sample
+    sample_rows: list[int]  # rows of the hidden states that sample
     sample_seqs: list[Sequence]  # sequences that sample, in order
     rows_per_seq: list[int]  # logits rows of each sampling sequence: 1, or 1 + k when verifying k drafts
+    input_ids: torch.Tensor | None = None  # [T]
+    positions: torch.Tensor | None = None  # [T]
+    write_pages: torch.Tensor | None = None  # [T] page of each new token's K/V (slot = page * block + offset)
+    write_offsets: torch.Tensor | None = None  # [T]
+    query_start_loc: torch.Tensor | None = None  # [S + 1]
+    context_lens: torch.Tensor | None = None  # [S]
+    plan: PagedAttentionPlan | None = None  # torch path only
+    logits_indices: torch.Tensor | None = None  # sample_rows on the device
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:

@@ -452,11 +452,12 @@ def test_n_choices_without_prefix_caching_and_max_tokens_none_runs_to_the_contex
 
 
 def test_a_failed_sampling_pass_fails_its_requests_with_the_engine_error_code(llama, monkeypatch):
-    import engines.engine
+    import engines.runner
+    import engines.step_plan
 
     llm = LLM(llama, block_size=BLOCK)
     eng = llm.engine
-    real = engines.engine.sample_sequences
+    real = engines.runner.sample_sequences
     calls = {"n": 0}
 
     def broken_once(logits, seqs, eos, *rest):
@@ -465,8 +466,8 @@ def test_a_failed_sampling_pass_fails_its_requests_with_the_engine_error_code(ll
             raise RuntimeError("sampler fell over")
         return real(logits, seqs, eos, *rest)
 
-    monkeypatch.setattr(engines.engine, "sample_sequences", broken_once)
-    monkeypatch.setattr(engines.engine, "MULTI_STEP_TOKENS", 1)  # greedy steps through the sampler, one token each
+    monkeypatch.setattr(engines.runner, "sample_sequences", broken_once)
+    monkeypatch.setattr(engines.step_plan, "MULTI_STEP_TOKENS", 1)  # greedy steps through the sampler, one token each
     sink = Collector()
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     eng.add_request([5, 6, 7], params, "a", emit=sink)

@@ -207,14 +207,29 @@ def test_aborts_mid_speculation_free_target_and_draft_pages(pair):
     assert not eng.has_work() and spec.core.pool.num_used == 0
 
 
+def windows_steps(eng, record=lambda plan: plan.k) -> list:
+    """`record(plan)` of every windows plan the engine's policy chooses from now on."""
+    seen = []
+    choose = eng.policy.choose
+
+    def recording(*a, **kw):
+        plan = choose(*a, **kw)
+        if plan.kind == "windows":
+            seen.append(record(plan))
+        return plan
+
+    eng.policy.choose = recording
+    return seen
+
+
 @pytest.mark.parametrize("round_seed", range(3))
 def test_drafting_windows_looped_in_one_step_equal_one_window_per_step_and_plain_decoding(pair, monkeypatch,
                                                                                            round_seed):
-    """`ModelEngine._spec_windows_step` (up to SPEC_WINDOWS greedy windows verified in one step) against one
+    """A windows `StepPlan` (up to SPEC_WINDOWS greedy windows verified in one step) against one
     window per step and against plain decoding: random batches of 1-3 greedy requests, k 1-4, max_tokens that
     end mid-window, EOS and stop ids that end a sequence mid-loop, a new request arriving and aborts at random
     steps; the same tokens and finish reasons, the loop taken, and the pool back to zero pages."""
-    import engines.engine as engine_mod
+    import engines.step_plan as engine_mod
 
     path, target, _ = pair
     rng = random.Random(round_seed)
@@ -229,10 +244,7 @@ def test_drafting_windows_looped_in_one_step_equal_one_window_per_step_and_plain
         for windows in (1, 4):
             monkeypatch.setattr(engine_mod, "SPEC_WINDOWS", windows)
             spec = spec_llm(pair, k=k)
-            looped = []
-            orig = spec.engine._spec_windows_step
-            spec.engine._spec_windows_step = (lambda k_, w_, orig=orig, looped=looped:
-                                              looped.append(k_) or orig(k_, w_))
+            looped = windows_steps(spec.engine)
             got = [o.outputs[0] for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params)]
             assert [(g.token_ids, g.finish_reason) for g in got] == [(w.token_ids, w.finish_reason) for w in want]
             looped_steps[windows] += len(looped)
@@ -267,10 +279,7 @@ def test_the_windows_loop_takes_only_as_many_windows_as_the_token_budget_books(p
         want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
         spec = spec_llm(pair, k=4, max_num_batched_tokens=budget)
         eng = spec.engine
-        looped = []  # (sequences running, windows booked) of each looped step
-        orig = eng._spec_windows_step
-        eng._spec_windows_step = (lambda k, w, orig=orig, looped=looped, eng=eng:
-                                  looped.append((len(eng.scheduler.running), w)) or orig(k, w))
+        looped = windows_steps(eng, lambda plan, eng=eng: (len(eng.scheduler.running), plan.windows))
         got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params)]
         assert got == want and spec.stats()["used_pages"] == 0
         # 16 tokens hold 3 windows of k = 4 for one sequence, none for two; 24 hold 2 for two
@@ -717,8 +726,7 @@ def test_short_requests_on_long_prompts_decode_without_their_drafter(pair, monke
     long_ = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     eng.add_request(prompt, short, "short")
     eng.step()  # prefill
-    assert sp.plan(eng.scheduler.running) == 0 and sp._plan[0] == []  # k > 0, but no sequence would draft
-    sp.skip_step()
+    assert sp.plan(eng.scheduler.running).picked == []  # k > 0, but no sequence would draft
     drain(eng)
     assert sp.num_drafts == 0
     ref = LLM(pair[1], block_size=BLOCK)
@@ -738,8 +746,7 @@ def test_short_requests_on_long_prompts_decode_without_their_drafter(pair, monke
     seqs = {s.request.request_id: s for s in eng.scheduler.running}
     drafts_before = sp.num_drafts
     while not seqs["short2"].finished:
-        assert sp.plan(eng.scheduler.running) == 0
-        sp.skip_step()
+        assert not sp.plan(eng.scheduler.running).k
         eng.step()
     assert sp.num_drafts == drafts_before  # the short request decoded beside it without a drafting step
     drain(eng)
