@@ -275,44 +275,21 @@ class ModelEngine:
                 self._fail(req, message, code)
 
     def _emit(self, req: Request, final: bool) -> None:
-        out = self._output(req, final)
-        if out is not None:
-            self._deliver(req, out)
+        self._emit_many([req], final)
 
-    def _output(self, req: Request, final: bool) -> RequestOutput | None:
-        if final:
-            req.metrics.finished_time = time.monotonic()
-            self.requests.pop(req.request_id, None)
-            self._live_ids.discard(req.request_id)
-        if req.emit is None or not (final or req.stream):
-            return None
-        return self.output.build(req, final)
-
-    def _deliver(self, req: Request, out: RequestOutput) -> None:
-        try:
-            req.emit(out)
-        except Exception:  # a consumer that went away must not take the engine down
-            log.exception("engine %s: delivering output of %s failed", self.name, req.request_id)
-
-    def _emit_many(self, reqs: list[Request]) -> None:
-        """A step's outputs: those for an asyncio consumer (an `emit` with `loop` and `put`, as AsyncEngine
-        makes) handed to each event loop in one `call_soon_threadsafe` (one wake-up per step, not one per
-        request), the rest delivered one by one."""
-        by_loop: dict[int, tuple[object, list]] = {}
+    def _emit_many(self, reqs: list[Request], final: bool | None = None) -> None:
+        """The requests' outputs now (`final`: None for each one's own finished state), handed to their
+        consumers; a finished request leaves the engine's books."""
+        outs = []
         for req in reqs:
-            out = self._output(req, req.finished)
-            if out is None:
-                continue
-            loop = getattr(req.emit, "loop", None)
-            if loop is None:
-                self._deliver(req, out)
-            else:
-                by_loop.setdefault(id(loop), (loop, []))[1].append((req.emit.put, out))
-        for loop, items in by_loop.values():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: nobody is listening any more
-                pass
+            done = req.finished if final is None else final
+            if done:
+                req.metrics.finished_time = time.monotonic()
+                self.requests.pop(req.request_id, None)
+                self._live_ids.discard(req.request_id)
+            if req.emit is not None and (done or req.stream):
+                outs.append((req, self.output.build(req, done)))
+        self.output.deliver(outs)
 
     def stats(self) -> dict:
         pool = self.pool.stats()
@@ -337,11 +314,6 @@ class ModelEngine:
         return {"slo_scheduling": True, "batch_cap_decode_seqs": caps.max_decode_seqs,
                 "batch_cap_prefill_tokens": caps.max_prefill_tokens, "batch_cap_limited_by": caps.limited_by,
                 "tpot_target_s": caps.target_s, "step_model_s": [a, b, c]}
-
-
-def _put_all(items: list) -> None:
-    for put, out in items:
-        put(out)
 
 
 def _requests(seqs: list[Sequence]) -> list[Request]:
