@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engines.attention import PagedAttention, StepBatch, plan_paged_attention, resolve_backend
+from engines.model import Attention, Transformer
 from engines.sampler import Sampled, greedy_bans, min_tokens_ban, sample_sequences
 from engines.sequence import Sequence
 from engines.spec.verify import verify
@@ -82,7 +83,8 @@ class ModelRunner:
         # ... and such steps run the whole decoder stack in one C call (kernels/cpu_forward.py) where it covers
         # the model; TANDEM_CPU_FORWARD=0 keeps the PyTorch forward
         self.cpu_forward = None
-        if self.kernel_max_query and os.environ.get("TANDEM_CPU_FORWARD", "1") != "0":
+        if (self.kernel_max_query and os.environ.get("TANDEM_CPU_FORWARD", "1") != "0" and isinstance(model, Transformer)
+                and all(isinstance(lay.self_attn, Attention) for lay in model.model.layers)):
             from kernels.cpu_forward import CpuForward
 
             self.cpu_forward = CpuForward.build(model, self.k_caches, self.v_caches)

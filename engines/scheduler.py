@@ -367,8 +367,8 @@ class Scheduler:
         """`num_new` more tokens have K/V; hash the blocks that just became full."""
         seq.num_computed += num_new
         self.slo.computed(seq)
-        commit_full_blocks(self.pool, self.model_id, seq, min(seq.num_computed, seq.num_tokens) // self.block_size,
-                           extra_keys(seq))
+        self.pool.commit_blocks(self.model_id, seq, min(seq.num_computed, seq.num_tokens) // self.block_size,
+                                extra_keys(seq))
 
 
 _NO_DRAFTS: list[int] = []
@@ -378,14 +378,3 @@ def extra_keys(seq: Sequence) -> tuple:
     """What joins the token ids in a block's hash (seam: LoRA ids or multimodal hashes would go here)."""
     return ()
 
-
-def commit_full_blocks(pool: KVPool, model_id: int, holder: Sequence, num_full: int, keys: tuple) -> None:
-    """Hash `holder`'s first `num_full` blocks that are not hashed yet into the prefix cache (chained: each
-    hash covers its parent's); `holder` is a `Sequence` or a drafter's state (token_ids, pages, block_hashes)."""
-    hashes = holder.block_hashes
-    bs = pool.block_size
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), num_full):
-        parent = pool.commit_block(model_id, holder.pages[i], parent, tuple(holder.token_ids[i * bs:(i + 1) * bs]),
-                                   keys)
-        hashes.append(parent)

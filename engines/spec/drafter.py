@@ -8,7 +8,7 @@ import torch
 
 from engines.kv_pool import KVPool
 from engines.sampler import draw, greedy_bans, processed_logits, sampler_row, seeded_uniform
-from engines.scheduler import commit_full_blocks, extra_keys
+from engines.scheduler import extra_keys
 from engines.sequence import Sequence
 from engines.spec.adaptive import CostModel
 from engines.spec.lean_runner import LeanDraftRunner
@@ -77,7 +77,7 @@ class Drafter:
         del ds.token_ids[num_valid:]
         ds.num_computed = min(ds.num_computed, num_valid)
         ds.shadow_len = min(ds.shadow_len, ds.num_computed)
-        commit_full_blocks(self.pool, self.model_id, ds, ds.num_computed // self.block_size, extra_keys(seq))
+        self.pool.commit_blocks(self.model_id, ds, ds.num_computed // self.block_size, extra_keys(seq))
 
     def _greedy_in_one_call(self, seqs: list[Sequence], states: list[DraftState], ks: list[int]) -> list[int]:
         """The sequences (indices) whose whole draft runs in one C call: greedy on the raw logits (no
