@@ -3,9 +3,10 @@ in one run: one worker process per tree (each imports its own `engines`), the sa
 alternated round by round with the order swapped every round. Output tokens per thread CPU-second (one torch
 thread; CPU time, not wall time, since the machine is shared) for greedy decoding (multi-token steps), seeded
 sampling at T = 0.8 (sampler steps) and speculative greedy decoding with the small draft model, at batch 1, 8
-and 32. Prints a table, writes bench/results/step_ab.json.
+and 32; `--control` adds a second worker of the base tree, whose ratio to the first is what noise and a
+worker's place in the order alone give. Prints a table, writes bench/results/step_ab.json.
 
-    .venv/bin/python bench/step_ab.py --base /path/to/other/checkout [--rounds 6] [--max-tokens 128]
+    .venv/bin/python bench/step_ab.py --base /path/to/other/checkout [--control] [--rounds 6] [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -65,29 +66,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["greedy", "seeded", "spec"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--control", action="store_true",
+                    help="a second worker of the base tree beside the first: the ratio two equal engines show")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_ab.json"))
     args = ap.parse_args(argv)
-    base, this = Worker(Path(args.base)), Worker(ROOT)
+    workers = {"base": Worker(Path(args.base)), "this": Worker(ROOT)}
+    if args.control:
+        workers["control"] = Worker(Path(args.base))
     rows = []
     try:
         for mode in args.modes:
             for b in args.batches:
-                base.rate(mode, b, args.max_tokens), this.rate(mode, b, args.max_tokens)  # warm-up
-                got: dict[str, list[float]] = {"base": [], "this": []}
-                for r in range(args.rounds):
-                    for name, w in (("base", base), ("this", this)) if r % 2 == 0 else (("this", this), ("base", base)):
-                        got[name].append(w.rate(mode, b, args.max_tokens))
-                ratio = statistics.median(t / s for t, s in zip(got["this"], got["base"]))
-                rows.append({"mode": mode, "batch": b, "base_tok_per_cpu_s": statistics.median(got["base"]),
-                             "this_tok_per_cpu_s": statistics.median(got["this"]), "ratio": ratio,
-                             "ratio_min": min(t / s for t, s in zip(got["this"], got["base"])),
-                             "ratio_max": max(t / s for t, s in zip(got["this"], got["base"]))})
-                print(f"{mode:7s} batch {b:3d}: base {rows[-1]['base_tok_per_cpu_s']:8.0f}  this "
-                      f"{rows[-1]['this_tok_per_cpu_s']:8.0f} tok/cpu-s  ratio {ratio:.3f} "
-                      f"[{rows[-1]['ratio_min']:.3f}, {rows[-1]['ratio_max']:.3f}]", flush=True)
+                for w in workers.values():  # warm-up
+                    w.rate(mode, b, args.max_tokens)
+                got: dict[str, list[float]] = {name: [] for name in workers}
+                names = list(workers)
+                for r in range(args.rounds):  # each round in another order: none always goes first
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        got[name].append(workers[name].rate(mode, b, args.max_tokens))
+                row = {"mode": mode, "batch": b}
+                for name in names:
+                    row[f"{name}_tok_per_cpu_s"] = statistics.median(got[name])
+                for name in names[1:]:
+                    ratios = [t / s for t, s in zip(got[name], got["base"])]
+                    row[f"{name}_ratio"] = statistics.median(ratios)
+                    row[f"{name}_ratio_range"] = [min(ratios), max(ratios)]
+                rows.append(row)
+                print(f"{mode:7s} batch {b:3d}: base {row['base_tok_per_cpu_s']:7.0f} tok/cpu-s  " + "  ".join(
+                    f"{name} {row[f'{name}_ratio']:.3f} [{row[f'{name}_ratio_range'][0]:.3f}, "
+                    f"{row[f'{name}_ratio_range'][1]:.3f}]" for name in names[1:]), flush=True)
     finally:
-        base.close()
-        this.close()
+        for w in workers.values():
+            w.close()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     base_commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.base, capture_output=True,
                                  text=True).stdout

@@ -250,6 +250,29 @@ def test_multi_step_greedy_equals_single_steps(monkeypatch, quant):
     assert llm.core.pool.stats()["used_pages"] == 0
 
 
+def test_a_multi_token_step_booked_short_runs_as_a_plain_step(monkeypatch):
+    """Where the scheduler books less lookahead than the plan asked (not expected: the policy checks budget and
+    pages), the runner runs a plain forward over the booked tokens instead: the same tokens as plain
+    decoding, no C multi-token call, the pool back to zero pages."""
+    from engines import SamplingParams
+
+    llm = _engine(ROOT / "models" / "tandem-tiny-l")
+    prompts = ["def add(a, b):\n    return", "import os\n\n"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    eng = llm.engine
+    schedule, calls, short = eng.scheduler.schedule, [], []
+    monkeypatch.setattr(eng.runner, "draft_greedy", lambda *a: calls.append(a) or [])  # must not run
+    def trimmed(drafts=None, lookahead=None):
+        if lookahead:
+            short.append(1)
+            lookahead = {sid: n - 1 for sid, n in lookahead.items()}
+        return schedule(drafts, lookahead)
+    monkeypatch.setattr(eng.scheduler, "schedule", trimmed)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert short and not calls and llm.core.pool.stats()["used_pages"] == 0
+
+
 def test_multi_step_takes_min_tokens_requests(monkeypatch):
     """A batch of load-tester requests (min_tokens = max_tokens, ignore_eos) decodes by multi-step steps: the
     only option they add over plain greedy is min_tokens' ban, which the C loop applies."""
