@@ -1,4 +1,4 @@
-"""Multi-step decoding (`ModelEngine._multi_step`: 4 tokens per sequence in one C call, greedy or unseeded
+"""Multi-step decoding (a multi-token `StepPlan`: 4 tokens per sequence in one C call, greedy or unseeded
 temperature sampling) against one token per step (`MULTI_STEP_TOKENS = 1`), on one engine, alternated, one
 thread: output tokens per thread CPU-second at batch 1 and 8, greedy and temperature 0.8, prompts from held-out
 code. Prints a table, writes bench/results/multi_step.json.
