@@ -1,4 +1,4 @@
-"""Multi-step decoding (`ModelEngine._multi_step`: 4 tokens per sequence in one C call, greedy or unseeded
+"""Multi-step decoding (a multi-token `StepPlan`: 4 tokens per sequence in one C call, greedy or unseeded
 temperature sampling) against one token per step (`MULTI_STEP_TOKENS = 1`), on one engine, alternated, one
 thread: output tokens per thread CPU-second at batch 1 and 8, greedy and temperature 0.8, prompts from held-out
 code. Prints a table, writes bench/results/multi_step.json.
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import engines.engine as engine_mod  # noqa: E402
+import engines.step_plan as engine_mod  # noqa: E402
 from bench.results_meta import write_results  # noqa: E402
 from bench.speculative import prompts_from_heldout, run  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402

@@ -27,7 +27,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.results_meta import write_results  # noqa: E402
-from engines.attention import ContiguousCache  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))
+from attention_contexts import ContiguousCache  # noqa: E402  (tests/attention_contexts.py)
+
 from engines.model import Transformer, rope_inv_freq  # noqa: E402
 from engines.model_config import ModelConfig  # noqa: E402
 from kernels.quant_matmul import QuantLinear, quantize_model  # noqa: E402

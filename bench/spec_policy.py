@@ -47,7 +47,7 @@ from engines import LLM, SamplingParams  # noqa: E402
 from engines.spec.decoder import SpeculativeDecoder  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "tandem" / "spec_policy"
-MULTI_STEP = 4  # plain greedy decoding takes this many tokens per step (engines.engine.MULTI_STEP_TOKENS)
+MULTI_STEP = 4  # plain greedy decoding takes this many tokens per step (engines.step_plan.MULTI_STEP_TOKENS)
 
 
 def record(prompts: list[list[int]], max_tokens: int, k_max: int) -> list[dict]:

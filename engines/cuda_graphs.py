@@ -43,11 +43,10 @@ class DecodeGraphs:
         r = self.runner
         # max_context_len = the longest allowed context: the split-KV count is fixed at capture, and a split
         # beyond a shorter context is empty (the kernel's merge ignores it)
-        batch = StepBatch(input_ids=self.input_ids[:b], positions=self.positions[:b], write_pages=None,
-                          write_offsets=None, block_tables=self.block_tables[:b],
-                          query_start_loc=self.query_start_loc[:b + 1], context_lens=self.context_lens[:b],
-                          max_query_len=1, max_context_len=self.max_model_len, plan=None, logits_indices=None,
-                          sample_seqs=[], rows_per_seq=[])
+        batch = StepBatch(ids=[], host_positions=[], meta=[], block_tables=self.block_tables[:b], max_query_len=1,
+                          max_context_len=self.max_model_len, sample_rows=[], sample_seqs=[], rows_per_seq=[],
+                          input_ids=self.input_ids[:b], positions=self.positions[:b],
+                          query_start_loc=self.query_start_loc[:b + 1], context_lens=self.context_lens[:b])
         attn = PagedAttention(r.k_caches, r.v_caches, batch, True, r.k_scales, r.v_scales,
                               slot_mapping=self.slot_mapping[:b])
         return r.model(batch.input_ids, batch.positions, attn)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 import uuid
@@ -20,20 +19,16 @@ from engines.kv_pool import KVPool
 from engines.output_processor import OutputProcessor
 from engines.outputs import RequestMetrics, RequestOutput
 from engines.runner import ModelRunner
-from engines.sampler import Sampled, min_tokens_ban, sample_sequences
 from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Request, Sequence
 from engines.spec.decoder import SpeculativeDecoder
-from engines.spec.drafter import Drafter, greedy_bans, plain_params
-from engines.spec.verify import verify
+from engines.spec.drafter import Drafter
 from engines.step_model import BatchCapController, StepTimer, step_clock
+from engines.step_plan import StepPolicy
 from engines.structured import GrammarCompiler, InvalidConstraint, MaskPrefetch, StructuredOutput
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
-    from engines.attention import StepBatch
     from engines.config import EngineSpec
     from engines.loaded import LoadedModel
 
@@ -70,6 +65,7 @@ class ModelEngine:
             self.runner.enable_decode_graphs(spec.max_num_seqs, self.max_model_len)
         self.output = OutputProcessor(self.name, self.tokenizer)
         self.timer = StepTimer(step_clock(device))
+        self.policy = StepPolicy(self.scheduler, self.runner, pool, self.config.vocab_size)
         self.speculator = self._speculator(None, 0)  # verifies supplied drafts; `use_drafter` adds a drafter
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
@@ -214,17 +210,13 @@ class ModelEngine:
 
     # ---- engine side (the device thread) -------------------------------------------------------------------
     def step(self) -> int:
-        """One scheduling step; returns the number of tokens the model processed."""
+        """One scheduling step (DESIGN.md section 3); returns the number of tokens the model processed. The
+        policy's plan (`engines.step_plan`) is booked by the scheduler and carried out by the runner; update,
+        rollback, emit, timing and failure handling are the same for every plan."""
         self.timer.step_started()
         self._drain_inbox()
-        n = self._multi_step_tokens()
-        if n:
-            return self._multi_step(n)
-        k, windows = self._spec_windows()
-        if k:
-            return self._spec_windows_step(k, windows)
-        drafts = self.speculator.propose(self.scheduler.running)
-        sched = self.scheduler.schedule(drafts)
+        plan = self.policy.choose(self.speculator, arriving=bool(self._inbox))
+        sched = self.scheduler.schedule(plan.drafts, plan.lookahead)
         for req in _requests(sched.expired):
             self._fail(req, f"waited past its {req.ttft_s:g} s time-to-first-token target", ErrorCode.TTFT_EXPIRED)
         if not sched:
@@ -232,7 +224,7 @@ class ModelEngine:
         self._step_started(sched)
         masks = self.mask_prefetch.start(sched.seqs, sched.drafts)  # grammar masks while the forward runs
         try:
-            logits, batch = self.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
+            done = self.runner.carry_out(plan, sched, masks, self.speculator, self.eos_token_ids)
         except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
             log.exception("engine %s: batch forward failed", self.name)
             for req in _requests(sched.seqs):
@@ -241,232 +233,15 @@ class ModelEngine:
             if masks is not None:
                 masks.exception()  # wait: the grammars are the engine thread's again
             return 0
-        sampled, error = self._sample(logits, batch, sched, masks)
-        touched = self.scheduler.update(sched, sampled)
-        self.speculator.rollback(sched.drafts, sampled)
+        touched = self.scheduler.update(sched, done.sampled)
+        self.speculator.rollback(sched.drafts, done.sampled)
         self._emit_many(touched)
-        if error is not None:
-            for req in _requests(batch.sample_seqs):
-                self._fail(req, error)
-        self.cap_controller.step_finished(sched.num_decode_seqs, sched.num_prefill_tokens)
-        self.speculator.observe_step(sched, *self.timer.step_finished())
+        for req in _requests(done.failed):
+            self._fail(req, done.error)
+        if plan.kind == "forward":  # the step-time model of the SLO caps knows single steps only
+            self.cap_controller.step_finished(sched.num_decode_seqs, sched.num_prefill_tokens)
+        self.policy.observe(self.speculator, plan, sched, done.fast, *self.timer.step_finished())
         return sched.total_tokens
-
-    def _multi_step_tokens(self) -> int:
-        """How many tokens every running sequence takes this step in one C call (`_multi_step`), or 0 for a normal
-        step. Only where nothing could differ from `n` single steps: the CPU forward can take it, no drafts this
-        step (no drafter, or adaptive k picks plain decoding), nobody waiting (a newcomer waits at most `n`
-        tokens' time), every sequence decoding with raw-logit greedy or temperature alone without a seed (a
-        seeded draw stays on the sampler's path, which its reproducibility is defined by; min_tokens' ban of
-        EOS and stop ids is applied in the C loop) and no logprobs or grammar, `n` tokens within each one's max
-        length, the token budget and the free pages (no preemption)."""
-        n = MULTI_STEP_TOKENS
-        sch = self.scheduler
-        running = sch.running
-        if (n < 2 or not running or sch.num_waiting or self._inbox
-                or self.speculator.supplied or len(running) * n > sch.max_num_batched_tokens
-                or not self.runner.can_draft_greedy([1])):
-            return 0
-        vocab = self.config.vocab_size
-        for seq in running:
-            p = seq.request.params
-            if (seq.num_tokens - seq.num_computed != 1 or (not p.greedy and seq.seed is not None)
-                    or p.logprobs is not None or seq.grammar is not None
-                    or not plain_params(p, vocab, min_tokens_ok=True)):
-                return 0
-            n = min(n, seq.max_len - seq.num_tokens)
-        if n < 2 or sum(sch.pages_needed(seq, n) for seq in running) > self.pool.num_free:
-            return 0
-        # with a drafter: only when adaptive k picks plain decoding for this step (its choice is kept for
-        # `propose` otherwise); the multi-step steps then measure plain decoding for it
-        if self.speculator.drafter is not None and self.speculator.plan(running):
-            return 0
-        return n
-
-    def _multi_step(self, n: int) -> int:
-        """`n` tokens for every running sequence: the scheduler books them as one token and n - 1 drafts (pages,
-        budget), the runner computes them in one call (`ModelRunner.draft_greedy`: forward, head and argmax, or
-        a draw from softmax(logits / temperature) at a uniform from torch's generator as the sampler's inverse
-        CDF takes it, n times), and `Scheduler.update` takes them as n - 1 accepted drafts and a bonus token,
-        so EOS, stop ids, stop strings and max length end a sequence mid-way exactly as in single steps."""
-        running = list(self.scheduler.running)
-        self.speculator.skip_step()
-        sched = self.scheduler.schedule({seq.seq_id: [0] * (n - 1) for seq in running})
-        if not sched:
-            return 0
-        clean = (not sched.preempted and len(sched.seqs) == len(running)
-                 and all(k == n and len(sched.drafts.get(seq.seq_id, ())) == n - 1
-                         for seq, k in zip(sched.seqs, sched.num_tokens)))
-        self.timer.forward_started()
-        self.num_steps += 1
-        try:
-            if not clean:  # not expected (the checks above rule it out): verify the placeholders instead, which
-                # rejects them and samples the true next token
-                logits, batch = self.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
-                sampled = verify(logits, batch, sched.drafts, {}, self.eos_token_ids, None)
-            else:
-                bans = greedy_bans(sched.seqs, [min_tokens_ban(s.request.params, self.eos_token_ids)
-                                                for s in sched.seqs])
-                temps = [0.0 if s.request.params.greedy else s.request.params.temperature for s in sched.seqs]
-                uniforms = torch.rand(len(temps), n) if any(temps) else None
-                tokens = self.runner.draft_greedy(sched.seqs, [1] * len(sched.seqs), n, bans, temps, uniforms)
-                sampled = [Sampled(seq, toks, num_accepted=n - 1) for seq, toks in zip(sched.seqs, tokens)]
-        except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
-            log.exception("engine %s: multi-step forward failed", self.name)
-            for req in _requests(sched.seqs):
-                self._fail(req, f"engine error during forward: {type(e).__name__}: {e}")
-            self.timer.forward_failed()
-            return 0
-        self._emit_many(self.scheduler.update(sched, sampled))
-        # not fed to the step-time model: this step is n decode steps; adaptive k sees it as n plain steps
-        forward_s, step_s = self.timer.step_finished()
-        if clean:
-            self.speculator.observe_plain_steps(len(sched.seqs), n, forward_s, step_s)
-        return sched.total_tokens
-
-    def _spec_windows(self) -> tuple[int, int]:
-        """(k, windows) of a step of drafting windows in a loop (`_spec_windows_step`), or (0, 0) for a normal
-        step. Only where `_multi_step_tokens` found every sequence on raw logits with nobody waiting and adaptive
-        k then drafted for all of them with one k, every one is greedy, no min_tokens ban is left, every drafter is at most
-        its last draft and bonus token behind (no catch-up: that step goes the normal way) and drafts in one C
-        call, and the token budget and the pool take at least two whole windows of every sequence (up to
-        SPEC_WINDOWS)."""
-        sp = self.speculator
-        dr = sp.drafter
-        sch = self.scheduler
-        running = sch.running
-        if dr is None or SPEC_WINDOWS < 2 or dr.lean is not None:
-            return 0, 0
-        k = sp.planned_for_all(running)
-        windows = min(SPEC_WINDOWS, sch.max_num_batched_tokens // (len(running) * (k + 1))) if k else 0
-        if windows < 2 or not dr.runner.can_draft_greedy([1]):
-            return 0, 0
-        pages = 0
-        for seq in running:
-            p = seq.request.params
-            if (not p.greedy or p.min_tokens > seq.num_output_tokens or dr.lag(seq) > 2
-                    or seq.max_len - seq.num_tokens < k):  # room for one whole window
-                return 0, 0
-            pages += sch.pages_needed(seq, min(windows * (k + 1), seq.max_len - seq.num_tokens + 1))
-            pages += -(-(seq.num_tokens + windows * (k + 1)) // self.pool.block_size)  # the draft's, at most
-        if pages + len(running) + 1 > self.pool.num_free:
-            return 0, 0
-        sp.drop_plan()
-        return k, windows
-
-    def _spec_windows_step(self, k: int, max_windows: int) -> int:
-        """Up to `max_windows` drafting windows of k greedy drafts for every running sequence, verified one after
-        another in one step: the scheduler books each sequence's tokens as one token and placeholder drafts
-        (pages, budget, as `_multi_step` does), each window drafts in one C call and verifies through the
-        runner, and `Scheduler.update` takes the tokens the windows kept as accepted drafts and a bonus token
-        (stops and max length apply there). What the loop saves is the per-window work of an engine step:
-        scheduling, the sampler's bookkeeping, updates and emits. Between windows adaptive k weighs the choice
-        again, and the loop ends where it no longer drafts k for every sequence, at a sequence's stop token,
-        or where a window would not fit in what was booked."""
-        sch = self.scheduler
-        sp = self.speculator
-        running = list(sch.running)
-        room = {seq.seq_id: min(max_windows * (k + 1), seq.max_len - seq.num_tokens + 1) for seq in running}
-        sched = sch.schedule({seq.seq_id: [0] * (room[seq.seq_id] - 1) for seq in running})
-        if not sched:
-            return 0
-        self.timer.forward_started()
-        self.num_steps += 1
-        clean = (not sched.preempted and len(sched.seqs) == len(running)
-                 and all(n == room[seq.seq_id] and len(sched.drafts.get(seq.seq_id, ())) == n - 1
-                         for seq, n in zip(sched.seqs, sched.num_tokens)))
-        saved = [(seq, len(seq.token_ids), seq.num_computed) for seq in sched.seqs]
-        out: dict[int, list[int]] = {seq.seq_id: [] for seq in sched.seqs}
-        windows = 0
-        try:
-            if clean:
-                windows = self._verify_windows(sched.seqs, k, room, out)
-            if not windows:  # not expected (the checks above rule it out): verify the placeholders instead,
-                # which rejects them and samples the true next token
-                logits, batch = self.runner.execute(sched.seqs, sched.num_tokens, sched.drafts)
-                sampled = verify(logits, batch, sched.drafts, {}, self.eos_token_ids, None)
-        except Exception as e:  # the whole batch failed: fail exactly its requests, keep serving others
-            log.exception("engine %s: speculative windows failed", self.name)
-            for seq, length, computed in saved:
-                del seq.token_ids[length:]
-                seq.num_computed = computed
-            for req in _requests(sched.seqs):
-                self._fail(req, f"engine error during forward: {type(e).__name__}: {e}")
-            self.timer.forward_failed()
-            return 0
-        if windows:
-            for seq, length, computed in saved:  # `Scheduler.update` appends them again, with stops and text
-                del seq.token_ids[length:]
-                seq.num_computed = computed
-            sampled = [Sampled(seq, toks, num_accepted=len(toks) - 1) for seq in sched.seqs
-                       if (toks := out[seq.seq_id])]
-        self._emit_many(sch.update(sched, sampled))
-        forward_s, step_s = self.timer.step_finished()
-        if windows:  # every window drafted for the whole batch: a measure of a step at k
-            sp.adaptive.observe_step(len(sched.seqs), k, step_s / windows)
-        return sched.total_tokens
-
-    def _verify_windows(self, seqs: list[Sequence], k: int, room: dict[int, int], out: dict[int, list[int]]
-                        ) -> int:
-        """`_spec_windows_step`'s loop: each sequence's kept tokens into `out`, the sequence itself advanced
-        past them for the drafter and the runner (the caller restores it for `Scheduler.update`); returns the
-        windows run (0: none, nothing changed), each for all of `seqs`: where one of them stops, the loop ends
-        (the next step weighs the smaller batch, whose windows measure that batch size)."""
-        sp = self.speculator
-        dr = sp.drafter
-        spare = len(seqs) + 1
-        active = list(seqs)
-        windows = 0
-        while active:  # every sequence in it has room for a whole window of k (`_spec_windows`, `still`)
-            if windows:  # adaptive k weighs this window as it would a step's (the plan is this loop's alone)
-                sp.plan(active)
-                again = sp.planned_for_all(active) == k
-                sp.drop_plan()
-                if not again:
-                    break
-            states = [dr.reserve(seq, k, spare) for seq in active]
-            if any(st is None for st in states):
-                break
-            drafts, _ = dr.draft(active, states, [k] * len(active), [set()] * len(active), sp.adaptive.draft)
-            logits, _ = self.runner.execute(active, [k + 1] * len(active),
-                                            {seq.seq_id: d for seq, d in zip(active, drafts)})
-            targets = logits.argmax(dim=-1).tolist()
-            still = []
-            for i, (seq, d) in enumerate(zip(active, drafts)):
-                t = targets[i * (k + 1):(i + 1) * (k + 1)]
-                a = 0
-                while a < k and d[a] == t[a]:
-                    a += 1
-                kept = d[:a] + [t[a]]
-                seq.token_ids.extend(kept)
-                seq.num_computed += a + 1
-                out[seq.seq_id].extend(kept)
-                dr.rollback(seq, seq.num_tokens - 1)
-                sp.count_window(seq, k, a)
-                p = seq.request.params
-                stops = p.stop_token_ids if p.ignore_eos else (*self.eos_token_ids, *p.stop_token_ids)
-                if not any(tok in stops for tok in kept) and room[seq.seq_id] - len(out[seq.seq_id]) > k:
-                    still.append(seq)
-            windows += 1
-            if len(still) < len(seqs):
-                break
-            active = still
-        return windows
-
-    def _sample(self, logits: torch.Tensor, batch: StepBatch, sched: SchedulerOutput, masks: Future | None
-                ) -> tuple[list[Sampled], str | None]:
-        """Sample (or verify the drafts of) every sequence whose chunk reached its last token."""
-        try:
-            ahead = masks.result() if masks is not None else None
-            if not batch.sample_seqs:
-                return [], None
-            if sched.drafts:
-                return verify(logits, batch, sched.drafts, self.speculator.draft_probs, self.eos_token_ids,
-                              ahead), None
-            return sample_sequences(logits, batch.sample_seqs, self.eos_token_ids, ahead), None
-        except Exception as e:
-            log.exception("engine %s: sampling failed", self.name)
-            return [], f"engine error during sampling: {type(e).__name__}: {e}"
 
     def _step_started(self, sched: SchedulerOutput) -> None:
         self.timer.forward_started()
@@ -505,44 +280,21 @@ class ModelEngine:
                 self._fail(req, message, code)
 
     def _emit(self, req: Request, final: bool) -> None:
-        out = self._output(req, final)
-        if out is not None:
-            self._deliver(req, out)
+        self._emit_many([req], final)
 
-    def _output(self, req: Request, final: bool) -> RequestOutput | None:
-        if final:
-            req.metrics.finished_time = time.monotonic()
-            self.requests.pop(req.request_id, None)
-            self._live_ids.discard(req.request_id)
-        if req.emit is None or not (final or req.stream):
-            return None
-        return self.output.build(req, final)
-
-    def _deliver(self, req: Request, out: RequestOutput) -> None:
-        try:
-            req.emit(out)
-        except Exception:  # a consumer that went away must not take the engine down
-            log.exception("engine %s: delivering output of %s failed", self.name, req.request_id)
-
-    def _emit_many(self, reqs: list[Request]) -> None:
-        """A step's outputs: those for an asyncio consumer (an `emit` with `loop` and `put`, as AsyncEngine
-        makes) handed to each event loop in one `call_soon_threadsafe` (one wake-up per step, not one per
-        request), the rest delivered one by one."""
-        by_loop: dict[int, tuple[object, list]] = {}
+    def _emit_many(self, reqs: list[Request], final: bool | None = None) -> None:
+        """The requests' outputs now (`final`: None for each one's own finished state), handed to their
+        consumers; a finished request leaves the engine's books."""
+        outs = []
         for req in reqs:
-            out = self._output(req, req.finished)
-            if out is None:
-                continue
-            loop = getattr(req.emit, "loop", None)
-            if loop is None:
-                self._deliver(req, out)
-            else:
-                by_loop.setdefault(id(loop), (loop, []))[1].append((req.emit.put, out))
-        for loop, items in by_loop.values():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: nobody is listening any more
-                pass
+            done = req.finished if final is None else final
+            if done:
+                req.metrics.finished_time = time.monotonic()
+                self.requests.pop(req.request_id, None)
+                self._live_ids.discard(req.request_id)
+            if req.emit is not None and (done or req.stream):
+                outs.append((req, self.output.build(req, done)))
+        self.output.deliver(outs)
 
     def stats(self) -> dict:
         pool = self.pool.stats()
@@ -567,19 +319,6 @@ class ModelEngine:
         return {"slo_scheduling": True, "batch_cap_decode_seqs": caps.max_decode_seqs,
                 "batch_cap_prefill_tokens": caps.max_prefill_tokens, "batch_cap_limited_by": caps.limited_by,
                 "tpot_target_s": caps.target_s, "step_model_s": [a, b, c]}
-
-
-# greedy tokens a step may take per sequence in one C call when nothing else could differ (`_multi_step`);
-# TANDEM_MULTI_STEP=1 turns it off
-MULTI_STEP_TOKENS = int(os.environ.get("TANDEM_MULTI_STEP", "4"))
-# drafting windows a step may verify one after another where every sequence drafts greedily (`_spec_windows_step`);
-# TANDEM_SPEC_WINDOWS=1 turns it off
-SPEC_WINDOWS = int(os.environ.get("TANDEM_SPEC_WINDOWS", "4"))
-
-
-def _put_all(items: list) -> None:
-    for put, out in items:
-        put(out)
 
 
 def _requests(seqs: list[Sequence]) -> list[Request]:

@@ -162,6 +162,18 @@ class KVPool:
             self.page_hash[page] = h
         return h
 
+    def commit_blocks(self, model_id: int, holder, num_full: int, extra_keys: tuple = ()) -> None:
+        """Hash `holder`'s first `num_full` blocks that are not hashed yet into the prefix cache (chained: each
+        hash covers its parent's); `holder` has `token_ids`, `pages` and `block_hashes` (a `Sequence`, or a
+        drafter's `DraftState`), and its hash list grows with them."""
+        hashes = holder.block_hashes
+        bs = self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            parent = self.commit_block(model_id, holder.pages[i], parent, tuple(holder.token_ids[i * bs:(i + 1) * bs]),
+                                       extra_keys)
+            hashes.append(parent)
+
     # ---- allocation -------------------------------------------------------------------------------------
     def acquire(self, pages: list[int]) -> None:
         """Take a reference on cached pages (a prefix hit); a page sitting in the free list leaves it."""

@@ -1,25 +1,51 @@
-"""The model runner: turns a scheduled step into one flattened varlen batch (`StepBatch`: token ids, positions,
-slot mapping, block tables, query start offsets, context lengths), runs the model over its view of the shared
-KV pool through `engines.attention.PagedAttention` and returns logits only for the rows that sample.
-
-The runner's contract, which the drafter's `LeanDraftRunner` keeps too: `execute(seqs, num_tokens, drafts)` ->
-(fp32 logits of the sampling rows, the batch layout)."""
+"""The model runner carries out a step's plan (`carry_out`: forward and sample, verify drafts, the multi-token C
+loop, drafting windows) and returns the tokens each sequence appends. Under it, `execute(seqs, num_tokens,
+drafts)` turns scheduled tokens into one flattened varlen batch (`StepBatch`, one host layout for the C and the
+PyTorch forward), runs the model over its view of the shared KV pool and returns (fp32 logits of the sampling
+rows, the batch layout); the drafter's `LeanDraftRunner` keeps that contract too."""
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engines.attention import PagedAttention, StepBatch, plan_paged_attention, resolve_backend
+from engines.model import Attention, Transformer
+from engines.sampler import Sampled, greedy_bans, min_tokens_ban, sample_sequences
 from engines.sequence import Sequence
+from engines.spec.verify import verify
+from engines.spec.windows import run_windows
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from engines.scheduler import SchedulerOutput
+    from engines.spec.decoder import SpeculativeDecoder
+    from engines.step_plan import StepPlan
+
+log = logging.getLogger("tandem.engine")
 
 # the longest query run (decode 1, a verify window 1 + k, a short prefill chunk) the CPU attention kernel takes
 # inside the PyTorch forward, and a drafter's catch-up inside its one-call draft; longer prefill chunks go to
 # torch's flash SDPA there
 CPU_KERNEL_MAX_QUERY = 32
+
+
+@dataclass
+class StepOutcome:
+    """What a step computed: the tokens each sequence appends (`Scheduler.update` takes them), how far the plan's
+    fast path ran (tokens per sequence of a multi-token step, windows run; 0: a plain forward ran instead), and a
+    sampling error with the sequences it fails."""
+    sampled: list[Sampled]
+    fast: int = 0
+    error: str | None = None
+    failed: list[Sequence] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -57,7 +83,8 @@ class ModelRunner:
         # ... and such steps run the whole decoder stack in one C call (kernels/cpu_forward.py) where it covers
         # the model; TANDEM_CPU_FORWARD=0 keeps the PyTorch forward
         self.cpu_forward = None
-        if self.kernel_max_query and os.environ.get("TANDEM_CPU_FORWARD", "1") != "0":
+        if (self.kernel_max_query and os.environ.get("TANDEM_CPU_FORWARD", "1") != "0" and isinstance(model, Transformer)
+                and all(isinstance(lay.self_attn, Attention) for lay in model.model.layers)):
             from kernels.cpu_forward import CpuForward
 
             self.cpu_forward = CpuForward.build(model, self.k_caches, self.v_caches)
@@ -71,52 +98,106 @@ class ModelRunner:
 
         self.decode_graphs = DecodeGraphs(self, max_batch, max_model_len, capture)
 
-    def prepare(self, seqs: Seq[Sequence], num_tokens: Seq[int], drafts: Mapping[int, list[int]] | None = None
-                ) -> StepBatch:
-        bs = self.block_size
+    def layout(self, seqs: Seq[Sequence], num_tokens: Seq[int], drafts: Mapping[int, list[int]] | None = None
+               ) -> StepBatch:
+        """The step's batch layout, built in one pass on the host, as both forwards read it: token ids,
+        positions, block tables, `meta` ([4, S]: first row, query count, context length, table row), and the
+        sampling layout (rows, sequences, rows per sequence). `prepare` adds the device tensors of the PyTorch
+        forward."""
         ids: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        computed: list[int] = []
+        positions: list[int] = []
+        meta: list[list[int]] = [[], [], [], []]
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         rows_per_seq: list[int] = []
-        max_blocks = 0
-        for seq, n in zip(seqs, num_tokens):
+        max_blocks = max(len(s.pages) for s in seqs)
+        row = 0
+        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
             c = seq.num_computed
             toks = seq.token_ids[c:c + n]
             k = n - len(toks)  # scheduled draft tokens follow the last known token
             if k:
                 toks = toks + drafts[seq.seq_id][:k]
             ids.extend(toks)
-            starts.append(starts[-1] + n)
-            seq_lens.append(c + n)
-            computed.append(c)
+            positions.extend(range(c, c + n))
+            meta[0].append(row)
+            meta[1].append(n)
+            meta[2].append(c + n)
+            meta[3].append(i)
+            row += n
             if c + n - k == seq.num_tokens:  # the last known token is in: its row samples the next one
-                sample_rows.extend(range(starts[-1] - 1 - k, starts[-1]))
+                sample_rows.extend(range(row - 1 - k, row))
                 sample_seqs.append(seq)
                 rows_per_seq.append(1 + k)
-            max_blocks = max(max_blocks, len(seq.pages))
         # padding repeats the sequence's own first page: never another model's bytes (see KVPool.allocate)
-        tables = [s.pages + [s.pages[0]] * (max_blocks - len(s.pages)) for s in seqs]
-        block_tables = torch.tensor(tables, dtype=torch.long)
-        q_lens = torch.tensor(num_tokens, dtype=torch.long)
+        tables = torch.tensor([s.pages + [s.pages[0]] * (max_blocks - len(s.pages)) for s in seqs],
+                              dtype=torch.long)
+        return StepBatch(ids=ids, host_positions=positions, meta=meta, block_tables=tables,
+                         max_query_len=max(num_tokens), max_context_len=max(meta[2]), sample_rows=sample_rows,
+                         sample_seqs=sample_seqs, rows_per_seq=rows_per_seq)
+
+    def prepare(self, seqs: Seq[Sequence], num_tokens: Seq[int], drafts: Mapping[int, list[int]] | None = None
+                ) -> StepBatch:
+        """`layout` plus the PyTorch forward's device tensors (slot mapping, offsets, the attention plan)."""
+        batch = self.layout(seqs, num_tokens, drafts)
+        bs, dev = self.block_size, self.device
+        starts = batch.meta[0] + [len(batch.ids)]
+        q_lens = torch.tensor(batch.meta[1], dtype=torch.long)
         seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
-        offset = torch.tensor(computed, dtype=torch.long) - torch.tensor(starts[:-1], dtype=torch.long)
-        positions = torch.arange(len(ids)) + offset[seq_index]
-        pages = block_tables[seq_index, positions // bs]
-        dev = self.device
-        tables_dev = block_tables.to(dev)
-        plan = None if self.use_kernel else plan_paged_attention(tables_dev, seq_lens, starts, bs,
-                                                                         self.kernel_max_query)
-        return StepBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev), positions=positions.to(dev),
-            write_pages=pages.to(dev), write_offsets=(positions % bs).to(dev), block_tables=tables_dev,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(num_tokens), max_context_len=max(seq_lens), plan=plan,
-            logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_seqs=sample_seqs,
-            rows_per_seq=rows_per_seq)
+        positions = torch.tensor(batch.host_positions, dtype=torch.long)
+        pages = batch.block_tables[seq_index, positions // bs]
+        tables_dev = batch.block_tables.to(dev)
+        batch.plan = None if self.use_kernel else plan_paged_attention(tables_dev, batch.meta[2], starts, bs,
+                                                                       self.kernel_max_query)
+        batch.input_ids = torch.tensor(batch.ids, dtype=torch.long, device=dev)
+        batch.positions = positions.to(dev)
+        batch.write_pages = pages.to(dev)
+        batch.write_offsets = (positions % bs).to(dev)
+        batch.block_tables = tables_dev
+        batch.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
+        batch.context_lens = torch.tensor(batch.meta[2], dtype=torch.int32, device=dev)
+        batch.logits_indices = torch.tensor(batch.sample_rows, dtype=torch.long, device=dev)
+        return batch
+
+    def carry_out(self, plan: StepPlan, sched: SchedulerOutput, masks: Future | None, sp: SpeculativeDecoder,
+                  eos_token_ids: Set[int]) -> StepOutcome:
+        """Run the step as `plan` says and the scheduler booked it. A multi-token or windows plan whose booking
+        came back short (not expected: the policy checked the budget and the pages) runs as a plain forward
+        over the booked tokens without their lookahead. Raises where the forward fails (the whole batch)."""
+        full = plan.lookahead and not sched.preempted and sched.lookahead == plan.lookahead
+        if full and plan.tokens_per_seq > 1:
+            return self._multi_token(sched.seqs, plan.tokens_per_seq, eos_token_ids)
+        if full and plan.windows:
+            room = {sid: n + 1 for sid, n in sched.lookahead.items()}
+            sampled, windows = run_windows(self, sp, sched.seqs, plan.k, room, eos_token_ids)
+            if windows:
+                return StepOutcome(sampled, windows)
+        num_tokens = sched.num_tokens
+        if sched.lookahead:
+            num_tokens = [n - sched.lookahead.get(s.seq_id, 0) for s, n in zip(sched.seqs, num_tokens)]
+        logits, batch = self.execute(sched.seqs, num_tokens, sched.drafts)
+        try:
+            ahead = masks.result() if masks is not None else None  # grammar masks computed beside the forward
+            if not batch.sample_seqs:
+                return StepOutcome([])
+            if sched.drafts:
+                return StepOutcome(verify(logits, batch, sched.drafts, sp.draft_probs, eos_token_ids, ahead))
+            return StepOutcome(sample_sequences(logits, batch.sample_seqs, eos_token_ids, ahead))
+        except Exception as e:
+            log.exception("sampling failed")
+            return StepOutcome([], error=f"engine error during sampling: {type(e).__name__}: {e}",
+                               failed=batch.sample_seqs)
+
+    def _multi_token(self, seqs: list[Sequence], n: int, eos_token_ids: Set[int]) -> StepOutcome:
+        """`n` tokens for every sequence in one C call (`draft_greedy`: forward, head and argmax, or a draw from
+        softmax(logits / temperature) at a uniform from torch's generator as the sampler's inverse CDF takes
+        it, n times), handed to `Scheduler.update` as n - 1 accepted drafts and a bonus token, so EOS, stop ids,
+        stop strings and max length end a sequence mid-way exactly as in single steps."""
+        bans = greedy_bans(seqs, [min_tokens_ban(s.request.params, eos_token_ids) for s in seqs])
+        temps = [0.0 if s.request.params.greedy else s.request.params.temperature for s in seqs]
+        uniforms = torch.rand(len(temps), n) if any(temps) else None
+        tokens = self.draft_greedy(seqs, [1] * len(seqs), n, bans, temps, uniforms)
+        return StepOutcome([Sampled(seq, toks, num_accepted=n - 1) for seq, toks in zip(seqs, tokens)], n)
 
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], num_tokens: Seq[int], drafts: Mapping[int, list[int]] | None = None
@@ -142,55 +223,21 @@ class ModelRunner:
             return hidden.new_empty((0, 0), dtype=torch.float32), batch
         return self.model.compute_logits(hidden[batch.logits_indices]), batch
 
-    def _cpu_step_arrays(self, seqs: Seq[Sequence], num_tokens: Seq[int],
-                         drafts: Mapping[int, list[int]] | None) -> tuple:
-        """The C forward's inputs for a step, built in one pass: token ids, positions, block tables, the
-        [4, S] (first row, query count, context length, table row) array, the longest context, and the
-        sampling layout (rows, sequences, rows per sequence)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        meta: list[list[int]] = [[], [], [], []]
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        rows_per_seq: list[int] = []
-        max_blocks = max(len(s.pages) for s in seqs)
-        row = 0
-        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
-            c = seq.num_computed
-            toks = seq.token_ids[c:c + n]
-            k = n - len(toks)
-            if k:
-                toks = toks + drafts[seq.seq_id][:k]
-            ids.extend(toks)
-            positions.extend(range(c, c + n))
-            meta[0].append(row)
-            meta[1].append(n)
-            meta[2].append(c + n)
-            meta[3].append(i)
-            row += n
-            if c + n - k == seq.num_tokens:
-                sample_rows.extend(range(row - 1 - k, row))
-                sample_seqs.append(seq)
-                rows_per_seq.append(1 + k)
-        tables = torch.tensor([s.pages + [s.pages[0]] * (max_blocks - len(s.pages)) for s in seqs],
-                              dtype=torch.long)
-        return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), tables,
-                torch.tensor(meta, dtype=torch.long), max(meta[2]), sample_rows, sample_seqs, rows_per_seq)
-
     def _execute_cpu_forward(self, seqs: Seq[Sequence], num_tokens: Seq[int],
                              drafts: Mapping[int, list[int]] | None) -> tuple[torch.Tensor, StepBatch]:
-        """`execute` through `CpuForward`: the index arrays built in one pass, the stack in one call."""
-        ids, positions, tables, meta, max_ctx, sample_rows, sample_seqs, rows_per_seq = self._cpu_step_arrays(
-            seqs, num_tokens, drafts)
-        hidden = self.cpu_forward.forward(ids, positions, tables, meta, max_ctx)
-        batch = StepBatch(input_ids=None, positions=None, write_pages=None, write_offsets=None, block_tables=tables,
-                          query_start_loc=None, context_lens=None, max_query_len=max(num_tokens),
-                          max_context_len=max_ctx, plan=None, logits_indices=None, sample_seqs=sample_seqs,
-                          rows_per_seq=rows_per_seq)
-        if not sample_seqs:
+        """`execute` through `CpuForward`: the host layout, the stack in one call."""
+        batch = self.layout(seqs, num_tokens, drafts)
+        hidden = self.cpu_forward.forward(*self._cpu_inputs(batch))
+        if not batch.sample_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), batch
-        rows = hidden if len(sample_rows) == len(ids) else hidden[torch.tensor(sample_rows, dtype=torch.long)]
+        rows = batch.sample_rows
+        rows = hidden if len(rows) == len(batch.ids) else hidden[torch.tensor(rows, dtype=torch.long)]
         return self.cpu_forward.logits(rows), batch
+
+    @staticmethod
+    def _cpu_inputs(batch: StepBatch) -> tuple:
+        return (torch.tensor(batch.ids, dtype=torch.long), torch.tensor(batch.host_positions, dtype=torch.long),
+                batch.block_tables, torch.tensor(batch.meta, dtype=torch.long), batch.max_context_len)
 
     def can_draft_greedy(self, num_tokens: Seq[int]) -> bool:
         """Whether `draft_greedy` takes a draft of sequences computing `num_tokens` first."""
@@ -207,8 +254,8 @@ class ModelRunner:
         num_computed by sum(num_tokens) + k - 1 per sequence. `bans[i]` = (ids, n): sequence i may not pick
         those ids at its first n tokens (`greedy_bans`). A sequence with `temperatures[i]` > 0 draws from
         softmax(logits / temperature) at `uniforms[i]` ([S, k]) instead (`CpuForward.draft_greedy`)."""
-        ids, positions, tables, meta, max_ctx, _, sample_seqs, _ = self._cpu_step_arrays(seqs, num_tokens, None)
-        if len(sample_seqs) != len(seqs):
+        batch = self.layout(seqs, num_tokens, None)
+        if len(batch.sample_seqs) != len(seqs):
             raise ValueError("draft_greedy: every sequence must reach its last known token")
-        return self.cpu_forward.draft_greedy(ids, positions, tables, meta, max_ctx, k, bans, temperatures,
-                                             uniforms).tolist()
+        return self.cpu_forward.draft_greedy(*self._cpu_inputs(batch), k, bans, temperatures, uniforms).tolist()
+

@@ -277,3 +277,11 @@ def sample(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[set[int]] 
             sampled_lp[i] = chosen_l[j]
             pos_lps[i] = d
     return SamplerOutput(token_list, sampled_lp, pos_lps)
+
+
+def greedy_bans(seqs: Seq[Sequence], ban_ids: Seq[Set[int]]) -> list[tuple[Set[int], int]] | None:
+    """For the C greedy loop (`draft_greedy`): per sequence, the ids min_tokens bans (`ban_ids`, as
+    `min_tokens_ban` gives them) and for how many of its next tokens (its output so far counts); None when
+    no sequence has a ban left."""
+    bans = [(ids, s.request.params.min_tokens - s.num_output_tokens) for s, ids in zip(seqs, ban_ids)]
+    return bans if any(ids and n > 0 for ids, n in bans) else None

@@ -58,6 +58,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
+    def plain(self, vocab: int, min_tokens_ok: bool = False) -> bool:
+        """Sampling by temperature alone: the distribution is softmax(logits / T) of the raw logits (or their
+        argmax): no penalties, top-k/top-p/min-p, logit_bias or grammar. `min_tokens_ok`: min_tokens allowed
+        too (a ban of EOS and stop ids, which the C greedy loop applies)."""
+        return (self.repetition_penalty == 1.0 and not self.frequency_penalty and not self.presence_penalty
+                and (min_tokens_ok or not self.min_tokens) and not 0 < self.top_k < vocab and self.top_p >= 1.0
+                and self.min_p <= 0.0 and not self.logit_bias and self.structured is None)
+
     def validate(self) -> None:
         """Raise InvalidSamplingParameter naming the parameter, the bad value and what is allowed. Ranges are
         written as `not lo <= x <= hi`, so NaN fails them too."""

@@ -40,6 +40,10 @@ class SchedulerOutput:
     # proposed ones); they are included in num_tokens (1 + k for a decode) and have pages, and their K/V is
     # committed only as far as verification accepts them
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # a step of several tokens per sequence (a multi-token or drafting-windows plan, engines/step_plan.py):
+    # seq_id -> tokens booked past its last known token (pages and budget, included in num_tokens) that the
+    # runner computes itself; their K/V is committed as `update` appends the tokens they became
+    lookahead: dict[int, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
     num_decode_seqs: int = 0  # sequences scheduled for one decode token (plus drafts): the step model's inputs
     num_prefill_tokens: int = 0  # prompt (or recompute) tokens scheduled
@@ -147,9 +151,11 @@ class Scheduler:
         return not leader.finished and leader.num_computed < leader.prompt_len
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def schedule(self, drafts: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[int, list[int]] | None = None, lookahead: Mapping[int, int] | None = None
+                 ) -> SchedulerOutput:
         """This step's {seq: num_tokens}; `drafts` (seq_id -> proposed draft tokens) ride with the chunk that
-        reaches a sequence's last known token, as far as the budget and max_tokens allow."""
+        reaches a sequence's last known token, as far as the budget and max_tokens allow; `lookahead` (seq_id ->
+        tokens a running decode computes past its next one this step) is booked the same way."""
         out = SchedulerOutput()
         out.expired = self.slo.expired(self._waiting)
         self.num_expired += len(out.expired)
@@ -171,7 +177,8 @@ class Scheduler:
             prefilling = num_new > 1  # decodes always run; prompt chunks share the step's prefill budget
             room = min(budget, prefill_budget) if prefilling else budget
             fit = self._fit_drafts(seq, num_new, room, drafts)
-            num_new = min(num_new + len(fit), room)
+            ahead = self._fit_lookahead(seq, num_new + len(fit), room, lookahead)
+            num_new = min(num_new + len(fit) + ahead, room)
             if num_new <= 0:
                 continue
             need = self.pages_needed(seq, num_new)
@@ -182,6 +189,7 @@ class Scheduler:
                     budget += out.num_tokens[i]
                     out.num_tokens[i] = 0
                     out.drafts.pop(victim.seq_id, None)
+                    out.lookahead.pop(victim.seq_id, None)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -195,6 +203,8 @@ class Scheduler:
             out.num_tokens.append(num_new)
             if fit:
                 out.drafts[seq.seq_id] = fit
+            if ahead:
+                out.lookahead[seq.seq_id] = ahead
             budget -= num_new
             if prefilling:
                 prefill_budget -= num_new
@@ -250,7 +260,7 @@ class Scheduler:
         """Decode sequences vs prefill tokens of the step (what the step-time model is fitted on)."""
         for seq, n in zip(out.seqs, out.num_tokens):
             d = out.drafts.get(seq.seq_id)
-            drafts = len(d) if d else 0
+            drafts = (len(d) if d else 0) + out.lookahead.get(seq.seq_id, 0)
             if seq.num_computed + n - drafts >= seq.num_tokens and n - drafts == 1:
                 out.num_decode_seqs += 1
             else:
@@ -266,16 +276,28 @@ class Scheduler:
             return _NO_DRAFTS
         return proposed[:max(0, min(len(proposed), budget - num_new, seq.max_len - seq.num_tokens))]
 
+    @staticmethod
+    def _fit_lookahead(seq: Sequence, num_new: int, budget: int, lookahead: Mapping[int, int] | None) -> int:
+        """The lookahead tokens that fit (a decode's only): as many as the budget and max_tokens leave room for."""
+        want = lookahead.get(seq.seq_id, 0) if lookahead else 0
+        if not want or seq.num_tokens - seq.num_computed != 1:
+            return 0
+        return max(0, min(want, budget - num_new, seq.max_len - seq.num_tokens - (num_new - 1)))
+
     # ---- the end of a step -------------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, sampled: list[Sampled]) -> list[Request]:
         """After the forward pass: commit the K/V the step computed (drafts' only once accepted), append each
         sampling sequence's tokens, stop and finish. A request whose processing raises fails alone. Returns
         the requests with new output (finished ones included)."""
-        drafts = sched.drafts
+        drafts, ahead = sched.drafts, sched.lookahead
         for seq, n in zip(sched.seqs, sched.num_tokens):
             if not seq.finished:
                 d = drafts.get(seq.seq_id) if drafts else None
-                self.commit_computed(seq, n - len(d) if d else n)
+                if d:
+                    n -= len(d)
+                if ahead:
+                    n -= ahead.get(seq.seq_id, 0)
+                self.commit_computed(seq, n)
         touched: dict[int, Request] = {}
         now = time.monotonic()
         for s in sampled:
@@ -345,8 +367,8 @@ class Scheduler:
         """`num_new` more tokens have K/V; hash the blocks that just became full."""
         seq.num_computed += num_new
         self.slo.computed(seq)
-        commit_full_blocks(self.pool, self.model_id, seq, min(seq.num_computed, seq.num_tokens) // self.block_size,
-                           extra_keys(seq))
+        self.pool.commit_blocks(self.model_id, seq, min(seq.num_computed, seq.num_tokens) // self.block_size,
+                                extra_keys(seq))
 
 
 _NO_DRAFTS: list[int] = []
@@ -356,14 +378,3 @@ def extra_keys(seq: Sequence) -> tuple:
     """What joins the token ids in a block's hash (seam: LoRA ids or multimodal hashes would go here)."""
     return ()
 
-
-def commit_full_blocks(pool: KVPool, model_id: int, holder: Sequence, num_full: int, keys: tuple) -> None:
-    """Hash `holder`'s first `num_full` blocks that are not hashed yet into the prefix cache (chained: each
-    hash covers its parent's); `holder` is a `Sequence` or a drafter's state (token_ids, pages, block_hashes)."""
-    hashes = holder.block_hashes
-    bs = pool.block_size
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), num_full):
-        parent = pool.commit_block(model_id, holder.pages[i], parent, tuple(holder.token_ids[i * bs:(i + 1) * bs]),
-                                   keys)
-        hashes.append(parent)

@@ -111,10 +111,10 @@ class CpuForward:
     @classmethod
     def build(cls, model: nn.Module, k_caches: Seq[torch.Tensor], v_caches: Seq[torch.Tensor]
               ) -> CpuForward | None:
-        """The fast forward for `model` over these per-layer caches, or None where it does not apply."""
-        from engines.model import Attention, Transformer
-
-        if not isinstance(model, Transformer) or not cpu_kernels.available():
+        """The fast forward for `model` over these per-layer caches, or None where it does not apply. `model` is
+        the engines' Llama-family `Transformer` whose layers' attention is its plain `Attention` (the caller,
+        `engines.runner`, checks: kernels imports nothing of the project)."""
+        if not cpu_kernels.available():
             return None
         cfg = model.config
         if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim % 2:
@@ -128,7 +128,7 @@ class CpuForward:
         layers = []
         for i, lay in enumerate(model.model.layers):
             att, mlp = lay.self_attn, lay.mlp
-            if not isinstance(att, Attention) or type(lay.input_layernorm.weight) is not nn.Parameter:
+            if type(lay.input_layernorm.weight) is not nn.Parameter:
                 return None
             qkv = _lin_group([att.q_proj, att.k_proj, att.v_proj], att.fused, keep)
             gu = _lin_group([mlp.gate_proj, mlp.up_proj], mlp.fused, keep)

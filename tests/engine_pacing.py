@@ -13,7 +13,7 @@ from collections.abc import Iterator
 def slowed(server, *names: str, per_step_s: float = 0.01) -> Iterator[None]:
     """Each step of the named engines takes `per_step_s` longer (the device thread sleeps before it), and each
     step takes one token per sequence (no multi-step greedy tokens: the pacing is per token)."""
-    import engines.engine as engine_module
+    import engines.step_plan as engine_module
 
     saved_multi = engine_module.MULTI_STEP_TOKENS
     engine_module.MULTI_STEP_TOKENS = 1

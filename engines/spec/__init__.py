@@ -2,5 +2,6 @@
 pass over k + 1 positions, and rejection sampling keeps the target's output distribution exactly.
 
 `decoder` (propose / rollback, metrics), `drafter` (draft KV in the shared pool), `verify` (pure: logits ->
-accepted tokens), `rejection` (the rejection sampler's fast paths), `adaptive` (k), `lean_runner` (the CPU
-draft runner), `state` (a sequence's draft state)."""
+accepted tokens), `rejection` (the rejection sampler's fast paths), `adaptive` (k), `windows` (drafting
+windows looped in one step), `lean_runner` (the CPU draft runner where the C forward does not cover the draft:
+bf16 weights, no C compiler), `state` (a sequence's draft state)."""

@@ -34,6 +34,19 @@ REPROBE_TOKENS = 32
 
 
 @dataclass
+class DraftPlan:
+    """Adaptive k's choice for a step: (sequence, its k) for those that draft, and the k chosen (0: none)."""
+    picked: list[tuple[Sequence, int]]
+    k: int
+
+    def uniform_k(self, running: list[Sequence]) -> int:
+        """k when every one of `running` drafts with that same k (a step of drafting windows may), else 0."""
+        if not self.k or len(self.picked) != len(running) or any(k_s != self.k for _, k_s in self.picked):
+            return 0
+        return self.k
+
+
+@dataclass
 class _Window:
     seq: Sequence
     drafted: bool  # by the drafter (counts toward its measured acceptance), not supplied
@@ -58,7 +71,6 @@ class SpeculativeDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_position: list[int] = []
         self.num_emitted_tokens = 0  # tokens the windows produced (accepted + the recovered/bonus one)
-        self._plan: tuple[list[Sequence], int] | None = None  # `plan`'s choice, for this step's `propose`
 
     def add(self, seq: Sequence) -> None:
         if seq.supplied_draft_ids:
@@ -75,35 +87,18 @@ class SpeculativeDecoder:
                 if s.seq_id not in drafts and s.num_tokens - s.num_computed == 1 and s.num_tokens < s.max_len
                 and s.request.params.speculative is not False]
 
-    def plan(self, running: list[Sequence]) -> int:
-        """Adaptive k's choice for this step, made ahead of `propose` (which then keeps it): 0 where no
-        sequence would draft. The engine asks when the step could be a multi-step greedy one instead: k = 0
-        is plain decoding, which that does faster. Call only without supplied drafts."""
+    def begin_step(self) -> None:
+        """A new step: drafts of the previous one that were not verified go away (`_drop_unverified`)."""
+        self._drop_unverified()
+
+    def plan(self, running: list[Sequence]) -> DraftPlan:
+        """Adaptive k's choice for this step, made before anything is drafted (`StepPolicy` weighs it against
+        the faster plain and windowed steps; `propose` then drafts it): k = 0 or nobody picked where no
+        sequence would draft. Call only without supplied drafts."""
         seqs = self._draftable(running, {}) if self.drafter is not None else []
         k = self._choose(seqs) if seqs else 0
         picked = self._select(seqs, k) if k else []
-        self._plan = (picked, k)
-        return k if picked else 0
-
-    def skip_step(self) -> None:
-        """This step took `plan`'s k = 0 without `propose` (a multi-step greedy step)."""
-        self._plan = None
-        self._drop_unverified()
-
-    def planned_for_all(self, running: list[Sequence]) -> int:
-        """`plan`'s k when it drafts for every one of `running` with that same k (the engine may then run
-        windows in a loop of its own, `ModelEngine._spec_windows_step`), else 0."""
-        if self._plan is None:
-            return 0
-        picked, k = self._plan
-        if not k or len(picked) != len(running) or any(k_s != k for _, k_s in picked):
-            return 0
-        return k
-
-    def drop_plan(self) -> None:
-        """The step runs without `propose` (`ModelEngine._spec_windows_step` drafts itself)."""
-        self._plan = None
-        self._drop_unverified()
+        return DraftPlan(picked, k if picked else 0)
 
     def count_window(self, seq: Sequence, k: int, num_accepted: int, drafted: bool = True) -> None:
         """One verified window of k drafts for `seq`: the request's counts and, for the drafter's (not a caller's
@@ -126,17 +121,15 @@ class SpeculativeDecoder:
             self.adaptive.target.observe(batch, forward_s / num_steps)
             self.adaptive.observe_step(batch, 0, step_s / num_steps)
 
-    def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
-        """seq_id -> draft tokens to verify this step."""
-        planned, self._plan = self._plan, None
-        self._drop_unverified()
+    def propose(self, running: list[Sequence], planned: DraftPlan | None = None) -> dict[int, list[int]]:
+        """seq_id -> draft tokens to verify this step (`planned`: this step's `plan`, if it was made)."""
         drafts: dict[int, list[int]] = {}
         if self.supplied:
             self._propose_supplied(drafts)
         if self.drafter is None:
             return drafts
         if planned is not None and not drafts:
-            picked, k = planned
+            picked = planned.picked
         else:
             seqs = self._draftable(running, drafts)
             if not seqs:

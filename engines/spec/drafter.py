@@ -4,35 +4,15 @@ serve as draft KV; `rollback` keeps what verification accepted."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-from collections.abc import Set
-
 import torch
 
 from engines.kv_pool import KVPool
-from engines.sampler import draw, processed_logits, sampler_row, seeded_uniform
-from engines.sampling_params import SamplingParams
-from engines.scheduler import commit_full_blocks, extra_keys
+from engines.sampler import draw, greedy_bans, processed_logits, sampler_row, seeded_uniform
+from engines.scheduler import extra_keys
 from engines.sequence import Sequence
 from engines.spec.adaptive import CostModel
 from engines.spec.lean_runner import LeanDraftRunner
 from engines.spec.state import DraftState
-
-
-def plain_params(p: SamplingParams, vocab: int, min_tokens_ok: bool = False) -> bool:
-    """Sampling by temperature alone: the draft distribution is softmax(logits / T) (or the argmax).
-    `min_tokens_ok`: min_tokens allowed too (a ban of EOS and stop ids, which the C greedy loop applies)."""
-    return (p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-            and (min_tokens_ok or not p.min_tokens) and not 0 < p.top_k < vocab and p.top_p >= 1.0
-            and p.min_p <= 0.0 and not p.logit_bias and p.structured is None)
-
-
-def greedy_bans(seqs: Seq[Sequence], ban_ids: Seq[Set[int]]) -> list[tuple[Set[int], int]] | None:
-    """For the C greedy loop (`draft_greedy`): per sequence, the ids min_tokens bans (`ban_ids`, as
-    `min_tokens_ban` gives them) and for how many of its next tokens (its output so far counts); None when
-    no sequence has a ban left."""
-    bans = [(ids, s.request.params.min_tokens - s.num_output_tokens) for s, ids in zip(seqs, ban_ids)]
-    return bans if any(ids and n > 0 for ids, n in bans) else None
 
 
 class Drafter:
@@ -97,7 +77,7 @@ class Drafter:
         del ds.token_ids[num_valid:]
         ds.num_computed = min(ds.num_computed, num_valid)
         ds.shadow_len = min(ds.shadow_len, ds.num_computed)
-        commit_full_blocks(self.pool, self.model_id, ds, ds.num_computed // self.block_size, extra_keys(seq))
+        self.pool.commit_blocks(self.model_id, ds, ds.num_computed // self.block_size, extra_keys(seq))
 
     def _greedy_in_one_call(self, seqs: list[Sequence], states: list[DraftState], ks: list[int]) -> list[int]:
         """The sequences (indices) whose whole draft runs in one C call: greedy on the raw logits (no
@@ -108,7 +88,7 @@ class Drafter:
             return []
         vocab, k = self.model.config.vocab_size, max(ks)
         picked = [i for i, s in enumerate(seqs) if ks[i] == k and s.request.params.greedy
-                  and plain_params(s.request.params, vocab, min_tokens_ok=True)]
+                  and s.request.params.plain(vocab, min_tokens_ok=True)]
         if not picked or not can([1]):
             return []
         behind = [states[i] for i in picked if not can([states[i].num_tokens - states[i].num_computed])]
@@ -164,7 +144,7 @@ class Drafter:
                 logits, _ = self.runner.execute(act_states, num_new)
             for s, n in zip(act_states, num_new):
                 s.num_computed += n
-            if len(active) == 1 and plain_params(seqs[active[0]].request.params, logits.shape[1]):
+            if len(active) == 1 and seqs[active[0]].request.params.plain(logits.shape[1]):
                 # one sequence, temperature only (no penalties, bans or top-k/p/min-p): the same q, few ops
                 seq = seqs[active[0]]
                 prm = seq.request.params

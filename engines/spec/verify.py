@@ -22,11 +22,10 @@ from engines.sampler import (
     sample_sequences,
     sampler_row,
 )
-from engines.spec.drafter import plain_params
 from engines.spec.rejection import rejection_sample, rejection_sample_one
 
 if TYPE_CHECKING:
-    from engines.runner import StepBatch
+    from engines.attention import StepBatch
     from engines.sequence import Sequence
 
 
@@ -80,7 +79,7 @@ def plain_greedy_targets(logits: torch.Tensor, spec: list[tuple[Sequence, int, i
     vocab = logits.shape[1]
     for seq, _, _ in spec:
         p = seq.request.params
-        if not p.greedy or seq.grammar is not None or not plain_params(p, vocab, min_tokens_ok=True):
+        if not p.greedy or seq.grammar is not None or not p.plain(vocab, min_tokens_ok=True):
             return None
     x = logits[torch.tensor([start + j for _, start, k in spec for j in range(k + 1)], device=logits.device)]
     row = 0

@@ -452,11 +452,12 @@ def test_n_choices_without_prefix_caching_and_max_tokens_none_runs_to_the_contex
 
 
 def test_a_failed_sampling_pass_fails_its_requests_with_the_engine_error_code(llama, monkeypatch):
-    import engines.engine
+    import engines.runner
+    import engines.step_plan
 
     llm = LLM(llama, block_size=BLOCK)
     eng = llm.engine
-    real = engines.engine.sample_sequences
+    real = engines.runner.sample_sequences
     calls = {"n": 0}
 
     def broken_once(logits, seqs, eos, *rest):
@@ -465,8 +466,8 @@ def test_a_failed_sampling_pass_fails_its_requests_with_the_engine_error_code(ll
             raise RuntimeError("sampler fell over")
         return real(logits, seqs, eos, *rest)
 
-    monkeypatch.setattr(engines.engine, "sample_sequences", broken_once)
-    monkeypatch.setattr(engines.engine, "MULTI_STEP_TOKENS", 1)  # greedy steps through the sampler, one token each
+    monkeypatch.setattr(engines.runner, "sample_sequences", broken_once)
+    monkeypatch.setattr(engines.step_plan, "MULTI_STEP_TOKENS", 1)  # greedy steps through the sampler, one token each
     sink = Collector()
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     eng.add_request([5, 6, 7], params, "a", emit=sink)
@@ -480,3 +481,30 @@ def test_a_failed_sampling_pass_fails_its_requests_with_the_engine_error_code(ll
     assert sink.final["b"].error is None and sink.final["b"].outputs[0].token_ids == greedy_alone(
         eng.model, [8, 9, 10], 5)
     assert llm.core.pool.num_used == 0
+
+
+def test_each_streamed_output_holds_what_its_deltas_add_up_to_when_it_was_built(llama):
+    """Outputs carry deltas; their cumulative text, tokens and logprobs are views read later, and still equal
+    the sum of the deltas up to each output (not what the sequence grew to since), with sampled logprobs and
+    a held-back stop string."""
+    llm = LLM(llama, block_size=BLOCK)
+    eng = llm.engine
+    sink = Collector()
+    params = [SamplingParams(temperature=0.9, seed=3, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["never-appears"], n=2)]
+    for i, p in enumerate(params):
+        eng.add_request("The quick brown fox", p, f"r{i}", emit=sink)
+    drain(eng)
+    assert len(sink.final) == 2
+    for rid in ("r0", "r1"):
+        outs = [o for o in sink.all if o.request_id == rid]
+        assert len(outs) > 10  # streamed step by step
+        for index in range(len(outs[0].outputs)):
+            text, toks, lps = "", [], []
+            for o in outs:
+                c = o.outputs[index]
+                text, toks = text + c.delta_text, toks + c.delta_token_ids
+                lps += c.delta_logprobs or []
+                assert (c.text, c.token_ids) == (text, toks)
+                assert c.logprobs == (lps if rid == "r0" else None)
+            assert len(toks) == 40 and text == llm.tokenizer.decode(toks)

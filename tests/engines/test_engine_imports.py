@@ -65,3 +65,21 @@ def test_the_import_graph_of_engines_has_no_cycle():
 def test_the_cycle_finder_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def project_imports(path: Path) -> set[str]:
+    """The top-level project packages (engines, gateway, ...) `path` imports anywhere in its body."""
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out & packages
+
+
+def test_kernels_imports_nothing_of_the_project_but_itself():
+    files = sorted((ROOT / "kernels").glob("*.py"))
+    assert files and "engines" in project_imports(ROOT / "engines" / "runner.py")  # the check sees imports
+    assert {f.name: project_imports(f) - {"kernels"} for f in files} == {f.name: set() for f in files}

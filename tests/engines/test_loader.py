@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_contexts import VarlenCausal  # conftest puts tests/ on the path
 from safetensors.torch import load_file, save_file
 
-from engines.attention import VarlenCausal
 from engines.loader import GenerationDefaults, load_checkpoint, resolve_dtype
 from engines.model_config import CheckpointError, ModelConfig
 

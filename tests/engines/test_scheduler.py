@@ -139,3 +139,28 @@ def test_draft_tokens_ride_on_a_decode_within_budget_and_context():
     s.max_len = s.num_tokens + 1  # one token of room left: one draft at most
     out = sched.schedule({s.seq_id: [1, 2]})
     assert out.num_draft_tokens == {s.seq_id: 1} and out.as_dict() == {s.seq_id: 2}
+
+
+def test_lookahead_is_booked_within_budget_and_max_length_and_committed_as_update_appends():
+    """A multi-token step's lookahead: pages and budget for the tokens past each decode's next one, trimmed by
+    the budget (in admission order) and by max_tokens, and committed by `update` only as far as the tokens
+    it appends (a stop mid-way leaves the rest uncommitted)."""
+    from engines.sampler import Sampled
+
+    sched = make(budget=9)
+    a, b = seq(3, arrival=1), seq(5, arrival=2)
+    b.max_len = b.prompt_len + 3  # room for 3 tokens: the one being decoded and 2 more
+    for s in (a, b):
+        sched.add(s)
+    run_step(sched)  # prefills; each appends its first token
+    out = sched.schedule(lookahead={a.seq_id: 3, b.seq_id: 3})
+    assert out.as_dict() == {a.seq_id: 4, b.seq_id: 3} and out.lookahead == {a.seq_id: 3, b.seq_id: 2}
+    assert out.num_decode_seqs == 2 and out.num_prefill_tokens == 0 and not out.drafts
+    assert len(a.pages) == 2 and len(b.pages) == 2  # a: 8 tokens of K/V in 4-token pages, b: 7
+    sched.update(out, [Sampled(a, [11, 12, 13, 14], num_accepted=3), Sampled(b, [21], num_accepted=0)])
+    assert a.output_token_ids == [7, 11, 12, 13, 14] and a.num_computed == a.num_tokens - 1
+    assert b.output_token_ids == [7, 21] and b.num_computed == b.num_tokens - 1  # the rest never committed
+    # 9 tokens: a takes 1 + 8, nothing is left for b (the policy asks only for what the whole batch fits, and
+    # the runner takes a short booking as a plain step)
+    budget_cut = sched.schedule(lookahead={a.seq_id: 9, b.seq_id: 9})
+    assert budget_cut.lookahead == {a.seq_id: 8} and budget_cut.as_dict() == {a.seq_id: 9}

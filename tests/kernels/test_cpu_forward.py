@@ -203,11 +203,11 @@ def test_models_it_does_not_cover_keep_the_torch_forward(tmp_path):
 
 @pytest.mark.parametrize("quant", ["none", "w8a8"])
 def test_multi_step_greedy_equals_single_steps(monkeypatch, quant):
-    """Greedy batches take 4 tokens per step in one C call (`ModelEngine._multi_step`): the same tokens, finish
+    """Greedy batches take 4 tokens per step in one C call (a multi-token `StepPlan`): the same tokens, finish
     reasons and texts as one token per step, with EOS, stop ids, stop strings and max lengths ending sequences
     inside a step, staggered arrivals (a newcomer turns it off until it decodes) and n = 2; float32, and w8a8
     (its head in int8: the C call's head goes through the same int8 dots)."""
-    import engines.engine
+    import engines.step_plan
     from engines import SamplingParams
 
     llm = _engine(ROOT / "models" / "tandem-tiny-l", quantization=quant)
@@ -236,7 +236,7 @@ def test_multi_step_greedy_equals_single_steps(monkeypatch, quant):
     monkeypatch.setattr(runner, "draft_greedy", lambda *a: calls.append(a[2]) or one_call(*a))
     multi = llm.generate(prompts, params)
     assert calls and set(calls) <= {2, 3, 4}
-    monkeypatch.setattr(engines.engine, "MULTI_STEP_TOKENS", 1)
+    monkeypatch.setattr(engines.step_plan, "MULTI_STEP_TOKENS", 1)
     calls.clear()
     single = llm.generate(prompts, params)
     assert not calls
@@ -248,6 +248,29 @@ def test_multi_step_greedy_equals_single_steps(monkeypatch, quant):
     assert banned not in banned_run[:14] and len(banned_run) >= 14
     assert banned_run[:first] == ref.token_ids[:first]  # up to there the ban changes nothing
     assert llm.core.pool.stats()["used_pages"] == 0
+
+
+def test_a_multi_token_step_booked_short_runs_as_a_plain_step(monkeypatch):
+    """Where the scheduler books less lookahead than the plan asked (not expected: the policy checks budget and
+    pages), the runner runs a plain forward over the booked tokens instead: the same tokens as plain
+    decoding, no C multi-token call, the pool back to zero pages."""
+    from engines import SamplingParams
+
+    llm = _engine(ROOT / "models" / "tandem-tiny-l")
+    prompts = ["def add(a, b):\n    return", "import os\n\n"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    eng = llm.engine
+    schedule, calls, short = eng.scheduler.schedule, [], []
+    monkeypatch.setattr(eng.runner, "draft_greedy", lambda *a: calls.append(a) or [])  # must not run
+    def trimmed(drafts=None, lookahead=None):
+        if lookahead:
+            short.append(1)
+            lookahead = {sid: n - 1 for sid, n in lookahead.items()}
+        return schedule(drafts, lookahead)
+    monkeypatch.setattr(eng.scheduler, "schedule", trimmed)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert short and not calls and llm.core.pool.stats()["used_pages"] == 0
 
 
 def test_multi_step_takes_min_tokens_requests(monkeypatch):
@@ -288,7 +311,7 @@ def test_speculative_engine_takes_multi_step_when_adaptive_k_picks_plain(monkeyp
     monkeypatch.setattr(spec.adaptive, "observe_step",
                         lambda b, k, s: (plain_steps.append(b) if k == 0 else None) or observe(b, k, s))
     propose = spec.propose
-    monkeypatch.setattr(spec, "propose", lambda running: drafted.append(d := propose(running)) or d)
+    monkeypatch.setattr(spec, "propose", lambda *a: drafted.append(d := propose(*a)) or d)
     # every drafter catches up whatever it costs (here k is scripted, not weighed against its savings)
     monkeypatch.setattr(spec.adaptive, "catch_up_pays", lambda lag, remaining: True)
     for ks in ([0], [3], [0, 0, 3, 0, 4, 4, 0, 2]):

@@ -309,7 +309,8 @@ def test_paged_attention_context_writes_then_attends():
     for kmq in (0, 4):
         kcs, vcs = [kc.clone()], [vc.clone()]
         plan = plan_paged_attention(bt, ctxs, starts, 16, kmq)
-        b = StepBatch(None, pos, wp, wo, bt, torch.tensor(starts), torch.tensor(ctxs), 2, 20, plan, None, [], [])
+        b = StepBatch([], [], [], bt, 2, 20, [], [], [], positions=pos, write_pages=wp, write_offsets=wo,
+                      query_start_loc=torch.tensor(starts), context_lens=torch.tensor(ctxs), plan=plan)
         outs.append((PagedAttention(kcs, vcs, b, False).forward(0, q, k, v), kcs[0], vcs[0]))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
     assert torch.equal(outs[1][1], outs[0][1]) and torch.equal(outs[1][2], outs[0][2])

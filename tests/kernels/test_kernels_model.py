@@ -9,8 +9,9 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import pytest  # noqa: E402
+from attention_contexts import ContiguousCache, PagedKVAttention  # noqa: E402  (conftest puts tests/ on the path)
 
-from engines.attention import ContiguousCache, PagedKVAttention, resolve_backend  # noqa: E402
+from engines.attention import resolve_backend  # noqa: E402
 from engines.model import Transformer  # noqa: E402
 from engines.model_config import ModelConfig  # noqa: E402
 
