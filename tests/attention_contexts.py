@@ -1,5 +1,5 @@
-"""Attention contexts only tests and benchmarks use, beside the serving ones in engines/attention.py:
-`VarlenCausal` (several sequences, no cache), `ContiguousCache` (per-sequence contiguous caches for simple
+"""Attention contexts only tests and benchmarks use, beside the serving ones in engines/attention.py (and
+`VarlenCausal`, several sequences with no cache, from engines/embedding.py): `ContiguousCache` (per-sequence contiguous caches for simple
 generation) and `PagedKVAttention` (the kernels' context over raw paged tensors)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.attention import resolve_backend
+from engines.embedding import VarlenCausal  # noqa: F401  (the embedding forward's context, for tests)
 
 
 def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_offset: int | None,
@@ -28,21 +29,6 @@ def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_offse
         qpos = torch.arange(sk - sq, sk, device=q.device)[:, None]
         mask = torch.arange(sk, device=q.device)[None, :] <= qpos
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-class VarlenCausal:
-    """Several sequences of different lengths concatenated, each attending causally to itself only."""
-
-    def __init__(self, seq_lens: list[int]):
-        self.seq_lens = list(seq_lens)
-
-    def forward(self, layer: int, q, k, v):
-        outs, start = [], 0
-        for n in self.seq_lens:
-            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
-            outs.append(_sdpa_gqa(qs, ks, vs, causal_offset=0).transpose(0, 1))
-            start += n
-        return torch.cat(outs, dim=0)
 
 
 class ContiguousCache:
