@@ -287,7 +287,7 @@ async def _first_output(run: RoutedRun, ctx: RoutingContext) -> RequestOutput:
     try:
         first = await anext(run.outputs)
     except (RequestRejected, EngineDeadError) as exc:
-        param = None
+        param = getattr(exc, "param", None)
         if exc.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and await ctx.prompt.fits(run.engine):
             param = "max_tokens"  # the prompt alone fits: max_tokens on top of it does not
         raise engine_api_error(exc.code, str(exc), param=param) from None
