@@ -92,8 +92,9 @@ def stalled(state: GatewayState) -> str | None:
 
 
 @get("/health", sync_to_thread=False, responses={
-    503: ResponseSpec(Health, description="Degraded: the engine loop or a preparation pool is stalled",
-                      generate_examples=False)})
+    200: ResponseSpec(Health, description="Healthy", generate_examples=False),
+    503: ResponseSpec(Health | ErrorBody, description="Degraded: the engine loop or a preparation pool is stalled "
+                      "(or shutting down: an error body)", generate_examples=False)})
 def health(request: Request) -> Response:
     why = stalled(_state(request))
     if why is not None:
