@@ -205,7 +205,7 @@ class ModelEngine:
         if pool is None:
             await asyncio.to_thread(self._compile, so)
             return
-        grammars = self._grammar_compiler(so)
+        grammars = self.grammars or await asyncio.wrap_future(pool.run_compile(self._grammar_compiler, so))
         try:
             if self._info is None:
                 text = grammars.info.serialize_json()
