@@ -60,7 +60,7 @@ class AsyncEngine:
         emit.loop, emit.put = loop, queue.put_nowait
 
         if params.structured is not None and self._engine.needs_compile(params.structured):
-            await asyncio.to_thread(self._engine.precompile, params.structured)  # never on the event loop
+            await self._engine.precompile_async(params.structured)  # bounded, never on the event loop
         req = self._engine.add_request(prompt, params, request_id, priority=priority,
                                        draft_token_ids=draft_token_ids, emit=emit, stream=True,
                                        ttft_s=ttft_s, tpot_s=tpot_s)

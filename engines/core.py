@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from engines.compile_pool import CompileLimits, CompilePool
 from engines.config import EngineSpec, PoolSpec, validate
 from engines.engine import ModelEngine
 from engines.errors import EngineDeadError, ErrorCode
@@ -73,7 +75,7 @@ class EngineCore:
     background thread (`start()` / `shutdown()`). Idle, the thread sleeps on a condition variable."""
 
     def __init__(self, specs: list[EngineSpec], pool: PoolSpec | None = None, device: str | torch.device = "cpu",
-                 reserve_cpus: int = 0):
+                 reserve_cpus: int = 0, compile_limits: CompileLimits | None = None):
         if not specs:
             raise ValueError("EngineCore needs at least one EngineSpec")
         pool = pool or PoolSpec()
@@ -106,6 +108,11 @@ class EngineCore:
                                      "model must share the engine's tokenizer")
                 k_max = s.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
                 target.use_drafter(draft, k_max)
+        # grammar compiles for every engine, in worker processes started with the first constrained request
+        self.compile_pool = CompilePool(compile_limits)
+        for e in self.engines.values():
+            e.compile_pool, e.compile_limits = self.compile_pool, self.compile_pool.limits
+        self.step_started: float | None = None  # monotonic start of the step running now (for `stalled`)
         self._async: dict[str, AsyncEngine] = {}
         self._cv = threading.Condition()
         self._stop = False
@@ -126,6 +133,7 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.compile_pool.close()
         self._dead = self._dead or "engine shut down"
         for e in self.engines.values():
             e.fail_all("engine shut down", ErrorCode.ENGINE_DEAD)
@@ -161,6 +169,7 @@ class EngineCore:
     def step(self) -> int:
         """Step every engine that has work once (the loop body; `LLM` calls it directly, without a thread)."""
         done = 0
+        self.step_started = time.monotonic()
         for e in self.engines.values():
             if e.has_work():
                 try:
@@ -168,7 +177,18 @@ class EngineCore:
                 except Exception as exc:  # a scheduler-level bug: this engine's requests fail, the loop lives
                     log.exception("engine %s: step failed", e.name)
                     e.fail_all(f"engine error: {type(exc).__name__}: {exc}")
+        self.step_started = None
         return done
+
+    def stalled(self, after_s: float) -> str | None:
+        """Why this core cannot make progress (its loop died, a step has run over `after_s`, the compile
+        pool is stuck), or None; /health reports it."""
+        if self._dead is not None and not self._stop:
+            return self._dead
+        started = self.step_started
+        if started is not None and time.monotonic() - started > after_s:
+            return f"an engine step has run for {time.monotonic() - started:.0f} s"
+        return self.compile_pool.stalled()
 
     def _loop(self) -> None:
         try:

@@ -4,7 +4,9 @@ emit. Outputs leave through per-request callbacks."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import hashlib
 import logging
 import threading
 import time
@@ -14,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engines.compile_pool import CompileBusy, CompileLimits, CompilePool, check_budget
 from engines.errors import EngineError, ErrorCode, RequestRejected
+from engines.grammar_check import require_finite_derivation
 from engines.kv_pool import KVPool
 from engines.output_processor import OutputProcessor
 from engines.outputs import RequestMetrics, RequestOutput
@@ -180,25 +184,65 @@ class ModelEngine:
             req.seqs.append(seq)
         return req
 
+    # set by EngineCore: constraints are proven to compile within budget in killable worker processes
+    compile_pool: CompilePool | None = None
+    compile_limits: CompileLimits = CompileLimits()
+
     def needs_compile(self, so: StructuredOutput) -> bool:
         """Whether validating a request with `so` would compile it (not cached yet): callers on an event loop
-        call `precompile` on a worker thread first."""
+        await `precompile_async` first."""
         return self.tokenizer is not None and (self.grammars is None or not self.grammars.cached(so))
 
     def precompile(self, so: StructuredOutput) -> None:
         """Compile `so` into the cache (any thread); RequestRejected naming its field if it cannot be."""
         self._compile(so)
 
-    def _compile(self, so: StructuredOutput) -> object:
-        """The constraint compiled for this engine's vocabulary (cached); RequestRejected naming its field."""
+    async def precompile_async(self, so: StructuredOutput) -> None:
+        """Compile `so` into the cache without holding anything shared: proven within the compile budget in a
+        worker process (killed when over it or when the caller is cancelled), then compiled on the pool's own
+        threads. RequestRejected naming its field (400) or COMPILE_BUSY (503) when it cannot be."""
+        pool = self.compile_pool
+        if pool is None:
+            await asyncio.to_thread(self._compile, so)
+            return
+        grammars = self.grammars or await asyncio.wrap_future(pool.run_compile(self._grammar_compiler, so))
+        try:
+            if self._info is None:
+                text = grammars.worker_info()
+                self._info = (hashlib.sha256(text.encode()).hexdigest(), text)
+            proof, abandon = pool.prove(self._info, so)
+            try:
+                await asyncio.wrap_future(proof)
+            except asyncio.CancelledError:
+                abandon.set()  # the client left: its worker is killed
+                raise
+        except InvalidConstraint as e:
+            raise RequestRejected(str(e), param=e.where) from None
+        except CompileBusy as e:
+            raise RequestRejected(str(e), ErrorCode.COMPILE_BUSY) from None
+        await asyncio.wrap_future(pool.run_compile(self._compile, so))
+
+    _info: tuple[str, str] | None = None  # (key, JSON) of the vocabulary as xgrammar sees it, for the workers
+
+    def _grammar_compiler(self, so: StructuredOutput) -> GrammarCompiler:
         if self.tokenizer is None:
             raise RequestRejected(f"{so.param}: engine {self.name!r} has no tokenizer to constrain the output with",
                                   param=so.param)
         with self._grammars_lock:  # built once, by whichever caller thread comes first
             if self.grammars is None:
                 self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+                self.grammars.max_cached_bytes = self.compile_limits.cache_bytes
+        return self.grammars
+
+    def _compile(self, so: StructuredOutput) -> object:
+        """The constraint compiled for this engine's vocabulary (cached), within the size budgets;
+        RequestRejected naming its field."""
+        grammars = self._grammar_compiler(so)
         try:
-            return self.grammars.compile(so)
+            if not grammars.cached(so):
+                check_budget(so, self.compile_pool.limits if self.compile_pool else self.compile_limits)
+                require_finite_derivation(so)
+            return grammars.compile(so)
         except InvalidConstraint as e:
             raise RequestRejected(str(e), param=e.where) from None
 

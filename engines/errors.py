@@ -17,6 +17,7 @@ class ErrorCode(StrEnum):
     TTFT_EXPIRED = "ttft_deadline_exceeded"  # dropped before its first token: its TTFT target had passed
     ENGINE_ERROR = "engine_error"  # the forward pass, sampling or drafting failed for this request
     ENGINE_DEAD = "engine_dead"  # the engine loop has stopped (shut down or crashed)
+    COMPILE_BUSY = "compile_pool_busy"  # every grammar compile slot taken and its queue full: retry later
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,7 @@ def processed_logits(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[
     needs_ban = stop_ids is not None and any(
         r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens for r in rows)
     constrained = [i for i, r in enumerate(rows) if r.mask is not None or r.params.logit_bias]
+    raw = logits
     if needs_penalty or needs_ban or constrained:
         logits = logits.clone()
     if needs_penalty:
@@ -188,6 +189,8 @@ def processed_logits(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[
                 logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
     if constrained:
         apply_bias_and_masks(logits, rows, constrained)
+    if needs_penalty or needs_ban or constrained:
+        logits = _constraint_wins(raw, logits, rows)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random_rows:
         return logits, random_rows, None
@@ -201,7 +204,34 @@ def processed_logits(logits: torch.Tensor, rows: Seq[SamplerRow], stop_ids: Seq[
         top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=device)
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device)
-    return logits, random_rows, apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
+    x = apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
+    bad = (~torch.isfinite(x.amax(-1))).nonzero()[:, 0].tolist()
+    for j in bad:  # temperature overflowed what the penalties left (e.g. 1e30 / 1e-10): the row as it is
+        x[j] = logits[random_rows[j]]
+    return logits, random_rows, x
+
+
+def _constraint_wins(raw: torch.Tensor, logits: torch.Tensor, rows: Seq[SamplerRow]) -> torch.Tensor:
+    """Rows whose penalties, bans and bias left nothing drawable (every allowed token at -inf, a +inf from a
+    tiny repetition_penalty, a NaN) take the raw logits under the grammar mask alone: the constraint wins over
+    the sampling options, so the token drawn is always one the grammar allows (drafts and the verifier see the
+    same rows, so speculation stays exact)."""
+    bad = (~torch.isfinite(logits.amax(-1))).nonzero()[:, 0].tolist()
+    if not bad:
+        return logits
+    from engines.structured import apply_masks
+
+    masked = [j for j, i in enumerate(bad) if rows[i].mask is not None]
+    fallback = raw[bad].nan_to_num(nan=float("-inf"), posinf=torch.finfo(raw.dtype).max)
+    for attempt in range(2):
+        if masked:
+            apply_masks(fallback, masked, [rows[bad[j]].mask for j in masked])
+        empty = ~torch.isfinite(fallback.amax(-1))
+        if attempt or not bool(empty.any()):
+            break
+        fallback[empty] = 0.0  # nothing finite even raw (a broken forward): uniform over what is allowed
+    logits[bad] = fallback
+    return logits
 
 
 def draw(probs: torch.Tensor, uniforms: Seq[float | None]) -> torch.Tensor:

@@ -79,17 +79,42 @@ class GrammarCompiler:
         vocab_type, prefix_space = _vocab_meta(backend)
         info = xgr.TokenizerInfo(encoded[:vocab_size], vocab_type, vocab_size=vocab_size,
                                  stop_token_ids=sorted(stop_token_ids), add_prefix_space=prefix_space)
+        self._setup(info, vocab_size, max_cached, (backend.to_str(), vocab_size, list(stop_token_ids)))
+
+    def _setup(self, info, vocab_size: int, max_cached: int, llg_args: tuple[str, int, list[int]],
+               max_cached_bytes: int = 256 << 20) -> None:
+        import xgrammar as xgr
+
+        self.info = info
         self.vocab_size = vocab_size
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: collections.OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.max_cached = max_cached
+        self.max_cached_bytes = max_cached_bytes  # by xgrammar's memory_size_bytes of each compiled grammar
+        self.cached_bytes = 0
         self.num_compiled = 0
-        self._llg_args = (backend.to_str(), vocab_size, list(stop_token_ids))
+        self._llg_args = llg_args  # (tokenizer.json text, vocab size, stop ids): what llguidance is built from
         self._llg: LLGuidanceBackend | None = None  # the second backend, built with the first schema needing it
         self._info = info
         self._control: tuple[frozenset[int], torch.Tensor] | None = None  # built with the first JSON matcher
+
+    @classmethod
+    def from_info(cls, info, llg_args: tuple[str, int, list[int]]) -> GrammarCompiler:
+        """A compiler over an `xgrammar.TokenizerInfo` and llguidance's arguments (a compile worker's,
+        engines/compile_pool.py)."""
+        self = cls.__new__(cls)
+        self._setup(info, info.vocab_size, 0, tuple(llg_args))
+        return self
+
+    def worker_info(self) -> str:
+        """What a compile worker builds the same compiler from (`from_info`), as JSON text."""
+        return json.dumps({"xgrammar": self.info.serialize_json(), "llguidance": list(self._llg_args)})
+
+    def compile_uncached(self, so: StructuredOutput) -> xgrammar.CompiledGrammar:
+        """`so` compiled, leaving the cache alone; InvalidConstraint naming its field."""
+        return self._compile(so)
 
     def compile(self, so: StructuredOutput) -> xgrammar.CompiledGrammar:
         key = (so.kind, so.spec)
@@ -100,10 +125,13 @@ class GrammarCompiler:
                 return hit
         compiled = self._compile(so)
         with self._lock:
-            self._cache[key] = compiled
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self.cached_bytes += compiled.memory_size_bytes
             self.num_compiled += 1
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
+            while len(self._cache) > 1 and (len(self._cache) > self.max_cached
+                                            or self.cached_bytes > self.max_cached_bytes):
+                self.cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def _compile(self, so: StructuredOutput) -> xgrammar.CompiledGrammar:

@@ -59,6 +59,7 @@ from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.state import EngineHost, GatewayState
 from gateway.telemetry import Telemetry, build_meter_provider
+from gateway.tokenize_pool import POOL as TOKENIZE_POOL
 from gateway.tracing import build_tracer_provider, otel_plugin
 from gateway.vllm_metrics import VllmLabelView
 from gateway.vllm_routes import HANDLERS as VLLM_HANDLERS
@@ -78,7 +79,8 @@ def default_host_factory(cfg: TandemConfig) -> Callable[[], EngineHost]:
         specs, pool, device = engine_core_args(cfg)
         # on the CPU, automatic threads leave one core to the event loop (HTTP, tokenising, streaming): with
         # every core in the engine's kernels, the loop waits for them and TTFT/TPOT grow (docs/configuration.md)
-        return EngineCore(specs, pool, device=device, reserve_cpus=SERVER_RESERVED_CPUS)
+        return EngineCore(specs, pool, device=device, reserve_cpus=SERVER_RESERVED_CPUS,
+                          compile_limits=cfg.preparation)
     return build
 
 
@@ -89,9 +91,28 @@ def _state(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 
-@get("/health", sync_to_thread=False)
-def health() -> dict[str, str]:
-    return {"status": "ok"}
+class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
+    status: Literal["ok", "degraded"]
+    detail: str | None = None  # when degraded: what is stalled
+
+
+def stalled(state: GatewayState) -> str | None:
+    """What keeps this replica from making progress: the engine loop, the compile pool or the tokenisation
+    pool stuck past [preparation] stall_after_s (or the engine loop dead); None when healthy."""
+    after = state.cfg.preparation.stall_after_s
+    check = getattr(state.host, "stalled", None)
+    return (check(after) if check is not None else None) or TOKENIZE_POOL.stalled(after)
+
+
+@get("/health", sync_to_thread=False, responses={
+    200: ResponseSpec(Health, description="Healthy", generate_examples=False),
+    503: ResponseSpec(Health | ErrorBody, description="Degraded: the engine loop or a preparation pool is stalled "
+                      "(or shutting down: an error body)", generate_examples=False)})
+def health(request: Request) -> Response:
+    why = stalled(_state(request))
+    if why is not None:
+        return Response(Health(status="degraded", detail=why), status_code=503)
+    return Response(Health(status="ok"))
 
 
 class Readiness(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -106,8 +127,12 @@ class Readiness(msgspec.Struct, kw_only=True, omit_defaults=True):
                       "body then); retry after Retry-After seconds", generate_examples=False)})
 async def ready(request: Request) -> Response:
     state = _state(request)
-    if state.ready:
+    why = stalled(state) if state.ready else None
+    if state.ready and why is None:
         return Response(Readiness(status="ready", engines=sorted(state.engines)))
+    if why is not None:
+        return Response(Readiness(status="not_ready", detail=f"degraded: {why}"), status_code=503,
+                        headers={"retry-after": "5"})
     detail = state.load_error or "models are loading"
     return Response(Readiness(status="not_ready", detail=detail), status_code=503, headers={"retry-after": "5"})
 
@@ -247,6 +272,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     """Build the gateway for `cfg`. The engines come from `host_factory` (default: an EngineCore for the
     config), built and started in a worker thread at start-up so `/health` answers while they load."""
     provider = tracer_provider or build_tracer_provider(cfg.telemetry)
+    TOKENIZE_POOL.resize(cfg.preparation.tokenize_threads)
     slo = SLOAccounting(cfg.routes, window_s=cfg.telemetry.slo_window_s,
                         price_per_device_hour=cfg.cost.price_per_device_hour)
     telemetry = Telemetry(provider, slo, meter_provider or build_meter_provider(cfg.telemetry),

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from engines.compile_pool import CompileLimits
 from engines.config import EngineOptions, PoolSpec, check_drafts, options_of
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -196,6 +197,8 @@ class TandemConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     cost: CostConfig = msgspec.field(default_factory=CostConfig)
     autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
+    # what one request's preparation may cost: grammar compiles (budgets, workers, cache), tokenising, stalls
+    preparation: CompileLimits = msgspec.field(default_factory=CompileLimits)
     source: str = "<memory>"  # where it was loaded from, for messages; not a TOML key users set
 
     @property

@@ -11,7 +11,8 @@ from gateway.errors import APIError
 ENGINE_STATUS: dict[ErrorCode, tuple[int, int | None]] = {
     ErrorCode.INVALID_REQUEST: (400, None), ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, None),
     ErrorCode.KV_CAPACITY_EXCEEDED: (400, None), ErrorCode.TTFT_EXPIRED: (503, 1),
-    ErrorCode.ENGINE_ERROR: (500, None), ErrorCode.ENGINE_DEAD: (503, 5)}
+    ErrorCode.ENGINE_ERROR: (500, None), ErrorCode.ENGINE_DEAD: (503, 5),
+    ErrorCode.COMPILE_BUSY: (503, 1)}
 
 
 def engine_api_error(code: ErrorCode, message: str, param: str | None = None) -> APIError:

@@ -1,11 +1,11 @@
 """The prompt each engine gets for one request: a chat conversation rendered with the engine's chat template,
 or a completion prompt as sent; token ids when admission needs the count. The size check bounds the work
-before any starts, and a long prompt renders and tokenises in a worker thread so the event loop keeps serving.
+before any starts, and a long prompt renders and tokenises on the gateway's tokenisation pool
+(gateway/tokenize_pool.py) so the event loop keeps serving.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,6 +19,7 @@ from gateway.protocol import (
     prompt_input,
     prompt_inputs,
 )
+from gateway.tokenize_pool import POOL as TOKENIZE_POOL
 
 # More characters per token than any tokenizer packs into its tokens: a longer text cannot fit the context.
 MAX_CHARS_PER_TOKEN = 16
@@ -51,7 +52,7 @@ class Prompt:
         """The prompt for `engine`: rendered (and tokenised when `tokenize`), in a worker thread when long."""
         prompt = self._prepared.get(engine.name)
         if prompt is None:
-            prompt = await asyncio.to_thread(self._prepare, engine) if self.chars > INLINE_CHARS \
+            prompt = await TOKENIZE_POOL.run(self._prepare, engine) if self.chars > INLINE_CHARS \
                 else self._prepare(engine)
             self._prepared[engine.name] = prompt
         return prompt
@@ -61,7 +62,7 @@ class Prompt:
         prompt = await self.get(engine)
         if isinstance(prompt, str):
             encode = engine.tokenizer.encode
-            ids = await asyncio.to_thread(encode, prompt) if self.chars > INLINE_CHARS else encode(prompt)
+            ids = await TOKENIZE_POOL.run(encode, prompt) if self.chars > INLINE_CHARS else encode(prompt)
         else:
             ids = prompt
         return len(ids) < engine.max_model_len

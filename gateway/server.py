@@ -43,6 +43,28 @@ log = logging.getLogger("tandem.gateway")
 LINGER_S, LINGER_BYTES = 2.0, 1 << 20  # after a refusal, how long and how much to read before closing
 DRAIN_RETRY_AFTER_S = 1  # a draining replica's 503: retry soon, on another replica
 CUT_S = 5.0  # past the grace period: how long the requests the stopped engines ended get to send their last bytes
+WATCHDOG_SLACK_S = 5.0  # past grace + CUT_S: the drain itself is stuck and the process ends anyway
+EXIT_FORCED = 3  # `tandem serve`'s exit status when the watchdog ended a drain that hung (docs/operations.md)
+
+
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+    log.error("the drain did not end within %g s of SIGTERM: exiting with status %d", seconds, EXIT_FORCED)
+    logging.shutdown()
+    os._exit(EXIT_FORCED)
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` once the drain is done, even when a worker thread still runs a job that
+    cannot be interrupted (a grammar compile, a tokenisation): the interpreter would wait for it at exit."""
+    lingering = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+                 and t.is_alive()]
+    if lingering:
+        log.warning("drained; ending %d worker thread(s) still busy: %s", len(lingering), ", ".join(lingering))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 @dataclass(frozen=True)
@@ -232,9 +254,13 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, draining: Draining):
         super().__init__(config)
         self.draining = draining
+        self.exit_watchdog = False  # `tandem serve`: the process ends by EXIT_FORCED if the drain hangs
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.draining.active = True
+        if self.exit_watchdog:
+            limit = (self.config.timeout_graceful_shutdown or 0.0) + CUT_S + WATCHDOG_SLACK_S
+            threading.Thread(target=_exit_after, args=(limit,), name="exit-watchdog", daemon=True).start()
         in_flight = set(self.server_state.tasks)
         for connection in list(self.server_state.connections):
             if connection.cycle is not None and not connection.cycle.response_complete:
@@ -461,14 +487,16 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(cfg, on_load_error=on_load_error)
     warn_if_open(app.state.gateway.keyring, cfg.server.host)
     server = build_server(cfg, app)
+    server.exit_watchdog = True
     # uvicorn re-raises the captured SIGTERM after its graceful shutdown; by then the drain is done, so the
     # re-raised signal should end main() normally instead of killing the process with status 143.
     signal.signal(signal.SIGTERM, lambda *_: log.info("drained; exiting"))
     server.run()
     if failed:
         print(f"tandem serve: {failed[0]}", file=sys.stderr)
-        return 1
-    return 0
+        exit_now(1)
+    exit_now(0)
+    return 0  # not reached
 
 
 def free_port(host: str = "127.0.0.1") -> int:

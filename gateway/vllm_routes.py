@@ -6,7 +6,6 @@ hands the small engine's tokens to the large one as drafts); long texts are toke
 
 from __future__ import annotations
 
-import asyncio
 from importlib import metadata
 from typing import Annotated, Any
 
@@ -22,6 +21,7 @@ from gateway.prompts import INLINE_CHARS, MAX_CHARS_PER_TOKEN
 from gateway.protocol import ChatMessage, LoadedWeights, ModelCard
 from gateway.routing import Route
 from gateway.state import GatewayState
+from gateway.tokenize_pool import POOL as TOKENIZE_POOL
 
 MAX_DETOKENIZE_TOKENS = 1 << 20  # far beyond any context; the body limit binds first
 
@@ -148,7 +148,7 @@ async def tokenize(request: Request, data: JSONBody[TokenizeRequest]) -> Tokeniz
         ids = tokenizer.encode(text, add_special_tokens=special)
         return ids, [tokenizer.token_text(t) for t in ids] if data.return_token_strs else None
 
-    ids, strs = await asyncio.to_thread(work) if len(text) > INLINE_CHARS else work()
+    ids, strs = await TOKENIZE_POOL.run(work) if len(text) > INLINE_CHARS else work()
     if len(ids) > engine.max_model_len:  # as vLLM's /tokenize: a text the model cannot take is refused
         raise APIError(400, f"The text is {len(ids)} tokens, more than the context of {engine.max_model_len} "
                        f"tokens of {route.name!r}", param="messages" if data.messages is not None else "prompt",
@@ -190,7 +190,7 @@ async def detokenize(request: Request, data: JSONBody[DetokenizeRequest]) -> Det
     def work() -> str:
         return engine.tokenizer.decode(data.tokens, skip_special_tokens=False)
 
-    text = await asyncio.to_thread(work) if len(data.tokens) > INLINE_CHARS else work()
+    text = await TOKENIZE_POOL.run(work) if len(data.tokens) > INLINE_CHARS else work()
     return DetokenizeResponse(prompt=text)
 
 

@@ -1,5 +1,6 @@
 """Randomised differential test of the engine as traffic arrives: continuous batches mixing random sampling
-parameters (greedy, temperature, top-k/p, min-p, penalties, logit_bias, grammars, seeds, stop strings and ids,
+parameters (greedy, temperature, top-k/p, min-p, penalties, logit_bias, grammars (some beside extreme
+penalties and temperatures, where the grammar mask alone decides), seeds, stop strings and ids,
 logprobs, n, max_tokens) and aborts at random steps, with and without speculation. Checked against references: nothing
 fails, greedy and seeded outputs equal plain decoding of the request alone (seeded draws depend only on
 seed and position, so speculation and batching change nothing), and the pool returns to zero pages. `TANDEM_DIFF_ROUNDS=N` runs more rounds."""
@@ -75,6 +76,10 @@ def random_params(rng: random.Random, stop_texts: list[str]) -> SamplingParams:
         kw["structured"] = rng.choice(CONSTRAINTS)
         kw.pop("min_tokens", None)
         kw["ignore_eos"] = False
+        if rng.random() < 0.4:  # extreme options beside the grammar: +inf / NaN logits, the mask must win
+            kw["repetition_penalty"] = rng.choice([5e-324, 1e-30, 1e30])
+            if not greedy and rng.random() < 0.5:
+                kw["temperature"] = 1e-3
     return SamplingParams(**kw)
 
 

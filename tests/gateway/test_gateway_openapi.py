@@ -62,12 +62,14 @@ def test_every_error_status_everywhere_is_the_openai_error_body(document):
     for path, item in document["paths"].items():
         for method, operation in item.items():
             for status, response in operation["responses"].items():
-                if int(status) >= 400 and not (path == "/ready" and status == "503"):
+                if int(status) >= 400 and not (path in ("/ready", "/health") and status == "503"):
                     # Anthropic's Messages API answers in its own error shape (gateway/anthropic_api.py)
                     expected = ANTHROPIC_ERROR_BODY if path.startswith("/v1/messages") else ERROR_BODY
                     assert _json_schema(response) == expected, (method, path, status)
     ready_503 = document["paths"]["/ready"]["get"]["responses"]["503"]
     assert _json_schema(ready_503)["oneOf"] == [{"$ref": "#/components/schemas/Readiness"}, ERROR_BODY]
+    health_503 = document["paths"]["/health"]["get"]["responses"]["503"]  # degraded, or draining
+    assert _json_schema(health_503)["oneOf"] == [{"$ref": "#/components/schemas/Health"}, ERROR_BODY]
     error = document["components"]["schemas"]["ErrorDetail"]
     assert set(error["required"]) == {"message", "type", "param", "code"}
 

@@ -18,7 +18,7 @@ def test_the_server_leaves_one_cpu_to_its_event_loop(monkeypatch):
     seen = {}
 
     class Core:
-        def __init__(self, specs, pool, device="cpu", reserve_cpus=0):
+        def __init__(self, specs, pool, device="cpu", reserve_cpus=0, compile_limits=None):
             seen["reserve"] = reserve_cpus
 
     monkeypatch.setattr(engines, "EngineCore", Core)
