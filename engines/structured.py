@@ -127,11 +127,11 @@ class GrammarCompiler:
         with self._lock:
             if key not in self._cache:
                 self._cache[key] = compiled
-                self.cached_bytes += compiled.memory_size_bytes
+                self.cached_bytes += _memory_bytes(compiled)
             self.num_compiled += 1
             while len(self._cache) > 1 and (len(self._cache) > self.max_cached
                                             or self.cached_bytes > self.max_cached_bytes):
-                self.cached_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+                self.cached_bytes -= _memory_bytes(self._cache.popitem(last=False)[1])
         return compiled
 
     def _compile(self, so: StructuredOutput) -> xgrammar.CompiledGrammar:
@@ -206,6 +206,17 @@ class CompactJSON:
 
     def __init__(self, compiled):
         self.compiled = compiled
+
+
+def _memory_bytes(compiled: object) -> int:
+    """What a cached grammar holds, for the cache's byte bound: xgrammar's own count; llguidance's grammars
+    (built lazily per matcher, small when cached) count as LLG_CACHED_BYTES."""
+    inner = compiled.compiled if isinstance(compiled, CompactJSON) else compiled
+    size = getattr(inner, "memory_size_bytes", None)
+    return int(size) if size is not None else LLG_CACHED_BYTES
+
+
+LLG_CACHED_BYTES = 64 << 10
 
 
 def _control_tokens(info, vocab_size: int) -> tuple[frozenset[int], torch.Tensor]:

@@ -132,7 +132,7 @@ def test_when_sampling_options_leave_no_allowed_token_the_constraint_wins(plain)
 
 def _info(plain) -> tuple[str, str]:
     comp = GrammarCompiler(plain.tokenizer, plain.engine.config.vocab_size, plain.engine.eos_token_ids)
-    text = comp.info.serialize_json()
+    text = comp.worker_info()
     return hashlib.sha256(text.encode()).hexdigest(), text
 
 
