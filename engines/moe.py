@@ -58,11 +58,13 @@ class MoE(nn.Module):
 
     def _per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each chosen expert over its tokens; experts nobody chose are never touched."""
-        out = torch.zeros_like(x)
-        if x.shape[0] == 1:  # a decode token: no sort, k experts in turn
-            for e, w in zip(ids[0].tolist(), weights[0]):
-                out += self.experts[e](x) * w
+        if x.shape[0] == 1:  # a decode token: no sort, its k experts in turn
+            chosen, scales = ids[0].tolist(), weights[0].tolist()
+            out = self.experts[chosen[0]](x) * scales[0]
+            for e, w in zip(chosen[1:], scales[1:]):
+                out = out + self.experts[e](x) * w
             return out
+        out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
