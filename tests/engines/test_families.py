@@ -140,3 +140,19 @@ def test_phi3_longrope_positions_past_the_original_context_take_the_long_factors
         ours = ckpt.model.compute_logits(ckpt.model(seq, torch.arange(46), VarlenCausal([46])))[40:]
     assert (ours - theirs).abs().max().item() < 1e-4
     assert (ours - all_long).abs().max().item() > 1e-2  # the two readings differ: the test can tell them apart
+
+
+def test_moe_experts_quantise_to_int8_and_stay_close_to_transformers(family_dirs, tmp_path_factory):
+    from kernels.quant_matmul import QuantLinear, quantize_model
+
+    folder = _folder(family_dirs, tmp_path_factory, "mixtral")
+    ckpt = load_checkpoint(folder)
+    quantize_model(ckpt.model, "int8")
+    experts = ckpt.model.model.layers[0].mlp.experts
+    assert all(isinstance(e.gate_proj, QuantLinear) and isinstance(e.down_proj, QuantLinear) for e in experts)
+    seq = torch.tensor(PROMPTS[0])
+    with torch.no_grad():
+        theirs = _reference(folder)(seq[None]).logits[0]
+        ours = ckpt.model.compute_logits(ckpt.model(seq, torch.arange(len(seq)), VarlenCausal([len(seq)])))
+    err = (ours - theirs).abs().max().item()
+    assert 0 < err < 0.05 * theirs.abs().max().item()  # quantised (not equal), and close
