@@ -1,4 +1,5 @@
-"""Model geometry read from a Hugging Face `config.json`: one typed place for every Llama-family variant.
+"""Model geometry read from a Hugging Face `config.json`: one typed place for every supported family (what
+sets a family apart from Llama is `traits`, read by engines/families.py).
 
 Handles explicit `head_dim`, `rope_scaling` (`type` or `rope_type`, incl. llama3) and transformers 5.x
 `rope_parameters`, tied embeddings, `dtype`/`torch_dtype` and list-valued `eos_token_id`.
@@ -84,7 +85,13 @@ class ModelConfig:
         attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
         per_layer = attn + 3 * h * i + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        moe = self.traits.moe
+        if moe is None:
+            return self.num_layers * per_layer + emb + h
+        sparse = self.num_layers - len(moe.dense_layers)
+        experts = moe.num_experts * (3 * h * moe.expert_intermediate + h) + (3 * h * moe.shared_intermediate + h
+                                                                           if moe.shared_intermediate else 0)
+        return self.num_layers * per_layer + sparse * (experts - 3 * h * i) + emb + h
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:

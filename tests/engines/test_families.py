@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_checkpoints import build_tokenizer
 
 from engines.attention import VarlenCausal
 from engines.llm import LLM
 from engines.loader import load_checkpoint
 from engines.sampling_params import SamplingParams
-from tests.tiny_checkpoints import build_tokenizer
 
 VOCAB = 384
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
@@ -156,3 +156,39 @@ def test_moe_experts_quantise_to_int8_and_stay_close_to_transformers(family_dirs
         ours = ckpt.model.compute_logits(ckpt.model(seq, torch.arange(len(seq)), VarlenCausal([len(seq)])))
     err = (ours - theirs).abs().max().item()
     assert 0 < err < 0.05 * theirs.abs().max().item()  # quantised (not equal), and close
+
+
+def test_num_params_counts_every_expert(family_dirs, tmp_path_factory):
+    ckpt = load_checkpoint(_folder(family_dirs, tmp_path_factory, "mixtral"))  # no biases: the count is exact
+    assert ckpt.config.num_params == sum(p.numel() for p in ckpt.model.parameters())
+
+
+@pytest.mark.parametrize("family", ["gemma2-softcap-window", "gemma3-local-rope-window"])
+def test_windowed_layers_through_the_contiguous_cache_and_raw_pages_match_the_varlen_forward(
+        family_dirs, tmp_path_factory, family):
+    from engines.attention import ContiguousCache, PagedKVAttention
+
+    ckpt = load_checkpoint(_folder(family_dirs, tmp_path_factory, family))
+    cfg, model = ckpt.config, ckpt.model
+    seq = torch.tensor(PROMPTS[2])  # 20 tokens: past every window
+    with torch.no_grad():
+        full = model.compute_logits(model(seq, torch.arange(len(seq)), VarlenCausal([len(seq)])))
+        cache = ContiguousCache(cfg.num_layers, 1, 32, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+        steps = [(0, 12)] + [(i, i + 1) for i in range(12, len(seq))]  # a prefill, then one token at a time
+        rows = []
+        for a, b in steps:
+            cache.begin([b - a])
+            rows.append(model.compute_logits(model(seq[a:b], torch.arange(a, b), cache))[-1])
+            cache.end()
+        assert (torch.stack(rows) - full[11:]).abs().max().item() < 1e-4
+        # the kernels' context over raw pages (block 4): the prefix written, then the last 3 tokens at once
+        bs, pages = 4, 8
+        kc = [torch.zeros(pages, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+        vc = [torch.zeros_like(t) for t in kc]
+        table = torch.arange(pages, dtype=torch.int32)[None]
+        for a, b in ((0, 17), (17, 20)):
+            attn = PagedKVAttention(kc, vc, table, torch.tensor([0, b - a], dtype=torch.int32),
+                                    torch.tensor([b], dtype=torch.int32), torch.arange(a, b), max_query_len=b - a,
+                                    max_context_len=b, backend="torch")
+            out = model.compute_logits(model(seq[a:b], torch.arange(a, b), attn))
+        assert (out - full[17:]).abs().max().item() < 1e-4
