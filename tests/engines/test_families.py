@@ -192,3 +192,21 @@ def test_windowed_layers_through_the_contiguous_cache_and_raw_pages_match_the_va
                                     max_context_len=b, backend="torch")
             out = model.compute_logits(model(seq[a:b], torch.arange(a, b), attn))
         assert (out - full[17:]).abs().max().item() < 1e-4
+
+
+def test_triton_backend_falls_back_to_pytorch_attention_for_soft_capped_windowed_layers(family_dirs,
+                                                                                          tmp_path_factory):
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the KV write runs as a Triton kernel on CPU tensors
+    from engines.cuda_graphs import capturable
+
+    folder = _folder(family_dirs, tmp_path_factory, "gemma2-softcap-window")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    kernel = LLM(folder, attention_backend="triton", block_size=4, max_model_len=64)
+    assert kernel.engine.runner.use_kernel and not capturable(kernel.engine.model)  # no CUDA graphs either
+    plain = LLM(folder, block_size=4, max_model_len=64)
+    assert ([o.outputs[0].token_ids for o in kernel.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
+    assert not capturable(load_checkpoint(_folder(family_dirs, tmp_path_factory, "mixtral")).model)
