@@ -210,3 +210,25 @@ def test_triton_backend_falls_back_to_pytorch_attention_for_soft_capped_windowed
     assert ([o.outputs[0].token_ids for o in kernel.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
     assert not capturable(load_checkpoint(_folder(family_dirs, tmp_path_factory, "mixtral")).model)
+
+
+@pytest.mark.parametrize("family", ["gemma3-local-rope-window", "qwen3-moe-renormalised"])
+def test_speculative_decoding_with_a_same_family_draft_keeps_greedy_tokens(family_dirs, tmp_path_factory, family):
+    folder = _folder(family_dirs, tmp_path_factory, family)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = [o.outputs[0].token_ids for o in LLM(folder, block_size=4, max_model_len=64).generate(prompts, params)]
+    spec = LLM(folder, draft_model=folder, num_speculative_tokens=3, block_size=4, max_model_len=64)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
+    assert spec.engine.stats()["spec_num_draft_tokens"] > 0  # drafts were made and verified
+
+
+def test_int8_kv_cache_serves_windowed_soft_capped_layers(family_dirs, tmp_path_factory):
+    folder = _folder(family_dirs, tmp_path_factory, "gemma2-softcap-window")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = LLM(folder, block_size=4, max_model_len=64).generate(prompts, params)
+    int8 = LLM(folder, block_size=4, max_model_len=64, kv_cache_dtype="int8").generate(prompts, params)
+    same = sum(a == b for p, q in zip(plain, int8) for a, b in zip(p.outputs[0].token_ids, q.outputs[0].token_ids))
+    assert same >= 0.8 * 3 * 12  # int8 K/V (per token-head scales) keeps most greedy tokens
+    assert [o.outputs[0].token_ids[:3] for o in int8] == [o.outputs[0].token_ids[:3] for o in plain]
