@@ -4,6 +4,10 @@
 `DenseCausal` needs no cache (training, dense logits); `PagedAttention` is the engine's context over the shared
 paged pool for one `StepBatch` (the torch path `paged_attention_torch`, the CPU default, or the Triton
 kernels). The contexts only tests and benchmarks use live in tests/attention_contexts.py.
+
+A layer may pass `window=` (a sliding window: a query sees its last `window` keys) and `softcap=` (scores
+tanh-capped, Gemma 2); every context then attends through `attend_masked` (PyTorch, explicit scores), reading
+only the pages a window reaches. Without them (Llama) nothing changes.
 """
 
 from __future__ import annotations
@@ -25,14 +29,62 @@ class AttentionContext(Protocol):
         ...
 
 
+def needs_mask(window: int | None, softcap: float | None, longest: int) -> bool:
+    return softcap is not None or (window is not None and longest > window)
+
+
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int, *, window: int | None = None,
+                  softcap: float | None = None, scale: float | None = None) -> torch.Tensor:
+    """q [Sq, Hq, D] at positions q_pos0.., k/v [Sk, Hkv, D] at 0..Sk-1 -> [Sq, Hq, D]: causal, key j seen by
+    query i when i - window < j <= i, scores soft-capped as tanh(s / c) * c (transformers' eager order)."""
+    sq, hq, d = q.shape
+    rep = hq // k.shape[1]
+    kk = k.transpose(0, 1).repeat_interleave(rep, dim=0)
+    vv = v.transpose(0, 1).repeat_interleave(rep, dim=0)
+    scores = torch.matmul(q.transpose(0, 1), kk.transpose(1, 2)) * (d ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    qpos = torch.arange(q_pos0, q_pos0 + sq, device=q.device)[:, None]
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(q.dtype), vv).transpose(0, 1)
+
+
+def paged_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                  context_lens: torch.Tensor, window: int | None, softcap: float | None) -> torch.Tensor:
+    """`attend_masked` per sequence over its pages; a window reads only the pages it reaches."""
+    bs = k_cache.shape[1]
+    out = torch.empty_like(q)
+    starts, ctxs = query_start_loc.tolist(), context_lens.tolist()
+    for i, ctx in enumerate(ctxs):
+        start, q_len = starts[i], starts[i + 1] - starts[i]
+        if q_len == 0:
+            continue
+        first = 0 if window is None else max(0, ctx - q_len - window + 1) // bs
+        pages = block_tables[i, first:-(-ctx // bs)]
+        n = ctx - first * bs
+        k = _gather_pages(k_cache, k_scale, pages, q.dtype)[:n]
+        v = _gather_pages(v_cache, v_scale, pages, q.dtype)[:n]
+        out[start:start + q_len] = attend_masked(q[start:start + q_len], k, v, n - q_len, window=window,
+                                                 softcap=softcap)
+    return out
+
+
 class DenseCausal:
     """A dense [B, S] batch of equal-length sequences (training): tokens flattened as B*S."""
 
     def __init__(self, batch: int, seqlen: int):
         self.batch, self.seqlen = batch, seqlen
 
-    def forward(self, layer: int, q, k, v):
+    def forward(self, layer: int, q, k, v, *, window: int | None = None, softcap: float | None = None):
         b, s = self.batch, self.seqlen
+        if needs_mask(window, softcap, s):
+            return torch.cat([attend_masked(q[i * s:(i + 1) * s], k[i * s:(i + 1) * s], v[i * s:(i + 1) * s], 0,
+                                            window=window, softcap=softcap) for i in range(b)])
         q = q.view(b, s, q.shape[1], q.shape[2]).transpose(1, 2)
         k = k.view(b, s, k.shape[1], k.shape[2]).transpose(1, 2)
         v = v.view(b, s, v.shape[1], v.shape[2]).transpose(1, 2)
@@ -242,15 +294,20 @@ class PagedAttention:
             slot_mapping = batch.write_pages * k_caches[0].shape[1] + batch.write_offsets
         self.slot_mapping = slot_mapping  # -1 skips a token (CUDA-graph padding)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         kc, vc, b = self.k_caches[layer], self.v_caches[layer], self.b
         ks = self.k_scales[layer] if self.k_scales is not None else None
         vs = self.v_scales[layer] if self.v_scales is not None else None
+        masked = needs_mask(window, softcap, b.max_context_len)
         if self.use_kernel:
             from kernels.kv_write import write_kv
             from kernels.paged_attention import paged_attention
 
             write_kv(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
+            if masked:  # the Triton kernel has no window / soft-cap: the PyTorch path attends
+                return paged_masked(q, kc, vc, ks, vs, b.block_tables, b.query_start_loc, b.context_lens, window,
+                                     softcap)
             return paged_attention(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens,
                                    max_query_len=b.max_query_len, max_context_len=b.max_context_len,
                                    k_scale=ks, v_scale=vs)
@@ -265,5 +322,8 @@ class PagedAttention:
             from kernels.kv_write import write_kv_ref
 
             write_kv_ref(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
+        if masked:
+            return paged_masked(q, kc, vc, ks, vs, b.block_tables, b.query_start_loc, b.context_lens, window,
+                                 softcap)
         return paged_attention_torch(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens, plan=b.plan,
                                    k_scale=ks, v_scale=vs)

@@ -1,13 +1,21 @@
 """CUDA graphs for decode steps: the model's forward over a decode batch padded to a bucket size (1, 2, 4, 8,
 16, 32, 64, ... up to max_num_seqs) is captured once over static input buffers and replayed whenever a step
 is decode-only and fits a bucket. It needs the Triton attention path: `write_kv` skips the padded slots (-1)
-and `paged_attention` skips the padded sequences (no query)."""
+and `paged_attention` skips the padded sequences (no query). Models whose forward reads host values per step
+(windowed / soft-capped attention layers, MoE routing) are not captured: their decodes run eagerly."""
 
 from __future__ import annotations
 
 import torch
 
 from engines.attention import PagedAttention, StepBatch
+
+
+def capturable(model: torch.nn.Module) -> bool:
+    """False for a model with a layer the graph cannot hold: `attend_masked` attention (sliding windows,
+    soft-caps) or an MoE block (both size their work from host values)."""
+    return not any(getattr(getattr(layer, "self_attn", None), "attn_options", None)
+                   or hasattr(getattr(layer, "mlp", None), "experts") for layer in model.model.layers)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -36,7 +44,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if capture:
+        self.enabled = capturable(runner.model)
+        if capture and self.enabled:
             self.capture()
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -65,7 +74,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.runner.device)
 
     def fits(self, batch: StepBatch) -> bool:
-        return (batch.max_query_len == 1 and batch.input_ids.shape[0] <= self.sizes[-1]
+        return (self.enabled and batch.max_query_len == 1 and batch.input_ids.shape[0] <= self.sizes[-1]
                 and batch.block_tables.shape[1] <= self.max_blocks and batch.max_context_len <= self.max_model_len)
 
     def run(self, batch: StepBatch) -> torch.Tensor:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from engines.attention import attend_masked, needs_mask
+
 POOLING = ("mean", "last")
 MAX_PENDING = 1024  # inputs queued or running at once (all engines of a device): beyond it EmbeddingBusy
 MAX_BATCH_TOKENS = 8192  # tokens in one forward; a longer queue is embedded in several
@@ -25,12 +27,18 @@ class VarlenCausal:
     def __init__(self, seq_lens: list[int]):
         self.seq_lens = list(seq_lens)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         outs, start = [], 0
-        for n in self.seq_lens:  # [n, heads, dim] -> [heads, n, dim]; grouped KV heads shared by their queries
-            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
-            out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            outs.append(out.transpose(0, 1))
+        masked = needs_mask(window, softcap, max(self.seq_lens, default=0))  # a sliding window or soft-cap
+        for n in self.seq_lens:
+            sl = slice(start, start + n)
+            if masked:
+                outs.append(attend_masked(q[sl], k[sl], v[sl], 0, window=window, softcap=softcap))
+            else:  # [n, heads, dim] -> [heads, n, dim]; grouped KV heads shared by their queries
+                qs, ks, vs = (t[sl].transpose(0, 1) for t in (q, k, v))
+                out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                outs.append(out.transpose(0, 1))
             start += n
         return torch.cat(outs, dim=0)
 

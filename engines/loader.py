@@ -16,6 +16,7 @@ import torch
 from engines.formats.safetensors_io import assign_parameter, open_safetensors
 from engines.model import Transformer, rope_inv_freq
 from engines.model_config import CheckpointError, ModelConfig
+from engines.weight_names import Target, weight_targets
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -162,15 +163,17 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
     loaded: set[str] = set()
     for file in files:
         with open_safetensors(file, device) as f:
-            names = list(f.keys())
-            _check_names_and_shapes(f, names, expected, config, file)
-            for name in names:
-                if name not in expected:
+            targets = {name: weight_targets(config, name) for name in f.keys()}
+            _check_names_and_shapes(f, targets, expected, config, file)
+            for name, outs in targets.items():
+                outs = [(target, rows) for target, rows in outs if target in expected]
+                if not outs:
                     continue
                 # One tensor at a time: read, cast on the device, hand to the module (no second model copy).
                 tensor = f.get_tensor(name).to(device=device, dtype=target_dtype)
-                assign_parameter(model, name, tensor)
-                loaded.add(name)
+                for target, rows in outs:  # a fused checkpoint tensor (Phi-3's qkv_proj) feeds several by rows
+                    assign_parameter(model, target, tensor if rows is None else tensor[rows[0]:rows[1]])
+                    loaded.add(target)
 
     missing = [name for name in expected if name not in loaded]
     if missing:
@@ -185,20 +188,24 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype = "auto",
     return LoadedCheckpoint(model=model, config=config, generation=generation, path=folder)
 
 
-def _check_names_and_shapes(f: Any, names: list[str], expected: dict[str, tuple[int, ...]],
+def _check_names_and_shapes(f: Any, targets: dict[str, list[Target]], expected: dict[str, tuple[int, ...]],
                             config: ModelConfig, file: Path) -> None:
-    unexpected = [n for n in names if n not in expected and not _ignorable(n, config)]
+    unexpected = [n for n, outs in targets.items()
+                  if not any(t in expected for t, _ in outs) and not _ignorable(n, config)]
     if unexpected:
         raise CheckpointError(
             f"{file}: unexpected tensor(s) {_name_list(unexpected)}: config.json ({config.architecture}) does not describe them; "
             "the config and the weights do not match")
-    for name in names:
-        if name not in expected:
-            continue
-        found = tuple(f.get_slice(name).get_shape())
-        if found != expected[name]:
-            raise CheckpointError(f"{file}: tensor {name!r} has shape {list(found)} but config.json implies "
-                                  f"{list(expected[name])}")
+    for name, outs in targets.items():
+        shape = tuple(f.get_slice(name).get_shape())
+        for target, rows in outs:
+            if target not in expected:
+                continue
+            found = shape if rows is None else (min(rows[1], shape[0]) - rows[0], *shape[1:])
+            if found != expected[target] or (rows is not None and rows == outs[-1][1] and rows[1] != shape[0]):
+                implied = list(expected[target]) if rows is None else [outs[-1][1][1], *expected[target][1:]]
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {list(shape)} but config.json implies "
+                                      f"{implied}")
 
 
 def _name_list(names: list[str], shown: int = 5) -> str:

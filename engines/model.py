@@ -1,7 +1,10 @@
-"""One Transformer for the Llama family (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+"""One Transformer for the Llama family (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) and the
+families that differ from it in small, config-driven pieces (`ModelConfig.traits`, engines/families.py): Phi-3/4,
+OLMo 2, Granite, Gemma 2/3, and the mixtures of experts (the MoE block is engines/moe.py).
 
-Parameter names follow Hugging Face's so a checkpoint's state dict loads one-to-one. The model runs one
-flattened variable-length batch: tokens [T], positions [T], and an `AttentionContext` that owns the KV.
+Parameter names follow Hugging Face's so a checkpoint's state dict loads one-to-one (engines/weight_names.py
+maps the few that differ). The model runs one flattened variable-length batch: tokens [T], positions [T], and an
+`AttentionContext` that owns the KV.
 """
 
 from __future__ import annotations
@@ -14,17 +17,45 @@ from torch import nn
 
 from engines.attention import AttentionContext, DenseCausal
 from engines.model_config import ModelConfig
+from engines.moe import MoE
+
+
+def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    """[rotary_dim / 2], or [2, rotary_dim / 2] for two tables: LongRoPE's (short, long) factors, or Gemma 3's
+    (global, local) bases."""
+    dim = int(cfg.head_dim * cfg.traits.partial_rotary)
+    inv_freq = _global_inv_freq(cfg, _base_inv_freq(cfg.rope_theta, dim))
+    if cfg.traits.local_rope_theta is not None:
+        return torch.stack([inv_freq, _base_inv_freq(cfg.traits.local_rope_theta, dim)])
+    return inv_freq
+
+
+def longrope_limits(cfg: ModelConfig) -> tuple[int, float]:
+    """LongRoPE: (the original context, past which positions take the long factors; the cos/sin scale)."""
+    rs = cfg.rope_scaling
+    original = int(rs.get("original_max_position_embeddings") or cfg.raw.get("original_max_position_embeddings")
+                   or cfg.max_position_embeddings)
+    factor = rs.get("factor") or cfg.max_position_embeddings / original
+    scale = rs.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return original, float(scale)
+
+
+def _global_inv_freq(cfg: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     rs = cfg.rope_scaling
     if rs is None or rs["rope_type"] == "dynamic":
         # dynamic NTK equals the default rope inside the original context, which is all we serve
         return inv_freq
     if rs["rope_type"] == "linear":
         return inv_freq / float(rs["factor"])
+    if rs["rope_type"] == "longrope":
+        return torch.stack([inv_freq / torch.tensor(rs["short_factor"], dtype=torch.float32),
+                            inv_freq / torch.tensor(rs["long_factor"], dtype=torch.float32)])
     # llama3: low frequencies scaled by `factor`, high ones kept, a smooth blend between
     factor = float(rs["factor"])
     low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
@@ -39,7 +70,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, D] (the half-split "rotate_half" convention of HF Llama)."""
+    """x: [T, H, D]; cos/sin: [T, R] (the half-split "rotate_half" convention of HF Llama) over the first R <= D
+    dimensions (partial rotary: the rest pass through)."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -94,31 +129,45 @@ def _fuse_columns(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """`offset` 1.0 is Gemma's (1 + w) form, multiplied in float32 before the cast back."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        tr = cfg.traits
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        window = tr.layer_windows[layer] if tr.layer_windows else None
+        # per-layer attention options the context applies (Gemma's soft-cap, sliding windows); {} for Llama
+        self.attn_options = {k: v for k, v in (("window", window), ("softcap", tr.attn_softcap)) if v is not None}
+        self.rope_index = 1 if tr.local_rope_theta is not None and window is not None else 0
+        # a non-default score scale, applied to q (the context scales by head_dim ** -0.5)
+        self.q_scale = None if tr.attn_scale is None else tr.attn_scale * cfg.head_dim ** 0.5
+        self.qk_norm_full = tr.qk_norm_full
         h = cfg.hidden_size
         self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            nq, nk = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim) if tr.qk_norm_full else (
+                cfg.head_dim, cfg.head_dim)
+            self.q_norm = RMSNorm(nq, cfg.rms_norm_eps, tr.norm_offset)
+            self.k_norm = RMSNorm(nk, cfg.rms_norm_eps, tr.norm_offset)
         else:
             self.q_norm = self.k_norm = None
         self.fused = None  # (weight [in, q+k+v], bias, sizes) once cpu_weight_layout fuses q/k/v
@@ -129,33 +178,45 @@ class Attention(nn.Module):
         if self.fused is not None and x.dim() == 2:
             w, b, sizes = self.fused
             qkv = torch.mm(x, w) if b is None else torch.addmm(b, x, w)
-            if self.q_norm is None and self.rope_kernel is not None and cos.dtype == torch.float32:
+            if (self.q_norm is None and self.rope_kernel is not None and cos.dtype == torch.float32
+                    and cos.shape[-1] == self.head_dim):
                 # RoPE on q and k in place in the fused output: one call instead of ~16 ops (bit-identical)
                 self.rope_kernel(qkv, (0, self.num_heads + self.num_kv_heads), self.head_dim, cos, sin)
                 q, k, v = qkv.split(sizes, dim=1)
-                o = attn.forward(self.layer, q.reshape(t, self.num_heads, self.head_dim),
-                                 k.reshape(t, self.num_kv_heads, self.head_dim),
-                                 v.reshape(t, self.num_kv_heads, self.head_dim))
-                return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+                return self._attend(q.reshape(t, self.num_heads, self.head_dim),
+                                    k.reshape(t, self.num_kv_heads, self.head_dim),
+                                    v.reshape(t, self.num_kv_heads, self.head_dim), attn)
             q, k, v = qkv.split(sizes, dim=1)
-            q = q.reshape(t, self.num_heads, self.head_dim)
-            k = k.reshape(t, self.num_kv_heads, self.head_dim)
-            v = v.reshape(t, self.num_kv_heads, self.head_dim)
         else:
-            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn.forward(self.layer, q, k, v)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self._attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, attn)
+
+    def _attend(self, q, k, v, attn: AttentionContext) -> torch.Tensor:
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        o = attn.forward(self.layer, q, k, v, **self.attn_options) if self.attn_options else attn.forward(
+            self.layer, q, k, v)
+        return self.o_proj(o.reshape(q.shape[0], self.num_heads * self.head_dim))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Gated MLP: down(act(gate(x)) * up(x)); act is SiLU (SwiGLU) or tanh-GELU (Gemma's GeGLU)."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
+        self.act = F.silu if cfg.traits.hidden_act == "silu" else _gelu_tanh
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
@@ -165,21 +226,39 @@ class MLP(nn.Module):
         if self.fused is not None and x.dim() == 2:
             w, b, sizes = self.fused
             gate, up = (torch.mm(x, w) if b is None else torch.addmm(b, x, w)).split(sizes, dim=1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+# the norms around attention and the MLP by layout: (before attention, after it, before the MLP, after it)
+_NORMS = {"pre": ("input_layernorm", None, "post_attention_layernorm", None),
+          "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+          "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                       "post_feedforward_layernorm")}
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        tr = cfg.traits
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        moe = tr.moe is not None and layer not in tr.moe.dense_layers
+        self.mlp = MoE(cfg, MLP) if moe else MLP(cfg)
+        self.norm_names = _NORMS[tr.norm_layout]
+        for name in self.norm_names:
+            if name is not None:
+                setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tr.norm_offset))
+        self.residual_scale = tr.residual_scale
+
+    def _norm(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+        name = self.norm_names[slot]
+        return x if name is None else getattr(self, name)(x)
 
     def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self._norm(1, self.self_attn(self._norm(0, x), cos, sin, attn))
+        x = x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
+        h = self._norm(3, self.mlp(self._norm(2, x)))
+        return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
 
 
 class Backbone(nn.Module):
@@ -187,7 +266,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.traits.norm_offset)
 
 
 class Transformer(nn.Module):
@@ -203,23 +282,56 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos/sin [T, rotary_dim] of the (first) table."""
+        return self.rope_tables(positions, dtype)[0]
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (cos, sin) per table layers index by `Attention.rope_index`: LongRoPE takes the long factors at
+        positions past the original context (what transformers computes for them when generating with a
+        cache), with its cos/sin scale; Gemma 3 has a global and a local table."""
+        pos = positions.to(torch.float32)[:, None]
+        inv = self.inv_freq.float()
+        scale = 1.0
+        if (self.config.rope_scaling or {}).get("rope_type") == "longrope":
+            original, scale = longrope_limits(self.config)
+            tables = [torch.where(pos >= original, inv[1][None, :], inv[0][None, :])]  # [T, R / 2]
+        else:
+            tables = [row[None, :] for row in inv] if inv.dim() == 2 else [inv[None, :]]
+        out = []
+        for table in tables:
+            freqs = pos * table
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            if scale != 1.0:
+                cos, sin = cos * scale, sin * scale
+            out.append((cos.to(dtype), sin.to(dtype)))
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
+        if self.config.traits.embed_scale != 1.0:
+            x = x * torch.tensor(self.config.traits.embed_scale, dtype=x.dtype)
+        tables = self.rope_tables(positions, x.dtype)
         for layer in self.model.layers:
+            cos, sin = tables[layer.self_attn.rope_index]
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)
 
+    def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Granite's logits divisor and Gemma 2's final soft-cap: tanh(l / c) * c."""
+        tr = self.config.traits
+        if tr.logits_divisor != 1.0:
+            logits = logits / tr.logits_divisor
+        if tr.final_softcap is not None:
+            logits = torch.tanh(logits / tr.final_softcap) * tr.final_softcap
+        return logits
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self._finish_logits(self.lm_head(hidden).float())
 
     def dense_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Training/scoring path: input_ids [B, S] -> logits [B, S, V] (causal, no cache)."""
         b, s = input_ids.shape
         positions = torch.arange(s, device=input_ids.device).repeat(b)
         hidden = self.forward(input_ids.reshape(-1), positions, DenseCausal(b, s))
-        return self.lm_head(hidden).view(b, s, -1)
+        return self._finish_logits(self.lm_head(hidden)).view(b, s, -1)

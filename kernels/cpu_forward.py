@@ -10,8 +10,8 @@ weight-only or w8a8), many-row steps take the register tiles 8 rows at a time or
 (`cpu_kernels.calibrate` picks by timing both on the model's weights when it is built), K/V go into their pages
 and attention reads the pages in place.
 
-`CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (Qwen3's q/k norm, a
-sliding window, int4 in groups of 32, bfloat16 weights, biases on norms...); those keep the PyTorch forward.
+`CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (every family but the
+Llama one, Qwen3's q/k norm, a sliding window, int4 in groups of 32, bfloat16 weights, biases on norms...); those keep the PyTorch forward.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ class CpuForward:
         if not cpu_kernels.available():
             return None
         cfg = model.config
-        if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim % 2:
+        # the Llama family only (`traits.plain`): other families (Gemma, Phi-3, MoE...) keep the PyTorch forward
+        traits = getattr(cfg, "traits", None)
+        if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim % 2 or (traits and not traits.plain):
             return None
         emb = model.model.embed_tokens.weight
         if emb.dtype != torch.float32 or emb.device.type != "cpu" or model.inv_freq.device.type != "cpu":

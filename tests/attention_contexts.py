@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from engines.attention import resolve_backend
+from engines.attention import attend_masked, needs_mask, paged_masked, resolve_backend
 from engines.embedding import VarlenCausal  # noqa: F401  (the embedding forward's context, for tests)
 
 
@@ -59,7 +59,7 @@ class ContiguousCache:
             self.lens[sid] += n
         self._new = []
 
-    def forward(self, layer: int, q, k, v):
+    def forward(self, layer: int, q, k, v, *, window: int | None = None, softcap: float | None = None):
         outs, start = [], 0
         for sid, n in self._new:
             pos = self.lens[sid]
@@ -67,6 +67,11 @@ class ContiguousCache:
             self.v[layer, sid, :, pos:pos + n] = v[start:start + n].transpose(0, 1)
             ks = self.k[layer, sid, :, :pos + n]
             vs = self.v[layer, sid, :, :pos + n]
+            if needs_mask(window, softcap, pos + n):
+                outs.append(attend_masked(q[start:start + n], ks.transpose(0, 1), vs.transpose(0, 1), pos,
+                                          window=window, softcap=softcap))
+                start += n
+                continue
             outs.append(_sdpa_gqa(q[start:start + n].transpose(0, 1), ks, vs, causal_offset=pos).transpose(0, 1))
             start += n
         return torch.cat(outs, dim=0)
@@ -96,10 +101,17 @@ class PagedKVAttention:
         self.k_scales, self.v_scales = k_scales, v_scales
         self.num_splits, self.scale = num_splits, scale
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         kc, vc = self.k_caches[layer], self.v_caches[layer]
         ks = self.k_scales[layer] if self.k_scales is not None else None
         vs = self.v_scales[layer] if self.v_scales is not None else None
+        if needs_mask(window, softcap, self.max_context_len):
+            from kernels.kv_write import write_kv_ref
+
+            write_kv_ref(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
+            return paged_masked(q, kc, vc, ks, vs, self.block_tables, self.query_start_loc, self.context_lens,
+                                 window, softcap)
         if self.backend == "triton":
             from kernels.kv_write import write_kv as write
             from kernels.paged_attention import paged_attention as attend

@@ -83,7 +83,7 @@ class LeanDraftRunner:
         cfg = model.config
         caches = getattr(runner, "k_caches", None)
         if (caches is None or getattr(runner, "use_kernel", True) or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias
-                or cfg.qk_norm or getattr(cfg, "hidden_act", "silu") != "silu"):
+                or cfg.qk_norm or getattr(cfg, "hidden_act", "silu") != "silu" or not cfg.traits.plain):
             return False
         dtype = next(model.parameters()).dtype
         linears = [m for m in model.modules() if m.__class__.__name__.endswith("Linear")]

@@ -1,0 +1,110 @@
+"""Mixture-of-experts decode on the CPU: a tiny MoE (8 experts, top-2, Mixtral-shaped) against a dense model with
+the same active parameters (MLP width = 2 experts) and one with the same total (MLP width = 8 experts), batch-1
+greedy decode through `LLM(...)`, one thread. The MoE runs the PyTorch forward (each chosen expert on its
+tokens); the dense models are timed on the same PyTorch forward (TANDEM_CPU_FORWARD=0) and, for reference, on
+the C decoder stack they also get. Decode tok/s = extra tokens / extra seconds between a short and a long run
+(the prefill cancels). Prints a table, writes bench/results/moe.json.
+
+    .venv/bin/python bench/moe.py [--hidden 512] [--layers 4] [--tokens 96] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engines import LLM, SamplingParams  # noqa: E402
+from engines.families import FamilyTraits, MoETraits  # noqa: E402
+from engines.model import Transformer  # noqa: E402
+from engines.model_config import ModelConfig  # noqa: E402
+
+
+def build(kind: str, hidden: int, layers: int, expert: int, experts: int, top_k: int) -> Transformer:
+    heads = hidden // 64
+    common = dict(vocab_size=2048, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads // 2,
+                  head_dim=64, max_position_embeddings=1024)
+    if kind == "moe":
+        cfg = ModelConfig("MixtralForCausalLM", intermediate_size=expert, **common,
+                          traits=FamilyTraits(family="mixtral", moe=MoETraits(experts, top_k, expert, True)))
+    else:
+        width = expert * (top_k if kind == "dense_active" else experts)
+        cfg = ModelConfig("LlamaForCausalLM", intermediate_size=width, **common)
+    torch.manual_seed(0)
+    return Transformer(cfg).eval()
+
+
+def decode_tok_s(llm: LLM, short: int, long: int, rounds: int) -> float:
+    prompt = {"prompt_token_ids": list(range(3, 35))}
+    times = {}
+    for n in (short, long):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.generate(prompt, params)  # warm
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            llm.generate(prompt, params)
+            best = min(best, time.perf_counter() - t0)
+        times[n] = best
+    return (long - short) / (times[long] - times[short])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--expert", type=int, default=1024, help="one expert's intermediate size")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for kind, c_forward in (("moe", False), ("dense_active", False), ("dense_total", False),
+                            ("dense_active", True), ("dense_total", True)):
+        os.environ["TANDEM_CPU_FORWARD"] = "1" if c_forward else "0"
+        model = build(kind, args.hidden, args.layers, args.expert, args.experts, args.top_k)
+        params = sum(p.numel() for p in model.parameters())
+        per_layer = 3 * args.hidden * args.expert
+        active = params - (args.experts - args.top_k) * per_layer * args.layers if kind == "moe" else params
+        llm = LLM(model, max_num_seqs=4, threads=1)
+        tok_s = decode_tok_s(llm, 16, 16 + args.tokens, args.rounds)
+        forward = "C decoder stack" if llm.engine.runner.cpu_forward is not None else "PyTorch"
+        rows.append({"model": kind, "forward": forward, "params": params, "active_params": active,
+                     "decode_tok_s": round(tok_s, 1)})
+        print(f"{kind:13s} {forward:16s} params {params / 1e6:6.1f}M active {active / 1e6:6.1f}M  "
+              f"decode {tok_s:7.1f} tok/s", flush=True)
+        del llm, model
+    os.environ.pop("TANDEM_CPU_FORWARD", None)
+    torch_rows = {r["model"]: r["decode_tok_s"] for r in rows if r["forward"] == "PyTorch"}
+    summary = {"moe_vs_dense_active": round(torch_rows["moe"] / torch_rows["dense_active"], 3),
+               "moe_vs_dense_total": round(torch_rows["moe"] / torch_rows["dense_total"], 3)}
+    print(f"MoE / dense-active {summary['moe_vs_dense_active']:.2f}x, MoE / dense-total "
+          f"{summary['moe_vs_dense_total']:.2f}x (same PyTorch forward)")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = {"bench": "moe", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "commit": commit, "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                                            "cpus": os.cpu_count(), "threads": 1, "torch": torch.__version__},
+              "config": vars(args), "rows": rows, "summary": summary,
+              "command": "python bench/moe.py " + " ".join(argv or sys.argv[1:])}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
