@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import subprocess
@@ -25,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
+from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 from engines.families import FamilyTraits, MoETraits  # noqa: E402
 from engines.model import Transformer  # noqa: E402
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               "config": vars(args), "rows": rows, "summary": summary,
               "command": "python bench/moe.py " + " ".join(argv or sys.argv[1:])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(Path(args.out), result)
     return 0
 
 

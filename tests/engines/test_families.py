@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_contexts import VarlenCausal  # conftest puts tests/ on the path
 from tiny_checkpoints import build_tokenizer
 
-from attention_contexts import VarlenCausal  # conftest puts tests/ on the path
 from engines.llm import LLM
 from engines.loader import load_checkpoint
 from engines.sampling_params import SamplingParams

@@ -161,7 +161,7 @@ def test_every_engine_error_code_maps_to_an_openai_error_with_its_status():
     from gateway.engine_errors import engine_api_error
 
     want = {"invalid_request": 400, "context_length_exceeded": 400, "kv_capacity_exceeded": 400,
-            "ttft_deadline_exceeded": 503, "engine_error": 500, "engine_dead": 503}
+            "ttft_deadline_exceeded": 503, "engine_error": 500, "engine_dead": 503, "compile_pool_busy": 503}
     assert {c.value for c in ErrorCode} == set(want)
     for code in ErrorCode:
         err = engine_api_error(code, "max_tokens=9 is too many")

@@ -72,7 +72,9 @@ def test_six_jamming_schemas_delay_no_other_request_end_in_400s_and_sigterm_stil
         probes_done = time.monotonic()
         assert small.status_code == 200, small.text
         assert chat.status_code == 200 or chat.json()["error"]["code"] == "context_length_exceeded", chat.text
-        assert tok.status_code == 200 and tok.json()["count"] > 0, tok.text
+        # 4,200 characters are tokenised (the pool) and then refused when they pass the 512-token context
+        assert (tok.status_code == 200 and tok.json()["count"] > 0
+                or tok.json()["error"]["code"] == "context_length_exceeded"), tok.text
         pending = sum(r is None for r in results)
         assert pending == 6, f"{6 - pending} jamming request(s) ended before the probes were answered"
         assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
