@@ -16,6 +16,7 @@ from litestar.response import Stream
 from msgspec import Meta, Struct
 
 from engines.outputs import RequestOutput
+from gateway.answers import encode
 from gateway.chat_translation import OutputReader, Piece, arguments_object, refuse, serve_translated
 from gateway.errors import APIError
 from gateway.lifecycle import resolve_route
@@ -33,7 +34,6 @@ from gateway.protocol import (
     Tool,
     TopK,
     TopP,
-    encode,
 )
 from gateway.tool_parsers import ToolCall
 

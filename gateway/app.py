@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engines.model_config import CheckpointError
 from gateway.admission import AdmissionController
+from gateway.answers import ChatCompletion, ChatCompletionChunk, Completion, ErrorBody, ModelList
 from gateway.anthropic_api import HANDLERS as ANTHROPIC_HANDLERS
 from gateway.anthropic_api import AnthropicErrorBody, CountTokensRequest, MessagesRequest, MessageStreamEvent
 from gateway.auth import AuthMiddleware, KeyRing
@@ -41,16 +42,7 @@ from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handl
 from gateway.lifecycle import resolve_route, serve, serve_completion
 from gateway.openapi import bound_parameter, error_responses, publish, streaming
 from gateway.prompts import chat_prompt
-from gateway.protocol import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    ErrorBody,
-    ModelList,
-    StrictJSONRequest,
-)
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, StrictJSONRequest
 from gateway.responses_api import HANDLERS as RESPONSES_HANDLERS
 from gateway.responses_api import ResponsesRequest, ResponseStreamEvent
 from gateway.responses_store import ResponseStore

@@ -16,11 +16,11 @@ from msgspec import Meta, Struct
 from opentelemetry import trace
 
 from engines.embedding import EmbeddingBusy
+from gateway.answers import encode
 from gateway.errors import APIError
 from gateway.lifecycle import resolve_route
 from gateway.openapi import error_responses
 from gateway.prompts import INLINE_CHARS
-from gateway.protocol import encode
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's bound)
 MAX_REQUEST_TOKENS = 65536  # tokens in one request, all inputs together: the work one request may ask for

@@ -13,15 +13,8 @@ from collections.abc import Callable
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from gateway.protocol import (
-    ClientDisconnected,
-    ErrorBody,
-    ErrorDetail,
-    InvalidParameter,
-    UnsupportedMediaType,
-    encode,
-    sse,
-)
+from gateway.answers import ErrorBody, ErrorDetail, encode, sse
+from gateway.protocol import ClientDisconnected, InvalidParameter, UnsupportedMediaType
 
 log = logging.getLogger("tandem.gateway")
 

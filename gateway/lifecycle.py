@@ -27,23 +27,18 @@ from engines.errors import EngineDeadError, ErrorCode, RequestRejected
 from engines.outputs import CompletionOutput, RequestOutput
 from engines.scoring import ScoringBusy
 from gateway.accounting import Finisher, Progress
+from gateway.answers import SSE_DONE, Completion, CompletionChoice, Usage, encode, sse
 from gateway.engine_errors import engine_api_error
 from gateway.errors import APIError
 from gateway.limits import TokenReservation
 from gateway.openai_format import Formatter
 from gateway.prompts import Prompt, completion_prompts
 from gateway.protocol import (
-    SSE_DONE,
     ChatCompletionRequest,
     ClientDisconnected,
-    Completion,
-    CompletionChoice,
     CompletionRequest,
     InvalidParameter,
-    Usage,
-    encode,
     sampling_params,
-    sse,
 )
 from gateway.routing import ESCALATED, NO_LEDGER, Plan, Route, RoutedRun, RoutingContext
 from gateway.state import GatewayState

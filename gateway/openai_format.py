@@ -8,27 +8,25 @@ from __future__ import annotations
 from typing import Any
 
 from engines.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from gateway.protocol import (
+from gateway.answers import (
     SSE_DONE,
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChoiceLogprobs,
     ChunkChoice,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     Delta,
-    NamedToolChoice,
     PromptLogprob,
     TokenLogprob,
     TopLogprob,
     Usage,
     sse,
 )
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from gateway.tool_parsers import PARSERS, NamedCallParser, RequiredCallsParser, StreamPiece
 
 

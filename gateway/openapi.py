@@ -22,7 +22,7 @@ from litestar.openapi.spec import (
     Schema,
 )
 
-from gateway.protocol import ErrorBody
+from gateway.answers import ErrorBody
 
 # what each error status means here; every one carries {"error": {"message", "type", "param", "code"}}
 ERRORS = {

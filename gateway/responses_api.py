@@ -15,6 +15,7 @@ from litestar.response import Stream
 from msgspec import Meta, Struct
 
 from engines.outputs import RequestOutput
+from gateway.answers import encode
 from gateway.chat_translation import OutputReader, Piece, convert, now, refuse, serve_translated, text_of
 from gateway.errors import APIError
 from gateway.openapi import error_responses, streaming
@@ -31,7 +32,6 @@ from gateway.protocol import (
     Temperature,
     Tool,
     TopP,
-    encode,
 )
 from gateway.responses_store import ResponseStore
 from gateway.tool_parsers import ToolCall

@@ -77,8 +77,8 @@ class HTTPLimits:
 
 
 def _error_body(status: int, message: str, code: str) -> bytes:
+    from gateway.answers import encode
     from gateway.errors import APIError  # the app is loaded by the time the server answers by itself
-    from gateway.protocol import encode
 
     return encode(APIError(status, message, code=code).body())
 

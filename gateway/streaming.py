@@ -14,7 +14,7 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
-from gateway.protocol import SSE_DONE
+from gateway.answers import SSE_DONE
 
 
 async def until_disconnect(receive: Receive) -> None:

@@ -15,10 +15,11 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import JSONBody, PathParameter
 from msgspec import Meta, Struct
 
+from gateway.answers import LoadedWeights, ModelCard
 from gateway.errors import APIError
 from gateway.openapi import error_responses
 from gateway.prompts import INLINE_CHARS, MAX_CHARS_PER_TOKEN
-from gateway.protocol import ChatMessage, LoadedWeights, ModelCard
+from gateway.protocol import ChatMessage
 from gateway.routing import Route
 from gateway.state import GatewayState
 from gateway.tokenize_pool import POOL as TOKENIZE_POOL
