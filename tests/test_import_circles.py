@@ -7,13 +7,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from import_graph import find_cycle, module_name  # conftest puts tests/ on the path
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engines", "gateway", "kernels", "router_model", "traces", "training", "deploy", "bench")
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _type_checking_only(node: ast.AST) -> bool:
@@ -60,29 +57,6 @@ def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     files = {module_name(f): f for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))}
     return {name: imports_of(path, name, set(files)) for name, path in files.items()}
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle as [a, b, ..., a], or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
 
 
 def test_the_graph_sees_the_imports_it_must():

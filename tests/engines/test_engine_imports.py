@@ -6,12 +6,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from import_graph import find_cycle, module_name  # conftest puts tests/ on the path
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def engine_imports(path: Path, modules: set[str]) -> set[str]:
@@ -31,28 +28,6 @@ def import_graph() -> dict[str, set[str]]:
     files = sorted((ROOT / "engines").glob("*.py")) + sorted((ROOT / "engines" / "spec").glob("*.py"))
     modules = {module_name(f) for f in files}
     return {module_name(f): engine_imports(f, modules) - {module_name(f)} for f in files}
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
 
 
 def test_the_import_graph_of_engines_has_no_cycle():
