@@ -42,7 +42,7 @@ from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handl
 from gateway.lifecycle import resolve_route, serve, serve_completion
 from gateway.openapi import bound_parameter, error_responses, publish, streaming
 from gateway.prompts import chat_prompt
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, StrictJSONRequest
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses_api import HANDLERS as RESPONSES_HANDLERS
 from gateway.responses_api import ResponsesRequest, ResponseStreamEvent
 from gateway.responses_store import ResponseStore
@@ -50,6 +50,7 @@ from gateway.route_metrics import RouteMonitorCollector, routing_reports
 from gateway.routes import Routes
 from gateway.slo import SLOAccounting
 from gateway.state import EngineHost, GatewayState
+from gateway.strict_request import StrictJSONRequest
 from gateway.telemetry import Telemetry, build_meter_provider
 from gateway.tokenize_pool import POOL as TOKENIZE_POOL
 from gateway.tracing import build_tracer_provider, otel_plugin

@@ -14,7 +14,8 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from gateway.answers import ErrorBody, ErrorDetail, encode, sse
-from gateway.protocol import ClientDisconnected, InvalidParameter, UnsupportedMediaType
+from gateway.protocol import InvalidParameter
+from gateway.strict_request import ClientDisconnected, UnsupportedMediaType
 
 log = logging.getLogger("tandem.gateway")
 

@@ -33,16 +33,11 @@ from gateway.errors import APIError
 from gateway.limits import TokenReservation
 from gateway.openai_format import Formatter
 from gateway.prompts import Prompt, completion_prompts
-from gateway.protocol import (
-    ChatCompletionRequest,
-    ClientDisconnected,
-    CompletionRequest,
-    InvalidParameter,
-    sampling_params,
-)
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, InvalidParameter, sampling_params
 from gateway.routing import ESCALATED, NO_LEDGER, Plan, Route, RoutedRun, RoutingContext
 from gateway.state import GatewayState
 from gateway.streaming import ClientWatch, EventStream
+from gateway.strict_request import ClientDisconnected
 from gateway.tracing import add_child_span
 
 log = logging.getLogger("tandem.gateway")

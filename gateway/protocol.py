@@ -11,9 +11,6 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
-from litestar import Request
-from litestar.connection.base import empty_receive, empty_send
-from litestar.exceptions import InternalServerException
 from msgspec import Meta, Struct
 
 from engines.sampling_params import SEED_MAX, SEED_MIN, InvalidSamplingParameter, SamplingParams
@@ -252,10 +249,6 @@ def client_request_id(value: bytes) -> str:
     return value.decode("ascii")
 
 
-class UnsupportedMediaType(ValueError):
-    """A request body that is not JSON (a 415)."""
-
-
 # ------------------------------------------------------------------------------------ decoding a body
 
 MAX_JSON_DEPTH = 64  # arrays and objects; far beyond any real request, far below the decoder's recursion limit
@@ -396,58 +389,6 @@ def _non_finite_number(body: bytes) -> str | None:
         return None
 
     return find(value, "")
-
-
-def is_json_media_type(media_type: str) -> bool:
-    """application/json, application/*+json, or no Content-Type at all (as vLLM's FastAPI accepts)."""
-    media_type = media_type.lower()
-    return media_type in ("", "application/json") or (media_type.startswith("application/")
-                                                      and media_type.endswith("+json"))
-
-
-class ClientDisconnected(Exception):
-    """The client left before its request body arrived (or the server refused it, see gateway/server.py)."""
-
-
-class StrictJSONRequest(Request):
-    """Litestar's Request with the handler's `data` decoded by `decode_request` instead of Litestar's lenient
-    conversion (which turns "NaN" into a float and "true" into a bool); a non-JSON body is a 415, and a client
-    gone mid-body is ClientDisconnected, not a server error. The app selects it with
-    `Litestar(request_class=StrictJSONRequest)`."""
-
-    def __init__(self, scope: Any, receive: Any = empty_receive, send: Any = empty_send) -> None:
-        super().__init__(scope, receive, send)
-        self.client_left = False
-        inner = self.receive
-
-        async def receive_watched() -> Any:
-            event = await inner()
-            if event["type"] == "http.disconnect":
-                self.client_left = True
-            return event
-
-        self.receive = receive_watched
-
-    async def body(self) -> bytes:
-        try:
-            return await super().body()
-        except InternalServerException:  # Litestar's way of saying "client disconnected prematurely"
-            if self.client_left:
-                raise ClientDisconnected("The client closed the connection before its request body arrived") \
-                    from None
-            raise
-
-    async def json(self) -> Any:
-        media_type, _ = self.content_type
-        if not is_json_media_type(media_type):
-            raise UnsupportedMediaType(f"Content-Type {media_type!r} is not supported: send the request body as "
-                                       f"application/json")
-        data_field = self.route_handler.parsed_data_field
-        if data_field is None:
-            return await super().json()
-        return decode_request(await self.body(), data_field.annotation)
-
-
 
 
 def refuse_unsupported(req: ChatCompletionRequest) -> None:

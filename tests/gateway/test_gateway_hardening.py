@@ -21,11 +21,11 @@ from gateway.protocol import (
     MAX_JSON_DEPTH,
     ChatCompletionRequest,
     InvalidParameter,
-    StrictJSONRequest,
     decode_request,
     nests_deeper_than,
 )
 from gateway.server import HTTPLimits, ServerThread
+from gateway.strict_request import StrictJSONRequest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
