@@ -162,7 +162,8 @@ class TandemReplica:
 
             torch.set_num_threads(torch_threads)
         from gateway.app import create_app
-        from gateway.config import check_checkpoints, load_config
+        from gateway.config import load_config
+        from gateway.engine_setup import check_checkpoints
 
         cfg = load_config(config, overrides=dict(overrides or {}))
         check_checkpoints(cfg)

@@ -16,7 +16,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from engines.compile_pool import CompileLimits
-from engines.config import EngineOptions, PoolSpec, check_drafts, options_of
+from engines.config import EngineOptions, PoolSpec, check_drafts
+from gateway.config_messages import ConfigError, convert_section
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "default.toml"
@@ -30,10 +31,6 @@ STRATEGY_NAMES: set[str] = {"fixed", "router", "cascade"}
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
 Fraction = Annotated[float, Meta(gt=0, le=1)]
-
-
-class ConfigError(ValueError):
-    """A configuration problem, worded for the operator: where, what was found, what is allowed."""
 
 
 class EngineConfig(EngineOptions, forbid_unknown_fields=True, kw_only=True):
@@ -277,12 +274,12 @@ def config_from_dict(raw: dict[str, Any], *, base_dir: str | Path = ".", source:
     if not raw.get("engines"):
         raise ConfigError(f"{source}: engines is empty: configure at least one engine as [engines.NAME] "
                           f"with a checkpoint")
-    engines = {name: _convert(entry, EngineConfig, f"engines.{name}", source)
+    engines = {name: convert_section(entry, EngineConfig, f"engines.{name}", source)
                for name, entry in raw["engines"].items()}
-    routes = {name: _convert(entry, RouteConfig, f"routes.{name}", source)
+    routes = {name: convert_section(entry, RouteConfig, f"routes.{name}", source)
               for name, entry in (raw.get("routes") or {}).items()}
     rest = {k: v for k, v in raw.items() if k not in ("engines", "routes")}
-    shell = _convert(rest | {"engines": {}}, TandemConfig, "", source)
+    shell = convert_section(rest | {"engines": {}}, TandemConfig, "", source)
     cfg = msgspec.structs.replace(shell, engines=engines, routes=routes, source=source)
     base = Path(base_dir)
     for engine in cfg.engines.values():
@@ -387,107 +384,6 @@ def _valid_device(device: str) -> bool:
     return device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device) is not None
 
 
-# ------------------------------------------------------------------------------- validation messages
-
-
-_AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$")
-
-
-def _convert(raw: Any, kind: type, prefix: str, source: str) -> Any:
-    try:
-        return msgspec.convert(raw, kind, strict=True)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_explain(str(exc), raw, kind, prefix, source)) from None
-
-
-def _explain(message: str, raw: Any, kind: type, prefix: str, source: str) -> str:
-    """Re-word msgspec's error as `source: field = value is invalid: allowed`."""
-    m = _AT.match(message)
-    what, path = (m.group("what"), m.group("path")) if m else (message, "")
-    steps = [s for s in re.findall(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]", path)]
-    keys: list[str | int] = [name if name else int(index) for name, index in steps]
-    field = ".".join(filter(None, [prefix] + [str(k) if isinstance(k, str) else f"[{k}]" for k in keys]))
-    field = field.replace(".[", "[")
-    unknown = re.match(r"Object contains unknown field `(.+)`", what)
-    if unknown:
-        allowed = _allowed_fields(kind, keys)
-        where = f"{field}.{unknown.group(1)}" if field else unknown.group(1)
-        return f"{source}: unknown setting {where}; allowed here: {', '.join(allowed)}"
-    missing = re.match(r"Object missing required field `(.+)`", what)
-    if missing:
-        where = f"{field}.{missing.group(1)}" if field else missing.group(1)
-        return f"{source}: {where} is required but missing"
-    value = _lookup(raw, keys)
-    allowed = _describe(_type_at(msgspec.inspect.type_info(kind), keys))
-    return f"{source}: {field} = {value!r} is invalid: expected {allowed} ({what})"
-
-
-def _lookup(raw: Any, keys: list[str | int]) -> Any:
-    for key in keys:
-        try:
-            raw = raw[key]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return raw
-
-
-def _type_at(t: Any, keys: list[str | int]) -> Any:
-    for key in keys:
-        t = _unwrap(t, key)
-        if isinstance(t, msgspec.inspect.StructType):
-            t = next((f.type for f in t.fields if f.encode_name == key), None)
-        elif isinstance(t, msgspec.inspect.ListType):
-            t = t.item_type
-        elif isinstance(t, msgspec.inspect.DictType):
-            t = t.value_type
-        if t is None:
-            return None
-    return t
-
-
-def _unwrap(t: Any, key: str | int) -> Any:
-    """In a union, pick the member a path step can walk into."""
-    if isinstance(t, msgspec.inspect.UnionType):
-        for member in t.types:
-            if isinstance(key, int) and isinstance(member, msgspec.inspect.ListType):
-                return member
-            if isinstance(key, str) and isinstance(member, msgspec.inspect.StructType | msgspec.inspect.DictType):
-                return member
-    return t
-
-
-def _allowed_fields(kind: type, keys: list[str | int]) -> list[str]:
-    t = _unwrap(_type_at(msgspec.inspect.type_info(kind), keys), "x")
-    if isinstance(t, msgspec.inspect.StructType):
-        return [f.encode_name for f in t.fields if f.encode_name != "source"]
-    return []
-
-
-def _describe(t: Any) -> str:
-    ins = msgspec.inspect
-    if t is None:
-        return "a valid value"
-    if isinstance(t, ins.LiteralType):
-        return "one of " + ", ".join(repr(v) for v in t.values)
-    if isinstance(t, ins.UnionType):
-        return " or ".join(_describe(m) for m in t.types)
-    if isinstance(t, ins.NoneType):
-        return "unset"
-    if isinstance(t, ins.IntType | ins.FloatType):
-        noun = "an integer" if isinstance(t, ins.IntType) else "a number"
-        bounds = [f"{op} {v}" for op, v in ((">", t.gt), (">=", t.ge), ("<", t.lt), ("<=", t.le)) if v is not None]
-        return noun + (" " + " and ".join(bounds) if bounds else "")
-    if isinstance(t, ins.StrType):
-        return "a non-empty string" if t.min_length else "a string"
-    if isinstance(t, ins.BoolType):
-        return "true or false"
-    if isinstance(t, ins.ListType):
-        return f"a list of {_describe(t.item_type).removeprefix('a ').removeprefix('an ')}s"
-    if isinstance(t, ins.StructType | ins.DictType):
-        return "a table"
-    return type(t).__name__
-
-
 # ------------------------------------------------------------------------------------ env overrides
 
 # Shortcuts for the settings operators change most; everything else uses the generic scheme
@@ -551,84 +447,3 @@ def _set_path(raw: dict[str, Any], path: list[str], value: Any, origin: str) -> 
 
 def _norm(key: str) -> str:
     return key.lower().replace("-", "_")
-
-
-# ------------------------------------------------------------------------------ mapping onto engines
-
-
-def engine_core_args(cfg: TandemConfig) -> tuple[list[Any], PoolSpec, str]:
-    """The one place config becomes the engine contract: (EngineSpec list, PoolSpec, device)."""
-    from engines import EngineSpec
-
-    # Drafts first so an engine's drafter is loaded before the engine that uses it.
-    order = sorted(cfg.engines, key=lambda n: cfg.engines[n].draft is not None)
-    specs = [EngineSpec(name, cfg.engines[name].checkpoint, **options_of(cfg.engines[name])) for name in order]
-    device = cfg.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return specs, cfg.kv_pool, device  # memory_bytes was parsed to an int at load
-
-
-def _check_quantization_config(cfg: TandemConfig, name: str, folder: Path) -> None:
-    """A pre-quantised checkpoint's scheme that tandem does not load fails before anything loads."""
-    import json
-
-    from engines.formats.prequant import Scheme, quantization_config
-    from engines.model_config import CheckpointError
-
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-        qc = quantization_config(folder, raw if isinstance(raw, dict) else {})
-        if qc is not None:
-            Scheme(qc, str(folder / "config.json"))
-    except json.JSONDecodeError:
-        return  # the loader names the file and the problem
-    except CheckpointError as e:
-        raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
-
-
-def check_checkpoints(cfg: TandemConfig) -> None:
-    """Fail before loading anything when an engine's checkpoint or a router route's artifact is missing."""
-    from engines.formats.hub import is_hub_id
-
-    for name, engine in cfg.engines.items():
-        folder = Path(engine.checkpoint)
-        if is_hub_id(engine.checkpoint) and not folder.exists():
-            from engines.formats.hub import download
-            from engines.model_config import CheckpointError
-
-            try:  # downloads now (with a progress bar), before anything loads; cached for the engine's load
-                snapshot, _ = download(engine.checkpoint, engine.revision)
-            except CheckpointError as e:
-                raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
-            _check_quantization_config(cfg, name, snapshot)
-            continue
-        if folder.suffix.lower() == ".gguf":
-            if not folder.is_file():
-                raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint = {engine.checkpoint!r}: GGUF file "
-                                  "does not exist")
-            from engines.formats.gguf import check
-            from engines.model_config import CheckpointError
-
-            try:  # the header only: a damaged file or a type tandem cannot load fails before anything loads
-                check(folder)
-            except CheckpointError as e:
-                raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint: {e}") from None
-            continue
-        if (folder / "config.json").is_file():
-            _check_quantization_config(cfg, name, folder)
-        if not (folder / "config.json").is_file():
-            reason = "does not exist" if not folder.exists() else "has no config.json"
-            raise ConfigError(f"{cfg.source}: engines.{name}.checkpoint = {engine.checkpoint!r} {reason}; "
-                              f"point it at a Hugging Face model folder, a .gguf file or a Hub id ORG/NAME")
-    for name, route in cfg.routes.items():
-        if route.strategy != "router":
-            continue
-        folder = Path(route.router.artifact or DEFAULT_ROUTER_ARTIFACT)
-        missing = [f for f in ("router.json", "router.npz") if not (folder / f).is_file()]
-        if missing:
-            raise ConfigError(f"{cfg.source}: routes.{name}.router.artifact = {str(folder)!r} has no "
-                              f"{' or '.join(missing)}; build one with `tandem router train --out {folder}` or "
-                              f"point the route at a router folder")

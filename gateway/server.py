@@ -28,14 +28,8 @@ import msgspec
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from gateway.config import (
-    ConfigError,
-    TandemConfig,
-    apply_env_overrides,
-    check_checkpoints,
-    config_from_dict,
-    read_config_file,
-)
+from gateway.config import ConfigError, TandemConfig, apply_env_overrides, config_from_dict, read_config_file
+from gateway.engine_setup import check_checkpoints
 
 log = logging.getLogger("tandem.gateway")
 

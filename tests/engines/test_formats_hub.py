@@ -72,7 +72,8 @@ def test_pickle_only_repository_is_refused(hub):
 
 
 def test_serve_config_path_resolves_hub_ids_for_model_and_draft(hub):
-    from gateway.config import ConfigError, check_checkpoints, engine_core_args
+    from gateway.config import ConfigError
+    from gateway.engine_setup import check_checkpoints, engine_core_args
     from gateway.server import build_parser, config_from_args
 
     add_folder(hub, "tandem-org/tiny-s", TINY)

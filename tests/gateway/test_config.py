@@ -164,7 +164,7 @@ def test_engine_core_args_map_every_field_onto_the_contract():
         "small": {"checkpoint": "/m/s", "device": "cpu"}},
         "kv_pool": {"memory_bytes": 1 << 20, "block_size": 32, "enable_prefix_caching": False,
                     "kv_cache_dtype": "int8"}})
-    from gateway.config import engine_core_args
+    from gateway.engine_setup import engine_core_args
 
     specs, pool, device = engine_core_args(cfg)
     assert device == "cpu"

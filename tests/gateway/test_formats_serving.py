@@ -15,7 +15,8 @@ from gguf_files import write_gguf  # conftest puts tests/ on the path
 from hub_cache import add_folder
 from tiny_checkpoints import CHATML
 
-from gateway.config import check_checkpoints, config_from_dict
+from gateway.config import config_from_dict
+from gateway.engine_setup import check_checkpoints
 from gateway.server import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]

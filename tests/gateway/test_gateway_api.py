@@ -583,7 +583,7 @@ def test_token_limit_charges_real_usage_then_429(secured):
 
 def test_not_ready_until_engines_load_then_serves(checkpoints):
     from engines import EngineCore
-    from gateway.config import engine_core_args
+    from gateway.engine_setup import engine_core_args
 
     cfg = _config(checkpoints, routes={"fast": {"engines": ["tandem-small"]}})
     release = threading.Event()
