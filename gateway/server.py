@@ -18,27 +18,24 @@ import socket
 import sys
 import threading
 import time
-from asyncio import TimerHandle, Transport
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.config import ConfigError, TandemConfig, apply_env_overrides, config_from_dict, read_config_file
 from gateway.engine_setup import check_checkpoints
+from gateway.http_guard import GuardedHttpToolsProtocol, HTTPLimits, error_body
 
 log = logging.getLogger("tandem.gateway")
 
 
-LINGER_S, LINGER_BYTES = 2.0, 1 << 20  # after a refusal, how long and how much to read before closing
 DRAIN_RETRY_AFTER_S = 1  # a draining replica's 503: retry soon, on another replica
 CUT_S = 5.0  # past the grace period: how long the requests the stopped engines ended get to send their last bytes
 WATCHDOG_SLACK_S = 5.0  # past grace + CUT_S: the drain itself is stuck and the process ends anyway
-EXIT_FORCED = 3  # `tandem serve`'s exit status when the watchdog ended a drain that hung (docs/operations.md)
+EXIT_FORCED = 3  # `tandem serve`'s exit status when the watchdog ended a drain that hung (docs/configuration.md)
 
 
 def _exit_after(seconds: float) -> None:
@@ -61,164 +58,6 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-@dataclass(frozen=True)
-class HTTPLimits:
-    """What one connection may take from the server before it is answered and closed ([server] in the config)."""
-
-    max_header_bytes: int  # request line plus headers; beyond it a 431
-    header_timeout_s: float  # from a request's first byte (or the connection's opening) to its last header
-    body_timeout_s: float  # from the last header to the body's last byte (a short body never ends)
-
-
-def _error_body(status: int, message: str, code: str) -> bytes:
-    from gateway.answers import encode
-    from gateway.errors import APIError  # the app is loaded by the time the server answers by itself
-
-    return encode(APIError(status, message, code=code).body())
-
-
-def _error_bytes(status: int, message: str, code: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
-    """A complete `Connection: close` response carrying the OpenAI error body."""
-    body = _error_body(status, message, code)
-    head = [STATUS_LINE[status]]
-    head += [name + b": " + value + b"\r\n" for name, value in default_headers]
-    head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
-    return b"".join(head) + body
-
-
-class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with HTTPLimits: an oversized head is a 431 before the app sees it, a head or
-    body that does not arrive in time is a 408 (a connection that sent nothing is just closed). The parser
-    buffers a header's bytes until it ends, so the head is measured as the bytes received while reading it."""
-
-    def __init__(self, *args: Any, limits: HTTPLimits, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.limits = limits
-        self._reading_head = True  # between messages or inside a head: received bytes count as head
-        self._in_head = False  # a message began and its head is not complete
-        self._head_bytes = 0
-        self._deadline: TimerHandle | None = None
-        self._refused = False
-        self._lingered_bytes = 0
-
-    def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm(self.limits.header_timeout_s, self._head_timed_out)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        if self._refused:  # lingering after a refusal: drop what the client still sends, up to a bound
-            self._lingered_bytes += len(data)
-            if self._lingered_bytes > LINGER_BYTES:
-                self.transport.close()
-            return
-        if self._reading_head:
-            self._head_bytes += len(data)
-        super().data_received(data)
-        if self._reading_head and self._head_bytes > self.limits.max_header_bytes and not self._refused:
-            self._refuse_head(f"more than {self.limits.max_header_bytes} bytes")
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._in_head = True
-        if self._deadline is None and not self._refused:
-            self._arm(self.limits.header_timeout_s, self._head_timed_out)
-
-    def on_headers_complete(self) -> None:
-        if self._refused:
-            return
-        self._reading_head, self._in_head, self._head_bytes = False, False, 0
-        self._disarm()
-        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
-        if size > self.limits.max_header_bytes:
-            self._refuse_head(f"{size} bytes, at most {self.limits.max_header_bytes}")
-            return
-        super().on_headers_complete()
-        self._arm(self.limits.body_timeout_s, self._body_timed_out)
-
-    def on_body(self, body: bytes) -> None:
-        if not self._refused:
-            super().on_body(body)
-
-    def on_message_complete(self) -> None:
-        if self._refused:
-            return
-        self._disarm()
-        self._reading_head, self._head_bytes = True, 0
-        super().on_message_complete()
-
-    def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to bytes that are not HTTP (or a malformed head): OpenAI's error body, not plain text."""
-        self._refused = True
-        self._disarm()
-        log.info("refused a malformed request from %s: %s", self.client, msg)
-        self.transport.write(_error_bytes(400, f"The request is not valid HTTP/1.1: {msg.rstrip('.')}",
-                                          "invalid_http_request", self.server_state.default_headers))
-        self.transport.close()
-
-    # ---- deadlines and refusals
-    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._deadline = self.loop.call_later(delay, callback)
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
-    def _pipelined_busy(self) -> bool:
-        """A new head arrives while the previous request is still answering: no room for our answer."""
-        return self.cycle is not None and not self.cycle.response_complete
-
-    def _refuse_head(self, size: str) -> None:
-        self._refuse(None if self._pipelined_busy() else (431, f"Request headers are too large: {size}",
-                                                           "request_header_fields_too_large"))
-
-    def _head_timed_out(self) -> None:
-        self._deadline = None
-        if self._pipelined_busy():  # a head pipelined behind a running request: its clock starts after it
-            self._arm(self.limits.header_timeout_s, self._head_timed_out)
-        elif not self._in_head:
-            self._refuse(None)  # nothing of a request arrived: nobody to answer, just close
-        else:
-            self._refuse((408, f"The request headers did not arrive within {self.limits.header_timeout_s:g} s",
-                          "request_timeout"))
-
-    def _body_timed_out(self) -> None:
-        self._deadline = None
-        if any(cycle is self.cycle for cycle, _ in self.pipeline):  # queued behind a pipelined request, which
-            self._arm(self.limits.body_timeout_s, self._body_timed_out)  # pauses reading: its clock starts later
-            return
-        answer = (408, f"The request body did not arrive within {self.limits.body_timeout_s:g} s", "request_timeout")
-        self._refuse(None if self.cycle.response_started else answer)  # an early answer (413) stands alone
-
-    def _refuse(self, answer: tuple[int, str, str] | None) -> None:
-        """Send `answer` (status, message, code) when given, and close. A request the app is still serving
-        sees a disconnect, and its writes are dropped."""
-        self._refused = True
-        self._disarm()
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True
-            cycle.message_event.set()
-        if self.transport.is_closing():
-            return
-        if answer is not None:
-            status, message, code = answer
-            log.info("refused a request from %s: %d %s", self.client, status, message)
-            self.transport.write(_error_bytes(status, message, code, self.server_state.default_headers))
-        if answer is None or not self.transport.can_write_eof():
-            self.transport.close()
-            return
-        # Closing with unread bytes sends a reset, and the client's stack may drop our answer with it: send
-        # FIN after the answer, read and drop a little more, then close.
-        self.transport.write_eof()
-        self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
-
-
 class Draining:
     """The ASGI app as the server runs it: the app itself, or once a drain has begun, a 503 + Retry-After for
     every new request (its connection is accepted and told, not refused)."""
@@ -231,7 +70,7 @@ class Draining:
         if not self.active or scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        body = _error_body(503, "The server is shutting down; retry on another replica", "shutting_down")
+        body = error_body(503, "The server is shutting down; retry on another replica", "shutting_down")
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
             (b"retry-after", b"%d" % DRAIN_RETRY_AFTER_S), (b"connection", b"close")]})
