@@ -34,13 +34,14 @@ from gateway.anthropic_api import HANDLERS as ANTHROPIC_HANDLERS
 from gateway.anthropic_api import AnthropicErrorBody, CountTokensRequest, MessagesRequest, MessageStreamEvent
 from gateway.auth import AuthMiddleware, KeyRing
 from gateway.autoscale import Autoscaler, ScaleSignals, evaluate_periodically, signals_from
+from gateway.completions import serve_completion
 from gateway.config import TandemConfig
 from gateway.dashboard import HANDLERS as DASHBOARD_HANDLERS
 from gateway.embeddings_api import HANDLERS as EMBEDDINGS_HANDLERS
 from gateway.embeddings_api import EmbeddingRequest
 from gateway.engine_setup import engine_core_args
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
-from gateway.lifecycle import resolve_route, serve, serve_completion
+from gateway.lifecycle import resolve_route, serve
 from gateway.openapi import bound_parameter, error_responses, publish, streaming
 from gateway.prompts import chat_prompt
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
