@@ -17,7 +17,14 @@ from msgspec import Meta, Struct
 
 from engines.outputs import RequestOutput
 from gateway.answers import encode
-from gateway.chat_translation import OutputReader, Piece, arguments_object, refuse, serve_translated
+from gateway.chat_translation import (
+    OutputReader,
+    Piece,
+    arguments_object,
+    field_renamer,
+    refuse,
+    serve_translated,
+)
 from gateway.errors import APIError
 from gateway.lifecycle import resolve_route
 from gateway.openapi import error_responses, streaming
@@ -174,19 +181,9 @@ def chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionReq
         user=req.metadata.user_id if req.metadata is not None else None)
 
 
-RENAMED = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
-           ("tool_choice.function.name", "tool_choice.name"))
-
-
-def rename(param: str) -> str:
-    for chat, ours in RENAMED:
-        if param == chat or param.startswith(chat + "[") or param.startswith(chat + "."):
-            return ours + param[len(chat):]
-    if param.startswith("tools[") and ".function.parameters" in param:
-        return param.replace(".function.parameters", ".input_schema", 1)
-    if param.startswith("tools[") and ".function." in param:
-        return param.replace(".function.", ".", 1)
-    return param
+rename = field_renamer((("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
+                        ("tool_choice.function.name", "tool_choice.name")),
+                       ((".function.parameters", ".input_schema"), (".function.", ".")))
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -132,6 +132,24 @@ def now() -> int:
     return int(time.time())
 
 
+def field_renamer(prefixes: tuple[tuple[str, str], ...], tool_fields: tuple[tuple[str, str], ...]
+                  ) -> Callable[[str], str]:
+    """How an API names the chat field an error names: the first of `prefixes` (chat, ours) matching the whole
+    field or its start before '.' or '[', else the first of `tool_fields` (chat, ours) found inside `tools[...]`."""
+
+    def rename(param: str) -> str:
+        for chat, ours in prefixes:
+            if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
+                return ours + param[len(chat):]
+        if param.startswith("tools["):
+            for chat, ours in tool_fields:
+                if chat in param:
+                    return param.replace(chat, ours, 1)
+        return param
+
+    return rename
+
+
 async def serve_translated(request: Request, data: ChatCompletionRequest, answer_format: AnswerFormat,
                            rename: Callable[[str], str]) -> Response | Stream:
     """Serve `data` (another API's request translated to chat) through the chat path: the same routes, SLOs,

@@ -16,7 +16,16 @@ from msgspec import Meta, Struct
 
 from engines.outputs import RequestOutput
 from gateway.answers import encode
-from gateway.chat_translation import OutputReader, Piece, convert, now, refuse, serve_translated, text_of
+from gateway.chat_translation import (
+    OutputReader,
+    Piece,
+    convert,
+    field_renamer,
+    now,
+    refuse,
+    serve_translated,
+    text_of,
+)
 from gateway.errors import APIError
 from gateway.openapi import error_responses, streaming
 from gateway.protocol import (
@@ -123,18 +132,10 @@ class FunctionCallOutputItem(Struct, kw_only=True):
 ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
 
 # the chat field an error names -> the Responses field it came from
-RENAMED = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-           ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
-           ("messages", "input"), ("tool_choice.function.name", "tool_choice.name"))
-
-
-def rename(param: str) -> str:
-    for chat, ours in RENAMED:
-        if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
-            return ours + param[len(chat):]
-    if param.startswith("tools[") and ".function." in param:
-        return param.replace(".function.", ".", 1)
-    return param
+rename = field_renamer((("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                        ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+                        ("messages", "input"), ("tool_choice.function.name", "tool_choice.name")),
+                       ((".function.", "."),))
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
