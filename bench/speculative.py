@@ -6,7 +6,11 @@ standard-library modules (the models' own domain); batch 1 serves `--batch1-prom
 Prints a table, writes bench/results/speculative.json.
 
     .venv/bin/python bench/speculative.py [--batches 1 8 32] [--max-tokens 128] [--repeats 3] [--threads 1]
-        [--batched-repeats N] [--draft-quantization w8a8|none|int8]
+        [--batched-repeats N] [--draft-quantization w8a8|none|int8] [--target tiny-l|wide] [--wide-factor 5]
+
+`--target wide`: the target is training/widen.py's function-preserving widening of tandem-tiny-l (built into
+the cache on first use; same predictions, so tiny-s keeps its real acceptance, at ~21x the bytes: decode bound
+by memory bandwidth, the regime speculation pays in); results default to bench/results/speculative_wide.json.
 
 The speedup is the median over back-to-back pairs, plain first in even pairs and speculative first in odd ones
 (use an even --repeats); q1-q3 is the quartile range of the pairs, the spread this machine times the two
@@ -16,6 +20,7 @@ engines with.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
@@ -34,6 +39,7 @@ from bench.results_meta import write_results  # noqa: E402
 from engines import LLM, SamplingParams  # noqa: E402
 from kernels.cpu_kernels import simd_level  # noqa: E402
 from training.corpus import load_corpus_split  # noqa: E402
+from training.widen import DEFAULT_FACTOR, cached_wide  # noqa: E402
 
 LARGE, SMALL = ROOT / "models" / "tandem-tiny-l", ROOT / "models" / "tandem-tiny-s"
 
@@ -97,12 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-quantization", default="w8a8", choices=["none", "int8", "w8a8"],
                     help="the draft model's quantization (the target, and so every output, stays float32; a "
                          "w8a8 draft's passes cost about half a float32 one's)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
+    ap.add_argument("--target", default="tiny-l", choices=["tiny-l", "wide"])
+    ap.add_argument("--wide-factor", type=int, default=DEFAULT_FACTOR)
+    ap.add_argument("--out", default=None, help="default bench/results/speculative.json (speculative_wide.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    target = LARGE if args.target == "tiny-l" else cached_wide(args.wide_factor)
+    args.out = args.out or str(ROOT / "bench" / "results" /
+                               ("speculative.json" if args.target == "tiny-l" else "speculative_wide.json"))
+    load0 = os.getloadavg()
 
-    plain = LLM(LARGE, max_num_seqs=64)
-    spec = LLM(LARGE, draft_model=SMALL, num_speculative_tokens=args.k, max_num_seqs=64,
+    plain = LLM(target, max_num_seqs=64)
+    spec = LLM(target, draft_model=SMALL, num_speculative_tokens=args.k, max_num_seqs=64,
                draft_options={"quantization": args.draft_quantization})
     tok = plain.tokenizer
     warm = prompts_from_heldout(tok, 2, args.prompt_tokens, seed=99)
@@ -184,6 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     cost = spec.engine.speculator.adaptive
     measured = {"target_step_seconds_by_tokens": {round(x, 1): y for x, y in sorted(cost.target.points.values())},
                 "draft_pass_seconds_by_seqs": {round(x, 1): y for x, y in sorted(cost.draft.points.values())}}
+    one = cost.target.estimate(1)
+    # the verify pass of one sequence's k + 1 rows over a plain decode pass of one row (the target's own
+    # pass timings, on the engine's step clock), and a draft pass over a target pass
+    measured["verify_over_decode_pass"] = {k: round(cost.target.estimate(k + 1) / one, 3)
+                                           for k in range(1, args.k + 1)} if one else None
+    d1 = cost.draft.estimate(1)
+    measured["draft_over_decode_pass"] = round(d1 / one, 4) if one and d1 else None
+    print(f"verify (k+1 rows) / decode (1 row) pass: {measured['verify_over_decode_pass']}; draft / target pass: "
+          f"{measured['draft_over_decode_pass']}")
 
     print()
     print("| temperature | batch | plain tok/s | speculative tok/s | speedup (wall) | pairs q1-q3 | speedup (per CPU-s) "
@@ -193,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['temperature']} | {r['batch']} | {r['plain_tokens_per_s']} | {r['spec_tokens_per_s']} | "
               f"{r['speedup']:.2f}x | {r['speedup_q1']:.2f}-{r['speedup_q3']:.2f} | {r['speedup_cpu']:.2f}x | {r['acceptance_rate']} | "
               f"{r['mean_accepted_length']} | {r['k_steps']} |")
-    result = {"config": {"target": str(LARGE.relative_to(ROOT)), "draft": str(SMALL.relative_to(ROOT)),
+    result = {"config": {"target": (str(LARGE.relative_to(ROOT)) if args.target == "tiny-l"
+                                    else f"tandem-tiny-l widened x{args.wide_factor} (training/widen.py)"),
+                         "loadavg_start": load0, "loadavg_end": os.getloadavg(), "draft": str(SMALL.relative_to(ROOT)),
                          "draft_quantization": args.draft_quantization,
                          "k_max": args.k, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                          "repeats": args.repeats, "batched_repeats": args.batched_repeats, "threads": args.threads, "batch1_prompts": args.batch1_prompts,

@@ -1,0 +1,171 @@
+"""Speculation in the server on the memory-bound pair: `tandem serve` of training/widen.py's widened tandem-tiny-l
+with and without tandem-tiny-s drafting (w8a8), both servers up at once and measured alternately by the same
+closed-loop streaming client, on windows of held-out standard-library modules (bench/speculative.py's prompts):
+client-measured output tokens/s and TPOT p50 / p99 at 1, 8 and 32 streams (greedy) and at 1 stream with
+temperature 0.8. The ratio per cell is the median over rounds of speculative / plain (each round runs both,
+the order swapped every round). Prints a table, writes bench/results/spec_server_wide.json.
+
+    .venv/bin/python bench/spec_server.py [--streams 1 8 32] [--rounds 2] [--seconds 20] [--max-tokens 64]
+        [--threads 1] [--wide-factor 5] [--draft-quantization w8a8] [--k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.results_meta import write_results  # noqa: E402
+from bench.speculative import SMALL, prompts_from_heldout  # noqa: E402
+from bench.vs_llamacpp import free_port, server_cpu_s, wait_ready  # noqa: E402
+from engines.tokenizer import Tokenizer  # noqa: E402
+from training.widen import DEFAULT_FACTOR, cached_wide  # noqa: E402
+
+
+def start(folder: Path, threads: int, ctx: int, log: Path, draft: Path | None, draft_quant: str, k: int):
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", str(folder), "--served-model-name", "tandem",
+           "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning"]
+    if draft is not None:
+        cmd += ["--draft", str(draft), "--draft-quantization", draft_quant, "--num-speculative-tokens", str(k)]
+    env = dict(os.environ, TANDEM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    wait_ready(f"http://127.0.0.1:{port}/ready", proc, timeout=300)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def one_request(client, url: str, prompt: list[int], max_tokens: int, temperature: float) -> dict:
+    body = {"model": "tandem", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    times = []
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError(f"{url}: no tokens streamed")
+    # a chunk can carry several tokens (a verified window): TPOT over the tokens, not the chunks
+    return {"ttft": times[0] - t0, "tpot": (times[-1] - times[0]) / max(max_tokens - 1, 1), "tokens": max_tokens}
+
+
+async def closed_loop(url: str, prompts: list[list[int]], streams: int, max_tokens: int, temperature: float,
+                      seconds: float) -> dict:
+    import httpx
+
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        t0 = time.perf_counter()
+        stop = t0 + seconds
+
+        async def worker(w: int) -> None:
+            i = w
+            while time.perf_counter() < stop:
+                results.append(await one_request(client, url, prompts[i % len(prompts)], max_tokens, temperature))
+                i += streams
+
+        await asyncio.gather(*(worker(w) for w in range(streams)))
+        wall = time.perf_counter() - t0
+    pct = {q: lambda key, q=q: 1e3 * float(np.percentile([r[key] for r in results], q)) for q in (50, 99)}
+    return {"requests": len(results), "tok_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
+            "ttft_p50_ms": pct[50]("ttft"), "tpot_p50_ms": pct[50]("tpot"), "tpot_p99_ms": pct[99]("tpot")}
+
+
+async def greedy_text(url: str, prompt: list[int], n: int) -> str:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        r = await client.post(url + "/v1/completions", json={"model": "tandem", "prompt": prompt, "max_tokens": n,
+                                                             "temperature": 0, "ignore_eos": True}, timeout=300)
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--sampled-streams", type=int, nargs="*", default=[1], help="stream counts also run at T=0.8")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=20.0, help="closed-loop seconds per run")
+    ap.add_argument("--warmup-seconds", type=float, default=6.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--wide-factor", type=int, default=DEFAULT_FACTOR)
+    ap.add_argument("--draft-quantization", default="w8a8", choices=["none", "int8", "w8a8"])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_server_wide.json"))
+    args = ap.parse_args(argv)
+    folder = cached_wide(args.wide_factor)
+    tok = Tokenizer.from_pretrained(folder)
+    prompts = prompts_from_heldout(tok, 48, args.prompt_tokens, seed=7)
+    ctx = args.prompt_tokens + args.max_tokens + 16
+    work = folder.parent
+    load0 = os.getloadavg()
+    servers = {"plain": start(folder, args.threads, ctx, work / "plain.log", None, "", 0),
+               "spec": start(folder, args.threads, ctx, work / "spec.log", SMALL, args.draft_quantization, args.k)}
+    cells = []
+    try:
+        texts = {name: [asyncio.run(greedy_text(url, p, 32)) for p in prompts[:2]]
+                 for name, (_, url) in servers.items()}
+        agree = texts["plain"] == texts["spec"]
+        print(f"greedy 32 tokens, 2 prompts, speculative == plain: {agree}", flush=True)
+        plan = [(s, 0.0) for s in args.streams] + [(s, 0.8) for s in args.sampled_streams]
+        for streams, temp in plan:
+            runs: dict[str, list[dict]] = {"plain": [], "spec": []}
+            for _, url in servers.values():
+                if args.warmup_seconds > 0:
+                    asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp, args.warmup_seconds))
+            for r in range(args.rounds):
+                for name in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
+                    proc, url = servers[name]
+                    c0 = server_cpu_s(proc.pid)
+                    res = asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp, args.seconds))
+                    res["server_cpu_s"] = server_cpu_s(proc.pid) - c0
+                    runs[name].append(res)
+                    print(f"  streams={streams} T={temp} round {r} {name}: {res['tok_s']:.1f} tok/s TPOT p50/p99 "
+                          f"{res['tpot_p50_ms']:.1f}/{res['tpot_p99_ms']:.1f} ms", flush=True)
+            ratios = [s["tok_s"] / p["tok_s"] for s, p in zip(runs["spec"], runs["plain"])]
+            med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+            cells.append({"streams": streams, "temperature": temp, "runs": runs, "median": med,
+                          "round_ratios": ratios, "ratio_tok_s": statistics.median(ratios),
+                          "ratio_tpot_p99": med["spec"]["tpot_p99_ms"] / med["plain"]["tpot_p99_ms"]})
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=60)
+    print("\n| streams | temperature | plain tok/s | speculative tok/s | ratio (rounds) | TPOT p50 ms p / s "
+          "| TPOT p99 ms p / s |")
+    print("|---|---|---|---|---|---|---|")
+    for c in cells:
+        p, s = c["median"]["plain"], c["median"]["spec"]
+        print(f"| {c['streams']} | {c['temperature']} | {p['tok_s']:.1f} | {s['tok_s']:.1f} | "
+              f"{c['ratio_tok_s']:.2f}x ({', '.join(f'{x:.2f}' for x in c['round_ratios'])}) | "
+              f"{p['tpot_p50_ms']:.1f} / {s['tpot_p50_ms']:.1f} | {p['tpot_p99_ms']:.1f} / {s['tpot_p99_ms']:.1f} |")
+    out = {"config": {**vars(args), "target": f"tandem-tiny-l widened x{args.wide_factor} (training/widen.py)",
+                      "draft": "models/tandem-tiny-s"},
+           "greedy_agree": agree, "cells": cells, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
+    write_results(Path(args.out), out, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
