@@ -18,17 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from engines.sampling_params import SamplingParams
-from router_model.scoring import edit_similarity, exact_match
+from router_model.scoring import agreement
 
 log = logging.getLogger("tandem.routing")
 OUTCOMES = ("labelled", "skipped_budget", "failed")
-
-
-def agreement(small: str, large: str) -> dict[str, float]:
-    """The label of one pair of greedy answers: 1.0 where the small answer matches the large one."""
-    first = (small.split("\n", 1)[0], large.split("\n", 1)[0])
-    return {"first_line_exact": exact_match(*first), "exact": exact_match(small, large),
-            "edit_similarity": edit_similarity(small, large)}
 
 
 class ShadowSampler:

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, load_config
 from gateway.server import ServerThread
-from gateway.shadow import LabelStore, ShadowSampler, agreement
+from gateway.shadow import LabelStore, ShadowSampler
+from router_model.scoring import agreement
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
