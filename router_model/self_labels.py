@@ -71,10 +71,10 @@ def answer_pairs(prompts: list, small: str, large: str, *, max_tokens: int, stop
                 if line.strip():
                     row = json.loads(line)
                     known[row["key"]] = row
-    todo = [i for i, k in enumerate(keys) if k not in known]
-    todo = list({keys[i]: i for i in todo}.values())  # one run per distinct prompt
+    distinct = {k: i for i, k in reversed(list(enumerate(keys)))}  # one run per distinct prompt
+    todo = sorted(i for k, i in distinct.items() if k not in known)
     if todo:
-        log(f"answering {len(todo)} prompts on both engines ({len(prompts) - len(todo)} cached)")
+        log(f"answering {len(todo)} distinct prompts on both engines ({len(distinct) - len(todo)} cached)")
         asked = [prompts[i] for i in todo]
         s = _engine_answers(small, asked, max_tokens, stop, batch, log, **engine_options)
         g = _engine_answers(large, asked, max_tokens, stop, batch, log, **engine_options)
