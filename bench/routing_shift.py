@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.results_meta import write_results  # noqa: E402
-from bench.routing_shift_data import CACHE, FAMILY, ensure, read_jsonl  # noqa: E402
+from bench.routing_shift_data import ANSWER_BUDGET, CACHE, FAMILY, ensure, read_jsonl  # noqa: E402
 from gateway.route_monitor import RouteMonitor  # noqa: E402
 from router_model.adapt_cli import parser as adapt_parser  # noqa: E402
 from router_model.adapt_cli import run as adapt_run  # noqa: E402
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         out = CACHE / f"adapted_{n}"
         a = adapt_parser().parse_args([
             "--data", str(paths["traffic"]), "--limit", str(n), "--router", args.router, "--out", str(out),
-            "--small", args.small, "--large", args.large, "--stop", "\n", "--max-tokens", "44",
+            "--small", args.small, "--large", args.large, "--stop", "\n", "--max-tokens", str(ANSWER_BUDGET),
             "--label-cache", str(CACHE / "pairs.jsonl"), "--log", str(CACHE / "adapt_log.jsonl")])
         t0 = time.perf_counter()
         summary = adapt_run(a)

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "bench" / "cache" / "routing_shift"
 FAMILY = "pygments"
 _SKIP = {"tests", "test", "__pycache__"}
+# every answer's budget, as the traffic's (`tandem router adapt --max-tokens 44`): lines are at most 40 tokens;
+# a budget cut to the reference's length would tell the answers where the line ends, which traffic never does
+ANSWER_BUDGET = 44
 
 
 def family_modules(family: str = FAMILY) -> list[tuple[str, str]]:
@@ -64,7 +67,7 @@ def build_prompts(small_dir: Path, traffic: int, evaluation: int, seed: int = 0,
             p = prompts[i]
             out[side].append({"prompt": tok.decode(p.prompt_ids, skip_special_tokens=False),
                               "prompt_token_ids": p.prompt_ids, "reference": p.reference, "group": p.module,
-                              "max_tokens": p.line_tokens + 4})
+                              "line_tokens": p.line_tokens, "max_tokens": ANSWER_BUDGET})
     return out
 
 

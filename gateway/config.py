@@ -76,6 +76,11 @@ class RouterConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     shadow_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 32
     shadow_labels: str | None = None  # JSONL the labels go to (features, no prompt text); unset: counts only
     shadow_max_records: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000  # then rotated once to <file>.1
+    # periodic refit from the shadow labels (gateway/router_refit.py; off unless set): every refit_interval_s,
+    # once refit_min_labels new labels are in, refit, validate on held-back labels, swap in only when better
+    refit_interval_s: Annotated[float, Meta(gt=0)] | None = None
+    refit_min_labels: Annotated[int, Meta(ge=20)] = 500
+    refit_dir: str | None = None  # where an adapted artifact goes (the previous one: <refit_dir>.previous)
 
 
 class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -293,6 +298,8 @@ def config_from_dict(raw: dict[str, Any], *, base_dir: str | Path = ".", source:
             route.router.artifact = _resolve(base, route.router.artifact)
         if route.router.shadow_labels:
             route.router.shadow_labels = _resolve(base, route.router.shadow_labels)
+        if route.router.refit_dir:
+            route.router.refit_dir = _resolve(base, route.router.refit_dir)
         if route.cascade.scorer:
             route.cascade.scorer = _resolve(base, route.cascade.scorer)
         if route.cascade.verification_labels:
