@@ -180,11 +180,30 @@ def ensure(small_dir: Path, large_dir: Path, traffic: int = 2000, evaluation: in
     return {"traffic": traffic_path, "eval": eval_path}
 
 
+def main() -> int:
+    """Build (or find) the cached sets and write what they hold to bench/results/routing_shift_data.json."""
+    import torch
+
+    from bench.results_meta import write_results
+
+    torch.set_num_threads(1)
+    paths = ensure(ROOT / "models/tandem-tiny-s", ROOT / "models/tandem-tiny-l")
+    rows = read_jsonl(paths["eval"])
+    with paths["traffic"].open(encoding="utf-8") as f:
+        traffic = [json.loads(line) for line in f if line.strip()]
+    summary = {"family": FAMILY, "answer_budget": ANSWER_BUDGET, "traffic_prompts": len(traffic),
+               "traffic_modules": len({r["group"] for r in traffic}), "eval_prompts": len(rows),
+               "eval_modules": len({r["group"] for r in rows}),
+               "eval_exact": {m: float(np.mean([r[f"{m}_exact"] for r in rows])) for m in ("small", "large")},
+               "large_only_right": sum(r["large_exact"] > r["small_exact"] for r in rows),
+               "small_only_right": sum(r["small_exact"] > r["large_exact"] for r in rows)}
+    print(json.dumps(summary, indent=1))
+    write_results(ROOT / "bench/results/routing_shift_data.json", summary, indent=2)
+    return 0
+
+
 if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, str(ROOT))
-    import torch
-
-    torch.set_num_threads(1)
-    print(ensure(ROOT / "models/tandem-tiny-s", ROOT / "models/tandem-tiny-l"))
+    sys.exit(main())
