@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,9 @@ from gateway.errors import APIError
 from gateway.route_monitor import RouteMonitor
 from gateway.router_strategy import conversation_of
 from gateway.routing import ESCALATED, Plan, RoutedRun, RoutingContext
+from gateway.shadow import LabelStore
 from router_model import Router, RouterArtifactError
-from router_model.scoring import ANSWER_STATS, ENTROPY_TOP_K, answer_stats
+from router_model.scoring import ANSWER_STATS, ENTROPY_TOP_K, agreement, answer_stats
 
 log = logging.getLogger("tandem.gateway")
 
@@ -130,6 +132,9 @@ class CascadeStrategy:
         else:
             self.threshold, self.threshold_source = route.cascade.confidence_threshold, "route confidence_threshold"
         self._same_vocab: dict[tuple[int, int], bool] = {}
+        # finished verifications as labels (learned mode): the scorer's features of what it read, no text
+        self.labels = LabelStore(route.cascade.verification_labels, route.cascade.verification_max_records) \
+            if self.scorer is not None and route.cascade.verification_labels else None
         # the escalation rate (and, learned, the scorer's score distribution and drift) over recent traffic
         self.monitor = RouteMonitor(name, static_threshold=self.threshold, label="escalated", reference_quantiles=(
             self.scorer.score_quantiles.tolist() if self.scorer is not None else None))
@@ -213,16 +218,39 @@ class CascadeStrategy:
         run.engine = large
         run.attributes[ESCALATED] = True
         run.attributes["tandem.cascade.draft_tokens"] = len(drafts or ())
-        self._verified(first, drafts)
+        read = (conversation_of(ctx, small, large), answer, score, small.tokenizer)
+        self._verified(first, drafts, read)
         yield first
         async for out in outputs:
-            self._verified(out, drafts)  # before the yield: a consumer stops at the finished output
+            self._verified(out, drafts, read)  # before the yield: a consumer stops at the finished output
             yield out
 
-    def _verified(self, out: RequestOutput, drafts: list[int] | None) -> None:
-        """On the large answer's end: the verification's label, the share of the small answer it accepted."""
-        if drafts and out.finished and not out.error:
-            self.monitor.record_acceptance(_common_prefix(drafts, out.outputs[0].token_ids) / len(drafts))
+    def _verified(self, out: RequestOutput, drafts: list[int] | None,
+                  read: tuple[Any, CompletionOutput, float, Any] | None = None) -> None:
+        """On the large answer's end: the verification's label, the share of the small answer it accepted
+        (and, with `verification_labels`, a stored label: the scorer's features, the answers' agreement)."""
+        if not (out.finished and not out.error):
+            return
+        accepted = _common_prefix(drafts, out.outputs[0].token_ids) / len(drafts) if drafts else None
+        if accepted is not None:
+            self.monitor.record_acceptance(accepted)
+        if self.labels is not None and self.scorer is not None and read is not None:
+            conversation, answer, score, tokenizer = read
+            pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in answer.token_ids] \
+                if tokenizer is not None else None
+            stats = answer_stats(answer.token_ids, answer.logprobs, pieces)  # what should_escalate read
+            feats = self.scorer.features(conversation if conversation is not None else "", stats, answer.text)
+            large_text = out.outputs[0].text
+            try:
+                self.labels.append({
+                    "time": time.time(), "route": self.name, "escalation_score": score, "accepted_share": accepted,
+                    "agreement": agreement(answer.text, large_text),
+                    "small_answer_stats": {k: round(v, 5) for k, v in stats.items()},
+                    "small_chars": len(answer.text), "large_chars": len(large_text),
+                    "features": {"dense": [float(v) for v in feats.dense], "indices": feats.indices.tolist(),
+                                 "values": [float(v) for v in feats.values]}})
+            except OSError as exc:
+                log.warning("cascade %s: verification label not written: %s", self.name, exc)
 
     def _shares_vocabulary(self, small: Any, large: Any) -> bool:
         """Drafts are token ids: only meaningful when both engines tokenize identically (checked once)."""

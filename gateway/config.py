@@ -76,6 +76,11 @@ class RouterConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     shadow_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 32
     shadow_labels: str | None = None  # JSONL the labels go to (features, no prompt text); unset: counts only
     shadow_max_records: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000  # then rotated once to <file>.1
+    # periodic refit from the shadow labels (gateway/router_refit.py; off unless set): every refit_interval_s,
+    # once refit_min_labels new labels are in, refit, validate on held-back labels, swap in only when better
+    refit_interval_s: Annotated[float, Meta(gt=0)] | None = None
+    refit_min_labels: Annotated[int, Meta(ge=20)] = 500
+    refit_dir: str | None = None  # where an adapted artifact goes (the previous one: <refit_dir>.previous)
 
 
 class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -85,6 +90,10 @@ class CascadeConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     scorer: str | None = None  # learned: escalation scorer folder (JSON + npz); unset: models/router/cascade
     escalation_threshold: Annotated[float, Meta(ge=0, le=1)] | None = None  # learned: P >= this -> escalate
     target_escalation_fraction: Fraction | None = None  # learned: or the threshold escalating this share
+    # learned: each finished verification (escalation) is a label for `tandem router adapt`: the scorer's
+    # features, the agreement of the small and large answers and the accepted share, no text (gateway/cascade.py)
+    verification_labels: str | None = None
+    verification_max_records: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000  # then rotated once to <file>.1
 
 
 class RouteConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -289,8 +298,12 @@ def config_from_dict(raw: dict[str, Any], *, base_dir: str | Path = ".", source:
             route.router.artifact = _resolve(base, route.router.artifact)
         if route.router.shadow_labels:
             route.router.shadow_labels = _resolve(base, route.router.shadow_labels)
+        if route.router.refit_dir:
+            route.router.refit_dir = _resolve(base, route.router.refit_dir)
         if route.cascade.scorer:
             route.cascade.scorer = _resolve(base, route.cascade.scorer)
+        if route.cascade.verification_labels:
+            route.cascade.verification_labels = _resolve(base, route.cascade.verification_labels)
     if isinstance(cfg.kv_pool.memory_bytes, str):
         cfg.kv_pool.memory_bytes = _parse_size(cfg.kv_pool.memory_bytes, source)
     _cross_check(cfg)

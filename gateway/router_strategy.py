@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.config import DEFAULT_ROUTER_ARTIFACT, ConfigError, RouteConfig, TandemConfig
 from gateway.route_monitor import RouteMonitor
+from gateway.router_refit import PeriodicRefit
 from gateway.routing import Plan, RoutedRun, RoutingContext, start_planned
 from gateway.shadow import LabelStore, ShadowRunner, ShadowSampler
 from router_model import Router, RouterArtifactError
@@ -65,6 +66,25 @@ class RouterStrategy:
                 LabelStore(cfg.shadow_labels, cfg.shadow_max_records), features=router.features,
                 max_tokens=cfg.shadow_max_tokens, record_content=record_content,
                 artifact=str(router.metadata.get("trained_at", "")) + " " + (cfg.artifact or "default"))
+
+        self.refit: PeriodicRefit | None = None
+        if cfg.refit_interval_s is not None:
+            if not cfg.shadow_labels or cfg.shadow_fraction <= 0 or not cfg.refit_dir:
+                raise ConfigError(f"routes.{name}.router.refit_interval_s needs shadow_fraction > 0, shadow_labels "
+                                  f"(the labels it refits from) and refit_dir (where an adapted artifact goes)")
+            self.refit = PeriodicRefit(self, labels=cfg.shadow_labels, out=cfg.refit_dir,
+                                       interval_s=cfg.refit_interval_s, min_labels=cfg.refit_min_labels,
+                                       current_dir=cfg.artifact or str(DEFAULT_ROUTER_ARTIFACT))
+            self.refit.start()
+
+    def swap(self, router: Router, folder: str) -> None:
+        """Serve `router` from the next decision on (one assignment: a decision reads the old or the new one);
+        the drift check compares with its held-out scores from now on."""
+        self.router = router
+        self.monitor.reference = router.score_quantiles.tolist()
+        if self.shadow is not None:
+            self.shadow.features = router.features
+            self.shadow.artifact = str(router.metadata.get("trained_at", "")) + " " + folder
 
     @property
     def threshold(self) -> float:

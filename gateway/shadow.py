@@ -8,6 +8,7 @@ bounded JSONL file: `shadow_max_records` lines, then it rotates to `<file>.1` (t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -18,17 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from engines.sampling_params import SamplingParams
-from router_model.scoring import edit_similarity, exact_match
+from router_model.scoring import ENTROPY_TOP_K, agreement, answer_stats
 
 log = logging.getLogger("tandem.routing")
 OUTCOMES = ("labelled", "skipped_budget", "failed")
-
-
-def agreement(small: str, large: str) -> dict[str, float]:
-    """The label of one pair of greedy answers: 1.0 where the small answer matches the large one."""
-    first = (small.split("\n", 1)[0], large.split("\n", 1)[0])
-    return {"first_line_exact": exact_match(*first), "exact": exact_match(small, large),
-            "edit_similarity": edit_similarity(small, large)}
 
 
 class ShadowSampler:
@@ -109,7 +103,7 @@ class ShadowRunner:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _answer(self, ctx: Any, engine: Any, params: SamplingParams, suffix: str) -> tuple[str, int]:
+    async def _answer(self, ctx: Any, engine: Any, params: SamplingParams, suffix: str) -> tuple[str, Any]:
         prompt = await ctx.prompt.get(engine)
         final = None
         async for out in ctx.start(engine, prompt, request_id=f"{ctx.request_id}-shadow-{suffix}", params=params):
@@ -119,7 +113,13 @@ class ShadowRunner:
         answer = final.outputs[0]
         used = len(final.prompt_token_ids or ()) + len(answer.token_ids)
         self.tokens[engine.name] = self.tokens.get(engine.name, 0) + used
-        return answer.text, used
+        return answer.text, answer
+
+    @staticmethod
+    def _stats(engine: Any, out: Any) -> dict[str, float]:
+        tok = getattr(engine, "tokenizer", None)
+        pieces = [tok.decode([t], skip_special_tokens=False) for t in out.token_ids] if tok is not None else None
+        return {k: round(v, 5) for k, v in answer_stats(out.token_ids, out.logprobs, pieces).items()}
 
     async def _pair(self, ctx: Any, engines: Mapping[str, Any], score: float, choice: str,
                     conversation: Any) -> None:
@@ -127,9 +127,13 @@ class ShadowRunner:
         # plain greedy answers, the request's stops kept, at most `max_tokens` each: the label, not the reply
         greedy = SamplingParams(temperature=0.0, stop=list(ctx.params.stop), stop_token_ids=list(
             ctx.params.stop_token_ids), max_tokens=min(ctx.params.max_tokens or self.max_tokens, self.max_tokens))
+        # the small run also reports its top logprobs: the answer's statistics let `tandem router adapt` read
+        # what a disagreement means (router_model.self_labels), without the text
+        small_params = dataclasses.replace(greedy, logprobs=ENTROPY_TOP_K)
         try:
-            (small_text, _), (large_text, _) = await asyncio.gather(
-                self._answer(ctx, engines[small], greedy, "small"), self._answer(ctx, engines[large], greedy, "large"))
+            (small_text, small_out), (large_text, _) = await asyncio.gather(
+                self._answer(ctx, engines[small], small_params, "small"),
+                self._answer(ctx, engines[large], greedy, "large"))
         except Exception as exc:  # a shadow never fails the request it copies
             log.debug("route %s: shadow of %s failed: %s", self.route, ctx.request_id, exc)
             self.sampler.done("failed")
@@ -139,6 +143,8 @@ class ShadowRunner:
         record: dict[str, Any] = {
             "time": self.clock(), "route": self.route, "artifact": self.artifact, "router_score": score,
             "choice": choice, "max_tokens": greedy.max_tokens, **label,
+            "small_answer_stats": self._stats(engines[small], small_out),
+            "small_chars": len(small_text), "large_chars": len(large_text),
             "features": {"dense": [float(v) for v in features.dense], "indices": features.indices.tolist(),
                          "values": [float(v) for v in features.values]}}
         if self.record_content:

@@ -1,5 +1,5 @@
-"""`tandem router train | eval | label`: build, calibrate and evaluate the prompt router (and the cascade's
-escalation scorer) from JSONL data; label prompts by task success."""
+"""`tandem router train | eval | label | adapt`: build, calibrate and evaluate the prompt router (and the cascade's
+escalation scorer) from JSONL data; label prompts by task success; adapt both to unlabelled traffic."""
 
 from __future__ import annotations
 
@@ -62,12 +62,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="the same for the escalation scorer (the fraction of prompts escalated)")
     e.add_argument("--json", default=None, help="also write the metrics to this JSON file")
 
+    sub.add_parser("adapt", help="self-label unlabelled traffic with both engines (and the gateway's shadow "
+                                 "labels), refit router and scorer, keep each only if better on held-back "
+                                 "traffic (see --help)", add_help=False)
     sub.add_parser("label", help="label prompts by task success: the default models on the held-out corpus, or "
                                  "your own pair and prompts with --data (see --help of each)", add_help=False)
     return p
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["adapt"]:
+        from router_model.adapt_cli import main as adapt_main  # imports the engines only when answering
+
+        return adapt_main(argv[1:])
     if argv[:1] == ["label"]:
         if "--data" in argv or any(a.startswith("--data=") for a in argv):
             from router_model.user_labels import main as label_main

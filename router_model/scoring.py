@@ -36,6 +36,15 @@ def edit_similarity(answer: str, reference: str) -> float:
     return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
 
 
+def agreement(small: str, large: str) -> dict[str, float]:
+    """The self-label of one pair of greedy answers (the gateway's shadow runs and `tandem router adapt`): 1.0
+    where the small answer matches the large one, on the first line and on the whole answer, and their edit
+    similarity."""
+    first = (small.split("\n", 1)[0], large.split("\n", 1)[0])
+    return {"first_line_exact": exact_match(*first), "exact": exact_match(small, large),
+            "edit_similarity": edit_similarity(small, large)}
+
+
 def score_answer(answer: str, reference: str, metric: str) -> float:
     if metric == "exact":
         return exact_match(answer, reference)

@@ -67,7 +67,7 @@ def featurize(examples: Sequence[RouterExample], featurizer: Featurizer) -> tupl
         raise DataError(str(e)) from None
 
 
-def _design(dense: np.ndarray, hashed: sp.csr_matrix, mean: np.ndarray, scale: np.ndarray) -> sp.csr_matrix:
+def design_matrix(dense: np.ndarray, hashed: sp.csr_matrix, mean: np.ndarray, scale: np.ndarray) -> sp.csr_matrix:
     return sp.hstack([sp.csr_matrix((dense - mean) / scale), hashed], format="csr")
 
 
@@ -95,7 +95,7 @@ def grouped_folds(examples: Sequence[RouterExample], k: int, seed: int,
     return folds
 
 
-def _estimator(c: float, class_weight: str | None):
+def estimator(c: float, class_weight: str | None):
     from sklearn.linear_model import LogisticRegression
 
     return LogisticRegression(C=c, solver="liblinear", max_iter=2000, class_weight=class_weight)
@@ -132,7 +132,7 @@ def train_router(examples: Sequence[RouterExample], options: TrainOptions | None
     mean = dense.mean(axis=0)
     scale = dense.std(axis=0)
     scale[scale < 1e-9] = 1.0
-    x = _design(dense, hashed, mean, scale)
+    x = design_matrix(dense, hashed, mean, scale)
     t_feat = time.perf_counter() - t0
 
     folds = grouped_folds(examples, opts.folds, opts.seed, y)
@@ -140,7 +140,7 @@ def train_router(examples: Sequence[RouterExample], options: TrainOptions | None
     best = None
     cv_table = []
     for c in opts.c_grid:
-        oof = cross_val_predict(_estimator(c, opts.class_weight), x, y, cv=folds, method="decision_function",
+        oof = cross_val_predict(estimator(c, opts.class_weight), x, y, cv=folds, method="decision_function",
                                 params={"sample_weight": w})
         apgr = evaluate_scores(oof, qualities[:, 0], qualities[:, 1]).apgr
         auc = _auc(oof, y)
@@ -150,30 +150,18 @@ def train_router(examples: Sequence[RouterExample], options: TrainOptions | None
             best = (key, c)
         log(f"  C={c:<6g} cross-validated APGR {apgr:.4f}  AUC {auc:.4f}")
     c_best = best[1]
-    cal = CalibratedClassifierCV(_estimator(c_best, opts.class_weight), method=opts.calibration, cv=folds,
+    cal = CalibratedClassifierCV(estimator(c_best, opts.class_weight), method=opts.calibration, cv=folds,
                                  ensemble=True).fit(x, y, sample_weight=w)
-    coefs, intercepts, a, b, xs, ys = [], [], [], [], [], []
-    for cc in cal.calibrated_classifiers_:
-        coefs.append(cc.estimator.coef_.ravel())
-        intercepts.append(float(cc.estimator.intercept_[0]))
-        calibrator = cc.calibrators[0]
-        if opts.calibration == "sigmoid":
-            a.append(float(calibrator.a_))
-            b.append(float(calibrator.b_))
-        else:
-            xs.append(np.asarray(calibrator.X_thresholds_, float))
-            ys.append(np.asarray(calibrator.y_thresholds_, float))
-    calibration = Calibration(opts.calibration, a=np.array(a), b=np.array(b), x=xs, y=ys)
-    coef = np.array(coefs)
+    coef, intercepts, calibration = fold_models(cal, opts.calibration)
     # out-of-fold calibrated scores (each fold's own model on the prompts it never saw): the score quantiles
-    probs = calibration(np.asarray(x @ coef.T) + np.array(intercepts))
+    probs = calibration(np.asarray(x @ coef.T) + intercepts)
     oof_scores = np.zeros(len(examples))
     for k, (_, test_idx) in enumerate(folds):
         oof_scores[test_idx] = probs[test_idx, k]
     oof_eval = evaluate_scores(oof_scores, qualities[:, 0], qualities[:, 1])
     router = Router(
         feature_config=opts.feature_config, dense_mean=mean, dense_scale=scale, coef=coef,
-        intercept=np.array(intercepts), calibration=calibration, kind=opts.kind,
+        intercept=intercepts, calibration=calibration, kind=opts.kind,
         score_quantiles=np.quantile(oof_scores, np.linspace(0.0, 1.0, NUM_QUANTILES)),
         metadata={
             "trained_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -195,6 +183,23 @@ def train_router(examples: Sequence[RouterExample], options: TrainOptions | None
         f" in {time.perf_counter() - t0:.1f}s (features {t_feat:.1f}s); threshold {router.threshold:.4f} for "
         f"{opts.target_large_fraction:.0%} large")
     return router
+
+
+def fold_models(cal, method: str) -> tuple[np.ndarray, np.ndarray, Calibration]:
+    """(coef [k, d], intercept [k], calibration) of a fitted CalibratedClassifierCV(ensemble=True): the arrays
+    the artifact keeps."""
+    coefs, intercepts, a, b, xs, ys = [], [], [], [], [], []
+    for cc in cal.calibrated_classifiers_:
+        coefs.append(cc.estimator.coef_.ravel())
+        intercepts.append(float(cc.estimator.intercept_[0]))
+        calibrator = cc.calibrators[0]
+        if method == "sigmoid":
+            a.append(float(calibrator.a_))
+            b.append(float(calibrator.b_))
+        else:
+            xs.append(np.asarray(calibrator.X_thresholds_, float))
+            ys.append(np.asarray(calibrator.y_thresholds_, float))
+    return np.array(coefs), np.array(intercepts), Calibration(method, a=np.array(a), b=np.array(b), x=xs, y=ys)
 
 
 def _auc(scores: np.ndarray, y: np.ndarray) -> float:

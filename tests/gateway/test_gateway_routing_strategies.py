@@ -30,7 +30,8 @@ from gateway.routes import Routes
 from gateway.server import ServerThread
 from router_model.data import read_examples
 from router_model.features import FeatureConfig, HashBlock
-from router_model.scoring import ANSWER_STATS
+from router_model.router import Router
+from router_model.scoring import ANSWER_STATS, agreement
 from router_model.train import TrainOptions, train_router
 
 FILLER = ("alpha beta gamma delta river stone cloud paper light music garden window yellow quiet hello there thanks "
@@ -111,7 +112,8 @@ def server(tiny_checkpoint, tmp_path_factory, router_dir, scorer_dir, spans):
                                      "cascade": {"confidence_threshold": -1e9, "mode": "min"}},
                    "cascade-learned": {"strategy": "cascade", "engines": pair,
                                        "cascade": {"mode": "learned", "scorer": str(scorer_dir),
-                                                   "escalation_threshold": 0.5}}}})
+                                                   "escalation_threshold": 0.5,
+                                                   "verification_labels": str(root / "verifications.jsonl")}}}})
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
     with ServerThread(cfg, tracer_provider=provider) as srv:
@@ -291,6 +293,27 @@ def test_learned_cascade_escalates_by_the_scorer_and_answers_exactly_as_the_chos
     _, large = _chat(client, "tandem-large", HARD, **GREEDY)
     assert small.choices[0].message.content != large.choices[0].message.content  # the check can tell them apart
     assert _metric(server, "tandem:cascade_escalations_total", route="cascade-learned") == before + 1
+
+
+def test_learned_cascade_stores_each_verification_as_a_label_without_text(server, client, scorer_dir):
+    """An escalation's finished verification is a label for `tandem router adapt`: the scorer's features of
+    what it read, the agreement of the small answer with the large one, the accepted share; no prompt text."""
+    path = Path(server.app.state.gateway.routes.strategies["cascade-learned"].labels.path)
+    before = len(path.read_text().splitlines()) if path.is_file() else 0
+    _chat(client, "cascade-learned", HARD, **GREEDY)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == before + 1
+    rec = records[-1]
+    _, small = _chat(client, "tandem-small", HARD, **GREEDY)
+    _, large = _chat(client, "tandem-large", HARD, **GREEDY)
+    s_text, l_text = small.choices[0].message.content, large.choices[0].message.content
+    assert rec["agreement"] == pytest.approx(agreement(s_text, l_text))
+    assert rec["small_chars"] == len(s_text) and rec["large_chars"] == len(l_text)
+    scorer = Router.load(scorer_dir)
+    assert len(rec["features"]["dense"]) == scorer.feature_config.num_dense
+    assert rec["escalation_score"] >= 0.5 and rec["route"] == "cascade-learned"
+    assert set(rec["small_answer_stats"]) == set(ANSWER_STATS)
+    assert HARD[-1]["content"] not in path.read_text() and s_text not in json.dumps(rec["agreement"])
 
 
 def test_learned_cascade_returns_only_the_logprobs_the_client_asked_for(client):

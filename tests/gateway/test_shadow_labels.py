@@ -6,6 +6,7 @@ text, their cost in /metrics and /v1/routes."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 
@@ -15,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import ConfigError, load_config
 from gateway.server import ServerThread
-from gateway.shadow import LabelStore, ShadowSampler, agreement
+from gateway.shadow import LabelStore, ShadowSampler
+from router_model.scoring import agreement
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -104,6 +106,12 @@ def test_shadow_pairs_label_by_the_engines_own_greedy_agreement(tmp_path):
                                                          "temperature": 0}).json()["choices"][0]["text"]
             assert {k: rec[k] for k in ("first_line_exact", "exact", "edit_similarity")} == \
                 pytest.approx(agreement(small, large))
+            # numbers for `tandem router adapt`'s label model, not the text: lengths and the small answer's
+            # logprob statistics (a 1-4 token answer: log1p(tokens) and logprobs <= 0)
+            assert rec["small_chars"] == len(small) and rec["large_chars"] == len(large)
+            st = rec["small_answer_stats"]
+            assert 0 < st["answer_log_tokens"] <= math.log1p(4) + 1e-4
+            assert st["answer_min_logprob"] <= st["answer_mean_logprob"] <= 0
         samples = {(s.name, s.labels.get("route"), s.labels.get("outcome"), s.labels.get("model_name")): s.value
                    for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
         assert samples[("tandem:router_shadow_runs_total", "auto", "labelled", None)] == len(records)

@@ -1,0 +1,139 @@
+"""The traffic-shift experiment end to end: the shipped router and learned cascade vs the ones `tandem router
+adapt` makes from N unlabelled prompts of shifted traffic, on an evaluation set of the same shift that nobody
+adapted on, labelled by references (bench/routing_shift_data.py: pygments modules, transformers greedy, line
+exact match).
+
+For each N (default 250, 500, 1000, 2000 prompts of the traffic side, in a fixed random order), adaptation runs
+as the command does (both engines answer, greedy, batched; pairs cached under bench/cache/routing_shift/); then
+on the evaluation modules: APGR of each router / cascade with 95% bootstrap intervals over modules, and the
+realised large fraction for a 30% target, with the artifact's static threshold and with the route's held one
+(gateway.route_monitor.RouteMonitor over the evaluation stream, window 1,000). Prints the table, writes
+bench/results/routing_shift.json.
+
+    .venv/bin/python bench/routing_shift.py [--sizes 250 500 1000 2000] [--bootstrap 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.results_meta import write_results  # noqa: E402
+from bench.routing_shift_data import ANSWER_BUDGET, CACHE, FAMILY, ensure, read_jsonl  # noqa: E402
+from gateway.route_monitor import RouteMonitor  # noqa: E402
+from router_model.adapt_cli import parser as adapt_parser  # noqa: E402
+from router_model.adapt_cli import run as adapt_run  # noqa: E402
+from router_model.cli import policy_scores  # noqa: E402
+from router_model.data import parse_example  # noqa: E402
+from router_model.evaluate import compare_policies  # noqa: E402
+from router_model.router import Router  # noqa: E402
+
+TARGET = 0.3
+
+
+def held_fraction(scores: np.ndarray, static: float, quantiles, seed: int = 0) -> float:
+    """The realised large share of a router route holding TARGET over this stream (after its warm-up window)."""
+    mon = RouteMonitor("shift", static_threshold=static, target_fraction=TARGET, reference_quantiles=list(quantiles),
+                       window=1000, warmup=100, rng=random.Random(seed))
+    order = np.random.default_rng(seed).permutation(scores.size)
+    choices = [mon.decide(float(scores[i])) for i in order]
+    return float(np.mean(choices[1000:] if len(choices) > 2000 else choices[100:]))
+
+
+def evaluate(router: Router, cascade: Router, rows: list[dict], examples, bootstrap: int) -> dict:
+    pol = policy_scores(rows, examples, router, cascade)
+    small = np.array([r["small_exact"] for r in rows], float)
+    large = np.array([r["large_exact"] for r in rows], float)
+    curves = compare_policies({"router": pol["router"], "cascade (learned)": pol["cascade (learned)"]}, small,
+                              large, [r["group"] for r in rows], bootstrap=bootstrap)
+    out = {name: {"apgr": c.apgr, "apgr_ci": c.apgr_ci, "cpt50": c.cpt50, "cpt80": c.cpt80}
+           for name, c in curves.items() if name in ("router", "cascade (learned)", "oracle")}
+    out["router"]["static_large_fraction"] = float(np.mean(pol["router"] >= router.threshold))
+    out["router"]["held_large_fraction"] = held_fraction(pol["router"], router.threshold, router.score_quantiles)
+    out["cascade (learned)"]["static_escalated_fraction"] = float(np.mean(pol["cascade (learned)"] >=
+                                                                          cascade.threshold))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--router", default=str(ROOT / "models/router"))
+    ap.add_argument("--small", default=str(ROOT / "models/tandem-tiny-s"))
+    ap.add_argument("--large", default=str(ROOT / "models/tandem-tiny-l"))
+    ap.add_argument("--sizes", type=int, nargs="+", default=[250, 500, 1000, 2000])
+    ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/routing_shift.json"))
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    paths = ensure(Path(args.small), Path(args.large))
+    rows = read_jsonl(paths["eval"])
+    examples = [parse_example(r, f"eval:{i}") for i, r in enumerate(rows, 1)]
+    shipped = (Router.load(args.router), Router.load(Path(args.router) / "cascade"))
+    small = np.mean([r["small_exact"] for r in rows])
+    large = np.mean([r["large_exact"] for r in rows])
+    print(f"evaluation: {len(rows)} prompts from {len({r['group'] for r in rows})} {FAMILY} modules; exact match "
+          f"small {small:.4f}, large {large:.4f}; large-only right "
+          f"{sum(r['large_exact'] > r['small_exact'] for r in rows)}, small-only "
+          f"{sum(r['small_exact'] > r['large_exact'] for r in rows)}")
+    results = {"shipped": evaluate(*shipped, rows, examples, args.bootstrap), "adapted": {}}
+    decisions = {}
+    for n in sorted(args.sizes):
+        out = CACHE / f"adapted_{n}"
+        a = adapt_parser().parse_args([
+            "--data", str(paths["traffic"]), "--limit", str(n), "--router", args.router, "--out", str(out),
+            "--small", args.small, "--large", args.large, "--stop", "\n", "--max-tokens", str(ANSWER_BUDGET),
+            "--label-cache", str(CACHE / "pairs.jsonl"), "--log", str(CACHE / "adapt_log.jsonl")])
+        t0 = time.perf_counter()
+        summary = adapt_run(a)
+        seconds = time.perf_counter() - t0
+        decisions[n] = [{k: d.get(k) for k in ("kind", "decision", "validation", "current", "new")}
+                        for d in summary["decisions"]]
+        swapped = {d["kind"]: d["decision"] == "swapped" for d in summary["decisions"]}
+        r = Router.load(out) if swapped.get("router") else shipped[0]
+        c = Router.load(out / "cascade") if swapped.get("escalation") else shipped[1]
+        results["adapted"][n] = evaluate(r, c, rows, examples, args.bootstrap) | {
+            "swapped": swapped, "adapt_seconds": round(seconds, 1)}
+    print(f"\n{'policy':<28} {'router APGR':>11} {'95% CI':>15} {'cascade APGR':>12} {'95% CI':>15} "
+          f"{'large (static)':>14} {'large (held)':>12}")
+    table = [("shipped", results["shipped"])] + [(f"adapted on {n} prompts", v)
+                                                 for n, v in results["adapted"].items()]
+    for name, v in table:
+        rr, cc = v["router"], v["cascade (learned)"]
+        print(f"{name:<28} {rr['apgr']:11.3f} [{rr['apgr_ci'][0]:5.3f}, {rr['apgr_ci'][1]:5.3f}] "
+              f"{cc['apgr']:12.3f} [{cc['apgr_ci'][0]:5.3f}, {cc['apgr_ci'][1]:5.3f}] "
+              f"{rr['static_large_fraction']:14.1%} {rr['held_large_fraction']:12.1%}")
+    best = results["adapted"][max(args.sizes)]
+    checks = {
+        f"adapted router APGR >= 0.70 (EM, {max(args.sizes)} prompts)": best["router"]["apgr"] >= 0.70,
+        "adapted learned cascade APGR >= adapted router APGR": best["cascade (learned)"]["apgr"] >=
+        best["router"]["apgr"],
+        "held large fraction within 3 points of 30%": abs(best["router"]["held_large_fraction"] - TARGET) <= 0.03,
+        "adapted static threshold within 3 points of 30%": abs(best["router"]["static_large_fraction"] - TARGET)
+        <= 0.03,
+    }
+    print()
+    for k, ok in checks.items():
+        print(f"{'met' if ok else 'NOT met'}: {k}")
+    write_results(Path(args.out), {"family": FAMILY, "eval_prompts": len(rows),
+                                   "eval_modules": len({r["group"] for r in rows}),
+                                   "eval_exact": {"small": small, "large": large}, "bootstrap": args.bootstrap,
+                                   "target_large_fraction": TARGET, "results": results, "decisions": decisions,
+                                   "checks": checks}, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
