@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a checkpoint folder (default: the random llama80m)")
     ap.add_argument("--neighbours", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--threads", type=int, default=0, help="0: the engine's default")
+    ap.add_argument("--threads", type=int, nargs="+", default=[0, 2],
+                    help="engine thread settings to compare (0: the default, adapting; N: fixed)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_threads.json"))
@@ -41,38 +42,42 @@ def main(argv: list[str] | None = None) -> int:
     from engines import LLM, SamplingParams
 
     folder = Path(args.model) if args.model else llama80m(CACHE / "bench-models" / "llama80m")
-    llm = LLM(folder, max_model_len=512, threads=args.threads)
-    threads = llm.core.threads
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(5, 37))}
-    llm.generate(prompt, sp)  # warm
-    runs: dict[int, list[dict]] = {n: [] for n in args.neighbours}
-    for _ in range(args.rounds):
-        for n in args.neighbours:
-            procs = [mp.Process(target=_spin, daemon=True) for _ in range(n)]
-            for p in procs:
-                p.start()
-            time.sleep(0.5 if n else 0.0)
-            load = os.getloadavg()[0]
-            t = time.perf_counter()
-            llm.generate(prompt, sp)
-            ms = (time.perf_counter() - t) * 1e3 / args.max_tokens
-            for p in procs:
-                p.kill()
-                p.join()
-            runs[n].append({"ms_per_token": round(ms, 2), "loadavg_1m": round(load, 2)})
     rows = []
-    print(f"{folder.name}, threads {threads}, {args.max_tokens} tokens, {os.cpu_count()} CPUs")
-    print(f"{'neighbours':>10} {'best ms/tok':>12} {'median':>8} {'loadavg':>8}")
-    for n, rs in runs.items():
-        ms = sorted(r["ms_per_token"] for r in rs)
-        row = {"neighbours": n, "threads": threads, "best_ms_per_token": ms[0], "median_ms_per_token":
-               ms[len(ms) // 2], "runs": rs}
-        rows.append(row)
-        print(f"{n:>10} {ms[0]:>12.2f} {ms[len(ms) // 2]:>8.2f} {max(r['loadavg_1m'] for r in rs):>8.2f}")
-    base = rows[0]["median_ms_per_token"]
-    for r in rows:
-        r["slowdown_vs_first"] = round(r["median_ms_per_token"] / base, 2)
+    print(f"{folder.name}, {args.max_tokens} tokens, {os.cpu_count()} CPUs")
+    print(f"{'threads':>8} {'neighbours':>10} {'best ms/tok':>12} {'median':>8} {'slowdown':>8} {'loadavg':>8}")
+    for setting in args.threads:
+        llm = LLM(folder, max_model_len=512, threads=setting)
+        threads = llm.core.threads
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        prompt = {"prompt_token_ids": list(range(5, 37))}
+        llm.generate(prompt, sp)  # warm
+        runs: dict[int, list[dict]] = {n: [] for n in args.neighbours}
+        for _ in range(args.rounds):
+            for n in args.neighbours:
+                procs = [mp.Process(target=_spin, daemon=True) for _ in range(n)]
+                for p in procs:
+                    p.start()
+                time.sleep(0.5 if n else 0.0)
+                load = os.getloadavg()[0]
+                t = time.perf_counter()
+                llm.generate(prompt, sp)
+                ms = (time.perf_counter() - t) * 1e3 / args.max_tokens
+                for p in procs:
+                    p.kill()
+                    p.join()
+                runs[n].append({"ms_per_token": round(ms, 2), "loadavg_1m": round(load, 2)})
+        base = None
+        for n, rs in runs.items():
+            ms = sorted(r["ms_per_token"] for r in rs)
+            med = ms[len(ms) // 2]
+            base = base or med
+            row = {"threads_setting": setting, "threads": threads, "adaptive": setting == 0, "neighbours": n,
+                   "best_ms_per_token": ms[0], "median_ms_per_token": med,
+                   "slowdown_vs_no_neighbour": round(med / base, 2), "runs": rs}
+            rows.append(row)
+            print(f"{('auto ' if setting == 0 else '') + str(threads):>8} {n:>10} {ms[0]:>12.2f} {med:>8.2f} "
+                  f"{med / base:>8.2f} {max(r['loadavg_1m'] for r in rs):>8.2f}")
+        del llm
     write_results(args.out, {"model": folder.name, "max_tokens": args.max_tokens, "rows": rows})
     return 0
 
