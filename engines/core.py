@@ -17,6 +17,7 @@ from engines.engine import ModelEngine
 from engines.errors import EngineDeadError, ErrorCode
 from engines.kv_pool import KVGeometry, KVPool
 from engines.loaded import LoadedModel, load_model
+from kernels import thread_governor
 
 if TYPE_CHECKING:
     from engines.async_engine import AsyncEngine
@@ -64,6 +65,11 @@ def cpu_threads(requested: int = 0, reserve: int = 0) -> int:
 
 
 def apply_cpu_threads(requested: int = 0, reserve: int = 0) -> int:
+    """Set torch's thread count (`cpu_threads`). Where it is automatic (no `requested`, no $TANDEM_THREADS),
+    the C forward's calls take fewer where timing shows a neighbour holds a core (kernels/thread_governor.py);
+    an explicit count is kept as given."""
+    env = os.environ.get("TANDEM_THREADS", "")
+    thread_governor.enable(requested <= 0 and not (env.isdigit() and int(env) > 0))
     n = cpu_threads(requested, reserve)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)

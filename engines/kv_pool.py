@@ -8,11 +8,19 @@ carries its per token-head float32 scales after the data; an fp8 cache has one s
 
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+
+def _zeros(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed uint8 buffer; on the CPU from anonymous memory the kernel zeroes page by page at first touch
+    (torch.zeros writes every byte up front: ~1 s of start-up for a 1 GiB pool)."""
+    if device.type != "cpu" or nbytes < mmap.PAGESIZE:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -59,7 +67,7 @@ class KVPool:
             raise ValueError(f"KV pool of {memory_bytes} bytes holds no page of {self.page_bytes} bytes; "
                              "raise PoolSpec.memory_bytes or lower block_size")
         # zeros: a masked-out slot must never hold NaN bits (0 * NaN poisons attention in the reference path)
-        self.buffer = torch.zeros(self.num_pages * self.page_bytes, dtype=torch.uint8, device=device)
+        self.buffer = _zeros(self.num_pages * self.page_bytes, torch.device(device))
         self._views = [self._make_view(g) for g in self.geometries]
         self._scales = [self._make_scales(g) for g in self.geometries]
         self.ref_count = [0] * self.num_pages

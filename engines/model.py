@@ -264,7 +264,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built on the meta device (the loader fills it), the embedding skips its random init: normal_ on meta
+        # tensors goes through torch._refs, whose first call imports torch._dynamo (1-4 s of start-up)
+        meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if meta else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.traits.norm_offset)
 
@@ -279,7 +283,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # computed on the CPU even when built on meta (arithmetic on meta tensors imports torch._dynamo)
+        device = torch.get_default_device()
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, rotary_dim] of the (first) table."""

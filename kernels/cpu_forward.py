@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_kernels
+from kernels.thread_governor import ThreadGovernor, rows_key
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -73,6 +74,7 @@ class CpuForward:
     def __init__(self, model: nn.Module, layers: list[_Layer], keep: list[torch.Tensor], k_cache: torch.Tensor):
         cfg = model.config
         self.lib = _bind(cpu_kernels.load())
+        self.governor = ThreadGovernor()  # threads per call, by timing (a neighbour may hold a core)
         self.hidden = cfg.hidden_size
         # whether steps with long prefill chunks run here too: not over int4 weights, where the w4a8 kernel would
         # quantise a prompt's activations that the PyTorch forward's many-row int4 path multiplies in float
@@ -158,9 +160,9 @@ class CpuForward:
         out = torch.empty((t, self.hidden), dtype=torch.float32)
         n = seqs.shape[1]
         p = seqs.data_ptr()
-        rc = self.lib.tk_forward_f32(self._mref, t, ids.data_ptr(), positions.data_ptr(), tables.data_ptr(),
-                                     tables.shape[1], p, p + 8 * n, p + 16 * n, p + 24 * n, n, max_ctx,
-                                     out.data_ptr(), torch.get_num_threads())
+        rc = self.governor.run(rows_key("forward", t), lambda threads: self.lib.tk_forward_f32(
+            self._mref, t, ids.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1], p, p + 8 * n,
+            p + 16 * n, p + 24 * n, n, max_ctx, out.data_ptr(), threads))
         if rc:
             raise MemoryError("cpu forward: scratch allocation failed")
         return out
@@ -195,10 +197,10 @@ class CpuForward:
             unif = uniforms.to(torch.float32).contiguous()
             if unif.shape != (n, k):
                 raise ValueError(f"draft_greedy: uniforms of shape {tuple(unif.shape)}, not ({n}, {k})")
-        rc = self.lib.tk_draft_greedy_f32(self._mref, self._head_ref, self.vocab, ids.shape[0],
-                                          ids.data_ptr(), positions.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                          p, p + 8 * n, p + 16 * n, p + 24 * n, n, max_ctx, k, out.data_ptr(),
-                                          *ban, _ptr(temps), _ptr(unif), torch.get_num_threads())
+        rc = self.governor.run(rows_key(f"draft{k}", ids.shape[0]), lambda threads: self.lib.tk_draft_greedy_f32(
+            self._mref, self._head_ref, self.vocab, ids.shape[0], ids.data_ptr(), positions.data_ptr(),
+            tables.data_ptr(), tables.shape[1], p, p + 8 * n, p + 16 * n, p + 24 * n, n, max_ctx, k, out.data_ptr(),
+            *ban, _ptr(temps), _ptr(unif), threads))
         if rc:
             raise MemoryError("cpu draft: scratch allocation failed")
         return out

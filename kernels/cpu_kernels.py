@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels import thread_governor
 from kernels.cbuild import NoCompiler, build_library
 from kernels.quant_formats import dequantize_int4, quantize_act_q8
 
@@ -298,7 +299,7 @@ def available() -> bool:
 
 
 def _threads() -> int:
-    return torch.get_num_threads()
+    return thread_governor.threads()
 
 
 # ---- linear --------------------------------------------------------------------------------------------------
