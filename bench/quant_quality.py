@@ -75,7 +75,7 @@ def engine_perplexity(model_dir: str, chunks: list[list[int]], chunk_tokens: int
     total, count = 0.0, 0
     for i in range(0, len(chunks), batch_size):
         group = chunks[i:i + batch_size]
-        seqs = [eng.make_request(c[:-1], SamplingParams(max_tokens=1)).seqs[0] for c in group]
+        seqs = [eng.inputs.process(c[:-1], SamplingParams(max_tokens=1)).seqs[0] for c in group]
         for seq in seqs:
             seq.pages = pool.allocate(eng.model_id, -(-seq.num_tokens // pool.block_size))
         for start in range(0, len(group[0]) - 1, chunk_tokens):

@@ -33,6 +33,7 @@ class AsyncEngine:
         self.name = engine.name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.inputs = engine.inputs  # the engine's checks, for the gateway's prompt-only path too
         self.embedding_size = engine.config.hidden_size  # /v1/embeddings' vectors (engines/embedding.py)
         self.eos_token_ids = engine.eos_token_ids
         self.generation_defaults = engine.generation_defaults
@@ -59,8 +60,8 @@ class AsyncEngine:
         # the engine hands a step's outputs for this loop over in one call (ModelEngine._emit_many)
         emit.loop, emit.put = loop, queue.put_nowait
 
-        if params.structured is not None and self._engine.needs_compile(params.structured):
-            await self._engine.precompile_async(params.structured)  # bounded, never on the event loop
+        if params.structured is not None and self.inputs.needs_compile(params.structured):
+            await self.inputs.precompile_async(params.structured)  # bounded, never on the event loop
         req = self._engine.add_request(prompt, params, request_id, priority=priority,
                                        draft_token_ids=draft_token_ids, emit=emit, stream=True,
                                        ttft_s=ttft_s, tpot_s=tpot_s)

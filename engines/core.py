@@ -117,7 +117,7 @@ class EngineCore:
         # grammar compiles for every engine, in worker processes started with the first constrained request
         self.compile_pool = CompilePool(compile_limits)
         for e in self.engines.values():
-            e.compile_pool, e.compile_limits = self.compile_pool, self.compile_pool.limits
+            e.inputs.compile_pool, e.inputs.compile_limits = self.compile_pool, self.compile_pool.limits
         self.step_started: float | None = None  # monotonic start of the step running now (for `stalled`)
         self._async: dict[str, AsyncEngine] = {}
         self._cv = threading.Condition()

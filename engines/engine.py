@@ -1,27 +1,22 @@
-"""`ModelEngine`: one model's serving state, stepped synchronously on the thread that owns the device. Its step
-is DESIGN.md section 3: inbox, drafts, schedule, forward, sample or verify, `Scheduler.update`, rollback,
-emit. Outputs leave through per-request callbacks."""
+"""`ModelEngine`: one model's serving state, stepped synchronously on the thread that owns the device: the request
+lifecycle (queue, abort, fail, finish) and the one step loop (DESIGN.md section 3). Requests come in through its
+`InputProcessor` (engines/input_processor.py); outputs leave through `OutputProcessor`."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import hashlib
 import logging
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from engines.compile_pool import CompileBusy, CompileLimits, CompilePool, check_budget
 from engines.errors import EngineError, ErrorCode, RequestRejected
-from engines.grammar_check import require_finite_derivation
+from engines.input_processor import InputProcessor
 from engines.kv_pool import KVPool
 from engines.output_processor import OutputProcessor
-from engines.outputs import RequestMetrics, RequestOutput
+from engines.outputs import RequestOutput
 from engines.runner import ModelRunner
 from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler, SchedulerOutput
@@ -30,7 +25,7 @@ from engines.spec.decoder import SpeculativeDecoder
 from engines.spec.drafter import Drafter
 from engines.step_model import BatchCapController, StepTimer, step_clock
 from engines.step_plan import StepPolicy
-from engines.structured import GrammarCompiler, InvalidConstraint, MaskPrefetch, StructuredOutput
+from engines.structured import MaskPrefetch
 
 if TYPE_CHECKING:
     from engines.config import EngineSpec
@@ -67,6 +62,8 @@ class ModelEngine:
                                   spec.attention_backend, pool.scales(model_id))
         if spec.cuda_graphs and device.type == "cuda" and self.runner.use_kernel:
             self.runner.enable_decode_graphs(spec.max_num_seqs, self.max_model_len)
+        self.inputs = InputProcessor(self.name, self.tokenizer, self.config.vocab_size, self.max_model_len, pool,
+                                     lambda: self.eos_token_ids)
         self.output = OutputProcessor(self.name, self.tokenizer)
         self.timer = StepTimer(step_clock(device))
         self.policy = StepPolicy(self.scheduler, self.runner, pool, self.config.vocab_size)
@@ -75,8 +72,6 @@ class ModelEngine:
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._live_ids: set[str] = set()  # ids accepted and not yet finished (guarded by the GIL's atomic ops)
         self.num_steps = 0
-        self.grammars: GrammarCompiler | None = None  # built with the first constrained request
-        self._grammars_lock = threading.Lock()
         self.mask_prefetch = MaskPrefetch()
 
     def _speculator(self, drafter: Drafter | None, k_max: int) -> SpeculativeDecoder:
@@ -111,140 +106,22 @@ class ModelEngine:
                     priority: int = 0, draft_token_ids: list[int] | None = None,
                     emit: Callable[[RequestOutput], None] | None = None, stream: bool = True,
                     ttft_s: float | None = None, tpot_s: float | None = None) -> Request:
-        """Validate and queue a request; raises RequestRejected if it can never be served."""
-        req = self.make_request(prompt, params, request_id, priority=priority, draft_token_ids=draft_token_ids,
-                                ttft_s=ttft_s, tpot_s=tpot_s)
+        """Validate and queue a request (`InputProcessor.process`, then `submit`); RequestRejected if it can never
+        be served."""
+        req = self.inputs.process(prompt, params, request_id, priority=priority, draft_token_ids=draft_token_ids,
+                                  ttft_s=ttft_s, tpot_s=tpot_s)
         self.submit(req, emit, stream)
         return req
 
     def submit(self, req: Request, emit: Callable[[RequestOutput], None] | None, stream: bool = True) -> None:
-        """Queue a request built by `make_request`; it joins the scheduler at the next step."""
+        """Queue a request built by `self.inputs.process`; it joins the scheduler at the next step.
+        RequestRejected if a live request has its id."""
+        if req.request_id in self._live_ids:
+            raise RequestRejected(f"request_id {req.request_id!r} is already in use")
         req.emit = emit
         req.stream = stream
         self._live_ids.add(req.request_id)
         self._inbox.append(("add", req))
-
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
-                     priority: int = 0, draft_token_ids: list[int] | None = None, ttft_s: float | None = None,
-                     tpot_s: float | None = None) -> Request:
-        """Validate a request (RequestRejected if it can never be served); ttft_s/tpot_s are its SLO targets."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected(f"engine {self.name!r} has no tokenizer: pass the prompt as token ids")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise RequestRejected("the prompt is empty: at least one token is needed")
-        vocab = self.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab}) for model {self.name!r}")
-        if draft_token_ids is not None:
-            draft_token_ids = [int(t) for t in draft_token_ids]
-            if draft_token_ids and (min(draft_token_ids) < 0 or max(draft_token_ids) >= vocab):
-                raise RequestRejected(f"draft_token_ids must be in [0, {vocab}) for model {self.name!r}")
-        if len(ids) >= self.max_model_len:
-            raise RequestRejected(f"the prompt has {len(ids)} tokens but {self.name!r} has a context of "
-                                  f"{self.max_model_len}: shorten the prompt to at most {self.max_model_len - 1}",
-                                  ErrorCode.CONTEXT_LENGTH_EXCEEDED)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max_tokens > self.max_model_len:
-            raise RequestRejected(f"max_tokens={max_tokens} plus the prompt's {len(ids)} tokens exceeds the "
-                                  f"context of {self.max_model_len} tokens: lower max_tokens to at most "
-                                  f"{self.max_model_len - len(ids)}", ErrorCode.CONTEXT_LENGTH_EXCEEDED)
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise RequestRejected(f"logit_bias token ids must be in [0, {vocab}) for model {self.name!r}",
-                                  param="logit_bias")
-        if params.stop_token_ids and not all(0 <= t < vocab for t in params.stop_token_ids):
-            raise RequestRejected(f"stop_token_ids must be in [0, {vocab}) for model {self.name!r}",
-                                  param="stop_token_ids")
-        compiled = self._compile(params.structured) if params.structured is not None else None
-        pages = -(-(len(ids) + max_tokens) // self.pool.block_size)
-        if pages > self.pool.num_pages:
-            raise RequestRejected(f"the request needs {pages} KV pages (prompt + max_tokens) but the whole pool "
-                                  f"has {self.pool.num_pages}: lower max_tokens or enlarge the KV pool",
-                                  ErrorCode.KV_CAPACITY_EXCEEDED)
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        if rid in self._live_ids:
-            raise RequestRejected(f"request_id {rid!r} is already in use")
-        req = Request(rid, text, ids, params, priority=priority, ttft_s=ttft_s, tpot_s=tpot_s)
-        req.metrics = RequestMetrics(arrival_time=req.arrival_time)
-        for i in range(params.n):
-            seq = Sequence(req, i, list(ids), len(ids), len(ids) + max_tokens)
-            if params.seed is not None:  # choice i gets seed + i so the n choices differ but reproduce
-                seq.seed = params.seed + i
-            if self.tokenizer is not None:
-                seq.detokenizer = self.tokenizer.detokenizer(params.skip_special_tokens, prompt_ids=ids)
-            if params.logprobs is not None:
-                seq.logprobs = []
-            if compiled is not None:
-                seq.grammar = self.grammars.matcher(compiled)
-            if draft_token_ids:  # verified first, at most max_tokens of them
-                seq.supplied_draft_ids = draft_token_ids[:max_tokens]
-            req.seqs.append(seq)
-        return req
-
-    # set by EngineCore: constraints are proven to compile within budget in killable worker processes
-    compile_pool: CompilePool | None = None
-    compile_limits: CompileLimits = CompileLimits()
-
-    def needs_compile(self, so: StructuredOutput) -> bool:
-        """Whether validating a request with `so` would compile it (not cached yet): callers on an event loop
-        await `precompile_async` first."""
-        return self.tokenizer is not None and (self.grammars is None or not self.grammars.cached(so))
-
-    def precompile(self, so: StructuredOutput) -> None:
-        """Compile `so` into the cache (any thread); RequestRejected naming its field if it cannot be."""
-        self._compile(so)
-
-    async def precompile_async(self, so: StructuredOutput) -> None:
-        """Compile `so` into the cache without holding anything shared: proven within the compile budget in a
-        worker process (killed when over it or when the caller is cancelled), then compiled on the pool's own
-        threads. RequestRejected naming its field (400) or COMPILE_BUSY (503) when it cannot be."""
-        pool = self.compile_pool
-        if pool is None:
-            await asyncio.to_thread(self._compile, so)
-            return
-        grammars = self.grammars or await asyncio.wrap_future(pool.run_compile(self._grammar_compiler, so))
-        try:
-            if self._info is None:
-                text = grammars.worker_info()
-                self._info = (hashlib.sha256(text.encode()).hexdigest(), text)
-            proof, abandon = pool.prove(self._info, so)
-            try:
-                await asyncio.wrap_future(proof)
-            except asyncio.CancelledError:
-                abandon.set()  # the client left: its worker is killed
-                raise
-        except InvalidConstraint as e:
-            raise RequestRejected(str(e), param=e.where) from None
-        except CompileBusy as e:
-            raise RequestRejected(str(e), ErrorCode.COMPILE_BUSY) from None
-        await asyncio.wrap_future(pool.run_compile(self._compile, so))
-
-    _info: tuple[str, str] | None = None  # (key, JSON) of the vocabulary as xgrammar sees it, for the workers
-
-    def _grammar_compiler(self, so: StructuredOutput) -> GrammarCompiler:
-        if self.tokenizer is None:
-            raise RequestRejected(f"{so.param}: engine {self.name!r} has no tokenizer to constrain the output with",
-                                  param=so.param)
-        with self._grammars_lock:  # built once, by whichever caller thread comes first
-            if self.grammars is None:
-                self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
-                self.grammars.max_cached_bytes = self.compile_limits.cache_bytes
-        return self.grammars
-
-    def _compile(self, so: StructuredOutput) -> object:
-        """The constraint compiled for this engine's vocabulary (cached), within the size budgets;
-        RequestRejected naming its field."""
-        grammars = self._grammar_compiler(so)
-        try:
-            if not grammars.cached(so):
-                check_budget(so, self.compile_pool.limits if self.compile_pool else self.compile_limits)
-                require_finite_derivation(so)
-            return grammars.compile(so)
-        except InvalidConstraint as e:
-            raise RequestRejected(str(e), param=e.where) from None
 
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))

@@ -72,8 +72,8 @@ class LLM:
                 else:
                     raise RequestRejected("a dict prompt needs 'prompt' or 'prompt_token_ids'")
             self._counter += 1
-            reqs.append(self.engine.make_request(p, sp, f"llm-{self._counter}", priority=prio,
-                                                 draft_token_ids=drafts[len(reqs)]))
+            reqs.append(self.engine.inputs.process(p, sp, f"llm-{self._counter}", priority=prio,
+                                                   draft_token_ids=drafts[len(reqs)]))
         results: dict[str, RequestOutput] = {}
         for r in reqs:  # validated all first: either every prompt is queued or none
             self.engine.submit(r, lambda out: results.__setitem__(out.request_id, out), stream=False)

@@ -16,6 +16,7 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 from opentelemetry import trace
 
+from engines.errors import ErrorCode, RequestRejected
 from engines.outputs import CompletionOutput, RequestOutput
 from gateway.answers import SSE_DONE, Completion, CompletionChoice, Usage, encode, sse
 from gateway.errors import APIError
@@ -171,16 +172,11 @@ async def _serve_prompt_only(request: Request, state: GatewayState, route: Route
                                  prompt_token_ids=None if isinstance(sent, str) else sent)
             engine = state.engines[strategy.plan(ctx, state.engines).engine]
             ids = list(await prompt.get(engine))
-            if not ids:
-                raise APIError(400, "The prompt is empty: at least one token is needed", param=prompt.param,
-                               code="invalid_value")
-            if len(ids) > engine.max_model_len:
-                raise APIError(400, f"The prompt has {len(ids)} tokens but {engine.name!r} has a context of "
-                               f"{engine.max_model_len}", param=prompt.param, code="context_length_exceeded")
-            vocab = engine.tokenizer.vocab_size if engine.tokenizer is not None else None
-            if vocab is not None and max(ids) >= vocab:
-                raise APIError(400, f"prompt token ids must be below {vocab} for model {engine.name!r}",
-                               param=prompt.param, code="invalid_value")
+            try:
+                engine.inputs.check_prompt(ids, scoring=True)  # the engine's own prompt checks (the whole context)
+            except RequestRejected as exc:
+                code = exc.code.value if exc.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED else "invalid_value"
+                raise APIError(400, str(exc), param=prompt.param, code=code) from None
             if tokens is not None:
                 await tokens.reserve(len(ids))
                 tokens.settle(len(ids))

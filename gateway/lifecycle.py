@@ -283,10 +283,8 @@ async def _first_output(run: RoutedRun, ctx: RoutingContext) -> RequestOutput:
     try:
         first = await anext(run.outputs)
     except (RequestRejected, EngineDeadError) as exc:
-        param = getattr(exc, "param", None)  # a constraint's field (a structured output's 400 names it)
-        if exc.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and await ctx.prompt.fits(run.engine):
-            param = "max_tokens"  # the prompt alone fits: max_tokens on top of it does not
-        raise engine_api_error(exc.code, str(exc), param=param) from None
+        # the field the engine names: a constraint's, or max_tokens when the prompt fits but max_tokens does not
+        raise engine_api_error(exc.code, str(exc), param=getattr(exc, "param", None)) from None
     except StopAsyncIteration:
         raise APIError(500, "The engine ended the request without any output", code="engine_error") from None
     if first.error and (first.error.code is ErrorCode.TTFT_EXPIRED or not any(c.token_ids for c in first.outputs)):

@@ -57,16 +57,6 @@ class Prompt:
             self._prepared[engine.name] = prompt
         return prompt
 
-    async def fits(self, engine: Any) -> bool:
-        """Whether the prompt alone fits `engine`'s context (after a context-length refusal: whose fault)."""
-        prompt = await self.get(engine)
-        if isinstance(prompt, str):
-            encode = engine.tokenizer.encode
-            ids = await TOKENIZE_POOL.run(encode, prompt) if self.chars > INLINE_CHARS else encode(prompt)
-        else:
-            ids = prompt
-        return len(ids) < engine.max_model_len
-
     def _prepare(self, engine: Any) -> Rendered:
         prompt = self._render(engine)
         if self.tokenize and isinstance(prompt, str):

@@ -168,12 +168,12 @@ def test_a_compile_over_its_time_budget_or_whose_caller_left_is_stopped_with_its
 def test_the_async_engine_cancels_a_compile_when_its_caller_is_cancelled(plain):
     pool = CompilePool(CompileLimits(compile_timeout_s=60, compile_workers=1, max_schema_properties=20_000,
                                      max_schema_bytes=1 << 20))
-    engine = plain.engine
-    own = engine.compile_pool
-    engine.compile_pool = pool
+    inputs = plain.engine.inputs
+    own = inputs.compile_pool
+    inputs.compile_pool = pool
     try:
         async def main():
-            task = asyncio.ensure_future(engine.precompile_async(wide_schema(10_000)))
+            task = asyncio.ensure_future(inputs.precompile_async(wide_schema(10_000)))
             while not pool.large.slots or pool.large.slots[0].job is None:
                 await asyncio.sleep(0.05)
             proc = pool.large.slots[0].proc
@@ -187,5 +187,5 @@ def test_the_async_engine_cancels_a_compile_when_its_caller_is_cancelled(plain):
             return False
         assert asyncio.run(main())
     finally:
-        engine.compile_pool = own
+        inputs.compile_pool = own
         pool.close()

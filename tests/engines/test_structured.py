@@ -164,7 +164,7 @@ def test_compiled_grammars_are_cached_by_constraint_and_bounded(plain):
 
 
 def test_unconstrained_requests_carry_no_grammar(plain):
-    req = plain.engine.make_request(PROMPT, SamplingParams(max_tokens=2))
+    req = plain.engine.inputs.process(PROMPT, SamplingParams(max_tokens=2))
     assert all(s.grammar is None for s in req.seqs)
 
 

@@ -140,3 +140,52 @@ def test_token_id_prompts_written_as_whole_floats_are_token_ids(server):
     assert as_floats.json()["choices"][0]["text"] == as_ints.json()["choices"][0]["text"]
     err = _error(_post(server, "/v1/completions", _completion(prompt=[ids[0] + 0.5])), 400)
     assert err["param"] == "prompt"
+
+
+# ------------------------------------------- the prompt's checks: engines/input_processor.py, for both paths
+
+def _vocab(tiny_checkpoint) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny_checkpoint("llama") / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+def _scored(prompt) -> dict:
+    return {"model": "one", "prompt": prompt, "max_tokens": 0, "echo": True}
+
+
+def test_prompt_only_refusals_name_the_prompt_and_say_why(server, tiny_checkpoint):
+    """max_tokens 0 with echo scores the prompt and generates nothing: it may fill the whole context, and its
+    ids must be the tokenizer's (they are echoed as text)."""
+    ctx, vocab = 512, _vocab(tiny_checkpoint)
+    assert _post(server, "/tokenize", {"prompt": "x"}).json()["max_model_len"] == ctx
+    err = _error(_post(server, "/v1/completions", _scored([5] * (ctx + 1))), 400)
+    assert (err["message"], err["param"], err["code"]) == (
+        f"The prompt has {ctx + 1} tokens but 'one' has a context of {ctx}", "prompt", "context_length_exceeded")
+    full = _post(server, "/v1/completions", _scored([5] * ctx))
+    assert full.status_code == 200 and full.json()["usage"]["prompt_tokens"] == ctx, full.text
+    err = _error(_post(server, "/v1/completions", _scored([3, vocab])), 400)
+    assert (err["message"], err["param"], err["code"]) == (
+        f"prompt token ids must be below {vocab} for model 'one'", "prompt", "invalid_value")
+    err = _error(_post(server, "/v1/completions", _scored([[3, 4], [3, vocab]])), 400)
+    assert err["param"] == "prompt[1]" and err["code"] == "invalid_value", err
+
+
+def test_generation_refusals_say_which_field_to_change(server, tiny_checkpoint):
+    """The same checks where a token is to be generated: the prompt needs room for one, max_tokens on top of
+    it must fit, ids must be the model's."""
+    ctx, vocab = 512, 384
+    err = _error(_post(server, "/v1/completions", _completion(prompt=[5] * ctx)), 400)
+    assert (err["message"], err["param"], err["code"]) == (
+        f"the prompt has {ctx} tokens but 'one' has a context of {ctx}: shorten the prompt to at most {ctx - 1}",
+        None, "context_length_exceeded")
+    err = _error(_post(server, "/v1/completions", _completion(prompt=[5] * 10, max_tokens=ctx)), 400)
+    assert (err["message"], err["param"], err["code"]) == (
+        f"max_tokens={ctx} plus the prompt's 10 tokens exceeds the context of {ctx} tokens: lower max_tokens to "
+        f"at most {ctx - 10}", "max_tokens", "context_length_exceeded")
+    err = _error(_post(server, "/v1/completions", _completion(prompt=[3, vocab])), 400)
+    assert (err["message"], err["param"], err["code"]) == (
+        f"prompt token ids must be in [0, {vocab}) for model 'one'", None, "invalid_request")
+    err = _error(_post(server, "/v1/completions", _completion(logit_bias={str(vocab): 1})), 400)
+    assert (err["message"], err["param"], err["code"]) == (
+        f"logit_bias token ids must be in [0, {vocab}) for model 'one'", "logit_bias", "invalid_request")
