@@ -31,13 +31,46 @@ def spec(tools: list[tuple[str, Any]], parallel: bool = True) -> str:
                       separators=(",", ":"), sort_keys=True)
 
 
+def _is_type(value: Any, name: str) -> bool:
+    if name == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    kinds = {"string": str, "boolean": bool, "null": type(None), "number": (int, float)}
+    return name in kinds and isinstance(value, kinds[name]) and (name == "boolean" or not isinstance(value, bool))
+
+
+def _typed_enums_alone(node: Any) -> Any:
+    """`node` with every `{"type": T, "enum": [scalars]}` (nothing else beside them but annotations) written
+    as the enum of its values of type T: the same set, in the form xgrammar enforces exactly (beside `type`
+    the walk sends an enum to llguidance, which this grammar cannot embed). `const` likewise."""
+    if isinstance(node, list):
+        return [_typed_enums_alone(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _typed_enums_alone(v) for k, v in node.items()}
+    t = node.get("type")
+    names = [t] if isinstance(t, str) else t if isinstance(t, list) and all(isinstance(x, str) for x in t) else None
+    values = node.get("enum") if isinstance(node.get("enum"), list) else (
+        [node["const"]] if "const" in node and "enum" not in node else None)
+    rest = set(node) - {"type", "enum", "const"} - schema_support.ANNOTATIONS
+    if names is None or values is None or rest or any(isinstance(v, dict | list) for v in values):
+        return out
+    kept = [v for v in values if any(_is_type(v, n) for n in names)]
+    if not kept:
+        return out  # nothing fits: left for the walk to handle as written
+    for k in ("type", "enum", "const"):
+        out.pop(k, None)
+    out["enum"] = kept
+    return out
+
+
 def _arguments_ebnf(index: int, schema: Any) -> str:
     """The parameters schema as xgrammar EBNF in the compact layout, or ToolGrammarRefused when a keyword
     would need llguidance (which this grammar cannot embed) or is refused outright."""
     import xgrammar as xgr
 
     try:
-        chosen = schema_support.plan(schema)
+        chosen = schema_support.plan(_typed_enums_alone(schema))
     except schema_support.SchemaRefused as e:
         raise ToolGrammarRefused(index, str(e), e.keyword, e.pointer) from None
     if chosen.backend != schema_support.XGRAMMAR:

@@ -20,20 +20,19 @@ from engines.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# function definitions in the shape of OpenAI's and popular agent frameworks' examples (strict-mode style);
-# `enum` stands without `type` because beside it the walk sends it to llguidance, which auto cannot use yet
+# function definitions in the shape of OpenAI's and popular agent frameworks' examples (strict-mode style)
 REAL_TOOLS = [
     ("get_current_weather", {
         "type": "object", "properties": {
             "location": {"type": "string", "description": "The city and state, e.g. San Francisco, CA"},
-            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
         "required": ["location", "unit"], "additionalProperties": False}),
     ("search_flights", {
         "type": "object", "properties": {
             "origin": {"type": "string", "pattern": "^[A-Z]{3}$", "description": "IATA code"},
             "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
             "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
-            "cabin": {"enum": ["economy", "business", "first", None]}},
+            "cabin": {"type": ["string", "null"], "enum": ["economy", "business", "first", None]}},
         "required": ["origin", "destination", "passengers", "cabin"], "additionalProperties": False}),
     ("create_calendar_event", {
         "type": "object", "properties": {
@@ -84,6 +83,8 @@ def test_text_a_call_after_text_and_two_calls_are_accepted(compiler):
 @pytest.mark.parametrize("bad", [
     CALL.replace("get_current_weather", "get_weather"),  # not among the tools
     CALL.replace('"celsius"', '"kelvin"'),  # outside the enum
+    '<tool_call>\n{"name": "search_flights", "arguments": {"origin": "JFK", "destination": "LHR", "passengers": 1, '
+    '"cabin": 7}}\n</tool_call>',  # a typed enum keeps its type
     CALL.replace(', "unit": "celsius"', ""),  # a required argument missing
     CALL.replace('"unit": "celsius"', '"unit": "celsius", "extra": 1'),  # additionalProperties false
     CALL.replace('{"location": "Paris"', '{"location":"Paris"'),  # free whitespace: the layout is compact
@@ -149,3 +150,13 @@ def test_parameters_only_llguidance_enforces_are_refused_naming_the_keyword(comp
         _compiled(comp, tools=tools)
     assert exc.value.where == "tools[1].function.parameters#/properties/when/format"
     assert "`format`" in str(exc.value)
+
+
+def test_a_typed_enum_is_rewritten_to_the_same_set_of_values():
+    assert tool_grammar._typed_enums_alone({"type": "string", "enum": ["a", 1, None], "description": "d"}) == \
+        {"description": "d", "enum": ["a"]}
+    assert tool_grammar._typed_enums_alone({"type": ["integer", "null"], "enum": [1, True, 2.5, None]}) == \
+        {"enum": [1, None]}
+    assert tool_grammar._typed_enums_alone({"type": "boolean", "const": True}) == {"enum": [True]}
+    beside = {"type": "string", "enum": ["ab"], "maxLength": 1}  # another assertion beside: left as written
+    assert tool_grammar._typed_enums_alone(beside) == beside
