@@ -1,5 +1,5 @@
 """What a request asks its output to match, as one `engines.structured.StructuredOutput`: OpenAI's
-`response_format` and forced `tool_choice`, vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+`response_format` and `tool_choice` (auto included), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar` and its newer `structured_outputs`. At most one may constrain a request; anything that
 cannot be honoured is an InvalidParameter naming its field. Every JSON schema is checked here before it
 reaches an engine (engines/schema_support.py): OpenAI's strict rules where `strict` is true, then a keyword
