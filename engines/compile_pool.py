@@ -73,6 +73,9 @@ def check_budget(so: StructuredOutput, limits: CompileLimits) -> None:
             _refuse(so, "the largest enum's size", enum, "max_enum_values", limits.max_enum_values)
         if depth > limits.max_schema_depth:
             _refuse(so, "the schema's nesting depth", depth, "max_schema_depth", limits.max_schema_depth)
+    elif so.kind == "tool_calls":
+        if size > limits.max_schema_bytes:
+            _refuse(so, "the tools' parameters size in bytes", size, "max_schema_bytes", limits.max_schema_bytes)
     elif so.kind in ("regex", "grammar"):
         if size > limits.max_grammar_bytes:
             _refuse(so, "the constraint's size in bytes", size, "max_grammar_bytes", limits.max_grammar_bytes)

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import engines.schema_support as schema_support
+import engines.tool_grammar as tool_grammar
 from engines.llguidance_backend import LLGTemplate, LLGuidanceBackend, LLGuidanceError, clean_message
 
 if TYPE_CHECKING:
     import xgrammar
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 
 
 class InvalidConstraint(ValueError):
@@ -44,7 +45,8 @@ class InvalidConstraint(ValueError):
 @dataclass(frozen=True)
 class StructuredOutput:
     """What the output must match. `kind`: json (spec is a JSON schema, as a canonical JSON string),
-    json_object (any JSON object; spec unused), regex, choice (spec: a JSON list of strings), grammar (EBNF).
+    json_object (any JSON object; spec unused), regex, choice (spec: a JSON list of strings), grammar (EBNF),
+    tool_calls (tool_choice auto: free text and Hermes calls; spec from engines/tool_grammar.py `spec`).
     `param` names the request field it came from (for errors)."""
 
     kind: str
@@ -150,6 +152,8 @@ class GrammarCompiler:
                 return c.compile_regex("|".join(f"({_regex_literal(o)})" for o in options))
             if so.kind == "grammar":
                 return c.compile_grammar(so.spec)
+            if so.kind == "tool_calls":
+                return self._compile_tool_calls(so)
         except InvalidConstraint:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
@@ -180,6 +184,15 @@ class GrammarCompiler:
             where = f"schema's `{keyword}` at {pointer or '/'}" if keyword else "schema"
             raise InvalidConstraint(so.param, f"{so.param}: the JSON {where} cannot be enforced exactly ({e})",
                                     keyword=keyword, pointer=pointer) from None
+
+    def _compile_tool_calls(self, so: StructuredOutput) -> Any:
+        """tool_choice auto's grammar, or InvalidConstraint naming the tool's parameters keyword."""
+        try:
+            return tool_grammar.compile_tool_calls(self._compiler, so.spec)
+        except tool_grammar.ToolGrammarRefused as e:
+            param = f"tools[{e.index}].function.parameters"
+            raise InvalidConstraint(param, f"{param} under tool_choice auto: {clean_message(str(e))}",
+                                    keyword=e.keyword, pointer=e.pointer) from None
 
     def cached(self, so: StructuredOutput) -> bool:
         """Whether `compile(so)` would return at once (the caller can compile elsewhere otherwise)."""

@@ -1,5 +1,5 @@
 """What a request asks its output to match, as one `engines.structured.StructuredOutput`: OpenAI's
-`response_format` and forced `tool_choice`, vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+`response_format` and `tool_choice` (auto included), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar` and its newer `structured_outputs`. At most one may constrain a request; anything that
 cannot be honoured is an InvalidParameter naming its field. Every JSON schema is checked here before it
 reaches an engine (engines/schema_support.py): OpenAI's strict rules where `strict` is true, then a keyword
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from engines import schema_support
+from engines import schema_support, tool_grammar
 from engines.structured import StructuredOutput
 from gateway.invalid_parameter import InvalidParameter
 from gateway.strict_schema import strict_violation
@@ -90,6 +90,10 @@ def structured_output(req: ChatCompletionRequest | CompletionRequest) -> Structu
     forced = tool_call_constraint(req)
     if forced is not None:
         found.append(forced)
+    if len(found) > 1 and found[1].kind == "tool_calls":
+        raise _invalid(found[0].param, f"{found[0].param} and tools under tool_choice auto both constrain the "
+                       f"output (the calls' grammar cannot be combined with it): send tool_choice none, or one "
+                       f"of them")
     if len(found) > 1:
         raise _invalid(found[1].param, f"{found[1].param} and {found[0].param} both constrain the output: "
                        f"send one of them")
@@ -103,17 +107,22 @@ def _choice(options: list[str], param: str) -> StructuredOutput:
 
 
 def tool_call_constraint(req: Any) -> StructuredOutput | None:
-    """For `tool_choice` required or a named function: the grammar of the call. Named: the function's
-    arguments object. Required: a JSON list of calls `[{"name": ..., "arguments": {...}}]` (one at most
-    when parallel_tool_calls is false), each validating against its function's parameters."""
+    """The grammar of the calls `tool_choice` allows. Auto (or absent, with tools): free text and Hermes
+    `<tool_call>` blocks whose arguments match their function's parameters (engines/tool_grammar.py).
+    Named: the function's arguments object. Required: a JSON list of calls `[{"name": ..., "arguments":
+    {...}}]` (one at most when parallel_tool_calls is false), each validating against its function's
+    parameters."""
     tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
-    if choice is None or choice in ("none", "auto"):
+    if choice == "none" or (choice in (None, "auto") and not tools):
         return None
     if not tools:
         raise _invalid("tool_choice", "tool_choice needs tools to choose from")
     for i, t in enumerate(tools):
         if t.function.parameters is not None:
             checked_schema(t.function.parameters, f"tools[{i}].function.parameters", bool(t.function.strict))
+    if choice in (None, "auto"):
+        return StructuredOutput("tool_calls", tool_grammar.spec(
+            [(t.function.name, parameters(t)) for t in tools], req.parallel_tool_calls is not False), "tool_choice")
     if choice == "required":
         calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                             "arguments": parameters(t)},
