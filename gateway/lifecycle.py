@@ -1,8 +1,7 @@
-"""One request's way through the gateway, after its handler has parsed it: size check, the route's strategy
-plans the engine, the key's tokens/minute are reserved, admission books it (or downgrades, or sheds with 503
-+ Retry-After), the strategy starts it, the first output is awaited (so a rejection is an HTTP error before
-any byte), then one JSON body or an SSE stream answers; `Finisher` closes the request whichever way it ends.
-The client is watched from admission on: when it leaves, every engine request the run started is aborted.
+"""A request's way through the gateway as one pipeline of named stages over one `Job`: (Litestar decodes the
+body and `resolve_route` finds the route before the handler builds the prompt), then decode, resolve, render,
+reserve, admit, run, format, settle, each one function below in that order; `serve` runs them. The client is
+watched from the reservation on: when it leaves, every engine request the run started is aborted.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from litestar import Request, Response
@@ -24,6 +23,7 @@ from opentelemetry import trace
 
 from engines.errors import EngineDeadError, ErrorCode, RequestRejected
 from engines.outputs import RequestOutput
+from engines.sampling_params import SamplingParams
 from engines.scoring import ScoringBusy
 from gateway.accounting import Finisher, Progress
 from gateway.answers import encode
@@ -69,49 +69,58 @@ def engine_request_id(scope_state: dict[str, Any], part: int | None = None) -> s
     return request_id
 
 
+@dataclass
+class Job:
+    """One request's state as it goes through the stages: what the handler decoded, then what each stage adds."""
+
+    request: Request
+    state: GatewayState
+    route: Route
+    data: ChatCompletionRequest | CompletionRequest
+    operation: str
+    prompt: Prompt
+    conversation: list[dict[str, Any]] | None = None
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+    part: int | None = None
+    answer_format: AnswerFormat | None = None
+    span: Any = None
+    arrival: float = 0.0
+    request_id: str = ""
+    client_request_id: str = ""  # the id the answer shows (the client's X-Request-Id when sent)
+    attributes: dict[str, Any] = field(default_factory=dict)  # the server span's, set in one call per stage
+    params: SamplingParams | None = None  # decode
+    tokens: TokenReservation | None = None  # decode: the key's tokens/minute (None: unlimited)
+    ctx: RoutingContext | None = None  # decode: what the route's strategy sees
+    strategy: Any = None  # resolve: the route's strategy
+    plan: Plan | None = None  # resolve
+    route_start: int = 0  # resolve: when the routing decision began (ns)
+    prompt_tokens: int = 0  # render: counted when admission or a tokens/minute limit needs them
+    run: RoutedRun | None = None  # run
+    route_span: tuple | None = None  # run: the routing decision's span, written once the answer is out
+    first: RequestOutput | None = None  # run
+    finish: Finisher | None = None  # settle, made when the run starts
+
+
 async def serve(request: Request, state: GatewayState, route: Route,
                 data: ChatCompletionRequest | CompletionRequest, operation: str, prompt: Prompt, *,
                 conversation: list[dict[str, Any]] | None = None, prompt_text: str | None = None,
                 prompt_token_ids: list[int] | None = None, part: int | None = None,
                 watch_client: bool = True, answer_format: AnswerFormat | None = None) -> Response | Stream:
-    """Admit, start and answer one parsed request on `route` (the handlers' common path). From admission to the
-    answer the client is watched: if it leaves, the wait is cancelled and every engine request is aborted.
-    `part`: the prompt's index in a completion of several prompts (whose caller watches the client);
-    `answer_format`: another API's answer (gateway/responses_api.py, gateway/anthropic_api.py) instead of
-    OpenAI chat's, made from the request id and the answering engine's tokenizer."""
-    scope_state = request.scope["state"]
-    arrival = scope_state.get("arrival") or time.monotonic()
-    request_id = engine_request_id(scope_state, part)
-    prompt.check_size(state.engines[name] for name in route.config.engines)  # before any work
-    span = trace.get_current_span()
-    span.update_name(f"{operation} {data.model}")
-    attributes = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "tandem",
-                  "gen_ai.request.model": data.model, "tandem.route": route.name}
-    for attr, value in (("temperature", data.temperature), ("top_p", data.top_p), ("seed", data.seed)):
-        if value is not None:
-            attributes[f"gen_ai.request.{attr}"] = value
-    span.set_attributes(attributes)  # one call: each attribute set takes the span's lock
-    try:
-        params = sampling_params(data, default_max_tokens=None if operation == "chat" else 16,
-                                 max_tokens_cap=route.config.max_tokens)
-    except InvalidParameter as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
-    if params.max_tokens is not None:
-        span.set_attribute("gen_ai.request.max_tokens", params.max_tokens)
-    if state.cfg.telemetry.record_content:
-        span.set_attribute("gen_ai.input.messages", json.dumps(
-            conversation or [{"role": "user", "content": prompt_text}]))
-    tokens = state.keyring.limiter.reservation(scope_state.get("api_key"))
-    prompt.tokenize = state.admission is not None or tokens is not None  # both count the prompt's tokens
-    ctx = RoutingContext(request_id=request_id, route=route, params=params, prompt=prompt,
-                         conversation=conversation, prompt_text=prompt_text, prompt_token_ids=prompt_token_ids,
-                         ledger=state.admission if state.admission is not None else NO_LEDGER)
-    answer = _Answer(scope_state["request_id"], (part or 0) * params.n, answer_format)
+    """The pipeline for one decoded request on its resolved route: decode, resolve, render, reserve, admit,
+    run, format, settle (each stage below, in this order). From `reserve` to the answer the client is watched:
+    if it leaves, the wait is cancelled and every engine request is aborted. `part`: the prompt's index in a
+    completion of several prompts (whose caller watches the client); `answer_format`: another API's answer
+    (gateway/responses_api.py, gateway/anthropic_api.py) instead of OpenAI chat's, made from the request id and
+    the answering engine's tokenizer."""
+    job = Job(request, state, route, data, operation, prompt, conversation, prompt_text, prompt_token_ids, part,
+              answer_format)
+    decode(job)
     if not watch_client:
-        return await _answer(state, ctx, data, operation, span, arrival, tokens, answer)
+        return await _stages(job)
     watch = ClientWatch(request.receive)  # the body is read: from here a client that leaves cancels the request
     try:
-        return await _answer(state, ctx, data, operation, span, arrival, tokens, answer)
+        return await _stages(job)
     except asyncio.CancelledError:
         if not watch.uncancel_if_left():
             raise  # cancelled from elsewhere (server shutdown): not ours to swallow
@@ -120,14 +129,227 @@ async def serve(request: Request, state: GatewayState, route: Route,
         watch.stop()  # an SSE stream watches for itself from its first byte
 
 
-@dataclass
-class _Answer:
-    """What the answer says of the request: its id (the client's X-Request-Id when sent: echoed, and the base of
-    the response id) and its first choice's index (prompt i of several prompts starts at i * n)."""
+async def _stages(job: Job) -> Response | Stream:
+    """resolve .. format, watched by `serve`; a failure before the run has started undoes what was booked."""
+    await start(job)
+    job.state.inflight += 1
+    job.finish = Finisher(job.state, job.route, job.run, Progress(job.arrival), job.span, job.tokens,
+                          job.operation, job.data.model, job.route_span)
+    try:
+        await run(job)
+        fmt = await formatter(job)
+    except BaseException as exc:
+        _failed_before_answer(job, exc)
+        raise
+    return await answer(job, fmt)
 
-    request_id: str
-    index_base: int = 0
-    answer_format: AnswerFormat | None = None
+
+async def start(job: Job) -> None:
+    """resolve, render, reserve, admit, and the strategy starts the run; what was booked is undone when a later
+    step fails. The routing decision's span is kept to be written once the answer is out (spans cost CPU)."""
+    resolve(job)
+    await render(job)
+    await reserve(job)
+    try:
+        admit(job)
+        try:
+            job.run = await job.strategy.start(job.plan, job.ctx, job.state.engines)
+        except BaseException as exc:
+            job.ctx.ledger.release(job.request_id)
+            _route_failed(job, exc)
+            raise
+    except BaseException:
+        if job.tokens is not None:
+            job.tokens.settle(0)  # nothing ran: the whole reservation goes back
+        raise
+    if job.span.is_recording():
+        started = job.run
+        decision = {"tandem.route": job.route.name, "tandem.route.strategy": job.route.config.strategy,
+                    "tandem.route.engine": started.engine.name, **started.attributes}
+        if started.score is not None:
+            decision["tandem.router.score"] = started.score
+        job.route_span = (job.route_start, time.time_ns(), decision)
+
+
+async def start_request(state: GatewayState, ctx: RoutingContext, span: Any,
+                        tokens: TokenReservation | None = None) -> tuple[RoutedRun, tuple | None]:
+    """`start` for a context made elsewhere (tests drive the strategies this way): the run and its route span."""
+    job = Job(None, state, ctx.route, None, "", ctx.prompt, span=span, request_id=ctx.request_id,  # type: ignore[arg-type]
+              params=ctx.params, tokens=tokens, ctx=ctx)
+    await start(job)
+    return job.run, job.route_span
+
+
+# ------------------------------------------------------------------------------------------- the stages
+
+
+def decode(job: Job) -> None:
+    """The decoded request in engine terms: its id, the size check (before any work), the sampling params
+    within the route's max_tokens, the GenAI request attributes, the key's token reservation, the context."""
+    state, route, data = job.state, job.route, job.data
+    scope_state = job.request.scope["state"]
+    job.arrival = scope_state.get("arrival") or time.monotonic()
+    job.request_id = engine_request_id(scope_state, job.part)
+    job.client_request_id = scope_state["request_id"]
+    job.prompt.check_size(state.engines[name] for name in route.config.engines)
+    job.span = span = trace.get_current_span()
+    span.update_name(f"{job.operation} {data.model}")
+    attributes = {"gen_ai.operation.name": job.operation, "gen_ai.provider.name": "tandem",
+                  "gen_ai.request.model": data.model, "tandem.route": route.name}
+    for attr, value in (("temperature", data.temperature), ("top_p", data.top_p), ("seed", data.seed)):
+        if value is not None:
+            attributes[f"gen_ai.request.{attr}"] = value
+    try:
+        job.params = params = sampling_params(data, default_max_tokens=None if job.operation == "chat" else 16,
+                                              max_tokens_cap=route.config.max_tokens)
+    except InvalidParameter as exc:
+        span.set_attributes(attributes)
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    if params.max_tokens is not None:
+        attributes["gen_ai.request.max_tokens"] = params.max_tokens
+    if state.cfg.telemetry.record_content:
+        attributes["gen_ai.input.messages"] = json.dumps(
+            job.conversation or [{"role": "user", "content": job.prompt_text}])
+    span.set_attributes(attributes)  # one call: each attribute set takes the span's lock
+    job.tokens = state.keyring.limiter.reservation(scope_state.get("api_key"))
+    job.prompt.tokenize = state.admission is not None or job.tokens is not None  # both count the prompt's tokens
+    job.ctx = RoutingContext(request_id=job.request_id, route=route, params=params, prompt=job.prompt,
+                             conversation=job.conversation, prompt_text=job.prompt_text,
+                             prompt_token_ids=job.prompt_token_ids,
+                             ledger=state.admission if state.admission is not None else NO_LEDGER)
+
+
+def resolve(job: Job) -> None:
+    """The route's strategy plans the engine (fixed: its engine; router: the router's choice; cascade: small)."""
+    job.route_start = time.time_ns()
+    try:
+        job.strategy = job.state.routes.strategy(job.route)
+        job.plan = job.strategy.plan(job.ctx, job.state.engines)
+    except BaseException as exc:
+        _route_failed(job, exc)
+        raise
+
+
+async def render(job: Job) -> None:
+    """The prompt for the planned engine: its chat template applied, and tokenised when counted."""
+    engine = job.state.engines[job.plan.engine]
+    job.prompt_tokens = len(await job.prompt.get(engine)) if job.prompt.tokenize else 0
+
+
+async def reserve(job: Job) -> None:
+    """The key's tokens/minute (429 + Retry-After): before admission books anything, so a 429 undoes nothing.
+    Prompt plus n x max_tokens, or without max_tokens a bounded estimate ([auth] reserved_completion_tokens, at
+    most what the context leaves); settled to the usage when the request ends."""
+    if job.tokens is None:
+        return
+    params, engine = job.params, job.state.engines[job.plan.engine]
+    per_choice = params.max_tokens or min(job.state.cfg.auth.reserved_completion_tokens,
+                                          max(1, engine.max_model_len - job.prompt_tokens))
+    await job.tokens.reserve(job.prompt_tokens + params.n * per_choice)
+
+
+def admit(job: Job) -> None:
+    """Book the request (its prompt tokens) on the planned engine, move the plan to the small engine
+    (downgrade), or shed it (APIError 503 + Retry-After; nothing is booked then)."""
+    state, route, plan, tokens = job.state, job.route, job.plan, job.prompt_tokens
+    if state.admission is None:
+        return
+    d = state.admission.admit(job.request_id, route.name, plan.engine, tokens)
+    attrs: dict[str, Any] = {"tandem.admission.action": d.action, "tandem.admission.reason": d.reason,
+                             "tandem.admission.prompt_tokens": tokens}
+    if d.predicted_ttft_s is not None:
+        attrs["tandem.admission.predicted_ttft_ms"] = round(d.predicted_ttft_s * 1000.0, 3)
+    if d.retry_after_s is not None:
+        attrs["tandem.admission.retry_after_s"] = d.retry_after_s
+    job.span.set_attributes(attrs)
+    if d.action == "downgrade":  # SLO pressure: the small engine meets the target
+        plan.engine = d.engine
+        plan.attributes["tandem.admission.downgraded"] = True
+    if d.admitted:
+        return
+    state.slo.observe_shed(route.name)
+    wait = max(1, math.ceil(d.retry_after_s or 1.0))
+    why = ("its waiting queue is full" if d.reason == "queue_full" else
+           f"the predicted time to first token ({d.predicted_ttft_s or 0.0:.2f} s) misses its "
+           f"{(d.target_ttft_s or 0.0) * 1000:.0f} ms target")
+    raise APIError(d.status or 503, f"Route {route.name!r} is overloaded: {why}; retry in {wait} s",
+                   code="overloaded", retry_after=wait)
+
+
+async def run(job: Job) -> None:
+    """Wait for the started run's first output (a rejection becomes an HTTP error before any byte); its
+    prefill is done, so admission's backlog shrinks; a cascade's decision is known now: span and counters."""
+    run_, ctx, span = job.run, job.ctx, job.span
+    decided = set(run_.attributes)
+    job.first = first = await _first_output(run_, ctx)
+    ctx.ledger.first_token(job.request_id) if not first.error else ctx.ledger.release(job.request_id)
+    job.finish.progress.saw(first)
+    attributes = {key: run_.attributes[key] for key in run_.attributes.keys() - decided}
+    attributes["gen_ai.response.model"] = run_.engine.name
+    span.set_attributes(attributes)
+    telemetry = job.state.telemetry
+    if not job.route.direct:
+        telemetry.labelled(telemetry.router_decisions, job.route.name, run_.engine.name).inc()
+    if run_.attributes.get(ESCALATED):
+        telemetry.labelled(telemetry.cascade_escalations, job.route.name).inc()
+
+
+async def formatter(job: Job) -> Any:
+    """The answer's format: OpenAI chat or completion (`Formatter`), or another API's; with the prompt's
+    logprobs scored when asked (echo, prompt_logprobs)."""
+    run_, data = job.run, job.data
+    if job.answer_format is not None:
+        return job.answer_format(job.client_request_id, run_.engine.tokenizer)
+    k = prompt_logprobs_k(data)
+    prompt_lps = None if k is None or job.first.error else await score_prompt(run_.engine,
+                                                                              job.first.prompt_token_ids, k)
+    response_id = ("chatcmpl-" if job.operation == "chat" else "cmpl-") + job.client_request_id
+    return Formatter(job.operation, response_id, int(time.time()), data.model, run_.engine.tokenizer, data,
+                     job.params.logprobs, job.prompt_text, index_base=(job.part or 0) * job.params.n,
+                     prompt_logprobs=prompt_lps)
+
+
+async def answer(job: Job, fmt: Any) -> Response | Stream:
+    """One JSON body, or an SSE stream; `settle` (Finisher.close) runs once its last byte is out."""
+    headers = _headers(job)
+    if not job.data.stream:
+        return await _json_answer(job.first, job.run, job.finish.progress, fmt, job.finish, headers)
+    include_usage = bool(job.data.stream_options and job.data.stream_options.include_usage)
+    events = _stream_events(job.first, job.run, job.finish.progress, fmt, job.finish, include_usage)
+    finish = job.finish
+
+    async def after() -> None:
+        await events.aclose()  # runs the stream's `finally` even if the client left while it sat at a yield
+        finish.close()  # and releases the request if the stream never started
+
+    return EventStream(events, media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"},
+                       background=BackgroundTask(after))
+
+
+def _failed_before_answer(job: Job, exc: BaseException) -> None:
+    """Rejected, failed or cancelled before a byte went out: settle now (abort, release the slot)."""
+    state, finish = job.state, job.finish
+    dropped = isinstance(exc, APIError) and exc.code == ErrorCode.TTFT_EXPIRED
+    if dropped:  # dropped late by the engine: a shed
+        state.slo.observe_shed(job.route.name)
+        if state.admission is not None:
+            exc.retry_after = state.admission.retry_after_s(job.route.name, job.run.engine.name)
+    finish.failed = isinstance(exc, APIError) and exc.status >= 500 and not dropped
+    finish.cancelled = isinstance(exc, asyncio.CancelledError)
+    finish.close()
+
+
+def _headers(job: Job) -> dict[str, str]:
+    """Who answers: the response headers."""
+    run_ = job.run
+    headers = {"x-request-id": job.client_request_id, "x-tandem-route": job.route.name,
+               "x-tandem-model": run_.engine.name}
+    if run_.score is not None:
+        headers["x-tandem-router-score"] = f"{run_.score:.4f}"
+    escalated = run_.attributes.get(ESCALATED)
+    if escalated is not None:
+        headers["x-tandem-escalated"] = "true" if escalated else "false"
+    return headers
 
 
 def prompt_logprobs_k(data: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -145,137 +367,11 @@ async def score_prompt(engine: Any, token_ids: list[int], k: int) -> list[Any]:
         raise APIError(503, f"The server is overloaded: {exc}", code="overloaded", retry_after=1) from None
 
 
-async def _answer(state: GatewayState, ctx: RoutingContext, data: ChatCompletionRequest | CompletionRequest,
-                  operation: str, span: Any, arrival: float, tokens: TokenReservation | None,
-                  answer: _Answer) -> Response | Stream:
-    """Start the request and wait for its first output (and for a JSON body, its last): what `serve` watches."""
-    route, request_id, params = ctx.route, ctx.request_id, ctx.params
-    run, route_span = await start_request(state, ctx, span, tokens)
-    decided = set(run.attributes)
-
-    state.inflight += 1
-    progress = Progress(arrival)
-    finish = Finisher(state, route, run, progress, span, tokens, operation, data.model, route_span)
-    try:
-        first = await _first_output(run, ctx)
-        # its prefill is done: the backlog shrinks, the drain rate learns
-        ctx.ledger.first_token(request_id) if not first.error else ctx.ledger.release(request_id)
-        progress.saw(first)
-        # A cascade knows who answers only once its first output arrives: engine, headers and metrics are read
-        # now.
-        for key in run.attributes.keys() - decided:
-            span.set_attribute(key, run.attributes[key])
-        headers = _answered_by(state, route, run, answer.request_id, span)
-        response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + answer.request_id
-        k = prompt_logprobs_k(data)
-        prompt_lps = None if k is None or first.error else await score_prompt(run.engine, first.prompt_token_ids, k)
-        fmt = answer.answer_format(answer.request_id, run.engine.tokenizer) if answer.answer_format else \
-            Formatter(operation, response_id, int(time.time()), data.model, run.engine.tokenizer, data,
-                      params.logprobs, ctx.prompt_text, index_base=answer.index_base, prompt_logprobs=prompt_lps)
-    except BaseException as exc:
-        dropped = isinstance(exc, APIError) and exc.code == ErrorCode.TTFT_EXPIRED
-        if dropped:  # dropped late by the engine: a shed
-            state.slo.observe_shed(route.name)
-            if state.admission is not None:
-                exc.retry_after = state.admission.retry_after_s(route.name, run.engine.name)
-        finish.failed = isinstance(exc, APIError) and exc.status >= 500 and not dropped
-        finish.cancelled = isinstance(exc, asyncio.CancelledError)
-        finish.close()  # rejected, failed or cancelled before a byte went out: abort and release the slot
-        raise
-
-    if not data.stream:
-        return await _json_answer(first, run, progress, fmt, finish, headers)
-    include_usage = bool(data.stream_options and data.stream_options.include_usage)
-    events = _stream_events(first, run, progress, fmt, finish, include_usage)
-
-    async def after() -> None:
-        await events.aclose()  # runs the stream's `finally` even if the client left while it sat at a yield
-        finish.close()  # and releases the request if the stream never started
-
-    return EventStream(events, media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"},
-                       background=BackgroundTask(after))
-
-
-async def start_request(state: GatewayState, ctx: RoutingContext, span: Any,
-                        tokens: TokenReservation | None = None) -> tuple[RoutedRun, tuple | None]:
-    """The route's strategy plans the engine, the key's tokens are reserved (429), admission books it (or
-    downgrades or sheds), the strategy starts it; returns the run and the route span to write once the answer
-    is out (spans cost CPU, not before it)."""
-    route = ctx.route
-    strategy = state.routes.strategy(route)
-    route_start = time.time_ns()
-    try:
-        plan = strategy.plan(ctx, state.engines)
-    except BaseException as exc:
-        _route_failed(state, span, route, route_start, exc)
-        raise
-    engine = state.engines[plan.engine]
-    prompt_tokens = len(await ctx.prompt.get(engine)) if ctx.prompt.tokenize else 0  # token ids then
-    if tokens is not None:  # before admission books anything: a 429 leaves nothing to undo
-        await tokens.reserve(prompt_tokens + _completion_budget(state, ctx, engine, prompt_tokens))
-    try:
-        await _admit(state, ctx, plan, span, prompt_tokens)  # sheds with 503 + Retry-After (nothing is booked then)
-        try:
-            run = await strategy.start(plan, ctx, state.engines)
-        except BaseException as exc:
-            ctx.ledger.release(ctx.request_id)
-            _route_failed(state, span, route, route_start, exc)
-            raise
-    except BaseException:
-        if tokens is not None:
-            tokens.settle(0)  # nothing ran: the whole reservation goes back
-        raise
-    route_span = None
-    if span.is_recording():
-        decision = {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy,
-                    "tandem.route.engine": run.engine.name, **run.attributes}
-        if run.score is not None:
-            decision["tandem.router.score"] = run.score
-        route_span = (route_start, time.time_ns(), decision)
-    return run, route_span
-
-
-def _completion_budget(state: GatewayState, ctx: RoutingContext, engine: Any, prompt_tokens: int) -> int:
-    """What the answer may take of a tokens/minute budget: n x max_tokens, or without max_tokens a bounded
-    estimate ([auth] reserved_completion_tokens, at most what the context leaves); settled to usage at the end."""
-    params = ctx.params
-    per_choice = params.max_tokens or min(state.cfg.auth.reserved_completion_tokens,
-                                          max(1, engine.max_model_len - prompt_tokens))
-    return params.n * per_choice
-
-
-def _route_failed(state: GatewayState, span: Any, route: Route, start_ns: int, exc: BaseException) -> None:
-    if span.is_recording():
-        add_child_span(state.telemetry.tracer, span, "route", start_ns, time.time_ns(),
-                       {"tandem.route": route.name, "tandem.route.strategy": route.config.strategy}, error=exc)
-
-
-async def _admit(state: GatewayState, ctx: RoutingContext, plan: Plan, span: Any, tokens: int) -> None:
-    """Book the request (`tokens` in its prompt) on the planned engine, move the plan to the small engine
-    (downgrade), or shed it (APIError 503 + Retry-After)."""
-    if state.admission is None:
-        return
-    route = ctx.route
-    d = state.admission.admit(ctx.request_id, route.name, plan.engine, tokens)
-    attrs: dict[str, Any] = {"tandem.admission.action": d.action, "tandem.admission.reason": d.reason,
-                             "tandem.admission.prompt_tokens": tokens}
-    if d.predicted_ttft_s is not None:
-        attrs["tandem.admission.predicted_ttft_ms"] = round(d.predicted_ttft_s * 1000.0, 3)
-    if d.retry_after_s is not None:
-        attrs["tandem.admission.retry_after_s"] = d.retry_after_s
-    span.set_attributes(attrs)
-    if d.action == "downgrade":  # SLO pressure: the small engine meets the target
-        plan.engine = d.engine
-        plan.attributes["tandem.admission.downgraded"] = True
-    if d.admitted:
-        return
-    state.slo.observe_shed(route.name)
-    wait = max(1, math.ceil(d.retry_after_s or 1.0))
-    why = ("its waiting queue is full" if d.reason == "queue_full" else
-           f"the predicted time to first token ({d.predicted_ttft_s or 0.0:.2f} s) misses its "
-           f"{(d.target_ttft_s or 0.0) * 1000:.0f} ms target")
-    raise APIError(d.status or 503, f"Route {route.name!r} is overloaded: {why}; retry in {wait} s",
-                   code="overloaded", retry_after=wait)
+def _route_failed(job: Job, exc: BaseException) -> None:
+    if job.span.is_recording():
+        add_child_span(job.state.telemetry.tracer, job.span, "route", job.route_start, time.time_ns(),
+                       {"tandem.route": job.route.name, "tandem.route.strategy": job.route.config.strategy},
+                       error=exc)
 
 
 async def _first_output(run: RoutedRun, ctx: RoutingContext) -> RequestOutput:
@@ -290,23 +386,6 @@ async def _first_output(run: RoutedRun, ctx: RoutingContext) -> RequestOutput:
     if first.error and (first.error.code is ErrorCode.TTFT_EXPIRED or not any(c.token_ids for c in first.outputs)):
         raise engine_api_error(first.error.code, first.error.message)
     return first
-
-
-def _answered_by(state: GatewayState, route: Route, run: RoutedRun, request_id: str, span: Any) -> dict[str, str]:
-    """Count the routing decision and say who answers: span attribute and response headers."""
-    telemetry = state.telemetry
-    escalated = run.attributes.get(ESCALATED)
-    if not route.direct:
-        telemetry.labelled(telemetry.router_decisions, route.name, run.engine.name).inc()
-    if escalated:
-        telemetry.labelled(telemetry.cascade_escalations, route.name).inc()
-    span.set_attribute("gen_ai.response.model", run.engine.name)
-    headers = {"x-request-id": request_id, "x-tandem-route": route.name, "x-tandem-model": run.engine.name}
-    if run.score is not None:
-        headers["x-tandem-router-score"] = f"{run.score:.4f}"
-    if escalated is not None:
-        headers["x-tandem-escalated"] = "true" if escalated else "false"
-    return headers
 
 
 async def _json_answer(first: RequestOutput, run: RoutedRun, progress: Progress, fmt: Formatter,
