@@ -160,3 +160,41 @@ def test_a_typed_enum_is_rewritten_to_the_same_set_of_values():
     assert tool_grammar._typed_enums_alone({"type": "boolean", "const": True}) == {"enum": [True]}
     beside = {"type": "string", "enum": ["ab"], "maxLength": 1}  # another assertion beside: left as written
     assert tool_grammar._typed_enums_alone(beside) == beside
+
+
+def _bfcl_tools() -> list[tuple[str, dict]]:
+    """The real BFCL definitions in tests/data (gorilla's own type table maps them to JSON Schema)."""
+    data = json.loads((ROOT / "tests" / "data" / "bfcl_tools.json").read_text())
+    table = data["gorilla_to_openapi"]
+
+    def conv(node):
+        if isinstance(node, dict):
+            return {k: (table.get(v, v) if k == "type" and isinstance(v, str) else conv(v)) for k, v in node.items()}
+        return [conv(x) for x in node] if isinstance(node, list) else node
+
+    return [(fn["name"], conv(fn["parameters"])) for e in data["entries"] for fn in e["function"]]
+
+
+def test_random_walks_with_real_bfcl_definitions_close_only_valid_calls(compiler):
+    tok, comp = compiler
+    tools = _bfcl_tools()
+    schemas = dict(tools)
+    assert len(schemas) >= 7
+    c = _compiled(comp, tools=tools)
+    closed = 0
+    for seed in range(10):
+        rng = random.Random(100 + seed)
+        grammar = comp.matcher(c)
+        ids: list[int] = []
+        for t in tok.backend.encode("Calling.\n" + tool_grammar.OPEN, add_special_tokens=False).ids:
+            grammar.accept(t)
+            ids.append(t)
+        if not _walk_call(tok, grammar, rng, ids, steps=600):
+            continue
+        closed += 1
+        text = tok.backend.decode(ids, skip_special_tokens=False)
+        for block in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S):
+            call = json.loads(block)
+            assert set(call) == {"name", "arguments"} and call["name"] in schemas
+            jsonschema.validate(call["arguments"], schemas[call["name"]])
+    assert closed >= 5, closed  # the validation above ran on most walks
