@@ -3,7 +3,7 @@
 calls the engine's `generate`, and how often
 control comes back to the module that drives the request. Prints one line; run before and after a change.
 
-    .venv/bin/python bench/gateway_hops.py [--driver gateway/pipeline.py]
+    .venv/bin/python bench/gateway_hops.py [--driver gateway/lifecycle.py]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from bench.gateway_overhead import REQUEST, FakeHost  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--driver", default="gateway/pipeline.py", help="the module that drives a request")
+    ap.add_argument("--driver", default="gateway/lifecycle.py", help="the module that drives a request")
     args = ap.parse_args(argv)
     import asyncio
 
