@@ -175,8 +175,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     # OpenAI fields tandem does not implement: present is a 400 naming them (modalities: only ["text"])
     audio: Any = None
-    modalities: Annotated[list[Literal["text"]], _within('["text"]: this server answers with text only',
-                                                         min_length=1, max_length=1)] | None = None
+    modalities: list[str] | None = None  # ["text"] or a 400 naming it (published: gateway/request_contract.py)
     prediction: Any = None
     web_search_options: Any = None
     functions: Any = None
@@ -403,6 +402,8 @@ def refuse_unsupported(req: ChatCompletionRequest) -> None:
         if getattr(req, name) is not None:
             raise InvalidParameter(name, f"{name} is not supported by this server (it serves text models; use "
                                    f"tools and tool_choice for function calling)")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise InvalidParameter("modalities", 'modalities: this server answers with text only (send ["text"])')
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int | None,

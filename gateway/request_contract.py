@@ -89,6 +89,9 @@ def constrain(schemas: Schemas, cfg: Any) -> None:
             _option(props[field], "string")["maxLength"] = limits.max_grammar_bytes // 4
         _option(props["logit_bias"], "object")["propertyNames"] = {"pattern": INT_KEY}
         if chat:
+            props["modalities"] = {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1,
+                                              "maxItems": 1}, {"type": "null"}], "default": None,
+                                   "description": 'must be ["text"]: this server answers with text only'}
             _option(props["chat_template_kwargs"], "object")["propertyNames"] = {"not": {"enum": reserved}}
     members = schemas["StructuredOutputsParams"]
     members.setdefault("allOf", []).extend(_at_most_one(STRUCTURED_MEMBERS))
