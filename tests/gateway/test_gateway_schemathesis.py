@@ -102,10 +102,14 @@ def filter_case(ctx, case) -> bool:
     if _is_number(body.get("min_tokens")) and body["min_tokens"] > _max_tokens(body):
         return False
     choice, tools = body.get("tool_choice"), body.get("tools")
-    if isinstance(choice, dict) and isinstance(tools, list):
-        names = {t.get("function", {}).get("name") for t in tools if isinstance(t, dict)}
-        return choice.get("function", {}).get("name") in names
+    if isinstance(choice, dict) and isinstance(tools, list):  # (invalid bodies too: any shape may come)
+        names = {_name(t.get("function")) for t in tools if isinstance(t, dict)}
+        return _name(choice.get("function")) in names
     return True
+
+
+def _name(function) -> str | None:
+    return function.get("name") if isinstance(function, dict) else None
 
 
 def served_when_valid(ctx, response, case):
