@@ -42,9 +42,10 @@ from gateway.embeddings_api import EmbeddingRequest
 from gateway.engine_setup import engine_core_args
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.lifecycle import resolve_route, serve
-from gateway.openapi import bound_parameter, error_responses, publish, streaming
+from gateway.openapi import amend, bound_parameter, error_responses, publish, streaming
 from gateway.prompts import chat_prompt
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.request_contract import bound_tokens, constrain, engine_bounds
 from gateway.responses_api import HANDLERS as RESPONSES_HANDLERS
 from gateway.responses_api import ResponsesRequest, ResponseStreamEvent
 from gateway.responses_store import ResponseStore
@@ -293,6 +294,8 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         # for ~200 ms: freeze them out of the collector's view.
         gc.collect()
         gc.freeze()
+        vocab, context = engine_bounds(engines.values())  # token ids' bounds, published before /ready says so
+        amend(app, lambda schemas: bound_tokens(schemas, vocab, context))
         state.host, state.engines = host, engines
 
     async def start_loading(app: Litestar) -> None:
@@ -347,6 +350,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
                   EmbeddingRequest, ResponseStreamEvent, MessageStreamEvent],
             error_shapes={"/v1/messages": AnthropicErrorBody})
     bound_parameter(app, "/v1/autoscale", "replicas", cfg.autoscale.max_replicas)
+    constrain(app.openapi_schema.components.schemas, cfg)  # the rules across fields (gateway/request_contract.py)
     app.state.gateway = state
     # under vLLM's names, vLLM's families keep vLLM's labels (route copies under their own names)
     app.state.metrics_source = VllmLabelView(telemetry.registry, cfg.telemetry.metric_prefix) \

@@ -7,7 +7,9 @@ schemas in once the app is built.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from litestar import Litestar
@@ -115,6 +117,14 @@ def bound_parameter(app: Litestar, path: str, name: str, maximum: int) -> None:
                 for option in schema.one_of or [schema]:  # an optional parameter: oneOf [integer, null]
                     if isinstance(option, Schema) and option.type == OpenAPIType.INTEGER:
                         option.maximum = maximum
+
+
+def amend(app: Litestar, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Apply `edit` (idempotent) to the component schemas after the app is built (once the engines are loaded),
+    in the document and in the copy Litestar keeps once it has served it."""
+    edit(app.openapi_schema.components.schemas)
+    served = app.plugins.get("OpenAPIPlugin").provide_openapi_schema()  # the plugin's public name and method
+    edit(served["components"]["schemas"])
 
 
 def _litestar_error(response: OpenAPIResponse) -> bool:

@@ -41,12 +41,16 @@ RepetitionPenalty = Annotated[float, _within("greater than 0", gt=0)]
 Seed = Annotated[int, _within(f"between {SEED_MIN} and {SEED_MAX}",
                               extra_json_schema={"minimum": SEED_MIN, "maximum": SEED_MAX})]
 MaxTokens = Annotated[int, _within("at least 1", ge=1)]
-MinTokens = Annotated[int, _within("at least 0", ge=0)]
+MinTokens = Annotated[int, _within("at least 0 (and at most max_tokens)", ge=0)]
 TopLogprobs = Annotated[int, _within("between 0 and 20", ge=0, le=20)]
 CompletionTopLogprobs = Annotated[int, _within("between 0 and 5", ge=0, le=5)]
 TokenId = Annotated[int, _within("a token id: an integer from 0 to 2147483647", ge=0, le=2**31 - 1)]
 StopText = Annotated[str, Meta(min_length=1)]
 Stop = StopText | Annotated[list[StopText], _within("at most 4 sequences, each a non-empty string", max_length=4)]
+# the options of guided_choice / structured_outputs.choice (their most is published from [preparation]
+# max_choice_options, gateway/request_contract.py)
+Choice = Annotated[list[Annotated[str, Meta(min_length=1)]], _within("a non-empty list of non-empty strings",
+                                                                      min_length=1)]
 
 
 class ContentPart(Struct, kw_only=True):
@@ -60,7 +64,7 @@ class ChatMessage(Struct, kw_only=True):
                     _within("one of system, developer, user, assistant, tool, function")]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # shape published by gateway/request_contract.py
     tool_call_id: str | None = None
 
     def to_template(self) -> dict[str, Any]:
@@ -98,7 +102,7 @@ class StructuredOutputsParams(Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's `structured_outputs`: one of json (a schema), regex, choice, grammar (EBNF), json_object."""
     json: dict[str, Any] | str | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Choice | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -154,7 +158,7 @@ class _SamplingFields(Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Choice | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -169,9 +173,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # OpenAI fields tandem does not implement: present (modalities other than ["text"]) is a 400 naming them
+    # OpenAI fields tandem does not implement: present is a 400 naming them (modalities: only ["text"])
     audio: Any = None
-    modalities: list[str] | None = None
+    modalities: list[str] | None = None  # ["text"] or a 400 naming it (published: gateway/request_contract.py)
     prediction: Any = None
     web_search_options: Any = None
     functions: Any = None
@@ -194,7 +198,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     max_tokens: CompletionMaxTokens | None = None
     logprobs: CompletionTopLogprobs | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Annotated[str, _within("empty: suffix is not supported", max_length=0)] | None = None
     best_of: int | None = None
     # vLLM extra: each prompt token's logprob and this many top alternatives, in choices[].prompt_logprobs
     prompt_logprobs: TopLogprobs | None = None
@@ -335,7 +339,8 @@ def decode_request(body: bytes, type_: type[T]) -> T:
         try:
             relaxed = _integral_floats_as_ints(msgspec.json.decode(body))
             if relaxed is not None:
-                return msgspec.convert(relaxed, type=type_, strict=True)
+                # decoded again as JSON (not converted): object keys stay text, as logit_bias' ids arrive
+                return msgspec.json.decode(msgspec.json.encode(relaxed), type=type_, strict=True)
         except msgspec.MsgspecError:
             pass
         raise _invalid_body(exc, type_) from None
@@ -354,7 +359,7 @@ def _integral_floats_as_ints(value: Any) -> Any:
 
     def walk(v: Any) -> Any:
         nonlocal found
-        if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:
+        if isinstance(v, float) and v.is_integer():  # as large as an integer literal may be
             found = True
             return int(v)
         if isinstance(v, list):
@@ -423,8 +428,6 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, *, default_m
         logprobs = req.logprobs
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidParameter("best_of", "best_of different from n is not supported")
-        if req.suffix:
-            raise InvalidParameter("suffix", "suffix is not supported")
     if max_tokens is None:
         max_tokens = default_max_tokens
     if max_tokens_cap is not None:

@@ -167,3 +167,81 @@ def test_a_405_carries_allow_and_the_openai_error_body(client):
     r = client.get("/v1/chat/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST, OPTIONS"
     assert r.json()["error"]["code"] == "method_not_allowed" and "POST" in r.json()["error"]["message"]
+
+
+def _validator(document: dict, name: str):
+    import jsonschema
+
+    return jsonschema.Draft202012Validator({**document["components"]["schemas"][name],
+                                            "components": document["components"]})
+
+
+@pytest.mark.parametrize("body, valid", [
+    ({}, True),
+    ({"top_logprobs": 3}, False), ({"top_logprobs": 3, "logprobs": True}, True), ({"top_logprobs": None}, True),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, False), ({"guided_regex": "a+", "guided_choice": None}, True),
+    ({"guided_regex": "a+", "min_tokens": 2}, False), ({"guided_regex": "a+", "ignore_eos": True}, False),
+    ({"response_format": {"type": "text"}, "guided_json": {"type": "object"}}, True),
+    ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}, False),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, False),
+    ({"tool_choice": "required"}, False), ({"tool_choice": "auto"}, True),
+    ({"modalities": ["text"]}, True), ({"modalities": ["text", "audio"]}, False),
+    ({"guided_choice": [""]}, False), ({"guided_choice": []}, False), ({"guided_choice": ["a\u0000"]}, False),
+    ({"logit_bias": {"12": 1}}, True), ({"logit_bias": {"-1": 1}}, False), ({"logit_bias": {"01": 1}}, False),
+    ({"messages": [{"role": "system"}]}, False), ({"messages": [{"role": "assistant"}]}, True),
+])
+def test_the_chat_schema_states_the_rules_across_fields_the_server_enforces(document, body, valid):
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+    assert _validator(document, "ChatCompletionRequest").is_valid(request) is valid
+
+
+@pytest.mark.parametrize("body, valid", [
+    ({"max_tokens": 0}, False), ({"max_tokens": 0, "echo": True}, True), ({"suffix": "x"}, False),
+    ({"suffix": ""}, True), ({"best_of": 2}, False), ({"model": "cascade-route", "n": 2}, False),
+    ({"model": "cascade-route"}, True), ({"n": 2}, True),
+])
+def test_the_completion_schema_states_the_rules_across_fields(body, valid):
+    cfg = config_from_dict({"engines": {"a": {"checkpoint": "/nowhere"}, "b": {"checkpoint": "/nowhere"}},
+                            "routes": {"cascade-route": {"strategy": "cascade", "engines": ["a", "b"]}}})
+    document = TestClient(create_app(cfg, host_factory=lambda: None)).get("/schema/openapi.json").json()
+    request = {"model": "a", "prompt": "hi", **body}
+    assert _validator(document, "CompletionRequest").is_valid(request) is valid
+
+
+def test_token_id_bounds_are_published_from_the_loaded_engines():
+    from types import SimpleNamespace
+
+    from gateway.request_contract import bound_tokens, engine_bounds
+
+    engines = [SimpleNamespace(config=SimpleNamespace(vocab_size=4096), tokenizer=SimpleNamespace(vocab_size=4100),
+                               max_model_len=512), SimpleNamespace(config=SimpleNamespace(vocab_size=5000),
+                                                                   tokenizer=None, max_model_len=256)]
+    assert engine_bounds(engines) == (4096, 256)
+    cfg = config_from_dict({"engines": {"m": {"checkpoint": "/nowhere"}}})
+    app = create_app(cfg, host_factory=lambda: None)
+    client = TestClient(app)
+    client.get("/schema/openapi.json")  # served once before the engines load: the served copy is amended too
+    from gateway.openapi import amend
+
+    amend(app, lambda schemas: bound_tokens(schemas, 4096, 256))
+    document = client.get("/schema/openapi.json").json()
+    chat, legacy = _validator(document, "ChatCompletionRequest"), _validator(document, "CompletionRequest")
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert chat.is_valid({**base, "stop_token_ids": [4095], "logit_bias": {"4095": 1}})
+    assert not chat.is_valid({**base, "stop_token_ids": [4096]})
+    assert not chat.is_valid({**base, "logit_bias": {"4096": 1}})
+    assert legacy.is_valid({"model": "m", "prompt": [4095] * 255})
+    assert not legacy.is_valid({"model": "m", "prompt": [4096]})
+    assert not legacy.is_valid({"model": "m", "prompt": [[1], [4096]]})
+    assert not legacy.is_valid({"model": "m", "prompt": [1] * 256})
+
+
+def test_logit_bias_key_pattern_is_exactly_the_ids_below_the_vocabulary():
+    import re
+
+    from gateway.request_contract import _key_pattern
+
+    for below in (1, 7, 10, 11, 100, 101, 4096, 32000, 151936):
+        pattern = re.compile(_key_pattern(below))
+        assert all(bool(pattern.fullmatch(str(i))) == (i < below) for i in range(3 * below))
+        assert not any(pattern.fullmatch(k) for k in ("00", "01", "-1", "+1", " 1", "1.0", ""))
