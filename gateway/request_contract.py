@@ -1,5 +1,5 @@
 """What the published request schemas state beyond each field's own bounds: the rules across fields the server
-enforces (one output constraint at most, top_logprobs needs logprobs, best_of equals n, ...), the bounds the
+enforces (one output constraint at most, tools under auto counted, top_logprobs needs logprobs, best_of equals n, ...), the bounds the
 configuration sets ([preparation] budgets, cascade routes' n) and, once the engines are loaded, the vocabulary
 and context bounds of token ids. Applied to msgspec's JSON Schema components (gateway/openapi.py publishes
 them); what JSON Schema cannot state is listed in docs/api.md.
@@ -33,10 +33,13 @@ def _constraints(chat: bool) -> list[dict[str, Any]]:
                                                                                             "json_schema"]}}}),
              *(_given(k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")),
              _given("structured_outputs", {"type": "object", "anyOf": STRUCTURED_MEMBERS})]
-    return [*found, FORCED_TOOL] if chat else found
+    return [*found, TOOLS_CONSTRAIN] if chat else found
 
 
 FORCED_TOOL = _given("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]})
+# tools constrain the output unless tool_choice is none: forced calls, or auto's free text and checked calls
+TOOLS_CONSTRAIN = {"anyOf": [FORCED_TOOL, {"allOf": [_given("tools", {"type": "array", "minItems": 1}),
+                                                     {"not": _given("tool_choice", {"const": "none"})}]}]}
 
 
 def _at_most_one(options: list[dict[str, Any]], then: dict[str, Any] | None = None) -> list[dict[str, Any]]:
