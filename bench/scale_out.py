@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,8 @@ PAGES_PER_BLOCK = 1  # the "best" route's large model, speculation off (a draft 
 THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 COMPONENTS = ("replicas", "proxy", "ingress", "load generator", "controller", "ray system", "other")
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+PHASES = ("ingress-ab", "one", "two", "pow2", "scale-up", "autoscale")
+PHASE_OF = {"1 replica": "one", "2 replicas": "two", "2 replicas pow2": "pow2"}
 
 
 def component_of(pid: int, cmdline: str) -> str:
@@ -169,8 +174,58 @@ def hit_rate(deltas: dict[str, int]) -> float | None:
     return deltas["prefix_cache_hits"] / q if q else None
 
 
+@contextlib.contextmanager
+def ray_session(args: argparse.Namespace, ingress: str) -> Iterator[None]:
+    """A local Ray cluster for one ingress mode: "proxy" (HTTP -> Serve's proxy -> ingress -> replica) or
+    "direct" (Serve's direct ingress: HTTP -> ingress -> replica; the proxy idles). The mode is the cluster's
+    environment, read by the controller and replicas at start, so each mode gets a Ray of its own."""
+    import ray
+    from ray import serve
+
+    from deploy.ray_serve import direct_ingress_env
+    from gateway.server import free_port
+
+    env = direct_ingress_env(args.ingress_port)
+    for key in env:
+        os.environ.pop(key, None)
+    if ingress == "direct":
+        os.environ.update(env)
+    ray.init(num_cpus=2, object_store_memory=128 * 1024 * 1024, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        args.ingress, args.proxy_url = ingress, f"http://127.0.0.1:{port}"
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def endpoint(args: argparse.Namespace) -> str:
+    """The URL requests go to for the deployed app: the proxy, or the ingress replica's own port."""
+    if args.ingress != "direct":
+        return args.proxy_url
+    import httpx
+
+    from deploy.ray_serve import ingress_urls
+
+    deadline = time.monotonic() + 60
+    while True:
+        urls = [u for u in ingress_urls(APP, host="127.0.0.1") if u != args.proxy_url]
+        if urls:
+            try:
+                if httpx.get(urls[0] + "/health", timeout=5).status_code == 200:
+                    return urls[0]
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("the ingress replica's own HTTP port did not answer within 60 s")
+        time.sleep(0.5)
+
+
 def deploy(args: argparse.Namespace, *, replicas: int, routing: str, autoscale: bool = False,
-           target_ongoing: float | None = None) -> dict[str, dict[str, Any]]:
+           target_ongoing: float | None = None, external_scaler: bool = False) -> dict[str, dict[str, Any]]:
+    """Run the app; `args.url` is then its endpoint."""
     from ray import serve
 
     from deploy.ray_serve import ScaleOutOptions, build_app, replica_stats
@@ -186,12 +241,13 @@ def deploy(args: argparse.Namespace, *, replicas: int, routing: str, autoscale: 
         num_cpus=1.0, torch_threads=1, routing_stats_period_s=0.5, stream_interval_ms=args.stream_interval_ms, autoscale=autoscale, min_replicas=1,
         max_replicas=2, target_ongoing_requests=target_ongoing, down_stabilization_s=args.down_window_s,
         down_cooldown_s=args.down_window_s / 2, look_back_period_s=5.0, graceful_shutdown_timeout_s=60.0)
-    serve.run(build_app(options), name=APP, route_prefix="/")
+    serve.run(build_app(options), name=APP, route_prefix="/", external_scaler_enabled=external_scaler)
     deadline = time.monotonic() + 300
     while len(stats := replica_stats(APP)) < replicas:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{replicas} replicas not up within 300 s")
         time.sleep(0.5)
+    args.url = endpoint(args)
     return stats
 
 
@@ -224,10 +280,10 @@ def mean_in_flight(records: list[Any]) -> float:
 
 
 def row(name: str, replicas: int, routing: str, rate: float, load: dict[str, Any], rate_hits: float | None,
-        cpu: dict[str, Any]) -> dict:
+        cpu: dict[str, Any], ingress: str = "direct") -> dict:
     s = load["summary"]
     per_req = cpu_per_request(cpu, s["requests"]["completed"])
-    return {"config": name, "replicas": replicas, "routing": routing, "offered_rps": rate,
+    return {"config": name, "replicas": replicas, "routing": routing, "ingress": ingress, "offered_rps": rate,
             "completed": s["requests"]["completed"], "failed": s["requests"]["failed"], "shed": s["requests"]["shed"],
             "throughput_rps": s["request_throughput_rps"], "output_tps": s["output_token_throughput_tps"],
             "ttft_p50_ms": s["overall"]["ttft_ms"]["p50"], "ttft_p99_ms": s["overall"]["ttft_ms"]["p99"],
@@ -237,14 +293,15 @@ def row(name: str, replicas: int, routing: str, rate: float, load: dict[str, Any
             "cores_used": {k: round(v / max(1e-9, cpu["wall_s"]), 3) for k, v in cpu["cpu_s"].items()}}
 
 
-def measure(args: argparse.Namespace, url: str, name: str, replicas: int, routing: str, slos: dict,
-            seed: int) -> list[dict]:
+def measure(args: argparse.Namespace, name: str, replicas: int, routing: str, slos: dict, seed: int,
+            rates: list[float] | None = None) -> list[dict]:
     pool_pages = min(s["num_pages"] for s in deploy(args, replicas=replicas, routing=routing).values())
+    url = args.url
     out = []
     try:
         # the system prompts have been seen before (a steady state, not a cold start): one warm-up pass
         run_load(url, plan_requests(args, args.warm_rps, args.warm_s, seed=10_000 + seed), slos)
-        for k, rate in enumerate(args.rates):
+        for k, rate in enumerate(rates or args.rates):
             plan = plan_requests(args, rate, args.duration, seed=seed * 100 + k)
             before = pool_counters()
             meter = CpuMeter()
@@ -252,7 +309,7 @@ def measure(args: argparse.Namespace, url: str, name: str, replicas: int, routin
             load = run_load(url, plan, slos)
             cpu = meter.stop()
             deltas = counter_deltas(before, pool_counters())
-            r = row(name, replicas, routing, rate, load, hit_rate(deltas), cpu)
+            r = row(name, replicas, routing, rate, load, hit_rate(deltas), cpu, args.ingress)
             r["chunks_per_request"] = deltas["chunks"] / max(1, deltas["served"])  # the start message included
             c = r["cpu_s_per_request"]
             print(f"  {name:<18} {rate:5.2f} req/s: {r['completed']} done, goodput {r['goodput_rps']:.2f}, "
@@ -276,11 +333,12 @@ def replica_counts() -> tuple[int, int]:
     return running, sum(states.values()) - running
 
 
-def autoscale_run(args: argparse.Namespace, url: str, capacity_rps: float, concurrency_1x: float,
+def autoscale_run(args: argparse.Namespace, capacity_rps: float, concurrency_1x: float,
                   slos: dict) -> dict[str, Any]:
     """Load 1x for `step_s`, 3x for `step_s`, then nothing; the replica count sampled every second."""
     target = max(1.0, 1.5 * concurrency_1x)
     deploy(args, replicas=1, routing="affinity", autoscale=True, target_ongoing=target)
+    url = args.url
     timeline: list[dict[str, Any]] = []
     t0 = time.monotonic()
     stop = False
@@ -293,8 +351,6 @@ def autoscale_run(args: argparse.Namespace, url: str, capacity_rps: float, concu
                 running, moving = -1, -1
             timeline.append({"t_s": round(time.monotonic() - t0, 1), "running": running, "changing": moving})
             time.sleep(1.0)
-
-    import threading
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -329,6 +385,124 @@ def autoscale_run(args: argparse.Namespace, url: str, capacity_rps: float, concu
             "load_end_s": round(load_end, 1), "requests": s["requests"], "peak_replicas": peak,
             "final_replicas": final, "grew_to_2_at_s": grew_at, "back_to_1_at_s": shrank_at,
             "ttft_p99_ms": s["overall"]["ttft_ms"]["p99"], "timeline": timeline}
+
+
+def window_ttft(records: list[Any], start: float, end: float, slos: dict) -> dict[str, Any]:
+    """TTFT p50/p99 and outcomes of the requests scheduled in [start, end) (seconds from the run's start)."""
+    from traces.metrics import summarise
+
+    s = summarise(records, window=(start, max(end, start + 1e-6)), slos=slos)
+    return {"window_s": [round(start, 1), round(end, 1)], "requests": s["requests"],
+            "ttft_p50_ms": s["overall"]["ttft_ms"]["p50"], "ttft_p99_ms": s["overall"]["ttft_ms"]["p99"]}
+
+
+def scale_up_run(args: argparse.Namespace, slos: dict) -> dict[str, Any]:
+    """A forced scale-up under constant load: 1 replica at `scale_up_rps` for `steady_s`, then the target set to
+    2 (Serve's external scaling API, no autoscaling policy in the way) while the same arrivals go on for
+    `after_s`. TTFT p99 of the steady window vs the window from the order to `settle_s` after the second
+    replica runs (its start-up, engine load and warm-up on the machine's other core included). The new
+    replica's first request must come after its constructor returned (`ready_at`)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
+
+    from deploy.ray_serve import replica_stats
+
+    first = deploy(args, replicas=1, routing="affinity", external_scaler=True)
+    url = args.url
+    events: dict[str, float] = {}
+    timeline: list[dict[str, Any]] = []
+    stop = threading.Event()
+    try:
+        run_load(url, plan_requests(args, args.warm_rps, args.warm_s, seed=10_001), slos)  # prefixes seen once
+        plan = plan_requests(args, args.scale_up_rps, args.steady_s + args.after_s, seed=4242)
+        controller = _get_global_client()._controller
+
+        def scaler() -> None:
+            t0 = time.monotonic()
+            if stop.wait(args.steady_s):
+                return
+            import ray
+
+            ray.get(controller.update_deployment_replicas.remote(DeploymentID(name="TandemReplica", app_name=APP), 2))
+            events["scale_order_s"] = time.monotonic() - t0
+            while not stop.is_set():
+                try:
+                    running, moving = replica_counts()
+                except Exception:  # the status call can fail while the controller reconciles
+                    running, moving = -1, -1
+                t = round(time.monotonic() - t0, 2)
+                if not timeline or (timeline[-1]["running"], timeline[-1]["changing"]) != (running, moving):
+                    timeline.append({"t_s": t, "running": running, "changing": moving})
+                if running >= 2 and "running_s" not in events:
+                    events["running_s"] = t
+                stop.wait(0.25)
+
+        thread = threading.Thread(target=scaler, daemon=True)
+        meter = CpuMeter()
+        meter.start()
+        thread.start()  # the load's clock starts within milliseconds of the scaler's
+        load = run_load(url, plan, slos)
+        cpu = meter.stop()
+        stop.set()
+        thread.join(timeout=10)
+        stats = replica_stats(APP)
+    finally:
+        stop.set()
+        undeploy()
+    records, end = load["records"], args.steady_s + args.after_s
+    order = events.get("scale_order_s", args.steady_s)
+    running = events.get("running_s")
+    settled = (running if running is not None else end) + args.settle_s
+    steady = window_ttft(records, args.steady_skip_s, order, slos)
+    scaling = window_ttft(records, order, min(settled, end), slos)
+    after = window_ttft(records, min(settled, end), end, slos)
+    new = [s for rid, s in stats.items() if rid not in first]
+    ratio = (scaling["ttft_p99_ms"] or 0.0) / max(1e-9, steady["ttft_p99_ms"] or 0.0)
+    return {"offered_rps": args.scale_up_rps, "ingress": args.ingress, "steady_s": args.steady_s,
+            "after_s": args.after_s, "scale_order_s": round(order, 2), "second_running_s": running,
+            "steady": steady, "scale_up_window": scaling, "after": after, "ttft_p99_ratio": ratio,
+            "timeline": timeline, "cpu": cpu,
+            "new_replica": [{"ready_at": s.get("ready_at"), "first_request_at": s.get("first_request_at"),
+                             "served": s.get("served"),
+                             "first_request_after_ready_s": (None if s.get("first_request_at") is None
+                                                             else round(s["first_request_at"] - s["ready_at"], 3))}
+                            for s in new]}
+
+
+def ingress_ab_summary(rows: list[dict]) -> dict[str, Any]:
+    """Proxy vs direct ingress: CPU ms per completed request of each component (mean over rounds), goodput."""
+    out: dict[str, Any] = {}
+    for mode in ("proxy", "direct"):
+        rs = [r for r in rows if r["ingress"] == mode]
+        out[mode] = {"cpu_ms_per_request": {k: round(1e3 * float(np.mean([r["cpu_s_per_request"][k] for r in rs])), 2)
+                                            for k in (*COMPONENTS, "overhead")},
+                     "goodput_rps": [r["goodput_rps"] for r in rs], "ttft_p99_ms": [r["ttft_p99_ms"] for r in rs],
+                     "chunks_per_request": [round(r["chunks_per_request"], 2) for r in rs],
+                     "loadavg": [r["cpu"]["loadavg_after"][0] for r in rs]}
+        c = out[mode]["cpu_ms_per_request"]
+        out[mode]["proxy_plus_ingress_ms"] = round(c["proxy"] + c["ingress"], 2)
+    return out
+
+
+def print_ingress_ab(ab: dict[str, Any]) -> None:
+    print(f"\nproxy vs direct ingress, CPU ms per completed request (2 replicas)\n{'ingress':<8} "
+          + " ".join(f"{c[:10]:>10}" for c in COMPONENTS) + f" {'proxy+ingr':>10} {'goodput':>8} {'loadavg':>8}")
+    for mode, m in ab.items():
+        c = m["cpu_ms_per_request"]
+        print(f"{mode:<8} " + " ".join(f"{c[k]:10.1f}" for k in COMPONENTS)
+              + f" {m['proxy_plus_ingress_ms']:10.1f} {np.mean([g or 0 for g in m['goodput_rps']]):8.2f}"
+              f" {np.mean(m['loadavg']):8.2f}")
+
+
+def print_scale_up(up: dict[str, Any]) -> None:
+    print(f"\nforced scale-up 1 -> 2 at {up['offered_rps']:.2f} req/s ({up['ingress']} ingress): order at "
+          f"{up['scale_order_s']:.1f} s, second replica running at {up['second_running_s']} s")
+    for name in ("steady", "scale_up_window", "after"):
+        w = up[name]
+        print(f"  {name:<16} {w['window_s'][0]:6.1f}-{w['window_s'][1]:6.1f} s: {w['requests']['completed']:4d} done, "
+              f"{w['requests']['failed']} failed; TTFT p50 {w['ttft_p50_ms'] or 0:7.0f} ms, p99 {w['ttft_p99_ms'] or 0:7.0f} ms")
+    print(f"  TTFT p99 scale-up window / steady = {up['ttft_p99_ratio']:.2f}x (target <= 3x); new replica: "
+          f"{up['new_replica']}")
 
 
 def cpu_bound(rows: list[dict], best: dict[str, dict]) -> dict[str, Any]:
@@ -396,19 +570,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--down-window-s", type=float, default=20.0, help="autoscaling: scale-down stabilisation")
     p.add_argument("--shrink-wait-s", type=float, default=120.0)
     p.add_argument("--no-autoscale", action="store_true")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help="what to run: one (1 replica), two (2, affinity), pow2 (2, power of two), ingress-ab "
+                        "(proxy vs direct ingress, alternated), scale-up (forced 1 -> 2), autoscale")
+    p.add_argument("--ingress", dest="ingress_mode", choices=["direct", "proxy"], default="direct",
+                   help="direct: the ingress replica serves HTTP itself (no proxy hop); proxy: via Serve's proxy")
+    p.add_argument("--ingress-port", type=int, default=30500, help="direct ingress: the first port tried")
+    p.add_argument("--ab-rounds", type=int, default=1, help="ingress-ab: proxy/direct pairs")
+    p.add_argument("--ab-rate", type=float, default=6.0, help="ingress-ab: offered req/s (2 replicas)")
+    p.add_argument("--scale-up-rps", type=float, default=3.0, help="scale-up: the constant offered load")
+    p.add_argument("--steady-s", type=float, default=40.0, help="scale-up: seconds at 1 replica before the order")
+    p.add_argument("--steady-skip-s", type=float, default=5.0, help="scale-up: the steady window starts here")
+    p.add_argument("--after-s", type=float, default=60.0, help="scale-up: seconds of load after the order")
+    p.add_argument("--settle-s", type=float, default=10.0,
+                   help="scale-up: the scale-up window ends this long after the second replica runs")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale_out.json")
     args = p.parse_args(argv)
     if args.smoke:
         args.rates, args.duration, args.step_s = [6.0, 10.0], 12.0, 20.0
+        args.steady_s, args.after_s = 20.0, 40.0
         args.down_window_s, args.shrink_wait_s = 10.0, 90.0
         if args.out == ROOT / "bench" / "results" / "scale_out.json":
             args.out = args.out.with_name("scale_out_smoke.json")
 
-    import ray
-    from ray import serve
-
     from deploy.testing import default_config_with_routes
-    from gateway.server import free_port
     from traces.metrics import parse_slo
 
     if args.ray_mode == "throughput":
@@ -416,47 +601,73 @@ def main(argv: list[str] | None = None) -> int:
     args.config = default_config_with_routes(Path("/tmp") / f"tandem-scale-out-{os.getpid()}.toml")
     route, slo = parse_slo(f"{args.route}:{args.slo}")
     slos = {route: slo}
-    ray.init(num_cpus=2, object_store_memory=128 * 1024 * 1024, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-    url = f"http://127.0.0.1:{port}"
+    phases = set(args.phases.split(","))
+    unknown = phases - set(PHASES)
+    if unknown:
+        p.error(f"--phases: unknown {sorted(unknown)}; expected some of {','.join(PHASES)}")
+    if args.no_autoscale:
+        phases.discard("autoscale")
     started = time.time()
     rows: list[dict] = []
-    try:
-        print(f"shared-prefix workload: {args.groups} prefixes x {args.prefix_blocks * BLOCK} tokens + "
-              f"{args.suffix_tokens} fresh, {args.output_tokens} out, rates {args.rates} req/s, {args.duration:g} s "
-              f"each; Ray mode {args.ray_mode}; loadavg {os.getloadavg()[0]:.2f}")
-        rows += measure(args, url, "1 replica", 1, "affinity", slos, seed=1)
-        rows += measure(args, url, "2 replicas", 2, "affinity", slos, seed=1)  # the same workload
-        rows += measure(args, url, "2 replicas pow2", 2, "pow2", slos, seed=1)
+    result: dict[str, Any] = {"ingress": args.ingress_mode, "phases": sorted(phases)}
+    print(f"shared-prefix workload: {args.groups} prefixes x {args.prefix_blocks * BLOCK} tokens + "
+          f"{args.suffix_tokens} fresh, {args.output_tokens} out, rates {args.rates} req/s, {args.duration:g} s "
+          f"each; Ray mode {args.ray_mode}; {args.ingress_mode} ingress; phases {sorted(phases)}; "
+          f"loadavg {os.getloadavg()[0]:.2f}", flush=True)
+    if "ingress-ab" in phases:  # proxy vs direct ingress, alternated, each in a Ray of its own
+        ab: list[dict] = []
+        for _round in range(args.ab_rounds):
+            for mode in ("proxy", "direct"):
+                with ray_session(args, mode):
+                    ab += measure(args, f"2 replicas {mode}", 2, "affinity", slos, seed=1, rates=[args.ab_rate])
+        result["ingress_ab"] = ingress_ab_summary(ab)
+        print_ingress_ab(result["ingress_ab"])
+        rows += ab
+    with ray_session(args, args.ingress_mode):
+        matrix = [(n, k, r) for n, k, r in (("1 replica", 1, "affinity"), ("2 replicas", 2, "affinity"),
+                                           ("2 replicas pow2", 2, "pow2")) if PHASE_OF[n] in phases]
+        for name, count, routing in matrix:
+            rows += measure(args, name, count, routing, slos, seed=1)  # the same workload for each
+        if "scale-up" in phases:
+            result["scale_up"] = scale_up_run(args, slos)
+            print_scale_up(result["scale_up"])
+        result["rows"] = rows
+        if rows:
+            print(f"\n{'config':<18} {'rate':>5} {'done':>5} {'fail':>4} {'shed':>4} {'thr/s':>6} {'ttft50':>7} "
+                  f"{'ttft99':>7} {'goodput':>7} {'hit':>6}")
+            for r in rows:
+                print(f"{r['config']:<18} {r['offered_rps']:5.2f} {r['completed']:5d} {r['failed']:4d} {r['shed']:4d} "
+                      f"{r['throughput_rps']:6.2f} {r['ttft_p50_ms'] or 0:7.0f} {r['ttft_p99_ms'] or 0:7.0f} "
+                      f"{r['goodput_rps'] or 0:7.2f} {r['prefix_hit_rate'] or 0:6.3f}")
+        names = {r["config"] for r in rows}
         best = {name: max((r for r in rows if r["config"] == name), key=lambda r: r["goodput_rps"] or 0)
-                for name in ("1 replica", "2 replicas", "2 replicas pow2")}
-        scaling = (best["2 replicas"]["goodput_rps"] or 0) / max(1e-9, best["1 replica"]["goodput_rps"] or 0)
-        hits_aff = [r["prefix_hit_rate"] or 0 for r in rows if r["config"] == "2 replicas"]
-        hits_p2 = [r["prefix_hit_rate"] or 0 for r in rows if r["config"] == "2 replicas pow2"]
-        hit_ratio = float(np.median(hits_aff)) / max(1e-9, float(np.median(hits_p2)))
-        print(f"\n{'config':<18} {'rate':>5} {'done':>5} {'fail':>4} {'shed':>4} {'thr/s':>6} {'ttft50':>7} "
-              f"{'ttft99':>7} {'goodput':>7} {'hit':>6}")
-        for r in rows:
-            print(f"{r['config']:<18} {r['offered_rps']:5.2f} {r['completed']:5d} {r['failed']:4d} {r['shed']:4d} "
-                  f"{r['throughput_rps']:6.2f} {r['ttft_p50_ms'] or 0:7.0f} {r['ttft_p99_ms'] or 0:7.0f} "
-                  f"{r['goodput_rps'] or 0:7.2f} {r['prefix_hit_rate'] or 0:6.3f}")
-        print(f"\ngoodput 2 vs 1 replica (best point each): {scaling:.2f}x (target >= 1.6x)")
-        print(f"prefix hit rate affinity vs power of two (median over rates): {hit_ratio:.2f}x (target >= 1.5x)")
-        prefix_pages = args.groups * args.prefix_blocks * PAGES_PER_BLOCK
-        pool_pages = rows[0]["pool_pages"]
-        print(f"distinct prefixes need {prefix_pages} pages; one replica's pool holds {pool_pages} "
-              f"({prefix_pages / pool_pages:.2f} pools' worth)")
-        bound = cpu_bound(rows, best)
-        print_cpu(rows, bound)
-        result: dict[str, Any] = {"rows": rows, "goodput_scaling": scaling, "hit_rate_ratio": hit_ratio,
-                                  "prefix_pages": prefix_pages, "pool_pages": pool_pages,
-                                  "prefix_pages_per_pool": prefix_pages / pool_pages, "cpu_bound": bound}
-        if not args.no_autoscale:
+                for name in names}
+        if {"1 replica", "2 replicas"} <= names:
+            scaling = (best["2 replicas"]["goodput_rps"] or 0) / max(1e-9, best["1 replica"]["goodput_rps"] or 0)
+            print(f"\ngoodput 2 vs 1 replica (best point each): {scaling:.2f}x (target >= 1.6x)")
+            bound = cpu_bound(rows, best)
+            print_cpu([r for r in rows if r["config"] in PHASE_OF], bound)
+            result.update(goodput_scaling=scaling, cpu_bound=bound)
+        if {"2 replicas", "2 replicas pow2"} <= names:
+            hits_aff = [r["prefix_hit_rate"] or 0 for r in rows if r["config"] == "2 replicas"]
+            hits_p2 = [r["prefix_hit_rate"] or 0 for r in rows if r["config"] == "2 replicas pow2"]
+            hit_ratio = float(np.median(hits_aff)) / max(1e-9, float(np.median(hits_p2)))
+            print(f"prefix hit rate affinity vs power of two (median over rates): {hit_ratio:.2f}x (target >= 1.5x)")
+            result["hit_rate_ratio"] = hit_ratio
+        if rows:
+            prefix_pages = args.groups * args.prefix_blocks * PAGES_PER_BLOCK
+            pool_pages = rows[0]["pool_pages"]
+            print(f"distinct prefixes need {prefix_pages} pages; one replica's pool holds {pool_pages} "
+                  f"({prefix_pages / pool_pages:.2f} pools' worth)")
+            result.update(prefix_pages=prefix_pages, pool_pages=pool_pages,
+                          prefix_pages_per_pool=prefix_pages / pool_pages)
+        if "autoscale" in phases:
             # one replica's capacity: its highest completed throughput; its in-flight count there sets the target
-            one = max((r for r in rows if r["config"] == "1 replica"), key=lambda r: r["throughput_rps"])
+            ones = [r for r in rows if r["config"] == "1 replica"]
+            one = max(ones, key=lambda r: r["throughput_rps"]) if ones else {"throughput_rps": args.scale_up_rps,
+                                                                             "mean_in_flight": 4.0}
             capacity = max(0.5, one["throughput_rps"])
-            auto = autoscale_run(args, url, capacity, one["mean_in_flight"], slos)
+            auto = autoscale_run(args, capacity, one["mean_in_flight"], slos)
             print(f"\nautoscaling: 1x = {capacity:.2f} req/s for {args.step_s:g} s, then 3x; target_ongoing_requests "
                   f"{auto['target_ongoing_requests']:.1f}")
             print("  t_s  running  changing")
@@ -469,9 +680,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  requests {auto['requests']}; peak {auto['peak_replicas']} replicas (2 at {auto['grew_to_2_at_s']} s),"
                   f" load ended at {auto['load_end_s']} s, back to 1 at {auto['back_to_1_at_s']} s")
             result["autoscale"] = auto
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     result["metadata"] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                           "cpus": os.cpu_count(), "wall_s": round(time.time() - started, 1),
                           "loadavg_end": list(os.getloadavg()),

@@ -4,6 +4,7 @@ routed by `TandemRequestRouter`, fixed-size or autoscaled by `TandemAutoscalingP
     serve run deploy.ray_serve:app                      # defaults (2 replicas of the embedded config)
     serve run deploy.ray_serve:build_app replicas=4 num_gpus=1 config=/etc/tandem.toml
     python -m deploy.ray_serve --replicas 2 --port 8000   # starts Ray locally too
+    python -m deploy.ray_serve --direct-ingress --port 8000  # the ingress serves HTTP itself: no proxy hop
 
 Every knob is a field of `ScaleOutOptions` (docs/scale-out.md).
 """
@@ -49,6 +50,7 @@ class ScaleOutOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     torch_threads: int = 1  # torch intra-op threads in a replica (CPU serving: one per core it holds)
     pin_cpu: bool = False  # pin each replica to a core of its own (CPU machines)
     stream_interval_ms: float = 0.0  # a stream's chunks at most this often (0: each as it comes; never the first)
+    warmup_tokens: int = 2  # a replica streams this many tokens per engine before Serve marks it running (0: off)
     max_ongoing_requests: int = 128  # per replica, above its engines' batch: the rest waits in tandem's queue
     max_queued_requests: int = 1024  # per ingress handle; beyond it a 503 + Retry-After
     graceful_shutdown_timeout_s: float = 60.0  # a scaled-down replica's in-flight requests get this long
@@ -150,7 +152,7 @@ def build_app(args: dict[str, Any] | ScaleOutOptions | None = None) -> Applicati
         replica_options["num_replicas"] = o.replicas
     replicas = serve.deployment(TandemReplicaDeployment).options(**replica_options).bind(
         o.config, o.overrides, torch_threads=o.torch_threads, pin_cpu=o.pin_cpu,
-        stream_interval_s=o.stream_interval_ms / 1000.0,
+        stream_interval_s=o.stream_interval_ms / 1000.0, warmup_tokens=o.warmup_tokens,
         limits_bank=o.limits_bank or f"tandem-rate-limits-{uuid.uuid4().hex[:12]}")
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress", num_replicas=o.ingress_replicas, max_ongoing_requests=4 * o.max_queued_requests,
@@ -160,6 +162,29 @@ def build_app(args: dict[str, Any] | ScaleOutOptions | None = None) -> Applicati
 
 
 REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"
+
+
+def direct_ingress_env(port: int, ingress_replicas: int = 1) -> dict[str, str]:
+    """The Ray cluster's environment (set before Ray starts: the controller and the replicas read it at
+    import) for Serve's direct ingress: the ingress replicas serve HTTP themselves on ports from `port` up,
+    so a request makes one Ray hop (ingress -> replica) instead of two (proxy -> ingress -> replica). Serve's
+    proxy stays up but carries nothing. More than one ingress replica needs a load balancer in front."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + max(8, 4 * ingress_replicas)),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(port + 1000),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(port + 1000 + max(8, 4 * ingress_replicas))}
+
+
+def ingress_urls(app_name: str = "tandem", host: str | None = None) -> list[str]:
+    """Where the application takes HTTP: the ingress replicas' own ports under direct ingress, else Serve's
+    proxies (the controller's target groups). `host` replaces the targets' node address (a local run: the
+    address uvicorn was bound to, e.g. 127.0.0.1)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    groups = ray.get(_get_global_client()._controller.get_target_groups.remote(app_name))
+    return [f"http://{host or t.ip}:{t.port}" for g in groups if str(g.protocol).endswith("HTTP")
+            for t in g.targets]
 
 
 def replica_actors(app_name: str = "tandem", deployment: str = "TandemReplica") -> dict[str, Any]:
@@ -204,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
     parser.add_argument("--routing", choices=["affinity", "pow2"], default="affinity")
     parser.add_argument("--pin-cpu", action="store_true", help="pin each replica to a core of its own")
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="the ingress serves HTTP on --port itself (no proxy hop; Ray started here)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="any other ScaleOutOptions field (JSON value), repeatable")
     args = parser.parse_args(argv)
@@ -222,11 +249,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
+    proxy_port = args.port
+    if args.direct_ingress:
+        if args.address is not None:
+            log.error("--direct-ingress sets the Ray cluster's environment: start the cluster with "
+                      "RAY_SERVE_ENABLE_DIRECT_INGRESS=1 instead (docs/scale-out.md)")
+            return 2
+        os.environ.update(direct_ingress_env(args.port, options.ingress_replicas))
+        from gateway.server import free_port
+
+        proxy_port = free_port()  # the proxy still runs (idle): off the endpoint's port
     ray.init(address=args.address, ignore_reinit_error=True)
-    serve.start(http_options={"host": args.host, "port": args.port},
+    serve.start(http_options={"host": args.host, "port": proxy_port},
                 logging_config={"enable_access_log": options.access_log})
     serve.run(build_app(options), name="tandem", route_prefix="/")
-    log.info("tandem on Ray Serve: http://%s:%d/v1 (%s)", args.host, args.port,
+    urls = ingress_urls("tandem", host=args.host) if args.direct_ingress else [f"http://{args.host}:{args.port}"]
+    log.info("tandem on Ray Serve: %s (%s)", ", ".join(u + "/v1" for u in urls),
              "autoscaled" if options.autoscale else f"{options.replicas} replicas")
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))

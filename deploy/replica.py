@@ -154,7 +154,7 @@ class TandemReplica:
 
     async def __init__(self, config: str | None = None, overrides: dict[str, Any] | None = None, *,
                        torch_threads: int | None = 1, pin_cpu: bool = False, ready_timeout_s: float = 600.0,
-                       stream_interval_s: float = 0.0, limits_bank: str | None = None):
+                       stream_interval_s: float = 0.0, limits_bank: str | None = None, warmup_tokens: int = 2):
         self.core: tuple[int, int] | None = pin_to_free_core() if pin_cpu else None
         self.stream_interval_s = stream_interval_s
         if torch_threads:
@@ -173,6 +173,8 @@ class TandemReplica:
         self.replica_id = _replica_id()
         self.started = time.time()
         self.served = 0
+        self.ready_at: float | None = None
+        self.first_request_at: float | None = None
         self.chunks = 0  # body chunks streamed back (each one a Ray streaming item on every hop)
         self._flusher: asyncio.Task | None = None
         limiter = self.state.keyring.limiter
@@ -189,7 +191,44 @@ class TandemReplica:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tandem engines not loaded within {ready_timeout_s} s")
             await asyncio.sleep(0.05)
+        self.warmed: dict[str, int] = await self.warm_up(warmup_tokens) if warmup_tokens > 0 else {}
+        self.ready_at = time.time()  # the constructor returns now: Serve may route here from this point on
         log.info("tandem replica %s ready (core %s)", self.replica_id, self.core[0] if self.core else "-")
+
+    async def warm_up(self, max_tokens: int) -> dict[str, int]:
+        """One short streamed completion per engine through the whole app before Serve marks the replica
+        running (the constructor has not returned yet, so no request is routed here meanwhile): the first
+        forward, the sampler and the SSE path run once off the clock of real traffic. Returns each engine's
+        status; a non-200 (an auth-only config answers 401) is logged, not fatal."""
+        import json
+
+        out = {}
+        for engine in sorted(self.state.engines):
+            body = json.dumps({"model": engine, "prompt": "warm up", "max_tokens": max_tokens,
+                               "stream": True}).encode()
+            status = 0
+            async for item in call_asgi(self.app, "POST", "/v1/completions",
+                                        [("content-type", "application/json")], body):
+                if isinstance(item, dict):
+                    status = item["status"]
+            out[engine] = status
+            if status != 200:
+                log.warning("tandem replica warm-up on %s answered %d", engine, status)
+        return out
+
+    def check_health(self) -> None:
+        """Ray Serve's health check (every `health_check_period_s`): raising marks the replica unhealthy, so
+        Serve stops routing to it and replaces it. Unhealthy: the engines failed or are gone, or the engine
+        loop or a preparation pool is stalled (what tandem's /health reports as degraded)."""
+        from gateway.app import stalled
+
+        if self.state.load_error:
+            raise RuntimeError(f"tandem engines failed: {self.state.load_error}")
+        if not self.state.ready:
+            raise RuntimeError("tandem engines are not loaded")
+        why = stalled(self.state)
+        if why is not None:
+            raise RuntimeError(f"tandem replica degraded: {why}")
 
     @classmethod
     async def create(cls, *args: Any, **kwargs: Any) -> TandemReplica:
@@ -202,6 +241,8 @@ class TandemReplica:
         """One HTTP exchange: `request` has method, path, query, headers (pairs), body (bytes) and the router's
         `routing` key (read by the router, ignored here)."""
         self.served += 1
+        if self.first_request_at is None:
+            self.first_request_at = time.time()
         async for item in call_asgi(self.app, request["method"], request["path"], request["headers"],
                                     request.get("body", b""), request.get("query", ""),
                                     extra_headers={"x-tandem-replica": self.replica_id},
@@ -225,7 +266,8 @@ class TandemReplica:
                 "waiting": sum(float(s.get("num_waiting", 0)) for s in engines.values()),
                 "kv_usage": float(pool.get("kv_usage", 0.0)),
                 "slo_headroom": min(headroom) if headroom else 0.0,
-                "served": self.served, "chunks": self.chunks,
+                "served": self.served, "chunks": self.chunks, "ready_at": self.ready_at,
+                "first_request_at": self.first_request_at,
                 "used_pages": pool.get("used_pages", 0), "num_pages": pool.get("num_pages", 0),
                 "prefix_cache_queries": pool.get("prefix_cache_queries", 0),
                 "prefix_cache_hits": pool.get("prefix_cache_hits", 0)}

@@ -18,7 +18,7 @@ from deploy.autoscale_policy import TandemAutoscalingPolicy, fleet_signals  # no
 from deploy.ingress import routing_key  # noqa: E402
 from deploy.prefix import BLOCK_CHARS, block_hashes, prompt_text  # noqa: E402
 from deploy.ray_serve import ScaleOutOptions, _coerce, build_app  # noqa: E402
-from deploy.replica import call_asgi  # noqa: E402
+from deploy.replica import TandemReplica, call_asgi  # noqa: E402
 from deploy.router import AffinityTable, ReplicaLoad, RoutingSettings, rank  # noqa: E402
 
 PREFIX = "x" * (BLOCK_CHARS * 4)
@@ -245,3 +245,51 @@ async def test_asgi_bridge_with_a_stream_interval_holds_later_chunks_but_never_t
     assert items[1:] == [b"0;", b"1;2;3;"]  # the first token at once, the rest after the interval, together
     items = [item async for item in call_asgi(app, "POST", "/v1/completions", [], b"{}")]
     assert items[1:] == [b"0;", b"1;", b"2;", b"3;"]
+
+
+def _replica_with(state) -> TandemReplica:
+    replica = TandemReplica.__new__(TandemReplica)
+    replica.state = state
+    return replica
+
+
+def test_health_check_fails_while_loading_on_a_load_error_and_when_the_engine_loop_stalls():
+    """Serve's `check_health`: raising takes the replica out of routing (and Serve replaces it)."""
+    stalled_for = {"value": None}
+    host = SimpleNamespace(stalled=lambda after_s: stalled_for["value"])
+    cfg = SimpleNamespace(preparation=SimpleNamespace(stall_after_s=30.0))
+    state = SimpleNamespace(cfg=cfg, host=None, load_error=None, ready=False)
+    with pytest.raises(RuntimeError, match="not loaded"):
+        _replica_with(state).check_health()
+    state.load_error = "checkpoint missing"
+    with pytest.raises(RuntimeError, match="checkpoint missing"):
+        _replica_with(state).check_health()
+    state.load_error, state.host, state.ready = None, host, True
+    assert _replica_with(state).check_health() is None
+    stalled_for["value"] = "engine loop: step running for 41.0 s"
+    with pytest.raises(RuntimeError, match="engine loop: step running for 41.0 s"):
+        _replica_with(state).check_health()
+
+
+async def test_a_replica_warms_every_engine_up_before_its_constructor_returns(tmp_path):
+    """The constructor (what Serve waits for before it routes to a replica) streams a short completion per
+    engine through the app; requests counted from `handle` start after it (`first_request_at` > `ready_at`)."""
+    from deploy.testing import default_config_with_routes
+
+    config = default_config_with_routes(tmp_path / "tandem.toml", routes=("fast",))
+    replica = await TandemReplica.create(str(config), {"kv_pool.memory_bytes": "32MiB"}, warmup_tokens=2)
+    try:
+        engines = sorted(replica.state.engines)
+        assert len(engines) >= 2 and replica.warmed == dict.fromkeys(engines, 200)
+        for name, stats in replica.state.engine_stats().items():
+            assert stats["num_generated_tokens"] >= 2 and stats["num_running"] == 0, (name, stats)
+        report = replica.record_routing_stats()
+        assert report["ready_at"] is not None and report["first_request_at"] is None and report["served"] == 0
+        request = {"method": "POST", "path": "/v1/completions", "headers": [("content-type", "application/json")],
+                   "body": b'{"model": "fast", "prompt": "hi", "max_tokens": 1}', "query": ""}
+        statuses = [item["status"] async for item in replica.handle(request) if isinstance(item, dict)]
+        assert statuses == [200]
+        report = replica.record_routing_stats()
+        assert report["first_request_at"] >= report["ready_at"] and report["served"] == 1
+    finally:
+        await replica.shutdown()
