@@ -1,7 +1,8 @@
 """How far a chat request travels in the gateway before the engine sees it: the project's function calls
 (gateway/ and engines/, not the libraries) from the handler's entry to `RoutingContext.start`, which
 calls the engine's `generate`, and how often
-control comes back to the module that drives the request. Prints one line; run before and after a change.
+control comes back to the module that drives the request. Prints one line and writes bench/results/gateway_hops.json;
+run before and after a change.
 
     .venv/bin/python bench/gateway_hops.py [--driver gateway/lifecycle.py]
 """
@@ -17,11 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gateway_overhead import REQUEST, FakeHost  # noqa: E402
+from bench.results_meta import write_results  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--driver", default="gateway/lifecycle.py", help="the module that drives a request")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gateway_hops.json"))
     args = ap.parse_args(argv)
     import asyncio
 
@@ -58,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run():  # noqa: ANN202
         async with AsyncTestClient(app) as client:
+            for _ in range(300):  # the fake host loads in the background: wait for /ready (30 s at most)
+                if (await client.get("/ready")).status_code == 200:
+                    break
+                await asyncio.sleep(0.1)
             await client.post("/v1/chat/completions", json=REQUEST)  # warm: first-request paths
             seen["armed"] = True
             return await client.post("/v1/chat/completions", json=REQUEST)
@@ -73,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{seen['hops']} project function calls from the handler to the engine's generate; control returns "
           f"to {args.driver} {seen['returns']} times on the way")
     print(" -> ".join(calls))
+    write_results(args.out, {"driver": args.driver, "hops": seen["hops"], "returns_to_driver": seen["returns"],
+                             "path": calls})
     return 0
 
 
