@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                       "RAY_SERVE_ENABLE_DIRECT_INGRESS=1 instead (docs/scale-out.md)")
             return 2
         os.environ.update(direct_ingress_env(args.port, options.ingress_replicas))
-        from gateway.server import free_port
+        from gateway.http_guard import free_port
 
         proxy_port = free_port()  # the proxy still runs (idle): off the endpoint's port
     ray.init(address=args.address, ignore_reinit_error=True)

@@ -1,10 +1,11 @@
 """The HTTP edge under uvicorn: `GuardedHttpToolsProtocol` answers what never reaches the app (an oversized head
 431, a head or body that does not arrive in time 408, bytes that are not HTTP 400) with OpenAI's error body,
-within `HTTPLimits` ([server] in the config)."""
+within `HTTPLimits` ([server] in the config); `free_port` finds a port to listen on."""
 
 from __future__ import annotations
 
 import logging
+import socket
 from asyncio import TimerHandle, Transport
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,3 +174,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # FIN after the answer, read and drop a little more, then close.
         self.transport.write_eof()
         self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS has just handed out on `host` (free until someone else binds it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -27,7 +27,7 @@ import uvicorn
 
 from gateway.config import ConfigError, TandemConfig, apply_env_overrides, config_from_dict, read_config_file
 from gateway.engine_setup import check_checkpoints
-from gateway.http_guard import GuardedHttpToolsProtocol, HTTPLimits, error_body
+from gateway.http_guard import GuardedHttpToolsProtocol, HTTPLimits, error_body, free_port  # noqa: F401 (tests, bench)
 
 log = logging.getLogger("tandem.gateway")
 
@@ -330,12 +330,6 @@ def main(argv: list[str] | None = None) -> int:
         exit_now(1)
     exit_now(0)
     return 0  # not reached
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:
