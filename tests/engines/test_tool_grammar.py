@@ -117,6 +117,14 @@ def _walk_call(tok, grammar, rng: random.Random, ids: list[int], steps: int = 40
     return False
 
 
+def _assert_calls_validate(text: str, schemas: dict[str, dict]) -> None:
+    """Every closed `<tool_call>` block in `text` names a listed tool and its arguments validate (jsonschema)."""
+    for block in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S):
+        call = json.loads(block)
+        assert set(call) == {"name", "arguments"} and call["name"] in schemas
+        jsonschema.validate(call["arguments"], schemas[call["name"]])
+
+
 def test_every_call_a_random_walk_over_the_masks_closes_validates(compiler):
     tok, comp = compiler
     c = _compiled(comp)
@@ -133,11 +141,7 @@ def test_every_call_a_random_walk_over_the_masks_closes_validates(compiler):
             if not _walk_call(tok, grammar, rng, ids):
                 break
             closed += 1
-        text = tok.backend.decode(ids, skip_special_tokens=False)
-        for block in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S):
-            call = json.loads(block)
-            assert set(call) == {"name", "arguments"} and call["name"] in SCHEMAS
-            jsonschema.validate(call["arguments"], SCHEMAS[call["name"]])
+        _assert_calls_validate(tok.backend.decode(ids, skip_special_tokens=False), SCHEMAS)
     assert closed >= 12  # most walks close both calls: the check above is not vacuous
 
 
@@ -192,9 +196,5 @@ def test_random_walks_with_real_bfcl_definitions_close_only_valid_calls(compiler
         if not _walk_call(tok, grammar, rng, ids, steps=600):
             continue
         closed += 1
-        text = tok.backend.decode(ids, skip_special_tokens=False)
-        for block in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S):
-            call = json.loads(block)
-            assert set(call) == {"name", "arguments"} and call["name"] in schemas
-            jsonschema.validate(call["arguments"], schemas[call["name"]])
+        _assert_calls_validate(tok.backend.decode(ids, skip_special_tokens=False), schemas)
     assert closed >= 5, closed  # the validation above ran on most walks
