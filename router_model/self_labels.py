@@ -32,18 +32,10 @@ def _key(prompt: Any, small: str, large: str, max_tokens: int, stop: Sequence[st
 def _engine_answers(model_dir: str, prompts: list, max_tokens: int, stop: Sequence[str], batch: int, log,
                     **engine_options) -> list[dict]:
     """{answer, stats} per prompt from one engine, `batch` prompts per generate call (top-5 logprobs on)."""
-    from engines import LLM, SamplingParams
+    from engines import SamplingParams
+    from router_model.user_labels import labelling_engine
 
-    options = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "memory_bytes": 256 << 20} | engine_options
-    llm = LLM(model=str(model_dir), **options)
-    texts = []
-    for p in prompts:
-        if isinstance(p, list):
-            if not llm.tokenizer.has_chat_template:
-                raise ValueError(f"{model_dir} has no chat template: give 'prompt' strings instead of 'messages'")
-            texts.append(llm.tokenizer.apply_chat_template(p, add_generation_prompt=True))
-        else:
-            texts.append(p)
+    llm, texts = labelling_engine(model_dir, prompts, **engine_options)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=list(stop), logprobs=ENTROPY_TOP_K)
     out = []
     t0 = time.perf_counter()

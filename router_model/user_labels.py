@@ -78,10 +78,9 @@ def score_command(command: str, items: list[dict]) -> list[float]:
         raise DataError(f"--score-command printed a non-number: {e}") from None
 
 
-def generate(model_dir: str, prompts: list, max_tokens: int, stop: list[str], want_stats: bool,
-             **engine_options) -> tuple[list[str], list[dict] | None]:
-    """Greedy answers of one engine to every prompt (one batched generate call)."""
-    from engines import LLM, SamplingParams
+def labelling_engine(model_dir: str, prompts: list, **engine_options) -> tuple[Any, list[str]]:
+    """An offline engine for labelling and each prompt as text (a 'messages' list through its chat template)."""
+    from engines import LLM
 
     options = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "memory_bytes": 256 << 20} | engine_options
     llm = LLM(model=str(model_dir), **options)
@@ -93,6 +92,15 @@ def generate(model_dir: str, prompts: list, max_tokens: int, stop: list[str], wa
             texts.append(llm.tokenizer.apply_chat_template(p, add_generation_prompt=True))
         else:
             texts.append(p)
+    return llm, texts
+
+
+def generate(model_dir: str, prompts: list, max_tokens: int, stop: list[str], want_stats: bool,
+             **engine_options) -> tuple[list[str], list[dict] | None]:
+    """Greedy answers of one engine to every prompt (one batched generate call)."""
+    from engines import SamplingParams
+
+    llm, texts = labelling_engine(model_dir, prompts, **engine_options)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=list(stop),
                             logprobs=ENTROPY_TOP_K if want_stats else None)
     outs = llm.generate(texts, params)
