@@ -7,14 +7,15 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
-from engines.embedding import embed_async
+import torch
+
+from engines.embedding import MAX_PENDING, EmbeddingBusy, EmbeddingFailed
+from engines.errors import EngineError, ErrorCode
 from engines.outputs import PositionLogprobs, RequestOutput
 from engines.sampling_params import SamplingParams
 from engines.scoring import score_async
 
 if TYPE_CHECKING:
-    import torch
-
     from engines.engine import ModelEngine
 
 
@@ -38,6 +39,7 @@ class AsyncEngine:
         self.eos_token_ids = engine.eos_token_ids
         self.generation_defaults = engine.generation_defaults
         self.load_info = getattr(engine.model, "load_info", None)  # engines/loaded.py: what was loaded
+        self._embed_pending = 0  # embedding inputs in flight (event-loop side): MAX_PENDING bounds them
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
                        priority: int = 0, draft_token_ids: list[int] | None = None,
@@ -82,11 +84,44 @@ class AsyncEngine:
         self._core.check_alive()
         return await score_async(self._engine.model, token_ids, top_k, self.tokenizer)
 
-    async def embed(self, inputs: list[list[int]], pooling: str = "mean") -> torch.Tensor:
-        """Unit vectors of each input's last hidden state (`mean` or `last` pooling), batched with the others
-        waiting on the embedding thread beside the step loop (engines/embedding.py); EmbeddingBusy when full."""
+    async def embed(self, inputs: list[list[int]] | list[str], pooling: str = "mean", *, priority: int = 0,
+                    ttft_s: float | None = None) -> torch.Tensor:
+        """[len(inputs), hidden] unit vectors of each input's last hidden state (`mean` or `last` pooling): one
+        prefill-only request per input in the engine's step loop, batched with every other request there
+        (engines/embedding.py). Raises RequestRejected (nothing queued) for a bad input, EmbeddingBusy past
+        MAX_PENDING inputs in flight, and EmbeddingFailed where the engine failed one; cancelling aborts all."""
         self._core.check_alive()
-        return await embed_async(self._engine.model, inputs, pooling)
+        reqs = [self.inputs.process_embedding(one, pooling, priority=priority, ttft_s=ttft_s) for one in inputs]
+        if self._embed_pending + len(reqs) > MAX_PENDING:
+            raise EmbeddingBusy(f"{self._embed_pending} inputs are already being embedded; retry shortly")
+        loop = asyncio.get_running_loop()
+        futures = []
+        for req in reqs:
+            done: asyncio.Future[RequestOutput] = loop.create_future()
+
+            def put(out: RequestOutput, done: asyncio.Future = done) -> None:
+                if out.finished and not done.done():
+                    done.set_result(out)
+
+            def emit(out: RequestOutput, put=put) -> None:  # the engine hands outputs over per loop (deliver)
+                loop.call_soon_threadsafe(put, out)
+
+            emit.loop, emit.put = loop, put
+            self._engine.submit(req, emit, stream=False)
+            futures.append(done)
+        self._embed_pending += len(reqs)
+        self._core.wake()
+        try:
+            outs = await asyncio.gather(*futures)
+        finally:
+            self._embed_pending -= len(reqs)
+            for req, fut in zip(reqs, futures):
+                if fut.cancelled() or not fut.done():  # a cancelled gather cancels its futures
+                    self.abort(req.request_id)
+        for out in outs:
+            if out.error is not None or out.embedding is None:
+                raise EmbeddingFailed(out.error or EngineError(ErrorCode.ENGINE_ERROR, "no vector was computed"))
+        return torch.stack([out.embedding for out in outs])
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's KV pages are freed at the engine's next step."""

@@ -13,7 +13,7 @@ only the pages a window reaches. Without them (Llama) nothing changes.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -120,6 +120,9 @@ class StepBatch:
     context_lens: torch.Tensor | None = None  # [S]
     plan: PagedAttentionPlan | None = None  # torch path only
     logits_indices: torch.Tensor | None = None  # sample_rows on the device
+    # embedding requests' chunks in this step: (sequence, first row, rows, first position); pooled from the
+    # hidden states instead of sampling (engines/embedding.py `pool_step`)
+    pool_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:

@@ -1,23 +1,24 @@
 """Embeddings from a generative model's last hidden state (after the final norm): mean over the prompt's tokens
-or its last token, L2-normalised. One varlen forward embeds a whole batch (no KV cache); `embed_async` runs
-it beside the engine's step loop on one thread per device, batching whatever requests wait together, and
-refuses past `MAX_PENDING` waiting inputs (`EmbeddingBusy`) so the event loop never waits on torch.
+or its last token, L2-normalised. Served, an embedding is a prefill-only request in the engine's one step loop
+(`InputProcessor.process_embedding`), batched with chat and completions; `pool_step` pools its rows of each
+step's hidden states. `embed` is the same vectors from one varlen forward outside any engine (offline use and
+the tests' reference).
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engines.attention import attend_masked, needs_mask
 
+if TYPE_CHECKING:
+    from engines.errors import EngineError
+    from engines.sequence import Sequence
+
 POOLING = ("mean", "last")
-MAX_PENDING = 1024  # inputs queued or running at once (all engines of a device): beyond it EmbeddingBusy
-MAX_BATCH_TOKENS = 8192  # tokens in one forward; a longer queue is embedded in several
+MAX_PENDING = 1024  # inputs queued or running in one engine at once: beyond it EmbeddingBusy (a 503)
 
 
 class VarlenCausal:
@@ -47,6 +48,14 @@ class EmbeddingBusy(RuntimeError):
     """Too many inputs are waiting to be embedded: retry later."""
 
 
+class EmbeddingFailed(RuntimeError):
+    """The engine failed an embedding request (`error`: its EngineError, with its typed code)."""
+
+    def __init__(self, error: EngineError):
+        super().__init__(error.message)
+        self.error = error
+
+
 def embed(model: Any, inputs: list[list[int]], pooling: str = "mean") -> torch.Tensor:
     """[len(inputs), hidden] float32 unit vectors: each input's final hidden states pooled (`mean` over its
     tokens, or its `last` token), in one forward of the inputs concatenated (each attends to itself only)."""
@@ -65,68 +74,21 @@ def embed(model: Any, inputs: list[list[int]], pooling: str = "mean") -> torch.T
         return torch.nn.functional.normalize(pooled, dim=-1).cpu()
 
 
-class _Batcher:
-    """One device's queue of embedding requests: the worker thread takes every request waiting (up to
-    MAX_BATCH_TOKENS) and embeds them in one forward per model and pooling."""
-
-    def __init__(self, name: str):
-        self._queue: list[tuple[Any, list[list[int]], str, Future]] = []
-        self._lock = threading.Lock()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tandem-embedding-{name}")
-        self.pending = 0
-
-    def submit(self, model: Any, inputs: list[list[int]], pooling: str) -> Future:
-        done: Future = Future()
-        with self._lock:
-            if self.pending + len(inputs) > MAX_PENDING:
-                raise EmbeddingBusy(f"{self.pending} inputs are already waiting to be embedded; retry shortly")
-            self.pending += len(inputs)
-            self._queue.append((model, inputs, pooling, done))
-        self._worker.submit(self._drain)
-        return done
-
-    def _take(self) -> list[tuple[Any, list[list[int]], str, Future]]:
-        with self._lock:
-            if not self._queue:
-                return []
-            first = self._queue[0]
-            batch, tokens = [], 0
-            for item in list(self._queue):
-                size = sum(len(ids) for ids in item[1])
-                if item[0] is not first[0] or item[2] != first[2] or (batch and tokens + size > MAX_BATCH_TOKENS):
-                    continue
-                batch.append(item)
-                tokens += size
-                self._queue.remove(item)
-            return batch
-
-    def _drain(self) -> None:
-        batch = self._take()  # one submit, one drain: a drain that finds the queue empty returns at once
-        if not batch:
-            return
-        model, pooling = batch[0][0], batch[0][2]
-        try:
-            vectors = embed(model, [ids for item in batch for ids in item[1]], pooling)
-            start = 0
-            for _, inputs, _, done in batch:
-                done.set_result(vectors[start:start + len(inputs)])
-                start += len(inputs)
-        except Exception as exc:  # a failure fails these requests, not the thread
-            for *_, done in batch:
-                done.set_exception(exc)
-        finally:
-            with self._lock:
-                self.pending -= sum(len(item[1]) for item in batch)
-
-
-_batchers: dict[str, _Batcher] = {}
-_batchers_lock = threading.Lock()
-
-
-async def embed_async(model: Any, inputs: list[list[int]], pooling: str = "mean") -> torch.Tensor:
-    """`embed` on the device's embedding thread, batched with the requests waiting beside it; raises
-    EmbeddingBusy past MAX_PENDING waiting inputs."""
-    key = str(next(model.parameters()).device)
-    with _batchers_lock:
-        batcher = _batchers.get(key) or _batchers.setdefault(key, _Batcher(key))
-    return await asyncio.wrap_future(batcher.submit(model, inputs, pooling))
+def pool_step(hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
+    """Pool this step's rows of each embedding request (`StepBatch.pool_spans`: sequence, first row, rows,
+    first position): mean pooling sums its rows in float32 chunk by chunk (a chunk from position 0 starts the
+    sum again: a preempted request is recomputed whole), and once the prompt's last token is in, the mean or
+    that token's row becomes `seq.embedding`, normalised, on the host."""
+    for seq, row, n, first in spans:
+        rows = hidden[row:row + n]
+        last = first + n == seq.num_tokens
+        if seq.pooling == "mean":
+            part = rows.float().sum(0)  # every row is computed: mean pooling never takes a prefix-cache hit
+            seq.pool_sum = part if first == 0 else seq.pool_sum + part
+            if last:
+                vector = seq.pool_sum / seq.num_tokens
+        elif last:
+            vector = rows[-1].float()
+        if last:
+            seq.embedding = torch.nn.functional.normalize(vector, dim=-1).cpu()
+            seq.pool_sum = None

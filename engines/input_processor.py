@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engines.compile_pool import CompileBusy, CompileLimits, CompilePool, check_budget
+from engines.embedding import POOLING
 from engines.errors import ErrorCode, RequestRejected
 from engines.grammar_check import require_finite_derivation
 from engines.outputs import RequestMetrics
@@ -82,6 +83,32 @@ class InputProcessor:
             if drafts:  # verified first, at most max_tokens of them
                 seq.supplied_draft_ids = drafts[:max_tokens]
             req.seqs.append(seq)
+        return req
+
+    def process_embedding(self, prompt: str | list[int], pooling: str, request_id: str | None = None, *,
+                          priority: int = 0, ttft_s: float | None = None) -> Request:
+        """An embedding request: one sequence that computes its prompt and nothing after it (its length is its
+        max length, so nothing drafts, samples or looks ahead for it), then finishes with the pooled vector
+        (`RequestOutput.embedding`, engines/embedding.py). The prompt may fill the context."""
+        if pooling not in POOLING:
+            raise RequestRejected(f"pooling={pooling!r} is invalid: use one of {', '.join(POOLING)}")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise RequestRejected("the input is empty: at least one token is needed")
+        self._check_ids("input token ids", ids)
+        if len(ids) > self.max_model_len:
+            raise RequestRejected(f"the input has {len(ids)} tokens but {self.name!r} has a context of "
+                                  f"{self.max_model_len}", ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+        pages = -(-len(ids) // self.pool.block_size)
+        if pages > self.pool.num_pages:
+            raise RequestRejected(f"the input needs {pages} KV pages but the whole pool has {self.pool.num_pages}",
+                                  ErrorCode.KV_CAPACITY_EXCEEDED)
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        req = Request(rid, text, ids, SamplingParams(max_tokens=1), priority=priority, ttft_s=ttft_s)
+        req.metrics = RequestMetrics(arrival_time=req.arrival_time)
+        seq = Sequence(req, 0, list(ids), len(ids), len(ids))
+        seq.pooling = pooling
+        req.seqs.append(seq)
         return req
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -1,12 +1,15 @@
 """The offline API, shaped like vLLM's: `LLM(model=DIR, **options).generate(prompts, params)` returns one
 `RequestOutput` per prompt in input order. It steps the engine in the calling thread (no background loop);
-`SamplingParams(prompt_logprobs=k)` adds each prompt token's logprob (engines/scoring.py) once it is done."""
+`SamplingParams(prompt_logprobs=k)` adds each prompt token's logprob (engines/scoring.py) once it is done;
+`embed(inputs)` gives embedding vectors from the same engine."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from engines.config import EngineSpec, PoolSpec, spec_kwargs
 from engines.core import EngineCore
@@ -85,6 +88,27 @@ class LLM:
                 out.prompt_logprobs = prompt_logprobs(self.engine.model, out.prompt_token_ids, sp.prompt_logprobs,
                                                       self.tokenizer)
         return outputs
+
+    def embed(self, inputs: str | list[int] | Seq[str | list[int]], pooling: str = "mean") -> torch.Tensor:
+        """[len(inputs), hidden] unit vectors of each input's last hidden state, pooled (`mean` or `last`), as
+        prefill-only requests in the engine's step loop (engines/embedding.py). Raises RequestRejected (nothing
+        queued) for a bad input and RuntimeError where the engine failed one."""
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        reqs = []
+        for one in inputs:
+            self._counter += 1
+            reqs.append(self.engine.inputs.process_embedding(one, pooling, f"llm-embed-{self._counter}"))
+        results: dict[str, RequestOutput] = {}
+        for r in reqs:
+            self.engine.submit(r, lambda out: results.__setitem__(out.request_id, out), stream=False)
+        while self.engine.has_work():
+            self.core.step()
+        outs = [results[r.request_id] for r in reqs]
+        for out in outs:
+            if out.error is not None:
+                raise RuntimeError(f"embedding {out.request_id} failed: {out.error}")
+        return torch.stack([out.embedding for out in outs])
 
     def stats(self) -> dict:
         """Pool (pages used/cached/free, prefix queries/hits) and engine (running, preemptions...) counters."""

@@ -73,7 +73,8 @@ class OutputProcessor:
             seq.sent_text = text_end
             seq.sent_logprobs = len(lps) if lps is not None else 0
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished=final,
-                             error=req.error, metrics=req.metrics, model=self.model_name)
+                             error=req.error, metrics=req.metrics, model=self.model_name,
+                             embedding=req.seqs[0].embedding if req.seqs else None)
 
     def deliver(self, outs: list[tuple[Request, RequestOutput]]) -> None:
         """A step's outputs: those for an asyncio consumer (an `emit` with `loop` and `put`, as AsyncEngine

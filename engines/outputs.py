@@ -9,8 +9,12 @@ not O(n) an output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engines.errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -95,3 +99,5 @@ class RequestOutput:
     model: str | None = None
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), engines/scoring.py
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # an embedding request (`InputProcessor.process_embedding`): its unit vector, float32 [hidden], once finished
+    embedding: torch.Tensor | None = None

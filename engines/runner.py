@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engines.attention import PagedAttention, StepBatch, plan_paged_attention, resolve_backend
+from engines.embedding import pool_step
 from engines.model import Attention, Transformer
 from engines.sampler import Sampled, greedy_bans, min_tokens_ban, sample_sequences
 from engines.sequence import Sequence
@@ -110,6 +111,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         rows_per_seq: list[int] = []
+        pool_spans: list[tuple[Sequence, int, int, int]] = []
         max_blocks = max(len(s.pages) for s in seqs)
         row = 0
         for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
@@ -125,7 +127,9 @@ class ModelRunner:
             meta[2].append(c + n)
             meta[3].append(i)
             row += n
-            if c + n - k == seq.num_tokens:  # the last known token is in: its row samples the next one
+            if seq.pooling is not None:  # an embedding request: its rows are pooled, nothing sampled
+                pool_spans.append((seq, row - n, n, c))
+            elif c + n - k == seq.num_tokens:  # the last known token is in: its row samples the next one
                 sample_rows.extend(range(row - 1 - k, row))
                 sample_seqs.append(seq)
                 rows_per_seq.append(1 + k)
@@ -134,7 +138,7 @@ class ModelRunner:
                               dtype=torch.long)
         return StepBatch(ids=ids, host_positions=positions, meta=meta, block_tables=tables,
                          max_query_len=max(num_tokens), max_context_len=max(meta[2]), sample_rows=sample_rows,
-                         sample_seqs=sample_seqs, rows_per_seq=rows_per_seq)
+                         sample_seqs=sample_seqs, rows_per_seq=rows_per_seq, pool_spans=pool_spans)
 
     def prepare(self, seqs: Seq[Sequence], num_tokens: Seq[int], drafts: Mapping[int, list[int]] | None = None
                 ) -> StepBatch:
@@ -219,6 +223,8 @@ class ModelRunner:
             attn = PagedAttention(self.k_caches, self.v_caches, batch, self.use_kernel, self.k_scales,
                                   self.v_scales)
             hidden = self.model(batch.input_ids, batch.positions, attn)
+        if batch.pool_spans:
+            pool_step(hidden, batch.pool_spans)
         if not batch.sample_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), batch
         return self.model.compute_logits(hidden[batch.logits_indices]), batch
@@ -228,6 +234,8 @@ class ModelRunner:
         """`execute` through `CpuForward`: the host layout, the stack in one call."""
         batch = self.layout(seqs, num_tokens, drafts)
         hidden = self.cpu_forward.forward(*self._cpu_inputs(batch))
+        if batch.pool_spans:
+            pool_step(hidden, batch.pool_spans)
         if not batch.sample_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32), batch
         rows = batch.sample_rows

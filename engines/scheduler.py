@@ -223,7 +223,10 @@ class Scheduler:
             if self._blocked(seq):
                 deferred.append(self._waiting.pop())
                 continue
-            cached_pages, cached_hashes = self.pool.match_prefix(self.model_id, seq.token_ids, extra_keys(seq))
+            if seq.pooling == "mean":  # its vector needs the hidden state of every prompt token: no cache hit
+                cached_pages, cached_hashes = [], []
+            else:
+                cached_pages, cached_hashes = self.pool.match_prefix(self.model_id, seq.token_ids, extra_keys(seq))
             num_cached = len(cached_pages) * self.block_size
             room = min(budget, prefill_budget)
             fit = self._fit_drafts(seq, seq.num_tokens - num_cached, room, drafts)
@@ -290,6 +293,8 @@ class Scheduler:
         sampling sequence's tokens, stop and finish. A request whose processing raises fails alone. Returns
         the requests with new output (finished ones included)."""
         drafts, ahead = sched.drafts, sched.lookahead
+        touched: dict[int, Request] = {}
+        now = time.monotonic()
         for seq, n in zip(sched.seqs, sched.num_tokens):
             if not seq.finished:
                 d = drafts.get(seq.seq_id) if drafts else None
@@ -298,8 +303,11 @@ class Scheduler:
                 if ahead:
                     n -= ahead.get(seq.seq_id, 0)
                 self.commit_computed(seq, n)
-        touched: dict[int, Request] = {}
-        now = time.monotonic()
+                if seq.embedding is not None:  # an embedding request's prompt is in: its vector is its answer
+                    self._finish(seq, "stop", None)
+                    touched[id(seq.request)] = seq.request
+                    if seq.request.metrics is not None:
+                        seq.request.metrics.first_token_time = now
         for s in sampled:
             seq = s.seq
             req = seq.request

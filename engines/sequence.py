@@ -71,6 +71,11 @@ class Sequence:
     seed: int | None = None  # a seeded choice's seed (the request's seed + index); draws by position
     detokenizer: object | None = None
     grammar: object | None = None  # the output constraint's state (engines.structured.Grammar)
+    pooling: str | None = None  # an embedding request ("mean" | "last"): prefill only, its output a vector
+    # an embedding request's pooled hidden states (engines/embedding.py `pool_step`): the running float32 sum
+    # of its rows under mean pooling while its prompt is computed, then its unit vector once it is all in
+    pool_sum: object | None = None
+    embedding: object | None = None
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0

@@ -277,8 +277,9 @@ class AdmissionController:
         return {"engines": engines, "prediction": self.prediction_stats(), "decisions": dict(self.decisions)}
 
     # ---- deciding ----------------------------------------------------------------------------------------
-    def decide(self, route: str, engine: str, prompt_tokens: int) -> AdmissionDecision:
-        """The verdict for a request of `route` that routing sent to `engine`; changes no state."""
+    def decide(self, route: str, engine: str, prompt_tokens: int, *, pinned: bool = False) -> AdmissionDecision:
+        """The verdict for a request of `route` that routing sent to `engine`; changes no state. `pinned`: only
+        that engine may serve it (an embedding: another model's vectors are another space), never a downgrade."""
         cfg = self.routes.get(route)
         s = self.config
         priority = cfg.priority if cfg is not None else 0
@@ -298,7 +299,7 @@ class AdmissionController:
             return AdmissionDecision(action="admit", engine=engine, reason="within_slo",
                                      predicted_ttft_s=predicted, target_ttft_s=target)
         small = cfg.engines[0] if cfg is not None and len(cfg.engines) > 1 else None
-        if cfg is not None and cfg.allow_downgrade and small is not None and small != engine:
+        if cfg is not None and cfg.allow_downgrade and not pinned and small is not None and small != engine:
             on_small = self.predicted_ttft(small, priority, prompt_tokens)
             if on_small is not None and on_small <= budget:
                 return AdmissionDecision(action="downgrade", engine=small, reason="small_meets_slo",
@@ -342,10 +343,11 @@ class AdmissionController:
                                  status=503)
 
     # ---- the ledger --------------------------------------------------------------------------------------
-    def admit(self, request_id: str, route: str, engine: str, prompt_tokens: int) -> AdmissionDecision:
+    def admit(self, request_id: str, route: str, engine: str, prompt_tokens: int, *, pinned: bool = False
+              ) -> AdmissionDecision:
         """`decide`, and when admitted (or downgraded) book the request on the engine the verdict names."""
         self._check_new(request_id)
-        decision = self.decide(route, engine, prompt_tokens)
+        decision = self.decide(route, engine, prompt_tokens, pinned=pinned)
         self.decisions[f"{route}/{decision.action}/{decision.reason}"] += 1
         if decision.admitted:
             self._enter(request_id, route, decision.engine or engine, prompt_tokens, decision.predicted_ttft_s,

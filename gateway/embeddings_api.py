@@ -1,13 +1,14 @@
 """OpenAI's `POST /v1/embeddings`: text or token-id inputs embedded by one engine of the route (its first, always
 the same, so the vectors of a route share one space) from the model's last hidden state, pooled as its
-`[engines.NAME] pooling` says and normalised (engines/embedding.py); `float` or `base64` vectors, usage counted
-against the key's tokens/minute.
+`[engines.NAME] pooling` says and normalised, each input a prefill-only request in that engine's step loop
+(engines/embedding.py); `float` or `base64` vectors, usage counted against the key's tokens/minute.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from typing import Annotated, Any, Literal
 
 from litestar import Request, Response, post
@@ -15,10 +16,12 @@ from litestar.params import JSONBody
 from msgspec import Meta, Struct
 from opentelemetry import trace
 
-from engines.embedding import EmbeddingBusy
+from engines.embedding import EmbeddingBusy, EmbeddingFailed
+from engines.errors import RequestRejected
 from gateway.answers import encode
+from gateway.engine_errors import engine_api_error
 from gateway.errors import APIError
-from gateway.lifecycle import resolve_route
+from gateway.lifecycle import engine_request_id, resolve_route, shed
 from gateway.openapi import error_responses
 from gateway.prompts import INLINE_CHARS
 
@@ -83,6 +86,7 @@ async def _token_ids(engine: Any, inputs: list[tuple[str, str | list[int]]]) -> 
 @post("/v1/embeddings", status_code=200, responses=error_responses(400, 401, 404, 413, 415, 429, 503))
 async def create_embeddings(request: Request, data: JSONBody[EmbeddingRequest]) -> Response:
     """Embeddings (docs/api.md): one vector per input, in input order."""
+    started = time.monotonic()
     state = request.app.state.gateway
     route = resolve_route(request, state, data.model)
     name = route.config.engines[0]
@@ -110,12 +114,32 @@ async def create_embeddings(request: Request, data: JSONBody[EmbeddingRequest]) 
         if tokens is not None:  # the whole cost is known: reserved (429 past the budget) and settled at once
             await tokens.reserve(count)
             tokens.settle(count)
-        try:
-            vectors = await engine.embed(ids, state.cfg.engines[name].pooling)
+        admission = state.admission
+        request_id = engine_request_id(scope_state)
+        if admission is not None:  # booked on the route's engine as its prompt tokens: shed like chat is
+            d = admission.admit(request_id, route.name, name, count, pinned=True)
+            span.set_attributes({"tandem.admission.action": d.action, "tandem.admission.reason": d.reason})
+            if not d.admitted:
+                raise shed(state, route.name, d)
+        try:  # one prefill-only request per input in the engine's step loop, batched with everything else
+            vectors = await engine.embed(ids, state.cfg.engines[name].pooling, priority=route.config.priority)
+            if admission is not None:
+                admission.first_token(request_id)  # its prefill time teaches the TTFT prediction
         except EmbeddingBusy as exc:
             raise APIError(503, f"The server is overloaded: {exc}", code="overloaded", retry_after=1) from None
+        except EmbeddingFailed as exc:
+            raise engine_api_error(exc.error.code, exc.error.message) from None
+        except RequestRejected as exc:
+            raise engine_api_error(exc.code, str(exc), param=exc.param or "input") from None
+        finally:
+            if admission is not None:
+                admission.release(request_id)
     finally:
         state.inflight -= 1
+    state.telemetry.observe_request(route=route.name, model=name, ttft_s=None, tpot_s=None,
+                                    e2e_s=time.monotonic() - started, itls=[], output_tokens=0, prompt_tokens=count,
+                                    finish_reason="stop", queue_s=None, operation="embeddings",
+                                    request_model=data.model)
     span.set_attribute("gen_ai.usage.input_tokens", count)
     if data.encoding_format == "base64":  # little-endian float32, as OpenAI's SDKs decode it
         rows: list[Any] = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vectors]

@@ -265,15 +265,19 @@ def admit(job: Job) -> None:
     if d.action == "downgrade":  # SLO pressure: the small engine meets the target
         plan.engine = d.engine
         plan.attributes["tandem.admission.downgraded"] = True
-    if d.admitted:
-        return
-    state.slo.observe_shed(route.name)
+    if not d.admitted:
+        raise shed(state, route.name, d)
+
+
+def shed(state: GatewayState, route: str, d: Any) -> APIError:
+    """The 503 + Retry-After of a request admission shed (`d`: its AdmissionDecision), counted for the route."""
+    state.slo.observe_shed(route)
     wait = max(1, math.ceil(d.retry_after_s or 1.0))
     why = ("its waiting queue is full" if d.reason == "queue_full" else
            f"the predicted time to first token ({d.predicted_ttft_s or 0.0:.2f} s) misses its "
            f"{(d.target_ttft_s or 0.0) * 1000:.0f} ms target")
-    raise APIError(d.status or 503, f"Route {route.name!r} is overloaded: {why}; retry in {wait} s",
-                   code="overloaded", retry_after=wait)
+    return APIError(d.status or 503, f"Route {route!r} is overloaded: {why}; retry in {wait} s",
+                    code="overloaded", retry_after=wait)
 
 
 async def run(job: Job) -> None:

@@ -10,6 +10,7 @@ class DraftState:
     (a prefix of the sequence's, then this step's drafts) and its own pages in the small model's geometry."""
 
     __slots__ = ("token_ids", "pages", "num_computed", "block_hashes", "shadow", "shadow_len")
+    pooling = None  # never an embedding request (the runner's layout asks every sequence)
 
     def __init__(self, token_ids: list[int], pages: list[int], num_computed: int, block_hashes: list[int]):
         self.token_ids = token_ids

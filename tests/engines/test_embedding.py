@@ -1,16 +1,15 @@
-"""Embeddings from the last hidden state (engines/embedding.py) against transformers' own model class on the
+"""The one-forward embedding reference (engines/embedding.py `embed`) against transformers' own model class on the
 embedded small checkpoint: mean and last-token pooling of its final hidden states, normalised; a varlen batch
-gives each input what it gets alone; requests waiting together are embedded in one batch."""
+gives each input what it gets alone. The served path (the engine's step loop): test_embedding_engine.py."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 
-from engines.embedding import embed, embed_async
+from engines.embedding import embed
 from engines.loader import load_checkpoint
 from engines.tokenizer import Tokenizer
 
@@ -52,15 +51,6 @@ def test_a_batch_gives_each_input_what_it_gets_alone(model, ids):
     together = embed(model, ids)
     for i, one in enumerate(ids):
         assert torch.allclose(together[i], embed(model, [one])[0], atol=1e-5)
-
-
-def test_requests_waiting_together_are_answered_each_with_its_own(model, ids):
-    async def main():
-        return await asyncio.gather(*(embed_async(model, [one]) for one in ids), embed_async(model, ids))
-
-    *singles, batch = asyncio.run(main())
-    for i, single in enumerate(singles):
-        assert single.shape == (1, batch.shape[1]) and torch.allclose(single[0], batch[i], atol=1e-5)
 
 
 def test_bad_pooling_and_empty_inputs_are_refused(model):

@@ -354,3 +354,35 @@ def test_embeddings_are_the_engines_vectors_as_floats_and_base64(oai, server):
 def test_embeddings_bad_input_is_a_400_naming_the_field(server, body, param):
     r = _post(server, "/v1/embeddings", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_embeddings_and_chat_at_once_each_get_what_they_get_alone(oai, server):
+    """Embedding requests are engine requests: sent together with greedy chats they share the engine's steps,
+    and neither changes the other's answer; the request counter counts them under their own operation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [f"item {i}: the sea at dawn" for i in range(6)]
+    chat = {"model": "fast", "messages": [{"role": "user", "content": "Name a colour"}], "max_tokens": 12,
+            "temperature": 0}
+    alone_chat = _post(server, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+    alone_vectors = [d.embedding for d in oai.embeddings.create(model="fast", input=texts).data]
+    before = _served(server)
+    with ThreadPoolExecutor(8) as pool:
+        chats = [pool.submit(_post, server, "/v1/chat/completions", chat) for _ in range(4)]
+        embeds = [pool.submit(oai.embeddings.create, model="fast", input=[t]) for t in texts]
+        chats = [f.result() for f in chats]
+        embeds = [f.result() for f in embeds]
+    assert all(r.status_code == 200 for r in chats)
+    assert [r.json()["choices"][0]["message"]["content"] for r in chats] == [alone_chat] * 4
+    import numpy as np
+
+    for got, want in zip(embeds, alone_vectors):
+        assert np.allclose(got.data[0].embedding, want, atol=1e-5)
+    assert _served(server) - before == len(chats) + len(embeds)  # both counted, on the same route
+
+
+def _served(server: str) -> float:
+    """Requests of route `fast` finished so far, whatever their finish reason (the request counter)."""
+    text = httpx.get(server + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "tandem:request_success_total" and s.labels.get("route") == "fast")
