@@ -33,7 +33,7 @@ class EmbeddingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     input: Annotated[str, Meta(min_length=1)] | Annotated[list[Any], Meta(
         min_length=1, description=f"a string, token ids, or a list of 1 to {MAX_INPUTS} strings or token-id lists")]
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = None  # null (LiteLLM sends it) is the default, float
     dimensions: Annotated[int, Meta(ge=1)] | None = None  # only the model's own size: no truncation is done
     user: str | None = None
 

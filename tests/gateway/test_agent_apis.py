@@ -386,3 +386,42 @@ def _served(server: str) -> float:
     text = httpx.get(server + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "tandem:request_success_total" and s.labels.get("route") == "fast")
+
+
+# ------------------------------------------------------------------------------------------- LiteLLM's client
+
+@pytest.fixture(scope="module")
+def litellm_client(monkeypatch_module):
+    monkeypatch_module.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its price table from the wheel, no network
+    import litellm
+
+    return litellm
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_litellm_completion_streaming_and_embedding_against_the_server(litellm_client, oai, server):
+    """LiteLLM's first calls, through its own client and its `openai/` provider: a chat completion (plain and
+    streamed) and an embedding, each equal to what the official SDK gets from the same server."""
+    litellm = litellm_client
+    base = {"api_base": server + "/v1", "api_key": KEY}
+    messages = [{"role": "user", "content": "Name a colour"}]
+    r = litellm.completion(model="openai/fast", messages=messages, max_tokens=10, temperature=0, **base)
+    sdk = oai.chat.completions.create(model="fast", messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == sdk.choices[0].message.content
+    assert r.usage.completion_tokens == sdk.usage.completion_tokens and r.usage.prompt_tokens > 0
+    chunks = litellm.completion(model="openai/fast", messages=messages, max_tokens=10, temperature=0, stream=True,
+                                **base)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == sdk.choices[0].message.content
+    texts = ["The quick brown fox", "the sea"]
+    e = litellm.embedding(model="openai/fast", input=texts, **base)
+    want = oai.embeddings.create(model="fast", input=texts)
+    import numpy as np
+
+    assert len(e.data) == 2 and e.usage.prompt_tokens == want.usage.prompt_tokens
+    for got, ref in zip(e.data, want.data):
+        assert np.allclose(got["embedding"], ref.embedding, atol=1e-6)
