@@ -1,6 +1,7 @@
 """The one-forward embedding reference (engines/embedding.py `embed`) against transformers' own model class on the
 embedded small checkpoint: mean and last-token pooling of its final hidden states, normalised; a varlen batch
-gives each input what it gets alone. The served path (the engine's step loop): test_embedding_engine.py."""
+gives each input what it gets alone; the served path (the engine's step loop, `LLM.embed`) gives the same
+vectors on both CPU forwards (what else it must hold there: test_embedding_engine.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines import LLM
 from engines.embedding import embed
 from engines.loader import load_checkpoint
 from engines.tokenizer import Tokenizer
@@ -30,12 +32,22 @@ def ids():
     return [tokenizer.encode(t) for t in TEXTS]
 
 
+@pytest.mark.parametrize("source", ["one forward", "served, C forward", "served, PyTorch forward"])
 @pytest.mark.parametrize("pooling", ["mean", "last"])
-def test_vectors_are_transformers_last_hidden_state_pooled_and_normalised(model, ids, pooling):
+def test_vectors_are_transformers_last_hidden_state_pooled_and_normalised(model, ids, pooling, source, monkeypatch):
+    """`embed`, and the engine's step loop (`LLM.embed`) on either CPU forward."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(SMALL, dtype=torch.float32).eval()
-    ours = embed(model, ids, pooling)
+    if source == "one forward":
+        ours = embed(model, ids, pooling)
+    else:
+        c_forward = source == "served, C forward"
+        monkeypatch.setenv("TANDEM_CPU_FORWARD", "1" if c_forward else "0")
+        llm = LLM(SMALL, dtype="float32")
+        assert (llm.engine.runner.cpu_forward is not None) == c_forward
+        ours = llm.embed(ids, pooling)
+        assert llm.stats()["used_pages"] == 0 and llm.engine.stats()["num_generated_tokens"] == 0
     assert ours.shape == (len(ids), hf.config.hidden_size)
     for i, one in enumerate(ids):
         with torch.no_grad():

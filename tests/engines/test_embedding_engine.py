@@ -1,9 +1,9 @@
 """Embeddings served in the engine's one step loop (engines/embedding.py `pool_step`, `process_embedding`): each
-input a prefill-only request, batched with generation in the same steps. The vectors equal transformers' pooled
-last hidden states on the embedded small checkpoint (C and PyTorch forwards), and the one-forward reference
-`embed` on a random checkpoint whatever the step loop does to them: chunked prefill, a step shared with
-decodes (whose tokens stay those of generating alone), prefix-cache hits (last pooling only), preemption; bad
-inputs are refused before anything is queued; the asyncio face bounds what is in flight and aborts on cancel."""
+input a prefill-only request, batched with generation in the same steps (that the vectors are transformers'
+pooled last hidden states: test_embedding.py). They equal the one-forward reference `embed` on a random
+checkpoint whatever the step loop does to them: chunked prefill, a step shared with decodes (whose tokens stay
+those of generating alone), prefix-cache hits (last pooling only), preemption, a speculating engine; bad inputs
+are refused before anything is queued; the asyncio face bounds what is in flight and aborts on cancel."""
 
 from __future__ import annotations
 
@@ -38,28 +38,6 @@ def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def llama(tiny_checkpoint):
     return tiny_checkpoint("llama", num_heads=4, num_kv_heads=2)
-
-
-@pytest.mark.parametrize("cpu_forward", ["1", "0"])
-@pytest.mark.parametrize("pooling", ["mean", "last"])
-def test_served_vectors_are_transformers_pooled_last_hidden_states(monkeypatch, pooling, cpu_forward):
-    import transformers
-
-    monkeypatch.setenv("TANDEM_CPU_FORWARD", cpu_forward)  # the one-call C stack, or the PyTorch forward
-    llm = LLM(SMALL, dtype="float32")
-    assert (llm.engine.runner.cpu_forward is not None) == (cpu_forward == "1")
-    tokenizer = Tokenizer.from_pretrained(SMALL)
-    ids = [tokenizer.encode(t) for t in TEXTS]
-    ours = llm.embed(TEXTS, pooling)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(SMALL, dtype=torch.float32).eval()
-    for i, one in enumerate(ids):
-        with torch.no_grad():
-            hidden = hf(torch.tensor([one]), output_hidden_states=True).hidden_states[-1][0]  # after the norm
-        pooled = hidden.mean(0) if pooling == "mean" else hidden[-1]
-        theirs = pooled / pooled.norm()
-        assert torch.allclose(ours[i], theirs, atol=1e-4), (i, (ours[i] - theirs).abs().max())
-    assert torch.allclose(ours.norm(dim=-1), torch.ones(len(ids)), atol=1e-5)
-    assert llm.stats()["used_pages"] == 0 and llm.engine.stats()["num_generated_tokens"] == 0
 
 
 @pytest.mark.parametrize("pooling", ["mean", "last"])
