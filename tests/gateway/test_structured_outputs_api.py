@@ -254,6 +254,38 @@ def test_tools_only_llguidance_enforces_are_served_under_auto_and_forced(client,
             _validate_call(calls[0])
 
 
+ANSWER = {"type": "object", "properties": {"guests": {"type": "integer", "minimum": 1, "maximum": 20,
+                                                      "multipleOf": 3},
+                                           "note": {"type": "string", "maxLength": 12}},
+          "required": ["guests", "note"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("model", ["best", "plain"], ids=["speculative", "plain"])
+def test_tools_beside_a_response_schema_give_calls_or_an_answer_that_validate(client, model, stream):
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER, "strict": True}}
+    lt, brace = server_tokenizer().encode("<"), server_tokenizer().encode("{")
+    assert len(lt) == len(brace) == 1
+    seen = {"answer": 0, "call": 0}
+    for seed in range(PER_SCHEMA):
+        # a first `<` can only open a call, a first `{` only the answer: both kinds are checked
+        for bias in (None, {str(lt[0]): 100}, {str(brace[0]): 100}):
+            text, finish, calls = _chat(client, model, stream, temperature=0.8, max_tokens=120, seed=seed,
+                                        tools=[BOOK], response_format=rf, logit_bias=bias,
+                                        parallel_tool_calls=False)
+            if finish == "stop":  # the answer: the content is the schema's
+                assert not calls and str(lt[0]) not in (bias or {}), (text, calls)
+                jsonschema.validate(json.loads(text), ANSWER)
+                seen["answer"] += 1
+            elif finish == "tool_calls":  # calls and nothing else
+                assert len(calls) == 1 and not text, (text, calls)
+                _validate_call(calls[0])
+                seen["call"] += 1
+            else:
+                assert finish == "length" and (text or "").startswith(("{", "<tool_call>")), (finish, text)
+    assert seen["answer"] and seen["call"], seen  # both kinds were checked
+
+
 def test_tool_results_round_trip_in_the_history(client):
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -293,7 +325,8 @@ def test_tool_results_round_trip_in_the_history(client):
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "guided_regex": "a+"}, "guided_regex"),  # auto's call grammar cannot be combined
+    ({"tools": TOOLS, "guided_regex": "a+"}, "guided_regex"),  # auto's call grammar combines with response_format only
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "book", "parameters": {
         "type": "object", "properties": {"when": {"type": "string", "not": {"format": "date-time"}}}}}}]},
      "tools[1].function.parameters#/properties/when/not"),  # under auto too: no backend enforces `not`
