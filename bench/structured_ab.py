@@ -3,10 +3,11 @@ it (by default the parent of the commit that added engines/schema_support.py, ch
 worktree and removed at the end) against this tree. Two worker processes, one per tree, load the same models
 (this tree's files) and take turns, one measurement at a time, the order swapped every round: the same JSON
 schema (bench/structured.py's, which both trees compile with xgrammar), prompts, seeds and token budget.
-Prints constrained and unconstrained output tokens/s per engine and batch and the ratios new/old; writes
-bench/results/structured_ab.json.
+Prints constrained and unconstrained output tokens per wall second and per CPU second of the worker, per
+engine and batch, the ratios new/old, and new/old of each tree's constrained/unconstrained ratio (the grammar's
+own cost, apart from engine changes between the trees); writes bench/results/structured_ab.json.
 
-    .venv/bin/python bench/structured_ab.py [--old-commit SHA] [--rounds 4] [--tokens 48]   # about 6 minutes
+    .venv/bin/python bench/structured_ab.py [--old-commit SHA] [--rounds 12] [--tokens 48]   # about 5 minutes
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ def worker(tree: str, threads: int) -> None:
                                  structured=so if job["constrained"] else None, ignore_eos=not job["constrained"])
                   for i in range(job["batch"])]
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(job["batch"])]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = llms[job["engine"]].generate(prompts, params)
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        print(TAG + json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
+        print(TAG + json.dumps({"tokens": tokens, "seconds": seconds, "cpu_seconds": cpu_seconds}), flush=True)
 
 
 class Worker:
@@ -88,7 +89,9 @@ def default_old_commit() -> str:
 
 
 def measure(workers: dict[str, Worker], rounds: int, tokens: int) -> dict[tuple, list[float]]:
-    """Tokens/s per (tree, engine, batch, constrained), alternating the trees at every measurement."""
+    """Tokens per wall second and per CPU second of the worker (its threads together: what the machine's other
+    load changes least) per (clock, tree, engine, batch, constrained), alternating the trees at every
+    measurement."""
     rates: dict[tuple, list[float]] = {}
     for engine, batch in CONFIGS:  # warm-up: first compiles, first allocations
         for w in workers.values():
@@ -102,8 +105,30 @@ def measure(workers: dict[str, Worker], rounds: int, tokens: int) -> dict[tuple,
                 for tree in order:
                     out = workers[tree].run(engine=engine, batch=batch, constrained=constrained,
                                             seed=1000 * r, tokens=tokens)
-                    rates.setdefault((tree, engine, batch, constrained), []).append(out["tokens"] / out["seconds"])
+                    for clock in ("seconds", "cpu_seconds"):
+                        rates.setdefault((clock, tree, engine, batch, constrained), []).append(
+                            out["tokens"] / out[clock])
     return rates
+
+
+def _rows(rates: dict[tuple, list[float]], clock: str) -> list[dict]:
+    """Per engine and batch: old and new medians and the median (and range) of the paired new/old ratios."""
+    rows = []
+    for engine, batch in CONFIGS:
+        row: dict = {"engine": engine, "batch": batch}
+        for constrained, key in ((True, "constrained"), (False, "unconstrained")):
+            old_r, new_r = (rates[(clock, t, engine, batch, constrained)] for t in ("old", "new"))
+            paired = [n / o for n, o in zip(new_r, old_r, strict=True)]
+            row[key] = {"old_tokens_per_s": statistics.median(old_r), "new_tokens_per_s": statistics.median(new_r),
+                        "new_over_old": statistics.median(paired), "new_over_old_range": [min(paired), max(paired)],
+                        "old_runs": old_r, "new_runs": new_r}
+        # the grammar's own share: each tree's constrained/unconstrained, new over old, paired by round
+        c, u = row["constrained"], row["unconstrained"]
+        rel = [(cn / un) / (co / uo) for cn, un, co, uo in zip(c["new_runs"], u["new_runs"], c["old_runs"],
+                                                               u["old_runs"], strict=True)]
+        row["grammar_ratio_new_over_old"] = statistics.median(rel)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -111,7 +136,7 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--old-commit", help="the tree before (default: the parent of the commit that added "
                                          "engines/schema_support.py)")
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=48, help="max_tokens per request")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "structured_ab.json"))
@@ -135,28 +160,23 @@ def main() -> None:
         for w in workers.values():
             w.close()
         subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, check=True)
-    rows = []
-    for engine, batch in CONFIGS:
-        row = {"engine": engine, "batch": batch}
-        for constrained, key in ((True, "constrained"), (False, "unconstrained")):
-            old_r, new_r = (rates[(t, engine, batch, constrained)] for t in ("old", "new"))
-            paired = [n / o for n, o in zip(new_r, old_r, strict=True)]
-            row[key] = {"old_tokens_per_s": statistics.median(old_r), "new_tokens_per_s": statistics.median(new_r),
-                        "new_over_old": statistics.median(paired), "new_over_old_range": [min(paired), max(paired)],
-                        "old_runs": old_r, "new_runs": new_r}
-        rows.append(row)
-    print(f"old tree {old}, new tree {ROOT}; median of {args.rounds} alternated rounds, output tokens/s")
-    print(f"{'engine':<20} {'batch':>5} {'constrained old':>16} {'new':>8} {'new/old':>8} {'(range)':>13}  "
-          f"{'unconstrained old':>18} {'new':>8} {'new/old':>8}")
-    for r in rows:
-        c, u = r["constrained"], r["unconstrained"]
-        lo, hi = c["new_over_old_range"]
-        print(f"{r['engine']:<20} {r['batch']:>5} {c['old_tokens_per_s']:>16.0f} {c['new_tokens_per_s']:>8.0f} "
-              f"{c['new_over_old']:>8.2f} {f'({lo:.2f}-{hi:.2f})':>13}  {u['old_tokens_per_s']:>18.0f} "
-              f"{u['new_tokens_per_s']:>8.0f} {u['new_over_old']:>8.2f}")
+    tables = {clock: _rows(rates, clock) for clock in ("seconds", "cpu_seconds")}
+    print(f"old tree {old}, new tree {ROOT}; median of {args.rounds} alternated rounds")
+    for clock, rows in tables.items():
+        print(f"\noutput tokens per {'wall' if clock == 'seconds' else 'CPU'} second")
+        print(f"{'engine':<20} {'batch':>5} {'constrained old':>16} {'new':>8} {'new/old':>8} {'(range)':>13}  "
+              f"{'unconstrained old':>18} {'new':>8} {'new/old':>8} {'c/u new/old':>12}")
+        for r in rows:
+            c, u = r["constrained"], r["unconstrained"]
+            lo, hi = c["new_over_old_range"]
+            print(f"{r['engine']:<20} {r['batch']:>5} {c['old_tokens_per_s']:>16.0f} {c['new_tokens_per_s']:>8.0f} "
+                  f"{c['new_over_old']:>8.2f} {f'({lo:.2f}-{hi:.2f})':>13}  {u['old_tokens_per_s']:>18.0f} "
+                  f"{u['new_tokens_per_s']:>8.0f} {u['new_over_old']:>8.2f} "
+                  f"{r['grammar_ratio_new_over_old']:>12.2f}")
     result = {"old_commit": old, "old_engines": workers["old"].engines_file,
               "new_engines": workers["new"].engines_file, "threads": args.threads, "max_tokens": args.tokens,
-              "rounds": args.rounds, "schema": SCHEMA, "rows": rows}
+              "rounds": args.rounds, "schema": SCHEMA, "per_wall_second": tables["seconds"],
+              "per_cpu_second": tables["cpu_seconds"]}
     write_results(Path(args.out), result, indent=2)
     print(f"wrote {args.out}")
 
