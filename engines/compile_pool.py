@@ -65,17 +65,13 @@ def check_budget(so: StructuredOutput, limits: CompileLimits) -> None:
             schema = json.loads(so.spec)
         except ValueError:
             return  # the compiler names the syntax error
-        props, enum, depth = _schema_shape(schema)
-        if props > limits.max_schema_properties:
-            _refuse(so, "the schema's number of properties", props, "max_schema_properties",
-                    limits.max_schema_properties)
-        if enum > limits.max_enum_values:
-            _refuse(so, "the largest enum's size", enum, "max_enum_values", limits.max_enum_values)
-        if depth > limits.max_schema_depth:
-            _refuse(so, "the schema's nesting depth", depth, "max_schema_depth", limits.max_schema_depth)
+        _check_shape(so, [schema], limits)
     elif so.kind == "tool_calls":
         if size > limits.max_schema_bytes:
             _refuse(so, "the tools' parameters size in bytes", size, "max_schema_bytes", limits.max_schema_bytes)
+        data = json.loads(so.spec)  # engines/tool_grammar.py `spec`: each schema counted as it stands
+        _check_shape(so, [t["parameters"] for t in data["tools"]] + ([data["answer"]] if "answer" in data else []),
+                     limits)
     elif so.kind in ("regex", "grammar"):
         if size > limits.max_grammar_bytes:
             _refuse(so, "the constraint's size in bytes", size, "max_grammar_bytes", limits.max_grammar_bytes)
@@ -89,6 +85,19 @@ def check_budget(so: StructuredOutput, limits: CompileLimits) -> None:
             _refuse(so, "the number of options", n, "max_choice_options", limits.max_choice_options)
         if size > limits.max_grammar_bytes:
             _refuse(so, "the options' size in bytes", size, "max_grammar_bytes", limits.max_grammar_bytes)
+
+
+def _check_shape(so: StructuredOutput, schemas: list[Any], limits: CompileLimits) -> None:
+    """The property, enum and depth budgets over one constraint's schemas (properties summed over them)."""
+    shapes = [_schema_shape(s) for s in schemas] or [(0, 0, 0)]
+    props, enum, depth = sum(p for p, _, _ in shapes), max(e for _, e, _ in shapes), max(d for _, _, d in shapes)
+    if props > limits.max_schema_properties:
+        _refuse(so, "the schema's number of properties", props, "max_schema_properties",
+                limits.max_schema_properties)
+    if enum > limits.max_enum_values:
+        _refuse(so, "the largest enum's size", enum, "max_enum_values", limits.max_enum_values)
+    if depth > limits.max_schema_depth:
+        _refuse(so, "the schema's nesting depth", depth, "max_schema_depth", limits.max_schema_depth)
 
 
 def _schema_shape(schema: Any) -> tuple[int, int, int]:

@@ -1,6 +1,6 @@
 """The second grammar backend, llguidance, for JSON schemas whose keywords xgrammar would approximate
-(engines/schema_support.py decides): one engine's llguidance tokenizer, schemas compiled into a template
-matcher, and per sequence a copy with the interface `engines.structured.Grammar` drives."""
+(engines/schema_support.py decides) and for tool-call grammars whose parameters need it (a Lark grammar, from
+engines/tool_grammar.py): one engine's llguidance tokenizer, grammars compiled into a template matcher, and per sequence a copy with the interface `engines.structured.Grammar` drives."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 # the same compact layout as xgrammar's (separators ", " and ": ", no other whitespace): see docs/structured.md
-_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-            "coerce_one_of": False, "lenient": False}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                "coerce_one_of": False, "lenient": False}
 
 
 class LLGuidanceError(ValueError):
@@ -30,7 +30,14 @@ class LLGuidanceBackend:
                                                 eos_token=sorted(self.stop_ids))
 
     def compile_json(self, schema: Any) -> LLGTemplate:
-        grammar = self._llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_OPTIONS)
+        grammar = self._llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+        return self._template(grammar)
+
+    def compile_lark(self, lark: str) -> LLGTemplate:
+        """A Lark grammar (engines/tool_grammar.py: its `%json` rules carry JSON_OPTIONS as `x-guidance`)."""
+        return self._template(self._llg.LLMatcher.grammar_from_lark(lark))
+
+    def _template(self, grammar: str) -> LLGTemplate:
         is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error or messages:  # a warning means something would not be enforced: refuse that too
             raise LLGuidanceError(clean_message(messages[0] if messages else "rejected"))

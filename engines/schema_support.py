@@ -34,6 +34,15 @@ ANNOTATIONS = frozenset({
     "definitions", "contentMediaType", "contentEncoding", "contentSchema", "then", "else"})
 FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
                      "uri"})
+# llguidance's own `date` regex lets February 29 through in every year: these formats go to it as patterns of
+# the valid calendar dates (years 0001-9999, the Gregorian leap rule), date-time with seconds 00-59, upper-case
+# T and Z and at most 6 fractional digits (a subset of RFC 3339 that Python's parsers also accept)
+_YEAR = r"(?:[1-9]\d{3}|0[1-9]\d{2}|00[1-9]\d|000[1-9])"
+_LEAP = r"(?:\d\d(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)"
+         rf"|02-(?:0[1-9]|1\d|2[0-8]))|{_LEAP}-02-29)")
+_TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,6})?(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
+FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}T{_TIME}$"}
 TYPES = frozenset({"null", "boolean", "object", "array", "number", "string", "integer"})
 _BY_TYPE = {
     "string": {"minLength", "maxLength", "pattern", "format"},
@@ -155,6 +164,12 @@ class _Walk:
                                                  "resolves $ref against the whole schema only")
                 continue  # an annotation, or a keyword JSON Schema does not define (also an annotation)
             out[key] = self.keyword(key, value, here, node)
+        if out.get("format") in FORMAT_PATTERNS:  # beside a pattern of its own: both must match (allOf)
+            exact = FORMAT_PATTERNS[out.pop("format")]
+            if "pattern" in out:
+                out["allOf"] = [*out.get("allOf", []), {"pattern": exact}]
+            else:
+                out["pattern"] = exact
         self.node_backend(node, ptr)
         return out
 

@@ -173,12 +173,8 @@ class GrammarCompiler:
                     json.dumps(chosen.schema), any_whitespace=False, separators=(", ", ": ")))
             except Exception:  # e.g. a combination xgrammar rejects: llguidance may still take it
                 pass
-        if self._llg is None:
-            with self._lock:
-                if self._llg is None:
-                    self._llg = LLGuidanceBackend(*self._llg_args)
         try:
-            return self._llg.compile_json(chosen.schema)
+            return self._llguidance().compile_json(chosen.schema)
         except LLGuidanceError as e:
             keyword, pointer = _blame(str(e), chosen.needs or schema_support.keyword_pointers(chosen.schema))
             where = f"schema's `{keyword}` at {pointer or '/'}" if keyword else "schema"
@@ -186,13 +182,47 @@ class GrammarCompiler:
                                     keyword=keyword, pointer=pointer) from None
 
     def _compile_tool_calls(self, so: StructuredOutput) -> Any:
-        """tool_choice auto's grammar, or InvalidConstraint naming the tool's parameters keyword."""
+        """tool_choice auto's grammar: xgrammar's structural tag when xgrammar covers every tool's parameters,
+        else the Lark form on llguidance; InvalidConstraint naming the tool's parameters keyword."""
         try:
-            return tool_grammar.compile_tool_calls(self._compiler, so.spec)
+            if tool_grammar.xgrammar_covers(so.spec):
+                try:
+                    return tool_grammar.compile_tool_calls(self._compiler, so.spec)
+                except tool_grammar.XGrammarRejected:
+                    pass  # llguidance may still take it
+            lark = tool_grammar.lark_grammar(so.spec)
         except tool_grammar.ToolGrammarRefused as e:
-            param = f"tools[{e.index}].function.parameters"
-            raise InvalidConstraint(param, f"{param} under tool_choice auto: {clean_message(str(e))}",
+            raise InvalidConstraint(e.param, f"{e.param} under tool_choice auto: {clean_message(str(e))}",
                                     keyword=e.keyword, pointer=e.pointer) from None
+        try:
+            return self._llguidance().compile_lark(lark)
+        except LLGuidanceError as e:
+            raise self._blame_tool(so, e) from None
+
+    def _blame_tool(self, so: StructuredOutput, error: LLGuidanceError) -> InvalidConstraint:
+        """The refusal of a tool-call grammar llguidance rejected, naming the first schema in it that llguidance
+        rejects alone (a tool's parameters or the answer), and its keyword."""
+        data = json.loads(so.spec)
+        parts = [(tool_grammar.tool_param(i), t["parameters"]) for i, t in enumerate(data["tools"])]
+        if "answer" in data:
+            parts.append((data["answer_param"], data["answer"]))
+        for param, schema in parts:
+            chosen = schema_support.plan(schema)
+            try:
+                self._llguidance().compile_json(chosen.schema)
+            except LLGuidanceError as e:
+                keyword, pointer = _blame(str(e), chosen.needs or schema_support.keyword_pointers(chosen.schema))
+                where = f"`{keyword}` at {pointer or '/'}" if keyword else "schema"
+                return InvalidConstraint(param, f"{param} under tool_choice auto: the JSON schema's {where} cannot "
+                                         f"be enforced exactly ({e})", keyword=keyword, pointer=pointer)
+        return InvalidConstraint(so.param, f"{so.param}: the tools' grammar cannot be enforced exactly ({error})")
+
+    def _llguidance(self) -> LLGuidanceBackend:
+        if self._llg is None:
+            with self._lock:
+                if self._llg is None:
+                    self._llg = LLGuidanceBackend(*self._llg_args)
+        return self._llg
 
     def cached(self, so: StructuredOutput) -> bool:
         """Whether `compile(so)` would return at once (the caller can compile elsewhere otherwise)."""

@@ -1,8 +1,9 @@
 """What the published request schemas state beyond each field's own bounds: the rules across fields the server
-enforces (one output constraint at most, tools under auto counted, top_logprobs needs logprobs, best_of equals n, ...), the bounds the
-configuration sets ([preparation] budgets, cascade routes' n) and, once the engines are loaded, the vocabulary
-and context bounds of token ids. Applied to msgspec's JSON Schema components (gateway/openapi.py publishes
-them); what JSON Schema cannot state is listed in docs/api.md.
+enforces (one output constraint at most, tools under auto counted unless beside response_format, top_logprobs
+needs logprobs, best_of equals n, ...), the bounds the configuration sets ([preparation] budgets, cascade
+routes' n) and, once the engines are loaded, the vocabulary and context bounds of token ids. Applied to
+msgspec's JSON Schema components (gateway/openapi.py publishes them); what JSON Schema cannot state is listed
+in docs/api.md.
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ STRUCTURED_MEMBERS = [*(_given(k) for k in ("json", "regex", "choice", "grammar"
                       _given("json_object", {"const": True})]
 
 
+RESPONSE_FORMAT = _given("response_format", {"type": "object", "properties": {"type": {"enum": [
+    "json_object", "json_schema"]}}})
+
+
 def _constraints(chat: bool) -> list[dict[str, Any]]:
     """Each request field that constrains the output; structured_output() refuses two of them."""
-    found = [_given("response_format", {"type": "object", "properties": {"type": {"enum": ["json_object",
-                                                                                            "json_schema"]}}}),
-             *(_given(k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")),
+    found = [RESPONSE_FORMAT, *(_given(k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")),
              _given("structured_outputs", {"type": "object", "anyOf": STRUCTURED_MEMBERS})]
     return [*found, TOOLS_CONSTRAIN] if chat else found
 
 
 FORCED_TOOL = _given("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]})
-# tools constrain the output unless tool_choice is none: forced calls, or auto's free text and checked calls
+# tools constrain the output unless tool_choice is none: forced calls, or auto's free text and checked calls;
+# auto beside response_format is one constraint with it (calls or its answer), counted as response_format
 TOOLS_CONSTRAIN = {"anyOf": [FORCED_TOOL, {"allOf": [_given("tools", {"type": "array", "minItems": 1}),
-                                                     {"not": _given("tool_choice", {"const": "none"})}]}]}
+                                                     {"not": _given("tool_choice", {"const": "none"})},
+                                                     {"not": RESPONSE_FORMAT}]}]}
 
 
 def _at_most_one(options: list[dict[str, Any]], then: dict[str, Any] | None = None) -> list[dict[str, Any]]:

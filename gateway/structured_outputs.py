@@ -1,9 +1,10 @@
 """What a request asks its output to match, as one `engines.structured.StructuredOutput`: OpenAI's
 `response_format` and `tool_choice` (auto included), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
-`guided_grammar` and its newer `structured_outputs`. At most one may constrain a request; anything that
-cannot be honoured is an InvalidParameter naming its field. Every JSON schema is checked here before it
-reaches an engine (engines/schema_support.py): OpenAI's strict rules where `strict` is true, then a keyword
-no backend enforces exactly is a 400 whose `param` is the field plus the keyword's JSON pointer."""
+`guided_grammar` and its newer `structured_outputs`. At most one may constrain a request (response_format beside
+tools under auto counts as one: calls or its answer); anything that cannot be honoured is an InvalidParameter
+naming its field. Every JSON schema is checked here before it reaches an engine (engines/schema_support.py):
+OpenAI's strict rules where `strict` is true, then a keyword no backend enforces exactly is a 400 whose `param`
+is the field plus the keyword's JSON pointer."""
 
 from __future__ import annotations
 
@@ -87,13 +88,16 @@ def structured_output(req: ChatCompletionRequest | CompletionRequest) -> Structu
             found.append(StructuredOutput("grammar", so.grammar, f"{where}.grammar"))
         if so.json_object:
             found.append(StructuredOutput("json_object", "", f"{where}.json_object"))
-    forced = tool_call_constraint(req)
+    answer = found[0] if len(found) == 1 and found[0].param.startswith("response_format") else None
+    forced = tool_call_constraint(req, answer)
+    if forced is not None and forced.kind == "tool_calls" and answer is not None:
+        return forced  # calls or the response_format answer: one grammar
     if forced is not None:
         found.append(forced)
     if len(found) > 1 and found[1].kind == "tool_calls":
         raise _invalid(found[0].param, f"{found[0].param} and tools under tool_choice auto both constrain the "
-                       f"output (the calls' grammar cannot be combined with it): send tool_choice none, or one "
-                       f"of them")
+                       f"output (only response_format combines with them): send tool_choice none, or one of "
+                       f"them")
     if len(found) > 1:
         raise _invalid(found[1].param, f"{found[1].param} and {found[0].param} both constrain the output: "
                        f"send one of them")
@@ -106,9 +110,11 @@ def _choice(options: list[str], param: str) -> StructuredOutput:
     return StructuredOutput.choice(options, param)
 
 
-def tool_call_constraint(req: Any) -> StructuredOutput | None:
+def tool_call_constraint(req: Any, answer: StructuredOutput | None = None) -> StructuredOutput | None:
     """The grammar of the calls `tool_choice` allows. Auto (or absent, with tools): free text and Hermes
-    `<tool_call>` blocks whose arguments match their function's parameters (engines/tool_grammar.py).
+    `<tool_call>` blocks whose arguments match their function's parameters (engines/tool_grammar.py); with
+    `answer` (response_format's json_schema or json_object), either such calls and nothing else or a JSON
+    answer matching it.
     Named: the function's arguments object. Required: a JSON list of calls `[{"name": ..., "arguments":
     {...}}]` (one at most when parallel_tool_calls is false), each validating against its function's
     parameters."""
@@ -121,8 +127,10 @@ def tool_call_constraint(req: Any) -> StructuredOutput | None:
         if t.function.parameters is not None:
             checked_schema(t.function.parameters, f"tools[{i}].function.parameters", bool(t.function.strict))
     if choice in (None, "auto"):
+        schema = None if answer is None else json.loads(answer.spec) if answer.kind == "json" else {"type": "object"}
         return StructuredOutput("tool_calls", tool_grammar.spec(
-            [(t.function.name, parameters(t)) for t in tools], req.parallel_tool_calls is not False), "tool_choice")
+            [(t.function.name, parameters(t)) for t in tools], req.parallel_tool_calls is not False, schema,
+            answer.param if answer is not None else "response_format"), "tool_choice")
     if choice == "required":
         calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                             "arguments": parameters(t)},

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
+from engines import LLM, SamplingParams, tool_grammar
 from engines.compile_pool import CompileLimits, CompilePool, check_budget
 from engines.errors import RequestRejected
 from engines.sampler import SamplerRow, processed_logits
@@ -56,6 +56,12 @@ def spec():
     (StructuredOutput("grammar", "\n".join(f"r{i} ::= \"a\"" for i in range(1001)) + "\nroot ::= r0",
                       "guided_grammar"), "max_grammar_rules"),
     (StructuredOutput("regex", "a" * 70000, "guided_regex"), "max_grammar_bytes"),
+    (StructuredOutput("tool_calls", tool_grammar.spec([("f", json.loads(wide_schema(600).spec)),
+                                                       ("g", json.loads(wide_schema(401).spec))]), "tool_choice"),
+     "max_schema_properties"),  # summed over the tools
+    (StructuredOutput("tool_calls", tool_grammar.spec([("f", {"type": "object"})], True,
+                                                      {"enum": list(range(1001))}), "tool_choice"),
+     "max_enum_values"),  # the answer beside the tools counts too
 ])
 def test_a_constraint_over_a_size_budget_is_refused_naming_the_field_and_the_limit(so, limit):
     limits = CompileLimits(max_schema_depth=2 if limit == "max_schema_depth" else 32)

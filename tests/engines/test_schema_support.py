@@ -40,7 +40,9 @@ DECIDED = [
       "additionalItems": False}, L, ['[1]', '[1, 2]', '["a"]']),
     ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False}, L,
      ['{"xa": 1}', '{"y": 1}']),
-    ({"type": "string", "format": "date"}, L, ['"2024-02-29"', '"tomorrow"']),
+    ({"type": "string", "format": "date"}, L, ['"2024-02-29"', '"tomorrow"', '"2023-02-29"', '"1900-02-29"',
+                                               '"2000-02-29"', '"2023-04-31"', '"0000-01-01"', '"2023-12-31"']),
+    ({"type": "string", "format": "date", "pattern": "^2"}, L, ['"2024-02-29"', '"1999-01-01"', '"2023-02-29"']),
     ({"enum": ["a", {"x": [1]}]}, L, ['"a"', '{"x": [1]}', '"b"']),
     ({"$ref": "#/definitions/n", "definitions": {"n": {"type": "object", "properties": {
         "next": {"$ref": "#/definitions/n"}}, "additionalProperties": False}}}, X,
@@ -114,6 +116,30 @@ def test_each_backend_accepts_exactly_what_jsonschema_accepts(compiler, schema, 
     checker = jsonschema.validators.validator_for(schema)(schema, format_checker=jsonschema.FormatChecker())
     for doc in docs:
         assert _accepts(tok, comp, compiled, doc) == checker.is_valid(json.loads(doc)), (schema, doc)
+
+
+def test_date_formats_are_enforced_as_calendar_dates(compiler):
+    # llguidance's own date regex takes February 29 in every year; the walk hands it an exact pattern
+    # instead, checked here against Python's calendar for every February of years 1-9999
+    import datetime
+    import re
+
+    date = re.compile(ss.FORMAT_PATTERNS["date"])
+    for year in range(1, 10000):
+        for day in (28, 29, 30):
+            try:
+                valid = bool(datetime.date(year, 2, day))
+            except ValueError:
+                valid = False
+            assert bool(date.match(f"{year:04d}-02-{day}")) == valid, (year, day)
+    tok, comp = compiler
+    compiled = comp.compile(StructuredOutput.json_schema({"type": "string", "format": "date-time"}))
+    for text, ok in [("2024-02-29T10:00:00Z", True), ("2023-02-29T10:00:00Z", False),
+                     ("2023-01-01T23:59:59.123+02:00", True), ("2023-01-01T24:00:00Z", False),
+                     ("2023-01-01T23:59:60Z", False), ("2023-06-31T00:00:00Z", False)]:
+        assert _accepts(tok, comp, compiled, json.dumps(text)) == ok, text
+        if ok:
+            datetime.datetime.fromisoformat(text)  # what it lets through, Python's parser takes too
 
 
 def test_llguidance_refusals_name_the_keyword(compiler):

@@ -185,6 +185,13 @@ def _validator(document: dict, name: str):
     ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}, False),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, False),
     ({"tool_choice": "required"}, False), ({"tool_choice": "auto"}, True),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
+     True),  # auto's calls or the answer: one constraint
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"},
+      "tool_choice": "required"}, False),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"},
+      "guided_regex": "a"}, False),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "guided_regex": "a"}, False),
     ({"modalities": ["text"]}, True), ({"modalities": ["text", "audio"]}, False),
     ({"guided_choice": [""]}, False), ({"guided_choice": []}, False), ({"guided_choice": ["a\u0000"]}, False),
     ({"logit_bias": {"12": 1}}, True), ({"logit_bias": {"-1": 1}}, False), ({"logit_bias": {"01": 1}}, False),

@@ -50,7 +50,22 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
                                        "required": ["zone"], "additionalProperties": False}}}
 TOOLS = [WEATHER, TIME]
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+# parameters only llguidance enforces exactly (format, multipleOf, oneOf, minProperties): auto uses the Lark
+# form of the call grammar (real SchemaStore schemas as tools are walked in tests/engines/test_tool_grammar.py:
+# with their descriptions they overflow the tiny models' 512-token context here)
+BOOK = {"type": "function", "function": {
+    "name": "book_table", "description": "Book a table",
+    "parameters": {"type": "object", "properties": {
+        "booking": {"type": "string", "format": "uuid"},
+        "guests": {"type": "integer", "minimum": 2, "maximum": 12, "multipleOf": 2},
+        "contact": {"oneOf": [{"type": "string", "format": "email", "maxLength": 16},
+                              {"type": "integer", "minimum": 0, "maximum": 999}]}},
+        "required": ["booking", "guests", "contact"], "additionalProperties": False}}}
+TAGS = {"type": "function", "function": {
+    "name": "tag_items", "parameters": {"type": "object", "minProperties": 1, "maxProperties": 2,
+                                        "additionalProperties": {"type": "string", "maxLength": 6}}}}
+LLG_TOOLS = [BOOK, TAGS]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS + LLG_TOOLS}
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +224,68 @@ def test_strict_tools_under_auto_only_ever_get_arguments_that_validate(client, s
             assert "<tool_call>" not in (text or "")
 
 
+def _validate_call(call: dict) -> None:
+    jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]],
+                        format_checker=jsonschema.FormatChecker())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_tools_only_llguidance_enforces_are_served_under_auto_and_forced(client, stream):
+    # auto: the Lark form on llguidance (tests/engines/test_tool_grammar.py walks it); the tiny model seldom
+    # opens a call by itself, so forced choices (llguidance JSON schemas) give the calls to validate here
+    for seed in range(2):
+        text, finish, calls = _chat(client, "best", stream, temperature=0.9, max_tokens=40, seed=seed,
+                                    tools=LLG_TOOLS, tool_choice="auto")
+        assert finish in ("stop", "length", "tool_calls"), finish
+        for c in calls:
+            _validate_call(c)
+        if finish != "length":
+            assert "<tool_call>" not in (text or "")
+    for seed in range(2):
+        _, finish, calls = _chat(client, "best", stream, temperature=0.8, max_tokens=80, seed=seed,
+                                 tools=LLG_TOOLS, tool_choice={"type": "function",
+                                                               "function": {"name": "book_table"}})
+        assert finish == "stop" and [c["name"] for c in calls] == ["book_table"], calls
+        _validate_call(calls[0])
+        _, finish, calls = _chat(client, "plain", stream, temperature=0.8, max_tokens=80, seed=seed,
+                                 tools=LLG_TOOLS, tool_choice="required", parallel_tool_calls=False)
+        if finish != "length":
+            assert finish == "tool_calls" and len(calls) == 1, calls
+            _validate_call(calls[0])
+
+
+ANSWER = {"type": "object", "properties": {"guests": {"type": "integer", "minimum": 1, "maximum": 20,
+                                                      "multipleOf": 3},
+                                           "note": {"type": "string", "maxLength": 12}},
+          "required": ["guests", "note"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("model", ["best", "plain"], ids=["speculative", "plain"])
+def test_tools_beside_a_response_schema_give_calls_or_an_answer_that_validate(client, model, stream):
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER, "strict": True}}
+    lt, brace = server_tokenizer().encode("<"), server_tokenizer().encode("{")
+    assert len(lt) == len(brace) == 1
+    seen = {"answer": 0, "call": 0}
+    for seed in range(PER_SCHEMA):
+        # a first `<` can only open a call, a first `{` only the answer: both kinds are checked
+        for bias in (None, {str(lt[0]): 100}, {str(brace[0]): 100}):
+            text, finish, calls = _chat(client, model, stream, temperature=0.8, max_tokens=120, seed=seed,
+                                        tools=[BOOK], response_format=rf, logit_bias=bias,
+                                        parallel_tool_calls=False)
+            if finish == "stop":  # the answer: the content is the schema's
+                assert not calls and str(lt[0]) not in (bias or {}), (text, calls)
+                jsonschema.validate(json.loads(text), ANSWER)
+                seen["answer"] += 1
+            elif finish == "tool_calls":  # calls and nothing else
+                assert len(calls) == 1 and not text, (text, calls)
+                _validate_call(calls[0])
+                seen["call"] += 1
+            else:
+                assert finish == "length" and (text or "").startswith(("{", "<tool_call>")), (finish, text)
+    assert seen["answer"] and seen["call"], seen  # both kinds were checked
+
+
 def test_tool_results_round_trip_in_the_history(client):
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -248,10 +325,15 @@ def test_tool_results_round_trip_in_the_history(client):
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "guided_regex": "a+"}, "guided_regex"),  # auto's call grammar cannot be combined
-    ({"tools": [{"type": "function", "function": {"name": "book", "parameters": {
-        "type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}}}}]},
-     "tools[0].function.parameters#/properties/when/format"),  # auto cannot use llguidance yet
+    ({"tools": TOOLS, "guided_regex": "a+"}, "guided_regex"),  # auto's call grammar combines with response_format only
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"when": {"type": "string", "not": {"format": "date-time"}}}}}}]},
+     "tools[1].function.parameters#/properties/when/not"),  # under auto too: no backend enforces `not`
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "g", "parameters": {"oneOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}},
+        {"type": "object", "properties": {"b": {"type": "integer"}}}]}}}]},
+     "tools[1].function.parameters#/oneOf"),  # llguidance refuses it inside auto's call grammar, by name
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"logit_bias": {"1": 500}}, "logit_bias[...]"),
