@@ -15,7 +15,7 @@ A mixture-of-experts layer (Mixtral, Qwen2-MoE with its gated shared expert) run
 chose it, so a decode token reads its k experts' weights and no others, in any of the modes above.
 
 `CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (every family but the
-Llama one and the MoEs on its layers, Qwen3's q/k norm, a sliding window, int4 in groups of 32, bfloat16
+Llama one (Qwen3's per-head q/k norm included) and the MoEs on its layers, a sliding window, int4 in groups of 32, bfloat16
 weights, biases on norms...); those keep the PyTorch forward.
 """
 
@@ -48,7 +48,8 @@ class _Moe(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _PTR), ("post_norm", _PTR), ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin),
-                ("down", _Lin), ("kc", _PTR), ("vc", _PTR), ("moe", ctypes.POINTER(_Moe))]
+                ("down", _Lin), ("kc", _PTR), ("vc", _PTR), ("moe", ctypes.POINTER(_Moe)), ("q_norm", _PTR),
+                ("k_norm", _PTR)]
 
 
 class _Model(ctypes.Structure):
@@ -133,7 +134,7 @@ class CpuForward:
         # the Llama family and the mixtures of experts built on its layers (`traits.c_stack`): other families
         # (Gemma, Phi-3...) keep the PyTorch forward
         traits = getattr(cfg, "traits", None)
-        if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim % 2 or (traits and not traits.c_stack):
+        if cfg.sliding_window is not None or cfg.head_dim % 2 or (traits and not traits.c_stack):
             return None
         emb = model.model.embed_tokens.weight
         if emb.dtype != torch.float32 or emb.device.type != "cpu" or model.inv_freq.device.type != "cpu":
@@ -156,14 +157,19 @@ class CpuForward:
                 gu = _lin_group([mlp.gate_proj, mlp.up_proj], mlp.fused, keep)
                 down = _lin_group([mlp.down_proj], None, keep)
             norms = (lay.input_layernorm.weight, lay.post_attention_layernorm.weight)
-            if None in (qkv, gu, o, down) or any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            qk = () if att.q_norm is None else (att.q_norm.weight, att.k_norm.weight)  # Qwen3's, per head
+            if None in (qkv, gu, o, down) or any(w.dtype != torch.float32 or not w.is_contiguous()
+                                                 or type(w) is not nn.Parameter for w in norms + qk) or any(
+                    w.numel() != cfg.head_dim for w in qk):
                 return None
+            keep.extend(w.detach() for w in qk)
             kc, vc = k_caches[i], v_caches[i]
             if kc.stride() != k_caches[0].stride() or vc.stride() != kc.stride():
                 return None
             layers.append(_Layer(in_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), qkv=qkv, o=o,
                                  gate_up=gu, down=down, kc=kc.data_ptr(), vc=vc.data_ptr(),
-                                 moe=None if moe is None else ctypes.pointer(moe)))
+                                 moe=None if moe is None else ctypes.pointer(moe),
+                                 q_norm=qk[0].data_ptr() if qk else None, k_norm=qk[1].data_ptr() if qk else None))
         if model.model.norm.weight.dtype != torch.float32:
             return None
         # the float32 linears' machine-dependent choices (register blocks on large weights, the SGEMM's rows),

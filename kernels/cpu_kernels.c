@@ -1477,6 +1477,7 @@ typedef struct {
     tk_lin qkv, o, gate_up, down;     /* qkv: [H -> (Hq + 2 Hkv) D], gate_up: [H -> 2 I] (gate then up) */
     float *kc, *vc;                   /* this layer's caches [pages, bs, Hkv, D] (token/head dense) */
     const tk_moe *moe;                /* not NULL: this layer's MLP is a mixture of experts (gate_up, down unused) */
+    const float *q_norm, *k_norm;     /* [D] or NULL: Qwen3's RMSNorm of each q and k head before RoPE */
 } tk_layer;
 
 typedef struct {
@@ -1651,6 +1652,12 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
         const tk_layer *ly = m->layers + l;
         rms_norm(x, T, H, ly->in_norm, m->eps, h);
         if ((rc = lin_apply(&ly->qkv, h, T, H, nqkv, wide, nthreads))) break;
+        if (ly->q_norm)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t hd = 0; hd < Hq + Hkv; hd++) {
+                    float *v = wide + t * nqkv + hd * D;
+                    rms_norm(v, 1, D, hd < Hq ? ly->q_norm : ly->k_norm, m->eps, v);
+                }
         tk_rope_f32(wide, T, nqkv, 0, Hq + Hkv, D, cs, sn);
         for (int64_t t = 0; t < T; t++) {
             int64_t at = slot[2 * t] * m->page_stride + slot[2 * t + 1] * m->tok_stride;

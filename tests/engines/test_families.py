@@ -235,7 +235,7 @@ def test_int8_kv_cache_serves_windowed_soft_capped_layers(family_dirs, tmp_path_
 
 
 # ---- the mixtures of experts in the C decoder stack (kernels/cpu_forward.py) -----------------------------------
-MOE_C_STACK = ["mixtral", "qwen2-moe-shared-expert"]
+MOE_C_STACK = ["mixtral", "qwen2-moe-shared-expert", "qwen3-moe-renormalised"]
 needs_c_kernels = pytest.mark.skipif(not __import__("kernels.cpu_kernels").cpu_kernels.available(),
                                      reason="the CPU C kernels are not built here (no compiler or no AVX2)")
 
