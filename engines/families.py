@@ -4,7 +4,7 @@ the activation, and the mixture-of-experts geometry. engines/model.py and engine
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -45,6 +45,12 @@ class FamilyTraits:
     def plain(self) -> bool:
         """True for a model the Llama-only fast paths (the C decoder stack, the lean drafter) compute exactly."""
         return self.family == "llama" and not any(self.layer_windows)
+
+    @property
+    def c_stack(self) -> bool:
+        """True for a model the C decoder stack (kernels/cpu_forward.py) computes exactly: the Llama family, and
+        the mixtures of experts whose layers are Llama's but for the MoE block (SiLU experts)."""
+        return self.plain or (self.moe is not None and replace(self, family="llama", moe=None) == FamilyTraits())
 
 
 _FAMILY = {"Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",

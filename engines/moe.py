@@ -2,7 +2,8 @@
 picks each token's top-k experts (weights renormalised to sum 1 or not, as the config says).
 
 On the CPU (and for quantised experts) each expert runs on the tokens routed to it, so a step reads only
-the chosen experts' weights: a decode token costs its active, not its total, parameters. On CUDA with float
+the chosen experts' weights: a decode token costs its active, not its total, parameters (the CPU's C decoder
+stack, kernels/cpu_forward.py, runs this block the same way in C where it takes the model). On CUDA with float
 weights the experts run as one fused kernel (kernels/fused_moe.py) over weights stacked once.
 """
 

@@ -10,8 +10,13 @@ weight-only or w8a8), many-row steps take the register tiles 8 rows at a time or
 (`cpu_kernels.calibrate` picks by timing both on the model's weights when it is built), K/V go into their pages
 and attention reads the pages in place.
 
+A mixture-of-experts layer (Mixtral, Qwen2-MoE with its gated shared expert) runs in the same call
+(`moe_apply`): the router's softmax and top-k in C, then each chosen expert's projections over the tokens that
+chose it, so a decode token reads its k experts' weights and no others, in any of the modes above.
+
 `CpuForward.build(model, k_caches, v_caches)` returns None for models it does not cover (every family but the
-Llama one, Qwen3's q/k norm, a sliding window, int4 in groups of 32, bfloat16 weights, biases on norms...); those keep the PyTorch forward.
+Llama one (Qwen3's per-head q/k norm included) and the MoEs on its layers, a sliding window, int4 in groups of 32, bfloat16
+weights, biases on norms...); those keep the PyTorch forward.
 """
 
 from __future__ import annotations
@@ -35,9 +40,16 @@ class _Lin(ctypes.Structure):
                 ("group", _I64), ("w16", _PTR)]
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [(n, _I64) for n in ("E", "k", "renorm", "I", "shared_I")] + [
+        ("router", _Lin), ("experts", ctypes.POINTER(_Lin)), ("shared_gate_up", _Lin), ("shared_down", _Lin),
+        ("shared_gate", _Lin)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _PTR), ("post_norm", _PTR), ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin),
-                ("down", _Lin), ("kc", _PTR), ("vc", _PTR)]
+                ("down", _Lin), ("kc", _PTR), ("vc", _PTR), ("moe", ctypes.POINTER(_Moe)), ("q_norm", _PTR),
+                ("k_norm", _PTR)]
 
 
 class _Model(ctypes.Structure):
@@ -71,7 +83,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class CpuForward:
     """`forward(ids, positions, tables, seqs, max_ctx) -> hidden [T, H]` over the model's pool view."""
 
-    def __init__(self, model: nn.Module, layers: list[_Layer], keep: list[torch.Tensor], k_cache: torch.Tensor):
+    def __init__(self, model: nn.Module, layers: list[_Layer], keep: list, k_cache: torch.Tensor):
         cfg = model.config
         self.lib = _bind(cpu_kernels.load())
         self.governor = ThreadGovernor()  # threads per call, by timing (a neighbour may hold a core)
@@ -79,8 +91,8 @@ class CpuForward:
         # whether steps with long prefill chunks run here too: not over int4 weights, where the w4a8 kernel would
         # quantise a prompt's activations that the PyTorch forward's many-row int4 path multiplies in float
         self.takes_prefill = not any(getattr(m, "mode", None) == "int4" for m in model.modules())
-        # every tensor the C structs point into (detached aliases: their storage stays alive even if a module's
-        # `.data` is rebound later)
+        # every tensor (and MoE struct) the C structs point into (detached aliases: their storage stays alive
+        # even if a module's `.data` is rebound later)
         self._keep = keep + [model.model.embed_tokens.weight.detach(), model.model.norm.weight.detach()] + [
             p.detach() for lay in model.model.layers
             for p in (lay.input_layernorm.weight, lay.post_attention_layernorm.weight)]
@@ -119,32 +131,45 @@ class CpuForward:
         if not cpu_kernels.available():
             return None
         cfg = model.config
-        # the Llama family only (`traits.plain`): other families (Gemma, Phi-3, MoE...) keep the PyTorch forward
+        # the Llama family and the mixtures of experts built on its layers (`traits.c_stack`): other families
+        # (Gemma, Phi-3...) keep the PyTorch forward
         traits = getattr(cfg, "traits", None)
-        if cfg.qk_norm or cfg.sliding_window is not None or cfg.head_dim % 2 or (traits and not traits.plain):
+        if cfg.sliding_window is not None or cfg.head_dim % 2 or (traits and not traits.c_stack):
             return None
         emb = model.model.embed_tokens.weight
         if emb.dtype != torch.float32 or emb.device.type != "cpu" or model.inv_freq.device.type != "cpu":
             return None
         if not cpu_kernels.attention_fits(torch.empty(1, 1, 1), k_caches[0]):
             return None
-        keep: list[torch.Tensor] = []
+        keep: list = []
         layers = []
         for i, lay in enumerate(model.model.layers):
             att, mlp = lay.self_attn, lay.mlp
             if type(lay.input_layernorm.weight) is not nn.Parameter:
                 return None
             qkv = _lin_group([att.q_proj, att.k_proj, att.v_proj], att.fused, keep)
-            gu = _lin_group([mlp.gate_proj, mlp.up_proj], mlp.fused, keep)
-            o, down = _lin_group([att.o_proj], None, keep), _lin_group([mlp.down_proj], None, keep)
+            o = _lin_group([att.o_proj], None, keep)
+            moe = None
+            if getattr(mlp, "experts", None) is not None:  # engines.moe.MoE
+                moe = _moe_block(mlp, keep)
+                gu = down = _Lin() if moe is not None else None
+            else:
+                gu = _lin_group([mlp.gate_proj, mlp.up_proj], mlp.fused, keep)
+                down = _lin_group([mlp.down_proj], None, keep)
             norms = (lay.input_layernorm.weight, lay.post_attention_layernorm.weight)
-            if None in (qkv, gu, o, down) or any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            qk = () if att.q_norm is None else (att.q_norm.weight, att.k_norm.weight)  # Qwen3's, per head
+            if None in (qkv, gu, o, down) or any(w.dtype != torch.float32 or not w.is_contiguous()
+                                                 or type(w) is not nn.Parameter for w in norms + qk) or any(
+                    w.numel() != cfg.head_dim for w in qk):
                 return None
+            keep.extend(w.detach() for w in qk)
             kc, vc = k_caches[i], v_caches[i]
             if kc.stride() != k_caches[0].stride() or vc.stride() != kc.stride():
                 return None
             layers.append(_Layer(in_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), qkv=qkv, o=o,
-                                 gate_up=gu, down=down, kc=kc.data_ptr(), vc=vc.data_ptr()))
+                                 gate_up=gu, down=down, kc=kc.data_ptr(), vc=vc.data_ptr(),
+                                 moe=None if moe is None else ctypes.pointer(moe),
+                                 q_norm=qk[0].data_ptr() if qk else None, k_norm=qk[1].data_ptr() if qk else None))
         if model.model.norm.weight.dtype != torch.float32:
             return None
         # the float32 linears' machine-dependent choices (register blocks on large weights, the SGEMM's rows),
@@ -213,7 +238,34 @@ class CpuForward:
         return self._model_ref.compute_logits(hidden)
 
 
-def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.Tensor]) -> _Lin | None:
+def _moe_block(moe: nn.Module, keep: list) -> _Moe | None:
+    """engines.moe.MoE as the C side's `tk_moe`: the router, each expert's gate/up and down projections (any
+    mode `_lin_group` takes) and the shared expert with its gate; None where a projection is one it does not take
+    or the experts' activation is not SiLU."""
+    if any(e.act is not torch.nn.functional.silu for e in moe.experts):
+        return None
+    router = _lin_group([moe.gate], None, keep)
+    experts = [lin for e in moe.experts for lin in (_lin_group([e.gate_proj, e.up_proj], e.fused, keep),
+                                                    _lin_group([e.down_proj], None, keep))]
+    shared, shared_i = [_Lin(), _Lin(), _Lin()], 0
+    if moe.shared_expert is not None:
+        s = moe.shared_expert
+        if s.act is not torch.nn.functional.silu:
+            return None
+        shared = [_lin_group([s.gate_proj, s.up_proj], s.fused, keep), _lin_group([s.down_proj], None, keep),
+                  _lin_group([moe.shared_expert_gate], None, keep)]
+        shared_i = s.down_proj.in_features
+    if router is None or None in experts or None in shared:
+        return None
+    table = (_Lin * len(experts))(*experts)
+    block = _Moe(E=moe.num_experts, k=moe.top_k, renorm=int(moe.renormalize),
+                 I=moe.experts[0].down_proj.in_features, shared_I=shared_i, router=router, experts=table,
+                 shared_gate_up=shared[0], shared_down=shared[1], shared_gate=shared[2])
+    keep.extend([table, block])
+    return block
+
+
+def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Lin | None:
     """One projection over the same input: float32 (the fused [K, sum N] weight of cpu_weight_layout, or one
     column-major weight; with its bf16 copy where that is exact) or int8 / w8a8 QuantLinears of one mode (their
     rows stacked into one [sum N, K] weight the modules then view, so nothing is stored twice)."""
@@ -228,7 +280,8 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
             w, b = linears[0].weight.t(), linears[0].bias
         else:
             return None
-        if w.dtype != torch.float32 or w.device.type != "cpu" or w.stride(1) != 1:
+        # (a one-column weight, a [H -> 1] gate, is column-major whatever its stride there)
+        if w.dtype != torch.float32 or w.device.type != "cpu" or (w.stride(1) != 1 and w.shape[1] > 1):
             return None
         w16 = cpu_kernels.bf16_copy(w)
         keep.append(w)  # a later cpu_weight_layout of the same module (a second engine) may rebind it

@@ -1461,10 +1461,23 @@ typedef struct {
                           * read instead where it is not NULL (tk_linear_f32_w16) */
 } tk_lin;
 
+/* A mixture-of-experts block in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router's softmax
+ * (float32) picks each token's top k experts, their weights renormalised to sum 1 where `renorm`; expert e
+ * runs gate_up [H -> 2 I] and down [I -> H] on the tokens that chose it, nothing else of it is read. Qwen2-MoE's
+ * shared expert (shared_I > 0) runs on every token, scaled by sigmoid(shared_gate [H -> 1]). */
+typedef struct {
+    int64_t E, k, renorm, I, shared_I;
+    tk_lin router;         /* [H -> E] */
+    const tk_lin *experts; /* [2 E]: expert e's gate_up at 2 e, its down at 2 e + 1 */
+    tk_lin shared_gate_up, shared_down, shared_gate;
+} tk_moe;
+
 typedef struct {
     const float *in_norm, *post_norm; /* [H] */
     tk_lin qkv, o, gate_up, down;     /* qkv: [H -> (Hq + 2 Hkv) D], gate_up: [H -> 2 I] (gate then up) */
     float *kc, *vc;                   /* this layer's caches [pages, bs, Hkv, D] (token/head dense) */
+    const tk_moe *moe;                /* not NULL: this layer's MLP is a mixture of experts (gate_up, down unused) */
+    const float *q_norm, *k_norm;     /* [D] or NULL: Qwen3's RMSNorm of each q and k head before RoPE */
 } tk_layer;
 
 typedef struct {
@@ -1519,6 +1532,84 @@ static inline void add_into(float *x, const float *y, int64_t n) {
     for (; i < n; i++) x[i] += y[i];
 }
 
+/* out[t] = silu(gu[t, :I]) * gu[t, I:], t < T */
+static void silu_mul(const float *gu, int64_t T, int64_t I, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t c = 0; c < I; c++) o[c] = g[c] / (1.f + expf(-g[c])) * u[c];
+    }
+}
+
+static __thread void *moe_scratch = 0;
+static __thread size_t moe_scratch_cap = 0;
+
+/* out [T, H] = the MoE block of h [T, H] (see tk_moe), as engines/moe.py computes it: each expert's tokens
+ * gathered into one many-row projection (a decode token: its k experts' weights, one GEMV each), the
+ * routing weight times the expert's output added into the token's row. Returns 0, or 1 when a scratch
+ * allocation failed. */
+static int moe_apply(const tk_moe *mo, const float *h, int64_t T, int64_t H, float *out, int nthreads) {
+    const int64_t E = mo->E, k = mo->k, I = mo->I > mo->shared_I ? mo->I : mo->shared_I;
+    size_t floats = (size_t)T * (size_t)(E + k + 2 * H + 3 * I + 1), ints = (size_t)T * (size_t)(k + 1) + 1;
+    if (grow_scratch(&moe_scratch, &moe_scratch_cap, sizeof(float) * floats + sizeof(int64_t) * ints)) return 1;
+    int64_t *chosen = (int64_t *)moe_scratch, *rows = chosen + T * k;
+    float *logits = (float *)(rows + T + 1), *wts = logits + T * E, *xs = wts + T * k, *gu = xs + T * H,
+          *act = gu + T * 2 * I, *ys = act + T * I, *gate = ys + T * H;
+    if (lin_apply(&mo->router, h, T, H, E, logits, nthreads)) return 1;
+    for (int64_t t = 0; t < T; t++) { /* softmax in float32, top k (the first of equal maxima), renormalised */
+        float *l = logits + t * E, mx = l[0], sum = 0.f;
+        for (int64_t e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+        for (int64_t e = 0; e < E; e++) sum += (l[e] = expf(l[e] - mx));
+        for (int64_t e = 0; e < E; e++) l[e] /= sum;
+        float picked = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (l[e] >= 0.f && (best < 0 || l[e] > l[best])) best = e;
+            chosen[t * k + j] = best;
+            wts[t * k + j] = l[best];
+            picked += l[best];
+            l[best] = -1.f; /* taken */
+        }
+        if (mo->renorm)
+            for (int64_t j = 0; j < k; j++) wts[t * k + j] /= picked;
+    }
+    memset(out, 0, sizeof(float) * (size_t)(T * H));
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < T * k; i++)
+            if (chosen[i] == e) rows[n++] = i;
+        if (!n) continue;
+        const float *xe = h; /* a lone token reads h in place; more are gathered */
+        if (T > 1) {
+            for (int64_t r = 0; r < n; r++) memcpy(xs + r * H, h + rows[r] / k * H, sizeof(float) * (size_t)H);
+            xe = xs;
+        }
+        if (lin_apply(&mo->experts[2 * e], xe, n, H, 2 * mo->I, gu, nthreads)) return 1;
+        silu_mul(gu, n, mo->I, act);
+        if (lin_apply(&mo->experts[2 * e + 1], act, n, mo->I, H, ys, nthreads)) return 1;
+        for (int64_t r = 0; r < n; r++) {
+            float w = wts[rows[r]], *o = out + rows[r] / k * H;
+            const float *y = ys + r * H;
+            for (int64_t c = 0; c < H; c++) o[c] += y[c] * w;
+        }
+    }
+    if (mo->shared_I) {
+        const int64_t Is = mo->shared_I;
+        if (lin_apply(&mo->shared_gate_up, h, T, H, 2 * Is, gu, nthreads) ||
+            lin_apply(&mo->shared_gate, h, T, H, 1, gate, nthreads))
+            return 1;
+        silu_mul(gu, T, Is, act);
+        if (lin_apply(&mo->shared_down, act, T, Is, H, ys, nthreads)) return 1;
+        for (int64_t t = 0; t < T; t++) {
+            float g = 1.f / (1.f + expf(-gate[t])), *o = out + t * H;
+            const float *y = ys + t * H;
+            for (int64_t c = 0; c < H; c++) o[c] += g * y[c];
+        }
+    }
+    return 0;
+}
+
 /* T tokens `ids` at `pos`; S sequences: sequence s's qlen[s] tokens start at row qstart[s] and are the last
  * qlen[s] of its ctx[s] positions, its pages row rows[s] of block_tables [*, max_blocks] (int64). Writes
  * this step's K/V into the pages, attends, and leaves the final-normed hidden states in out [T, H].
@@ -1561,6 +1652,12 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
         const tk_layer *ly = m->layers + l;
         rms_norm(x, T, H, ly->in_norm, m->eps, h);
         if ((rc = lin_apply(&ly->qkv, h, T, H, nqkv, wide, nthreads))) break;
+        if (ly->q_norm)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t hd = 0; hd < Hq + Hkv; hd++) {
+                    float *v = wide + t * nqkv + hd * D;
+                    rms_norm(v, 1, D, hd < Hq ? ly->q_norm : ly->k_norm, m->eps, v);
+                }
         tk_rope_f32(wide, T, nqkv, 0, Hq + Hkv, D, cs, sn);
         for (int64_t t = 0; t < T; t++) {
             int64_t at = slot[2 * t] * m->page_stride + slot[2 * t + 1] * m->tok_stride;
@@ -1573,13 +1670,13 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
             break;
         add_into(x, y, T * H);
         rms_norm(x, T, H, ly->post_norm, m->eps, h);
-        if ((rc = lin_apply(&ly->gate_up, h, T, H, 2 * I, wide, nthreads))) break;
-        for (int64_t t = 0; t < T; t++) {
-            const float *g = wide + t * 2 * I, *u = g + I;
-            float *o = act + t * I;
-            for (int64_t c = 0; c < I; c++) o[c] = g[c] / (1.f + expf(-g[c])) * u[c];
+        if (ly->moe) {
+            if ((rc = moe_apply(ly->moe, h, T, H, y, nthreads))) break;
+        } else {
+            if ((rc = lin_apply(&ly->gate_up, h, T, H, 2 * I, wide, nthreads))) break;
+            silu_mul(wide, T, I, act);
+            if ((rc = lin_apply(&ly->down, act, T, I, H, y, nthreads))) break;
         }
-        if ((rc = lin_apply(&ly->down, act, T, I, H, y, nthreads))) break;
         add_into(x, y, T * H);
     }
     if (!rc) rms_norm(x, T, H, m->final_norm, m->eps, out);

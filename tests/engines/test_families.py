@@ -232,3 +232,127 @@ def test_int8_kv_cache_serves_windowed_soft_capped_layers(family_dirs, tmp_path_
     same = sum(a == b for p, q in zip(plain, int8) for a, b in zip(p.outputs[0].token_ids, q.outputs[0].token_ids))
     assert same >= 0.8 * 3 * 12  # int8 K/V (per token-head scales) keeps most greedy tokens
     assert [o.outputs[0].token_ids[:3] for o in int8] == [o.outputs[0].token_ids[:3] for o in plain]
+
+
+# ---- the mixtures of experts in the C decoder stack (kernels/cpu_forward.py) -----------------------------------
+MOE_C_STACK = ["mixtral", "qwen2-moe-shared-expert", "qwen3-moe-renormalised"]
+needs_c_kernels = pytest.mark.skipif(not __import__("kernels.cpu_kernels").cpu_kernels.available(),
+                                     reason="the CPU C kernels are not built here (no compiler or no AVX2)")
+
+
+class _Seq:  # the few Sequence fields `ModelRunner.layout` reads
+    def __init__(self, sid: int, toks: list[int], pages: list[int], computed: int):
+        self.seq_id, self.token_ids, self.pages, self.num_computed = sid, toks, pages, computed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _c_step(runner, seqs: list[_Seq], num: list[int]) -> torch.Tensor:
+    """The C stack's logits for every row of one step (its K/V written to the sequences' pages)."""
+    b = runner.layout(seqs, num)
+    hidden = runner.cpu_forward.forward(torch.tensor(b.ids), torch.tensor(b.host_positions), b.block_tables,
+                                        torch.tensor(b.meta), b.max_context_len)
+    for s, n in zip(seqs, num):
+        s.num_computed += n
+    return runner.cpu_forward.logits(hidden)
+
+
+@needs_c_kernels
+@pytest.mark.parametrize("family", MOE_C_STACK)
+def test_moe_in_the_c_stack_matches_transformers_logits_over_a_prefill_and_decodes(family_dirs, tmp_path_factory,
+                                                                                   family):
+    folder = _folder(family_dirs, tmp_path_factory, family)
+    llm = LLM(folder, block_size=4, max_model_len=64)
+    runner, pool = llm.engine.runner, llm.core.pool
+    assert runner.cpu_forward is not None  # the MoE layers run in the C stack, not the PyTorch forward
+    rng = torch.Generator().manual_seed(5)
+    full = [p + torch.randint(2, VOCAB, (6,), generator=rng).tolist() for p in PROMPTS]
+    with torch.no_grad():
+        theirs = [_reference(folder)(torch.tensor([f])).logits[0] for f in full]
+    seqs = [_Seq(i, f, pool.allocate(llm.engine.model_id, -(-len(f) // 4)), 0) for i, f in enumerate(full)]
+    try:
+        # every prompt in one many-row step (each expert's tokens gathered), then 6 one-token steps of 3 rows
+        got = _c_step(runner, seqs, [len(p) for p in PROMPTS])
+        want = torch.cat([t[:len(p)] for t, p in zip(theirs, PROMPTS)])
+        assert (got - want).abs().max().item() < 1e-4
+        for j in range(6):
+            got = _c_step(runner, seqs, [1, 1, 1])
+            want = torch.stack([t[len(p) + j] for t, p in zip(theirs, PROMPTS)])
+            assert (got - want).abs().max().item() < 1e-4
+        assert want.std().item() > 0.1
+    finally:
+        for s in seqs:
+            pool.release(s.pages)
+
+
+@needs_c_kernels
+@pytest.mark.parametrize("family", MOE_C_STACK)
+def test_a_c_stack_decode_token_reads_only_its_chosen_experts(family_dirs, tmp_path_factory, family):
+    """Every expert the router did not pick for this token (in any layer) is overwritten with NaN: the C step's
+    logits stay finite and equal to the PyTorch forward's before the overwrite."""
+    from engines.moe import route
+
+    folder = _folder(family_dirs, tmp_path_factory, family)
+    llm = LLM(folder, block_size=4, max_model_len=64)
+    runner, pool, model = llm.engine.runner, llm.core.pool, llm.engine.model
+    fast = runner.cpu_forward
+    toks = PROMPTS[0] + [42]
+    seq = _Seq(0, toks, pool.allocate(llm.engine.model_id, -(-len(toks) // 4)), 0)
+    try:
+        _c_step(runner, [seq], [len(toks) - 1])
+        chosen = {}
+        moes = {i: lay.mlp for i, lay in enumerate(model.model.layers) if hasattr(lay.mlp, "experts")}
+        hooks = [m.gate.register_forward_hook(lambda mod, x, out, i=i: chosen.__setitem__(
+            i, set(route(out, moes[i].top_k, moes[i].renormalize)[1][0].tolist()))) for i, m in moes.items()]
+        runner.cpu_forward = None
+        try:
+            snapshot = runner.kv_view.clone()
+            ref, _ = runner.execute([seq], [1])  # the PyTorch forward of the decode token
+            runner.kv_view.copy_(snapshot)
+        finally:
+            runner.cpu_forward = fast
+            for h in hooks:
+                h.remove()
+        assert len(chosen) == len(moes) and all(len(c) == moes[i].top_k for i, c in chosen.items())
+        with torch.no_grad():
+            for i, m in moes.items():
+                for e, expert in enumerate(m.experts):
+                    if e not in chosen[i]:
+                        expert.fused[0].fill_(float("nan"))  # gate/up (the projections view it) and down
+                        expert.down_proj.weight.fill_(float("nan"))
+        got = _c_step(runner, [seq], [1])
+        assert torch.isfinite(got).all()
+        assert (got - ref).abs().max().item() < 1e-4
+    finally:
+        pool.release(seq.pages)  # (the NaNs are in this engine's loaded copy only, not the checkpoint)
+
+
+@needs_c_kernels
+@pytest.mark.parametrize("family,quant", [("mixtral", "int8"), ("qwen2-moe-shared-expert", "int8"),
+                                          ("mixtral", "int4"), ("qwen2-moe-shared-expert", "w8a8")])
+def test_quantised_experts_in_the_c_stack_match_the_pytorch_forward(family_dirs, tmp_path_factory, family,
+                                                                     quant):
+    from kernels.quant_matmul import QuantLinear
+
+    llm = LLM(_folder(family_dirs, tmp_path_factory, family), quantization=quant, block_size=4, max_model_len=64)
+    runner = llm.engine.runner
+    fast = runner.cpu_forward
+    assert fast is not None
+    assert isinstance(llm.engine.model.model.layers[0].mlp.experts[0].gate_proj, QuantLinear)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got = llm.generate(prompts, params)
+    runner.cpu_forward = None
+    try:
+        want = llm.generate(prompts, params)
+    finally:
+        runner.cpu_forward = fast
+    # w8a8 / int4 quantise activations per 32 values: a value on a rounding edge may round the other way in one
+    # path (float summation order), ~1e-2 in a logprob; the tokens stay equal
+    tol = 5e-2 if quant in ("w8a8", "int4") else 2e-4
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert abs(la[t].logprob - lb[t].logprob) < tol

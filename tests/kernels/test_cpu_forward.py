@@ -1,6 +1,6 @@
 """kernels/cpu_forward: the one-call C decoder stack against the PyTorch forward, the way traffic arrives:
 mixed batches of decodes, verify windows and chunks over shared pages, float32 and int8 weights, GQA, Qwen2's
-q/k/v bias; and whole engines (prefix hits, n > 1, sampling with seeds, speculation) with it on and off."""
+q/k/v bias, Qwen3's q/k norm; and whole engines (prefix hits, n > 1, sampling with seeds, speculation) with it on and off."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ def checkpoints(tmp_path_factory):
     return {"llama-gqa": build_checkpoint(base / "llama", "llama", hidden_size=64, num_layers=2, num_heads=4,
                                           num_kv_heads=2, seed=3),
             "qwen2-bias": build_checkpoint(base / "qwen2", "qwen2", hidden_size=64, num_layers=2, num_heads=4,
-                                           num_kv_heads=1, seed=4)}
+                                           num_kv_heads=1, seed=4),
+            "qwen3-qk-norm": build_checkpoint(base / "qwen3", "qwen3", hidden_size=64, num_layers=2, num_heads=4,
+                                              num_kv_heads=2, seed=5)}
 
 
 def _engine(path, **opts):
@@ -74,7 +76,8 @@ def _compare(a, b, logprob_tol=2e-4):
                 assert abs(la[tok].logprob - lb[tok].logprob) < logprob_tol
 
 
-@pytest.mark.parametrize("name,quant", [("llama-gqa", "none"), ("qwen2-bias", "none"), ("llama-gqa", "int8"),
+@pytest.mark.parametrize("name,quant", [("llama-gqa", "none"), ("qwen2-bias", "none"), ("qwen3-qk-norm", "none"),
+                                        ("qwen3-qk-norm", "int8"), ("llama-gqa", "int8"),
                                         ("llama-gqa", "w8a8"), ("qwen2-bias", "w8a8"), ("llama-gqa", "int4")])
 def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant):
     llm = _engine(checkpoints[name], quantization=quant, max_num_batched_tokens=96)
@@ -194,8 +197,9 @@ def test_speculative_engine_matches_with_and_without(checkpoints):
 def test_models_it_does_not_cover_keep_the_torch_forward(tmp_path):
     from tiny_checkpoints import build_checkpoint
 
-    path = build_checkpoint(tmp_path / "q3", "qwen3", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
-    assert _engine(path).engine.runner.cpu_forward is None  # q/k norm
+    path = build_checkpoint(tmp_path / "mistral", "mistral", hidden_size=64, num_layers=1, num_heads=4,
+                            num_kv_heads=2, sliding_window=8)
+    assert _engine(path).engine.runner.cpu_forward is None  # a sliding window
     assert _engine(ROOT / "models" / "tandem-tiny-s", quantization="int4",  # int4 in groups of 32
                    quantization_group_size=32).engine.runner.cpu_forward is None
     assert _engine(ROOT / "models" / "tandem-tiny-s", quantization="int4").engine.runner.cpu_forward is not None
