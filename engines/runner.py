@@ -127,7 +127,7 @@ class ModelRunner:
             meta[2].append(c + n)
             meta[3].append(i)
             row += n
-            if seq.pooling is not None:  # an embedding request: its rows are pooled, nothing sampled
+            if getattr(seq, "pooling", None) is not None:  # an embedding request: rows pooled, nothing sampled
                 pool_spans.append((seq, row - n, n, c))
             elif c + n - k == seq.num_tokens:  # the last known token is in: its row samples the next one
                 sample_rows.extend(range(row - 1 - k, row))
