@@ -6,8 +6,8 @@ paged pool for one `StepBatch` (the torch path `paged_attention_torch`, the CPU 
 kernels). The contexts only tests and benchmarks use live in tests/attention_contexts.py.
 
 A layer may pass `window=` (a sliding window: a query sees its last `window` keys) and `softcap=` (scores
-tanh-capped, Gemma 2); every context then attends through `attend_masked` (PyTorch, explicit scores), reading
-only the pages a window reaches. Without them (Llama) nothing changes.
+tanh-capped, Gemma 2); the Triton kernel takes both, the other contexts then attend through `attend_masked`
+(PyTorch, explicit scores), reading only the pages a window reaches. Without them (Llama) nothing changes.
 """
 
 from __future__ import annotations
@@ -299,18 +299,15 @@ class PagedAttention:
         kc, vc, b = self.k_caches[layer], self.v_caches[layer], self.b
         ks = self.k_scales[layer] if self.k_scales is not None else None
         vs = self.v_scales[layer] if self.v_scales is not None else None
-        masked = needs_mask(window, softcap, b.max_context_len)
         if self.use_kernel:
             from kernels.kv_write import write_kv
             from kernels.paged_attention import paged_attention
 
             write_kv(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
-            if masked:  # the Triton kernel has no window / soft-cap: the PyTorch path attends
-                return paged_masked(q, kc, vc, ks, vs, b.block_tables, b.query_start_loc, b.context_lens, window,
-                                     softcap)
+            # the kernel applies the window (reading only the tiles it reaches) and the soft-cap itself
             return paged_attention(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens,
                                    max_query_len=b.max_query_len, max_context_len=b.max_context_len,
-                                   k_scale=ks, v_scale=vs)
+                                   k_scale=ks, v_scale=vs, window=window, softcap=softcap)
         if ks is None and b.plan.kernel_seqs is not None:  # float32 throughout: the kernels' own write
             from kernels.cpu_kernels import write_kv
 
@@ -322,7 +319,7 @@ class PagedAttention:
             from kernels.kv_write import write_kv_ref
 
             write_kv_ref(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
-        if masked:
+        if needs_mask(window, softcap, b.max_context_len):
             return paged_masked(q, kc, vc, ks, vs, b.block_tables, b.query_start_loc, b.context_lens, window,
                                  softcap)
         return paged_attention_torch(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens, plan=b.plan,

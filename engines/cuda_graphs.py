@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps: the model's forward over a decode batch padded to a bucket size (1, 2, 4, 8,
 16, 32, 64, ... up to max_num_seqs) is captured once over static input buffers and replayed whenever a step
 is decode-only and fits a bucket. It needs the Triton attention path: `write_kv` skips the padded slots (-1)
-and `paged_attention` skips the padded sequences (no query). Models whose forward reads host values per step
-(windowed / soft-capped attention layers, MoE routing) are not captured: their decodes run eagerly."""
+and `paged_attention` skips the padded sequences (no query); windowed / soft-capped layers (Gemma) pass their
+per-layer constants to the kernel. Models whose forward reads host values per step (MoE routing) are not
+captured: their decodes run eagerly."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from engines.attention import PagedAttention, StepBatch
 
 
 def capturable(model: torch.nn.Module) -> bool:
-    """False for a model with a layer the graph cannot hold: `attend_masked` attention (sliding windows,
-    soft-caps) or an MoE block (both size their work from host values)."""
-    return not any(getattr(getattr(layer, "self_attn", None), "attn_options", None)
-                   or hasattr(getattr(layer, "mlp", None), "experts") for layer in model.model.layers)
+    """False for a model with a layer the graph cannot hold: an MoE block (it sizes its work from host
+    values). Sliding windows and soft-caps are kernel constants on this (Triton) path."""
+    return not any(hasattr(getattr(layer, "mlp", None), "experts") for layer in model.model.layers)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
