@@ -24,6 +24,12 @@ class KVLayout:
         return self.num_groups > 1
 
 
+def blocks_outside(num_computed: int, window: int | None, block_size: int) -> int:
+    """Leading blocks no query at position >= num_computed reaches through `window` (it sees keys j with
+    i - window < j <= i): their pages can go."""
+    return 0 if window is None else max(0, (num_computed - window + 1) // block_size)
+
+
 def flat_layout(num_layers: int) -> KVLayout:
     return KVLayout(num_layers, (0,) * num_layers, tuple(range(num_layers)), (None,))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.kv_layout import KVLayout
+from engines.kv_layout import KVLayout, blocks_outside
 
 
 def _zeros(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -205,7 +205,7 @@ class KVPool:
         bs = self.block_size
         out = []
         for g, w in enumerate(windows, start=1):
-            first = self.blocks_outside(n * bs, w)
+            first = blocks_outside(n * bs, w, bs)
             got = [-1] * first
             for b in range(first, n):
                 page = self._cached.get((model_id, hashes[b - 1] if b else None,
@@ -215,10 +215,6 @@ class KVPool:
                 got.append(page)
             out.append(got)
         return out
-
-    def blocks_outside(self, num_computed: int, window: int | None) -> int:
-        """Leading blocks no query at position >= num_computed reaches through `window` (keys j > i - window)."""
-        return 0 if window is None else max(0, (num_computed - window + 1) // self.block_size)
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -282,7 +278,7 @@ class KVPool:
         windows = self.geometries[model_id].group_windows[1:]
         freed = []
         for w, lst in zip(windows, holder.group_pages):
-            b = min(self.blocks_outside(holder.num_computed, w), len(lst)) - 1
+            b = min(blocks_outside(holder.num_computed, w, self.block_size), len(lst)) - 1
             while b >= 0 and lst[b] >= 0:  # freed blocks are always a prefix: stop at the first one
                 freed.append(lst[b])
                 lst[b] = -1
