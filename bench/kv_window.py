@@ -7,7 +7,7 @@ generating one long greedy sequence through `LLM(...)`; the pool's used pages x 
 page per group and block, window pages held = blocks - blocks_outside) for the published Gemma geometries, bf16
 KV, block 16. Prints tables, writes bench/results/kv_window.json.
 
-    .venv/bin/python bench/kv_window.py [--window 128] [--tokens 2048]
+    .venv/bin/python bench/kv_window.py [--window 128] [--tokens 1024]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def measure(family: str, window: int, tokens: int, points: list[int]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=1024)
     args = ap.parse_args()
     points = [n for n in (64, 128, 256, 512, 1024, 2048, 4096) if n <= args.tokens]
     result: dict = {"block_size": BLOCK, "window": args.window, "tokens": args.tokens, "measured": {},
