@@ -6,8 +6,8 @@ paged pool for one `StepBatch` (the torch path `paged_attention_torch`, the CPU 
 kernels). The contexts only tests and benchmarks use live in tests/attention_contexts.py.
 
 A layer may pass `window=` (a sliding window: a query sees its last `window` keys) and `softcap=` (scores
-tanh-capped, Gemma 2); every context then attends through `attend_masked` (PyTorch, explicit scores), reading
-only the pages a window reaches. Without them (Llama) nothing changes.
+tanh-capped, Gemma 2); the Triton kernel takes both, the other contexts then attend through `attend_masked`
+(PyTorch, explicit scores), reading only the pages a window reaches. Without them (Llama) nothing changes.
 """
 
 from __future__ import annotations
@@ -120,6 +120,10 @@ class StepBatch:
     context_lens: torch.Tensor | None = None  # [S]
     plan: PagedAttentionPlan | None = None  # torch path only
     logits_indices: torch.Tensor | None = None  # sample_rows on the device
+    # a model in several page groups (engines/kv_layout.py): groups 1..'s block tables [S, max_blocks] and the
+    # page of each new token's K/V in them ([T] each, on the device once prepared); None for one group
+    group_tables: list[torch.Tensor] | None = None
+    group_write_pages: list[torch.Tensor] | None = None
     # embedding requests' chunks in this step: (sequence, first row, rows, first position); pooled from the
     # hidden states instead of sampling (engines/embedding.py `pool_step`)
     pool_spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
@@ -285,48 +289,61 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 class PagedAttention:
     """`AttentionContext` over the pool: write this step's K/V at their slots (quantising for an int8 / fp8
-    cache), then attend (torch or Triton). `k_scales`/`v_scales`: per-layer KV scales, None for float."""
+    cache), then attend (torch or Triton). `k_scales`/`v_scales`: per-layer KV scales, None for float.
+    `layer_groups`: each layer's page group where the model's layers live in several (engines/kv_layout.py);
+    group g > 0 reads `batch.group_tables[g - 1]` (its slots: `group_slot_mappings[g - 1]` when given)."""
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], batch: StepBatch,
                  use_kernel: bool, k_scales: list[torch.Tensor] | None = None,
-                 v_scales: list[torch.Tensor] | None = None, slot_mapping: torch.Tensor | None = None):
+                 v_scales: list[torch.Tensor] | None = None, slot_mapping: torch.Tensor | None = None,
+                 layer_groups: Seq[int] | None = None, group_slot_mappings: list[torch.Tensor] | None = None):
         self.k_caches, self.v_caches, self.b = k_caches, v_caches, batch
         self.use_kernel = use_kernel
         self.k_scales, self.v_scales = k_scales, v_scales
-        if slot_mapping is None and (use_kernel or k_scales is not None):
-            slot_mapping = batch.write_pages * k_caches[0].shape[1] + batch.write_offsets
-        self.slot_mapping = slot_mapping  # -1 skips a token (CUDA-graph padding)
+        self.layer_groups = layer_groups
+        self.block_size = k_caches[0].shape[1]
+        self._slots: dict[int, torch.Tensor | None] = {0: slot_mapping}  # -1 skips a token (CUDA-graph padding)
+        for g, m in enumerate(group_slot_mappings or (), start=1):
+            self._slots[g] = m
+
+    def _slot_mapping(self, group: int, write_pages: torch.Tensor) -> torch.Tensor:
+        m = self._slots.get(group)
+        if m is None:
+            m = self._slots[group] = write_pages * self.block_size + self.b.write_offsets
+        return m
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
         kc, vc, b = self.k_caches[layer], self.v_caches[layer], self.b
         ks = self.k_scales[layer] if self.k_scales is not None else None
         vs = self.v_scales[layer] if self.v_scales is not None else None
-        masked = needs_mask(window, softcap, b.max_context_len)
+        group = self.layer_groups[layer] if self.layer_groups is not None else 0
+        tables, write_pages = b.block_tables, b.write_pages
+        if group:
+            tables = b.group_tables[group - 1]
+            write_pages = b.group_write_pages[group - 1] if b.group_write_pages is not None else None
         if self.use_kernel:
             from kernels.kv_write import write_kv
             from kernels.paged_attention import paged_attention
 
-            write_kv(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
-            if masked:  # the Triton kernel has no window / soft-cap: the PyTorch path attends
-                return paged_masked(q, kc, vc, ks, vs, b.block_tables, b.query_start_loc, b.context_lens, window,
-                                     softcap)
-            return paged_attention(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens,
+            write_kv(k, v, kc, vc, self._slot_mapping(group, write_pages), k_scale=ks, v_scale=vs)
+            # the kernel applies the window (reading only the tiles it reaches) and the soft-cap itself
+            return paged_attention(q, kc, vc, tables, b.query_start_loc, b.context_lens,
                                    max_query_len=b.max_query_len, max_context_len=b.max_context_len,
-                                   k_scale=ks, v_scale=vs)
+                                   k_scale=ks, v_scale=vs, window=window, softcap=softcap)
         if ks is None and b.plan.kernel_seqs is not None:  # float32 throughout: the kernels' own write
             from kernels.cpu_kernels import write_kv
 
-            write_kv(k, v, kc, vc, b.write_pages, b.write_offsets)
+            write_kv(k, v, kc, vc, write_pages, b.write_offsets)
         elif ks is None:
-            kc[b.write_pages, b.write_offsets] = k.to(kc.dtype)
-            vc[b.write_pages, b.write_offsets] = v.to(vc.dtype)
+            kc[write_pages, b.write_offsets] = k.to(kc.dtype)
+            vc[write_pages, b.write_offsets] = v.to(vc.dtype)
         else:
             from kernels.kv_write import write_kv_ref
 
-            write_kv_ref(k, v, kc, vc, self.slot_mapping, k_scale=ks, v_scale=vs)
-        if masked:
-            return paged_masked(q, kc, vc, ks, vs, b.block_tables, b.query_start_loc, b.context_lens, window,
-                                 softcap)
+            write_kv_ref(k, v, kc, vc, self._slot_mapping(group, write_pages), k_scale=ks, v_scale=vs)
+        # the step's plan is built over group 0's table: another group's layers attend over their own pages
+        if group or needs_mask(window, softcap, b.max_context_len):
+            return paged_masked(q, kc, vc, ks, vs, tables, b.query_start_loc, b.context_lens, window, softcap)
         return paged_attention_torch(q, kc, vc, b.block_tables, b.query_start_loc, b.context_lens, plan=b.plan,
                                    k_scale=ks, v_scale=vs)

@@ -29,6 +29,10 @@ class EngineOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     quantization_group_size: Literal[32, 64, 128] = 64  # int4 only: weights per scale/zero-point group
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # CUDA + Triton attention: decode steps replay graphs captured per batch bucket
+    # a model with global and sliding-window layers (Gemma 2/3) keeps them in separate page groups and frees a
+    # window layer's pages once its window has passed them (engines/kv_layout.py); False: every layer keeps its
+    # KV for the whole sequence
+    free_window_pages: bool = True
     # waiting requests by priority then TTFT deadline, batch caps from the running TPOT targets; False: plain
     # (priority, arrival) order under the configured limits only
     slo_scheduling: bool = True

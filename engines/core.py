@@ -15,6 +15,7 @@ from engines.compile_pool import CompileLimits, CompilePool
 from engines.config import EngineSpec, PoolSpec, validate
 from engines.engine import ModelEngine
 from engines.errors import EngineDeadError, ErrorCode
+from engines.kv_layout import kv_layout
 from engines.kv_pool import KVGeometry, KVPool
 from engines.loaded import LoadedModel, load_model
 from kernels import thread_governor
@@ -94,14 +95,16 @@ class EngineCore:
             self.threads = apply_cpu_threads(max(s.threads for s in specs), reserve_cpus)
         loaded = [(s, load_model(s, self.device)) for s in specs]
         geoms = []
-        for _, lm in loaded:
+        for spec, lm in loaded:
             cfg = lm.model.config
             dtype = (next(lm.model.parameters()).dtype if pool.kv_cache_dtype == "auto"
                      else _KV_DTYPES[pool.kv_cache_dtype])
-            geoms.append(KVGeometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))
-        page_bytes = max(g.page_bytes(pool.block_size) for g in geoms)
+            layout = kv_layout(cfg.traits.layer_windows, cfg.num_layers, spec.free_window_pages)
+            geoms.append(KVGeometry(layout.layers_per_page, cfg.num_kv_heads, cfg.head_dim, dtype, layout))
+        # a block's bytes: a page per page group (engines/kv_layout.py)
+        block_bytes = max(g.page_bytes(pool.block_size) for g in geoms) * max(g.num_groups for g in geoms)
         self.pool_spec = pool
-        self.pool = KVPool(geoms, _pool_bytes(pool, loaded, page_bytes, self.device), pool.block_size,
+        self.pool = KVPool(geoms, _pool_bytes(pool, loaded, block_bytes, self.device), pool.block_size,
                            self.device, pool.enable_prefix_caching)
         self.engines: dict[str, ModelEngine] = {
             s.name: ModelEngine(s, lm, self.pool, i, self.device) for i, (s, lm) in enumerate(loaded)}

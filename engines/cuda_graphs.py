@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps: the model's forward over a decode batch padded to a bucket size (1, 2, 4, 8,
 16, 32, 64, ... up to max_num_seqs) is captured once over static input buffers and replayed whenever a step
 is decode-only and fits a bucket. It needs the Triton attention path: `write_kv` skips the padded slots (-1)
-and `paged_attention` skips the padded sequences (no query). Models whose forward reads host values per step
-(windowed / soft-capped attention layers, MoE routing) are not captured: their decodes run eagerly."""
+and `paged_attention` skips the padded sequences (no query); windowed / soft-capped layers (Gemma) pass their
+per-layer constants to the kernel. Models whose forward reads host values per step (MoE routing) are not
+captured: their decodes run eagerly."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from engines.attention import PagedAttention, StepBatch
 
 
 def capturable(model: torch.nn.Module) -> bool:
-    """False for a model with a layer the graph cannot hold: `attend_masked` attention (sliding windows,
-    soft-caps) or an MoE block (both size their work from host values)."""
-    return not any(getattr(getattr(layer, "self_attn", None), "attn_options", None)
-                   or hasattr(getattr(layer, "mlp", None), "experts") for layer in model.model.layers)
+    """False for a model with a layer the graph cannot hold: an MoE block (it sizes its work from host
+    values). Sliding windows and soft-caps are kernel constants on this (Triton) path."""
+    return not any(hasattr(getattr(layer, "mlp", None), "experts") for layer in model.model.layers)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -41,6 +41,10 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.long, device=dev)
+        # a model in several page groups (engines/kv_layout.py): the other groups' tables and slots
+        extra = runner.kv_layout.num_groups - 1 if runner.kv_layout is not None else 0
+        self.group_tables = [torch.zeros_like(self.block_tables) for _ in range(extra)]
+        self.group_slots = [torch.full_like(self.slot_mapping, -1) for _ in range(extra)]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -55,9 +59,12 @@ class DecodeGraphs:
         batch = StepBatch(ids=[], host_positions=[], meta=[], block_tables=self.block_tables[:b], max_query_len=1,
                           max_context_len=self.max_model_len, sample_rows=[], sample_seqs=[], rows_per_seq=[],
                           input_ids=self.input_ids[:b], positions=self.positions[:b],
-                          query_start_loc=self.query_start_loc[:b + 1], context_lens=self.context_lens[:b])
+                          query_start_loc=self.query_start_loc[:b + 1], context_lens=self.context_lens[:b],
+                          group_tables=[t[:b] for t in self.group_tables] or None)
         attn = PagedAttention(r.k_caches, r.v_caches, batch, True, r.k_scales, r.v_scales,
-                              slot_mapping=self.slot_mapping[:b])
+                              slot_mapping=self.slot_mapping[:b],
+                              layer_groups=r.kv_layout.layer_group if r.kv_layout is not None else None,
+                              group_slot_mappings=[m[:b] for m in self.group_slots])
         return r.model(batch.input_ids, batch.positions, attn)
 
     @torch.inference_mode()
@@ -86,6 +93,11 @@ class DecodeGraphs:
         self.slot_mapping[:t].copy_(batch.write_pages * self.runner.block_size + batch.write_offsets)
         self.slot_mapping[t:b].fill_(-1)
         self.block_tables[:t, :batch.block_tables.shape[1]].copy_(batch.block_tables)
+        for tables, slots, src, pages in zip(self.group_tables, self.group_slots, batch.group_tables or (),
+                                             batch.group_write_pages or ()):
+            tables[:t, :src.shape[1]].copy_(src)
+            slots[:t].copy_(pages * self.runner.block_size + batch.write_offsets)
+            slots[t:b].fill_(-1)
         self.query_start_loc[:t + 1].copy_(batch.query_start_loc)
         self.query_start_loc[t + 1:b + 1].fill_(t)  # padded sequences have no query
         self.context_lens[:t].copy_(batch.context_lens)

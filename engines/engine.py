@@ -59,11 +59,11 @@ class ModelEngine:
                                    priority_aging_s=spec.priority_aging_s,
                                    drop_expired=spec.drop_expired_requests, eos_token_ids=eos)
         self.runner = ModelRunner(self.model, pool.view(model_id), pool.block_size, device,
-                                  spec.attention_backend, pool.scales(model_id))
+                                  spec.attention_backend, pool.scales(model_id), pool.geometries[model_id].layout)
         if spec.cuda_graphs and device.type == "cuda" and self.runner.use_kernel:
             self.runner.enable_decode_graphs(spec.max_num_seqs, self.max_model_len)
         self.inputs = InputProcessor(self.name, self.tokenizer, self.config.vocab_size, self.max_model_len, pool,
-                                     lambda: self.eos_token_ids)
+                                     lambda: self.eos_token_ids, pool.geometries[model_id].num_groups)
         self.output = OutputProcessor(self.name, self.tokenizer)
         self.timer = StepTimer(step_clock(device))
         self.policy = StepPolicy(self.scheduler, self.runner, pool, self.config.vocab_size)
@@ -219,7 +219,7 @@ class ModelEngine:
 
     def stats(self) -> dict:
         pool = self.pool.stats()
-        pages = {p for s in self.scheduler.running for p in s.pages}
+        pages = {p for s in self.scheduler.running for p in self.pool.holder_pages(s)}
         return {"name": self.name, "kv_usage": pool["kv_usage"], "num_running": self.scheduler.num_running,
                 "num_waiting": self.scheduler.num_waiting,
                 "prefix_cache_queries": self.scheduler.prefix_queries,

@@ -34,8 +34,9 @@ class InputProcessor:
     compile_limits: CompileLimits = CompileLimits()
 
     def __init__(self, name: str, tokenizer: Any, vocab_size: int, max_model_len: int, pool: KVPool,
-                 eos_token_ids: Callable[[], set[int]]):
+                 eos_token_ids: Callable[[], set[int]], pages_per_block: int = 1):
         self.name = name
+        self.pages_per_block = pages_per_block  # the model's page groups (engines/kv_layout.py)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's: what it can embed and sample
         self.max_model_len = max_model_len
@@ -62,7 +63,8 @@ class InputProcessor:
             raise RequestRejected(f"stop_token_ids must be in [0, {self.vocab_size}) for model {self.name!r}",
                                   param="stop_token_ids")
         compiled = self.compile(params.structured) if params.structured is not None else None
-        pages = -(-(len(ids) + max_tokens) // self.pool.block_size)
+        # a page per page group and block (an upper bound where window groups free pages on the way)
+        pages = -(-(len(ids) + max_tokens) // self.pool.block_size) * self.pages_per_block
         if pages > self.pool.num_pages:
             raise RequestRejected(f"the request needs {pages} KV pages (prompt + max_tokens) but the whole pool "
                                   f"has {self.pool.num_pages}: lower max_tokens or enlarge the KV pool",
@@ -99,7 +101,7 @@ class InputProcessor:
         if len(ids) > self.max_model_len:
             raise RequestRejected(f"the input has {len(ids)} tokens but {self.name!r} has a context of "
                                   f"{self.max_model_len}", ErrorCode.CONTEXT_LENGTH_EXCEEDED)
-        pages = -(-len(ids) // self.pool.block_size)
+        pages = -(-len(ids) // self.pool.block_size) * self.pages_per_block  # as `process` counts them
         if pages > self.pool.num_pages:
             raise RequestRejected(f"the input needs {pages} KV pages but the whole pool has {self.pool.num_pages}",
                                   ErrorCode.KV_CAPACITY_EXCEEDED)

@@ -1,18 +1,22 @@
 """The shared paged KV pool: one byte allocation carved into equal pages that every model draws from.
 
-A page holds one block (`block_size` tokens) of K and V for all layers of one model. Pages are refcounted;
-full blocks carry a chained hash so a later prompt with the same prefix reuses them (prefix caching), and
-freed hashed pages wait in an LRU free list until a new allocation evicts them. A page of an int8 KV cache
-carries its per token-head float32 scales after the data; an fp8 cache has one scale per layer and K/V.
+A page holds one block (`block_size` tokens) of K and V for the layers of one model's page group (all layers,
+or one group of a model with sliding windows, engines/kv_layout.py: a holder then has one page per group and
+block, and a window group's pages the window has passed go back early). Pages are refcounted; full blocks
+carry a chained hash so a later prompt with the same prefix reuses them (prefix caching), and freed hashed
+pages wait in an LRU free list until a new allocation evicts them. A page of an int8 KV cache carries its per
+token-head float32 scales after the data; an fp8 cache has one scale per layer and K/V.
 """
 
 from __future__ import annotations
 
 import mmap
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from engines.kv_layout import KVLayout, blocks_outside
 
 
 def _zeros(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -30,10 +34,21 @@ class KVGeometry:
     holds float32 scales [2, layers, block, kv_heads] after the data) or torch.float8_e4m3fn (per-tensor
     scales, one per layer and K/V, outside the pages)."""
 
-    num_layers: int
+    num_layers: int  # layers per page: all of the model's, or one page group's
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # which page group and slot holds each model layer (engines/kv_layout.py); None: one group of all layers
+    layout: KVLayout | None = None
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """Each page group's window (group 0: global)."""
+        return self.layout.group_windows if self.layout is not None else (None,)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
 
     def data_bytes(self, block_size: int) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -44,6 +59,22 @@ class KVGeometry:
 
     def page_bytes(self, block_size: int) -> int:
         return -(-self.data_bytes(block_size) // 4) * 4 + self.scale_bytes(block_size)
+
+
+@dataclass
+class PrefixHit:
+    """Cached pages for the first `num_blocks` blocks of a prompt: group 0's, each window group's (-1 where
+    its window no longer reaches from the end of the hit: those pages are not needed) and the chained hashes."""
+    pages: list[int]
+    hashes: list[int]
+    group_pages: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pages)
+
+    def held(self) -> list[int]:
+        return self.pages + [p for g in self.group_pages for p in g if p >= 0]
 
 
 class KVPool:
@@ -155,15 +186,48 @@ class KVPool:
             hashes.append(parent)
         return pages, hashes
 
+    def match(self, model_id: int, token_ids: list[int], extra_keys: tuple = ()) -> PrefixHit:
+        """`match_prefix` for every page group: the longest run of blocks whose group-0 pages are cached and
+        whose window groups have the pages the next token's window reaches (the exact rule: a window page
+        freed and since reused is never served; older window pages are not needed)."""
+        pages, hashes = self.match_prefix(model_id, token_ids, extra_keys)
+        windows = self.geometries[model_id].group_windows[1:]
+        if not windows:
+            return PrefixHit(pages, hashes)
+        for n in range(len(pages), 0, -1):
+            found = self._window_hit(model_id, token_ids, hashes, n, windows, extra_keys)
+            if found is not None:
+                return PrefixHit(pages[:n], hashes[:n], found)
+        return PrefixHit([], [], [[] for _ in windows])
+
+    def _window_hit(self, model_id: int, token_ids: list[int], hashes: list[int], n: int,
+                    windows: tuple[int | None, ...], extra_keys: tuple) -> list[list[int]] | None:
+        bs = self.block_size
+        out = []
+        for g, w in enumerate(windows, start=1):
+            first = blocks_outside(n * bs, w, bs)
+            got = [-1] * first
+            for b in range(first, n):
+                page = self._cached.get((model_id, hashes[b - 1] if b else None,
+                                         tuple(token_ids[b * bs:(b + 1) * bs]), extra_keys, g))
+                if page is None:
+                    return None
+                got.append(page)
+            out.append(got)
+        return out
+
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
     def commit_block(self, model_id: int, page: int, parent_hash: int | None, tokens: tuple[int, ...],
-                     extra_keys: tuple = ()) -> int:
-        """Register a full, computed block under its chained hash; returns the hash for the next block."""
+                     extra_keys: tuple = (), group: int = 0) -> int:
+        """Register a full, computed block under its chained hash (a window group's page under the same key and
+        its group); returns the hash for the next block."""
         key = (model_id, parent_hash, tokens, extra_keys)
         h = hash(key)
+        if group:
+            key = key + (group,)
         if self.enable_prefix_caching and self.page_hash[page] is None and key not in self._cached:
             self._cached[key] = page
             self._page_key[page] = key
@@ -177,10 +241,55 @@ class KVPool:
         hashes = holder.block_hashes
         bs = self.block_size
         parent = hashes[-1] if hashes else None
+        groups = holder.group_pages
         for i in range(len(hashes), num_full):
-            parent = self.commit_block(model_id, holder.pages[i], parent, tuple(holder.token_ids[i * bs:(i + 1) * bs]),
-                                       extra_keys)
+            tokens = tuple(holder.token_ids[i * bs:(i + 1) * bs])
+            for g, pages in enumerate(groups, start=1):
+                if pages[i] >= 0:
+                    self.commit_block(model_id, pages[i], parent, tokens, extra_keys, g)
+            parent = self.commit_block(model_id, holder.pages[i], parent, tokens, extra_keys)
             hashes.append(parent)
+
+    # ---- a holder's pages (a `Sequence` or a `DraftState`: `pages`, `group_pages`, `num_computed`) -----------
+    def grow(self, model_id: int, holder, num_blocks: int) -> None:
+        """Add `num_blocks` blocks to `holder`: one page in every page group each."""
+        groups = self.geometries[model_id].num_groups
+        if num_blocks <= 0:
+            return
+        pages = self.allocate(model_id, num_blocks * groups)
+        holder.pages.extend(pages[:num_blocks])
+        while len(holder.group_pages) < groups - 1:
+            holder.group_pages.append([])
+        for g, lst in enumerate(holder.group_pages, start=1):
+            lst.extend(pages[g * num_blocks:(g + 1) * num_blocks])
+
+    def release_holder(self, holder) -> None:
+        """Drop the holder's reference on all its pages (every group's)."""
+        for lst in holder.group_pages:
+            self.release([p for p in lst if p >= 0])
+        if holder.pages:
+            self.release(holder.pages)
+        holder.pages = []
+        holder.group_pages = []
+
+    def free_outside_window(self, model_id: int, holder) -> int:
+        """Release the window groups' pages no later query of `holder` reaches (its next query sits at
+        `num_computed`, which only grows until the holder is freed); returns how many were released."""
+        windows = self.geometries[model_id].group_windows[1:]
+        freed = []
+        for w, lst in zip(windows, holder.group_pages):
+            b = min(blocks_outside(holder.num_computed, w, self.block_size), len(lst)) - 1
+            while b >= 0 and lst[b] >= 0:  # freed blocks are always a prefix: stop at the first one
+                freed.append(lst[b])
+                lst[b] = -1
+                b -= 1
+        if freed:
+            self.release(freed)
+        return len(freed)
+
+    def holder_pages(self, holder) -> list[int]:
+        """Every page `holder` holds now."""
+        return holder.pages + [p for lst in holder.group_pages for p in lst if p >= 0]
 
     # ---- allocation -------------------------------------------------------------------------------------
     def acquire(self, pages: list[int]) -> None:

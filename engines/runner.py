@@ -17,6 +17,7 @@ import torch
 
 from engines.attention import PagedAttention, StepBatch, plan_paged_attention, resolve_backend
 from engines.embedding import pool_step
+from engines.kv_layout import KVLayout
 from engines.model import Attention, Transformer
 from engines.sampler import Sampled, greedy_bans, min_tokens_ban, sample_sequences
 from engines.sequence import Sequence
@@ -54,24 +55,27 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, kv_view: torch.Tensor, block_size: int,
                  device: torch.device | str = "cpu", attention_backend: str = "auto",
-                 kv_scales: torch.Tensor | None = None):
+                 kv_scales: torch.Tensor | None = None, layout: KVLayout | None = None):
         """kv_scales: `KVPool.scales(model_id)` for an int8 ([pages, 2, layers, block, kv_heads]) or fp8
-        ([2, layers]) cache; None for a float one."""
+        ([2, layers]) cache; None for a float one. layout: the model's page groups (`KVGeometry.layout`;
+        None: every layer in each page)."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.use_kernel = resolve_backend(attention_backend, self.device) == "triton"
-        layers = kv_view.shape[2]
+        self.kv_layout = layout if layout is not None and layout.grouped else None
+        slots = self.kv_layout.layer_slot if self.kv_layout is not None else range(kv_view.shape[2])
         self.kv_view = kv_view
-        self.k_caches = [kv_view[:, 0, i] for i in range(layers)]
-        self.v_caches = [kv_view[:, 1, i] for i in range(layers)]
+        self.k_caches = [kv_view[:, 0, i] for i in slots]
+        self.v_caches = [kv_view[:, 1, i] for i in slots]
         self.k_scales = self.v_scales = None
         if kv_scales is not None and kv_scales.dim() == 2:  # fp8: one scale per layer, as 1-element tensors
-            self.k_scales = [kv_scales[0, i:i + 1] for i in range(layers)]
-            self.v_scales = [kv_scales[1, i:i + 1] for i in range(layers)]
+            # (per layer slot of a page: the layers of one slot in different page groups share it)
+            self.k_scales = [kv_scales[0, i:i + 1] for i in slots]
+            self.v_scales = [kv_scales[1, i:i + 1] for i in slots]
         elif kv_scales is not None:
-            self.k_scales = [kv_scales[:, 0, i] for i in range(layers)]
-            self.v_scales = [kv_scales[:, 1, i] for i in range(layers)]
+            self.k_scales = [kv_scales[:, 0, i] for i in slots]
+            self.v_scales = [kv_scales[:, 1, i] for i in slots]
         self.decode_graphs = None  # engines.cuda_graphs.DecodeGraphs once enabled
         # float32 on the CPU: decodes and verify windows attend over the pages in place (kernels/cpu_kernels.c)
         self.kernel_max_query = 0
@@ -138,7 +142,21 @@ class ModelRunner:
                               dtype=torch.long)
         return StepBatch(ids=ids, host_positions=positions, meta=meta, block_tables=tables,
                          max_query_len=max(num_tokens), max_context_len=max(meta[2]), sample_rows=sample_rows,
-                         sample_seqs=sample_seqs, rows_per_seq=rows_per_seq, pool_spans=pool_spans)
+                         sample_seqs=sample_seqs, rows_per_seq=rows_per_seq, pool_spans=pool_spans,
+                         group_tables=self._group_tables(seqs, max_blocks) if self.kv_layout is not None else None)
+
+    def _group_tables(self, seqs: Seq[Sequence], max_blocks: int) -> list[torch.Tensor]:
+        """The window page groups' block tables: a block its window has passed (-1) and the padding point at the
+        group's newest page, which the sequence holds (attention over a window never reads them)."""
+        out = []
+        for g in range(self.kv_layout.num_groups - 1):
+            rows = []
+            for s in seqs:
+                pages = s.group_pages[g]
+                last = pages[-1]
+                rows.append([p if p >= 0 else last for p in pages] + [last] * (max_blocks - len(pages)))
+            out.append(torch.tensor(rows, dtype=torch.long))
+        return out
 
     def prepare(self, seqs: Seq[Sequence], num_tokens: Seq[int], drafts: Mapping[int, list[int]] | None = None
                 ) -> StepBatch:
@@ -150,6 +168,9 @@ class ModelRunner:
         seq_index = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
         positions = torch.tensor(batch.host_positions, dtype=torch.long)
         pages = batch.block_tables[seq_index, positions // bs]
+        if batch.group_tables is not None:
+            batch.group_write_pages = [t[seq_index, positions // bs].to(dev) for t in batch.group_tables]
+            batch.group_tables = [t.to(dev) for t in batch.group_tables]
         tables_dev = batch.block_tables.to(dev)
         batch.plan = None if self.use_kernel else plan_paged_attention(tables_dev, batch.meta[2], starts, bs,
                                                                        self.kernel_max_query)
@@ -221,7 +242,7 @@ class ModelRunner:
             hidden = self.decode_graphs.run(batch)
         else:
             attn = PagedAttention(self.k_caches, self.v_caches, batch, self.use_kernel, self.k_scales,
-                                  self.v_scales)
+                                  self.v_scales, layer_groups=self.kv_layout.layer_group if self.kv_layout else None)
             hidden = self.model(batch.input_ids, batch.positions, attn)
         if batch.pool_spans:
             pool_step(hidden, batch.pool_spans)

@@ -78,6 +78,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = pool.block_size
+        self.num_groups = pool.geometries[model_id].num_groups  # pages per block (engines/kv_layout.py)
         self.running: list[Sequence] = []  # in admission order
         self.slo = SLOPolicy(slo_scheduling=slo_scheduling, cap_controller=cap_controller,
                              priority_aging_s=priority_aging_s, drop_expired=drop_expired, clock=clock)
@@ -120,9 +121,7 @@ class Scheduler:
     def _free_pages(self, seq: Sequence) -> None:
         if self.on_free is not None:
             self.on_free(seq)
-        if seq.pages:
-            self.pool.release(seq.pages)
-        seq.pages = []
+        self.pool.release_holder(seq)
         seq.block_hashes = []
 
     def _preempt(self, seq: Sequence) -> None:
@@ -139,7 +138,10 @@ class Scheduler:
         self.slo.left_running(seq)
 
     def pages_needed(self, seq: Sequence, num_new: int) -> int:
-        """Pages `seq` must add to compute `num_new` more tokens."""
+        """Pages `seq` must add to compute `num_new` more tokens (a page per page group and block)."""
+        return self._blocks_needed(seq, num_new) * self.num_groups
+
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
         total = -(-(seq.num_computed + num_new) // self.block_size)
         return max(0, total - len(seq.pages))
 
@@ -197,7 +199,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             if need:
-                seq.pages.extend(self.pool.allocate(self.model_id, need))
+                self.pool.grow(self.model_id, seq, self._blocks_needed(seq, num_new))
             scheduled[seq.seq_id] = len(out.seqs)
             out.seqs.append(seq)
             out.num_tokens.append(num_new)
@@ -223,25 +225,25 @@ class Scheduler:
             if self._blocked(seq):
                 deferred.append(self._waiting.pop())
                 continue
-            if seq.pooling == "mean":  # its vector needs the hidden state of every prompt token: no cache hit
-                cached_pages, cached_hashes = [], []
-            else:
-                cached_pages, cached_hashes = self.pool.match_prefix(self.model_id, seq.token_ids, extra_keys(seq))
-            num_cached = len(cached_pages) * self.block_size
+            # an embedding under mean pooling needs every prompt token's hidden state: it takes no cache hit
+            # (the match of an empty prefix: no blocks, in every page group)
+            hit = self.pool.match(self.model_id, [] if seq.pooling == "mean" else seq.token_ids, extra_keys(seq))
+            held = hit.held()
+            num_cached = hit.num_blocks * self.block_size
             room = min(budget, prefill_budget)
             fit = self._fit_drafts(seq, seq.num_tokens - num_cached, room, drafts)
             num_new = min(seq.num_tokens - num_cached + len(fit), room)
-            total_pages = -(-(num_cached + num_new) // self.block_size)
-            reclaim = sum(1 for p in cached_pages if self.pool.ref_count[p] == 0)
-            if total_pages - len(cached_pages) + reclaim > self.pool.num_free:
+            new_blocks = -(-(num_cached + num_new) // self.block_size) - hit.num_blocks
+            reclaim = sum(1 for p in held if self.pool.ref_count[p] == 0)
+            if new_blocks * self.num_groups + reclaim > self.pool.num_free:
                 break  # head of line waits for memory; lower-priority requests must not overtake it
             self._waiting.pop()
             self.pool.record_query(seq.num_tokens, num_cached)
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_cached
-            self.pool.acquire(cached_pages)
-            seq.pages = cached_pages + self.pool.allocate(self.model_id, total_pages - len(cached_pages))
-            seq.block_hashes = cached_hashes
+            self.pool.acquire(held)
+            seq.pages, seq.group_pages, seq.block_hashes = hit.pages, hit.group_pages, hit.hashes
+            self.pool.grow(self.model_id, seq, new_blocks)
             seq.num_computed = num_cached
             seq.num_cached_tokens = num_cached
             seq.status = SeqStatus.RUNNING
@@ -372,11 +374,15 @@ class Scheduler:
         self.end(req, "error")
 
     def commit_computed(self, seq: Sequence, num_new: int) -> None:
-        """`num_new` more tokens have K/V; hash the blocks that just became full."""
+        """`num_new` more tokens have K/V; hash the blocks that just became full, then free the window groups'
+        pages the window has passed (num_computed only grows until preemption drops all pages: a query never
+        again sits before it; drafts past it stay unverified here)."""
         seq.num_computed += num_new
         self.slo.computed(seq)
         self.pool.commit_blocks(self.model_id, seq, min(seq.num_computed, seq.num_tokens) // self.block_size,
                                 extra_keys(seq))
+        if self.num_groups > 1:
+            self.pool.free_outside_window(self.model_id, seq)
 
 
 _NO_DRAFTS: list[int] = []

@@ -54,7 +54,9 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose K/V are in the pool
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # page group 0's (all layers, or the global ones)
+    # the window page groups' pages (engines/kv_layout.py), as long as `pages`; -1 where the window has passed
+    group_pages: list[list[int]] = field(default_factory=list)
     supplied_draft_ids: list[int] = field(default_factory=list)  # a caller's candidate output to verify first
     draft_state: object | None = None  # the drafter's KV for this sequence (engines.spec.state.DraftState)
     # this sequence's verified drafter windows in the geometric model (accepted drafts, first rejections),

@@ -8,6 +8,9 @@ q [T, Hq, D] with `query_start_loc` [B+1]; `context_lens` [B] counts every key o
 new tokens, so query `i` of a sequence with `n` new tokens sits at position `context_len - n + i`.
 KV quantisation follows the cache dtype: int8 takes per token-head scales k_scale/v_scale
 [num_blocks, block_size, Hkv] (float32); float8_e4m3fn takes per-tensor scales (1-element float32 tensors).
+`window` (a sliding window: query at position i sees keys i - window < j <= i, and the kernel reads only the
+tiles a window reaches) and `softcap` (scores tanh-capped as c * tanh(s / c) before the mask, Gemma 2) follow
+transformers' eager attention.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def kv_quant_mode(cache: torch.Tensor) -> int:
 def _paged_attention_kernel(
     q_ptr, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, context_lens,
     out_ptr, lse_ptr,
-    scale_log2,
+    scale_log2, window, softcap,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -45,7 +48,7 @@ def _paged_attention_kernel(
     num_kv_heads, head_dim,
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # one program: BLOCK_Q query tokens x GROUP query heads of one KV head (GQA packed into the M rows)
     qb = tl.program_id(0)
@@ -69,10 +72,14 @@ def _paged_attention_kernel(
             q = q.to(tl.float32)
         q_pos = cached + tok
 
-        # keys this program needs, then this split's share of them (rounded to whole tiles; may be empty)
+        # keys this program needs (a window starts at its first query's oldest visible key), then this split's
+        # share of them (rounded to whole tiles; may be empty)
         kv_end = tl.minimum(ctx, cached + (qb + 1) * BLOCK_Q)
-        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = split * split_len
+        kv_start = 0
+        if HAS_WINDOW:
+            kv_start = tl.maximum(cached + qb * BLOCK_Q - window + 1, 0)
+        split_len = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_start + split * split_len
         kv_hi = tl.minimum(kv_end, kv_lo + split_len)
 
         s_log2 = scale_log2
@@ -105,7 +112,16 @@ def _paged_attention_kernel(
                 ks = tl.load(k_scale + page * stride_sb + row * stride_ss + kvh, mask=n_ok, other=0.0)
                 qk = qk * ks[None, :]
             causal = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            s = tl.where(causal, qk * s_log2, float("-inf"))
+            if HAS_WINDOW:
+                causal = causal & (offs_n[None, :] > q_pos[:, None] - window)
+            s = qk * s_log2
+            if HAS_SOFTCAP:
+                # c * tanh(x / c) in natural-log units, tanh from one exp (sign-split: no overflow)
+                x = s / (1.4426950408889634 * softcap)
+                e = tl.exp(-2.0 * tl.abs(x))
+                th = (1.0 - e) / (1.0 + e)
+                s = tl.where(x < 0, -th, th) * (softcap * 1.4426950408889634)
+            s = tl.where(causal, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row with no visible key yet keeps m = -inf; subtract 0 instead to avoid inf - inf
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -161,12 +177,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, context_lens: torch.Tensor, *,
                     max_query_len: int | None = None, max_context_len: int | None = None,
                     scale: float | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, num_splits: int | None = None,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Triton paged attention (compiled on CUDA tensors, the Triton interpreter on CPU tensors).
 
     Returns [T, Hq, D] in q's dtype. `max_query_len` / `max_context_len` avoid a device sync when given;
-    `num_splits` forces the split-KV count (default: automatic on CUDA, 1 on the CPU).
+    `num_splits` forces the split-KV count (default: automatic on CUDA, 1 on the CPU). `window` / `softcap`:
+    a sliding window of keys and tanh soft-capped scores (None: off).
     """
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: a sliding window holds at least one key")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap}: the soft-cap must be positive")
     require_triton()
     t, hq, d = q.shape
     num_blocks, page, hkv, d_k = k_cache.shape
@@ -191,7 +213,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits is None:
         if max_context_len is None and on_cuda and max_query_len <= 16:
             max_context_len = int(context_lens.max().item())
-        num_splits = _pick_splits(n_qblocks * b * hkv, max_context_len or 0, max_query_len, on_cuda)
+        reach = max_context_len or 0
+        if window is not None:  # a decode reads at most its window
+            reach = min(reach, window + max_query_len)
+        num_splits = _pick_splits(n_qblocks * b * hkv, reach, max_query_len, on_cuda)
     if num_splits > 1:
         part = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
@@ -204,7 +229,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ss = k_scale.stride() if mode == KV_INT8 else (0, 0, 0)
     _paged_attention_kernel[(n_qblocks, b * hkv, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, context_lens, dest, lse,
-        scale * _LOG2E,
+        scale * _LOG2E, window or 0, float(softcap or 0.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -214,7 +239,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         hkv, d,
         PAGE=page, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         KV_QUANT=mode, NUM_SPLITS=num_splits, F32_DOT=f32_dot, DOT_PREC=dot_precision(q.dtype, on_cuda),
-        on_cuda=on_cuda,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, on_cuda=on_cuda,
     )
     if num_splits > 1:
         _merge_splits_kernel[(t * hq,)](
@@ -251,7 +276,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor, *,
                         max_query_len: int | None = None, max_context_len: int | None = None,
                         scale: float | None = None, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                        v_scale: torch.Tensor | None = None, num_splits: int | None = None,
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """PyTorch reference of `paged_attention` (float32 math, one sequence at a time)."""
     t, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -272,8 +298,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v.repeat_interleave(hq // hkv, dim=1)
         qs = q[lo:hi].float()
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)
-        visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        visible = k_pos <= q_pos[:, None]
+        if window is not None:
+            visible &= k_pos > q_pos[:, None] - window
         scores = scores.masked_fill(~visible[None], float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -36,16 +36,17 @@ class Drafter:
     def release(self, seq: Sequence) -> None:
         ds = seq.draft_state
         if ds is not None:
-            self.pool.release(ds.pages)
+            self.pool.release_holder(ds)
             seq.draft_state = None
 
     def _state(self, seq: Sequence) -> DraftState:
         ds = seq.draft_state
         if ds is None:
-            pages, hashes = self.pool.match_prefix(self.model_id, seq.token_ids, extra_keys(seq))
-            self.pool.acquire(pages)
-            self.num_prefix_hit_tokens += len(pages) * self.block_size
-            ds = DraftState(list(seq.token_ids), pages, len(pages) * self.block_size, hashes)
+            hit = self.pool.match(self.model_id, seq.token_ids, extra_keys(seq))
+            self.pool.acquire(hit.held())
+            self.num_prefix_hit_tokens += hit.num_blocks * self.block_size
+            ds = DraftState(list(seq.token_ids), hit.pages, hit.num_blocks * self.block_size, hit.hashes,
+                            hit.group_pages)
             seq.draft_state = ds
         else:  # catch up with the tokens appended since (its list is always a prefix of the sequence's)
             ds.token_ids.extend(seq.token_ids[len(ds.token_ids):])
@@ -63,9 +64,9 @@ class Drafter:
         ds = self._state(seq)
         need = -(-(ds.num_tokens + k - 1) // self.block_size) - len(ds.pages)
         if need > 0:
-            if need + spare_pages > self.pool.num_free:
+            if need * self.pool.geometries[self.model_id].num_groups + spare_pages > self.pool.num_free:
                 return None
-            ds.pages.extend(self.pool.allocate(self.model_id, need))
+            self.pool.grow(self.model_id, ds, need)
         return ds
 
     def rollback(self, seq: Sequence, num_valid: int) -> None:
@@ -78,6 +79,8 @@ class Drafter:
         ds.num_computed = min(ds.num_computed, num_valid)
         ds.shadow_len = min(ds.shadow_len, ds.num_computed)
         self.pool.commit_blocks(self.model_id, ds, ds.num_computed // self.block_size, extra_keys(seq))
+        # only here, never while drafting: verified tokens are never computed again, drafts may be
+        self.pool.free_outside_window(self.model_id, ds)
 
     def _greedy_in_one_call(self, seqs: list[Sequence], states: list[DraftState], ks: list[int]) -> list[int]:
         """The sequences (indices) whose whole draft runs in one C call: greedy on the raw logits (no

@@ -194,21 +194,34 @@ def test_windowed_layers_through_the_contiguous_cache_and_raw_pages_match_the_va
         assert (out - full[17:]).abs().max().item() < 1e-4
 
 
-def test_triton_backend_falls_back_to_pytorch_attention_for_soft_capped_windowed_layers(family_dirs,
-                                                                                          tmp_path_factory):
+@pytest.mark.parametrize("family", ["gemma2-softcap-window", "gemma3-local-rope-window"])
+def test_triton_backend_attends_soft_capped_windowed_layers_in_the_kernel(family_dirs, tmp_path_factory, family,
+                                                                           monkeypatch):
     import os
 
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the KV write runs as a Triton kernel on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the KV write and attention run as Triton kernels on CPU
+    import engines.attention as attention
     from engines.cuda_graphs import capturable
 
-    folder = _folder(family_dirs, tmp_path_factory, "gemma2-softcap-window")
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    def no_fallback(*a, **k):
+        raise AssertionError("the Triton path fell back to the PyTorch masked attention")
+
+    folder = _folder(family_dirs, tmp_path_factory, family)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    kernel = LLM(folder, attention_backend="triton", block_size=4, max_model_len=64)
-    assert kernel.engine.runner.use_kernel and not capturable(kernel.engine.model)  # no CUDA graphs either
     plain = LLM(folder, block_size=4, max_model_len=64)
-    assert ([o.outputs[0].token_ids for o in kernel.generate(prompts, params)]
-            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
+    expect = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    monkeypatch.setattr(attention, "paged_masked", no_fallback)  # (the plain run above attends through it)
+    kernel = LLM(folder, attention_backend="triton", block_size=4, max_model_len=64, max_num_batched_tokens=128)
+    assert kernel.engine.runner.use_kernel and capturable(kernel.engine.model)  # graphs may hold it now
+    # what a CUDA graph replays, run eagerly: decodes padded to a bucket over static buffers
+    kernel.engine.runner.enable_decode_graphs(4, kernel.engine.max_model_len, capture=False)
+    served = []
+    graphs = kernel.engine.runner.decode_graphs
+    run = graphs.run
+    graphs.run = lambda batch: served.append(batch.input_ids.shape[0]) or run(batch)
+    assert [o.outputs[0].token_ids for o in kernel.generate(prompts, params)] == expect
+    assert 3 in served  # three decoding sequences padded into the bucket of 4
     assert not capturable(load_checkpoint(_folder(family_dirs, tmp_path_factory, "mixtral")).model)
 
 

@@ -168,3 +168,79 @@ def test_int64_metadata_as_the_engine_runner_builds_it():
     long_args = (q, k, v, tables.long(), qsl.long(), ctx.long())
     torch.testing.assert_close(paged_attention(*long_args, num_splits=2), paged_attention_ref(*args),
                                atol=1e-5, rtol=1e-5)
+
+
+def capped_window_oracle(q, dense, q_lens, hq, window, softcap, scale=None):
+    """Independent oracle in float64: explicit scores, soft-cap c * tanh(s / c), then a mask of the keys
+    i - window < j <= i (transformers' eager order)."""
+    outs, start = [], 0
+    for (k, v), n in zip(dense, q_lens):
+        rep = hq // k.shape[1]
+        qs = q[start:start + n].double().cpu()
+        ks = k.double().repeat_interleave(rep, 1)
+        vs = v.double().repeat_interleave(rep, 1)
+        c = k.shape[0]
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * (scale or qs.shape[-1] ** -0.5)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        i = torch.arange(c - n, c)[:, None]
+        j = torch.arange(c)[None, :]
+        ok = (j <= i) & ((j > i - window) if window is not None else True)
+        outs.append(torch.einsum("hqk,khd->qhd", s.masked_fill(~ok, float("-inf")).softmax(-1), vs))
+        start += n
+    return torch.cat(outs).float()
+
+
+@pytest.mark.parametrize("window,softcap", [(7, None), (None, 2.0), (20, 1.5), (1, None), (500, 3.0)])
+def test_sliding_window_and_softcap_match_reference_and_oracle(window, softcap):
+    # decodes past the window (40, 33), a prefill chunk crossing it over a cached prefix (300: 20 new), a
+    # verify run of 5 (45), a fresh prompt (17); window 500 covers every context; window 1 sees only itself
+    ctx_lens, q_lens = [40, 300, 45, 17, 33], [1, 20, 5, 17, 1]
+    args, dense = make_batch(ctx_lens, q_lens, 8, 2, 32, seed=11)
+    out = paged_attention(*args, window=window, softcap=softcap)
+    ref = paged_attention_ref(*args, window=window, softcap=softcap)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), atol=1e-5, rtol=1e-5)
+    oracle = capped_window_oracle(args[0], dense, q_lens, 8, window, softcap)
+    torch.testing.assert_close(ref.cpu(), oracle, atol=1e-5, rtol=1e-5)
+    if window is not None and window < 40:  # the window changed the answer (the test can fail)
+        assert (ref - paged_attention_ref(*args, softcap=softcap)).abs().max().item() > 1e-3
+
+
+def test_sliding_window_reads_no_page_outside_it():
+    # pages wholly before the window hold NaN: a kernel that read them (even masked) would return NaN
+    ctx_lens, q_lens, window = [70, 100], [1, 3], 16
+    args, dense = make_batch(ctx_lens, q_lens, 4, 2, 16, seed=12)
+    q, k, v, tables, qsl, ctx = args
+    k, v = k.clone(), v.clone()
+    for b, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        first_needed = (c - n - window + 1) // PAGE
+        dead = tables[b, :first_needed].long()
+        k[dead] = float("nan")
+        v[dead] = float("nan")
+    out = paged_attention(q, k, v, tables, qsl, ctx, window=window, num_splits=1)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu(), capped_window_oracle(q, dense, q_lens, 4, window, None),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_with_splits_and_int8():
+    ctx_lens, q_lens, window = [1, 17, 300, 129], [1, 1, 1, 4], 50
+    args, _ = make_batch(ctx_lens, q_lens, 4, 1, 32, seed=13)
+    ref = paged_attention_ref(*args, window=window, softcap=5.0)
+    for splits in (2, 8):
+        torch.testing.assert_close(paged_attention(*args, num_splits=splits, window=window, softcap=5.0).cpu(),
+                                   ref.cpu(), atol=1e-5, rtol=1e-5)
+    q, k, v, tables, qsl, ctx = args
+    ks, vs = k.abs().amax(-1) / 127, v.abs().amax(-1) / 127
+    k8, v8 = torch.round(k / ks[..., None]).to(torch.int8), torch.round(v / vs[..., None]).to(torch.int8)
+    out = paged_attention(q, k8, v8, tables, qsl, ctx, k_scale=ks, v_scale=vs, window=window, softcap=5.0)
+    torch.testing.assert_close(out.cpu(), paged_attention_ref(q, k8, v8, tables, qsl, ctx, k_scale=ks, v_scale=vs,
+                                                              window=window, softcap=5.0).cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_window_and_softcap_arguments_are_checked():
+    args, _ = make_batch([5], [1], 2, 1, 16, seed=14)
+    with pytest.raises(ValueError, match="window"):
+        paged_attention(*args, window=0)
+    with pytest.raises(ValueError, match="softcap"):
+        paged_attention(*args, softcap=0.0)
