@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--rate", type=int, default=400, help="py-spy samples per second")
-    ap.add_argument("--kind", default="gateway", choices=("gateway", "untraced"))
+    ap.add_argument("--kind", default="gateway", choices=("gateway", "traced", "untraced"))
     args = ap.parse_args(argv)
     proc, port = start_server(args.kind)
     stop, done = threading.Event(), [0]

@@ -21,6 +21,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import Status, StatusCode
 
 from engines.outputs import RequestMetrics
@@ -95,9 +96,13 @@ class ServerSpanMiddleware(OpenTelemetryInstrumentationMiddleware):
         AbstractMiddleware.__init__(self, app=app, scopes=config.scopes, exclude=config.exclude,
                                     exclude_opt_key=config.exclude_opt_key)
         self.tracer = config.tracer or trace.get_tracer("tandem.gateway", tracer_provider=config.tracer_provider)
+        self.provider = config.tracer_provider or trace.get_tracer_provider()
         self.stable, self.old = http_semconv_mode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not spans_reach_anyone(self.provider):
+            await self.app(scope, receive, send)  # no span: the handlers see the invalid span, a no-op
+            return
         carrier: dict[str, str] = {}
         for name, value in scope["headers"]:
             carrier[name.decode("latin-1")] = value.decode("latin-1")
@@ -144,6 +149,18 @@ class ServerSpanMiddleware(OpenTelemetryInstrumentationMiddleware):
                     span.set_status(Status(StatusCode.ERROR))
             span.end()
             context.detach(token)
+
+
+def spans_reach_anyone(provider: Any) -> bool:
+    """Whether a span started from `provider` can reach anyone: an SDK provider with at least one span processor
+    (an exporter, an in-memory test exporter...), not disabled, and a sampler other than always-off. Checked on
+    every request (a processor may be added after start-up). The default `tandem serve` exports no traces: its
+    spans would be built, sampled, filled and dropped, about 0.3 ms of CPU a request for nothing."""
+    processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", None)
+    if processors is None:
+        return True  # not the SDK's provider (a proxy, another SDK): assume it records
+    return bool(processors) and not getattr(provider, "_disabled", False) and \
+        getattr(provider, "sampler", None) is not ALWAYS_OFF
 
 
 async def _shed_attributes(span: trace.Span, operation: str, body: list[bytes], receive: Receive) -> None:
