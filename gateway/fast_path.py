@@ -1,7 +1,7 @@
 """The hot endpoints' way past Litestar's per-request layers: POST /v1/chat/completions and /v1/completions with a
 JSON body of known length go straight from the server to the same auth middleware, decoder, handler, response
 and exception handlers Litestar would call, without its router, middleware wrappers and parameter model.
-Anything else (other paths, no Content-Length, a body over the limit, spans being recorded) goes to Litestar.
+Anything else (other paths, no Content-Length, a body over the limit, a non-JSON type) goes to Litestar.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from typing import Any
 from litestar import Litestar
 from litestar.exceptions import LitestarException
 from litestar.middleware._internal.exceptions.middleware import get_exception_handler
+from opentelemetry import trace
 
 from gateway.auth import AuthMiddleware
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from gateway.strict_request import ClientDisconnected, StrictJSONRequest, is_json_media_type
-from gateway.tracing import spans_reach_anyone
+from gateway.tracing import http_semconv_mode, spans_reach_anyone, traced
 
 # path -> the body type; the app's route handler there gives the function, response rules and exception handlers
 HOT = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
@@ -28,14 +29,17 @@ class FastPath:
     (request id, arrival, key, requests/minute), the body read and decoded by `decode_request`, the handler,
     `to_response` with the handler's own defaults, and on an exception the handler's resolved exception
     handlers (OpenAI's error shape, the error counter). It takes a request only when Litestar would have
-    nothing else to do: no span is recorded (the server span middleware would be a no-op), Content-Length is
-    given and within `[server] max_body_bytes`, and the Content-Type is JSON; the rest goes to Litestar whole.
+    nothing else to do: Content-Length given and within `[server] max_body_bytes`, a JSON Content-Type, and no
+    guard, hook, cache or other middleware on the route; the rest goes to Litestar whole. The server span is
+    started as ServerSpanMiddleware starts it (`gateway.tracing.traced`), when spans reach anyone.
     """
 
     def __init__(self, app: Litestar):
         self.app = app
         state = app.state.gateway
         self.provider = state.telemetry.provider
+        self.tracer = trace.get_tracer("tandem.gateway", tracer_provider=self.provider)  # the server span's
+        self.stable, self.old = http_semconv_mode()
         self.hot: dict[str, tuple[Any, ...]] = {}
         for route in app.routes:
             handler = getattr(route, "route_handler_map", {}).get("POST", (None,))[0]
@@ -58,9 +62,15 @@ class FastPath:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         hot = self.hot.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if hot is None or not _plain(scope, hot[3]) or spans_reach_anyone(self.provider):
+        if hot is None or not _plain(scope, hot[3]):
             await self.app(scope, receive, send)
-            return
+        elif spans_reach_anyone(self.provider):  # the server span, as ServerSpanMiddleware starts it
+            await traced(self.tracer, self.stable, self.old, lambda s, r, w: self._serve(hot, s, r, w), scope,
+                         receive, send)
+        else:
+            await self._serve(hot, scope, receive, send)
+
+    async def _serve(self, hot: tuple[Any, ...], scope: Any, receive: Any, send: Any) -> None:
         handler, body_type, auth, _, exception_handlers, type_encoders = hot
         scope["app"] = scope["litestar_app"] = self.app
         scope.setdefault("state", {})
