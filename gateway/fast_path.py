@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Litestar
+from litestar import Litestar, Response
+from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import LitestarException
 from litestar.middleware._internal.exceptions.middleware import get_exception_handler
 from opentelemetry import trace
 
 from gateway.auth import AuthMiddleware
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from gateway.streaming import EventStream, send_events
 from gateway.strict_request import ClientDisconnected, StrictJSONRequest, is_json_media_type
 from gateway.tracing import http_semconv_mode, spans_reach_anyone, traced
 
@@ -43,7 +45,8 @@ class FastPath:
         self.hot: dict[str, tuple[Any, ...]] = {}
         for route in app.routes:
             handler = getattr(route, "route_handler_map", {}).get("POST", (None,))[0]
-            if route.path not in HOT or handler is None or _hooked(handler):
+            if route.path not in HOT or handler is None or _hooked(handler) or handler.resolve_response_headers() \
+                    or handler.resolve_response_cookies() or handler.status_code != 200:
                 continue
             auth = [m for m in handler.resolve_middleware() if isinstance(m, AuthMiddleware)]
             if len(auth) != len(handler.resolve_middleware()) or len(auth) != 1 or \
@@ -87,8 +90,9 @@ class FastPath:
             data = decode_request(body, body_type)
             request = StrictJSONRequest(scope, receive, send)
             response = await handler.fn(request=request, data=data)
-            asgi = await handler.to_response(app=self.app, data=response, request=request)
-            await asgi(scope, receive, send)
+            if not await _emit(response, receive, send):
+                asgi = await handler.to_response(app=self.app, data=response, request=request)
+                await asgi(scope, receive, send)
 
         try:
             await auth.handle(scope, receive, send_watched, endpoint)
@@ -121,6 +125,37 @@ def _plain(scope: Any, max_body: int | None) -> bool:
         main = media_type.split(b";", 1)[0].strip().decode("latin-1")
         if not is_json_media_type(main):
             return False
+    return True
+
+
+async def _emit(response: Any, receive: Any, send: Any) -> bool:
+    """Send the two answers the hot handlers give as Litestar's `to_asgi_response` would send them (the same
+    messages: the response's headers, then its content type and length, the body, then its background task),
+    without building its response objects; False for anything else (Litestar then sends it)."""
+    kind = type(response)
+    if (kind is not Response and kind is not EventStream) or response.cookies or response.encoding != "utf-8" \
+            or not isinstance(response.background, BackgroundTask | None):
+        return False
+    status = response.status_code or 200
+    if not 200 <= status < 600 or status in (204, 304) or "content-type" in response.headers:
+        return False
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()]
+    if kind is Response:
+        if response.media_type != "application/json" or not isinstance(response.content, bytes) or \
+                "content-length" in response.headers:
+            return False
+        body = response.content
+        headers += [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    else:
+        if response.media_type != "text/event-stream":
+            return False
+        headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send_events(response.iterator, send, receive)
+    if response.background is not None:
+        await response.background()
     return True
 
 
