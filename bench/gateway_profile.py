@@ -45,7 +45,7 @@ STAGES: list[tuple[str, str]] = [
     ("routing", r"\(gateway/(routes|router_strategy|cascade)\.py\)|^resolve_route \(|^_answered_by \("),
     ("decode + validation", r"\((gateway/(strict_request|protocol)\.py|litestar/_kwargs/)|^sampling_params \("),
     ("pipeline glue", r"\(gateway/(lifecycle|pipeline|accounting|app|completions)\.py\)"),
-    ("HTTP + ASGI", r"\((uvicorn/|litestar/|gateway/(server|http_guard)\.py|asyncio/|httptools)"),
+    ("HTTP + ASGI", r"\((uvicorn/|litestar/|gateway/(server|http_guard|fast_path)\.py|asyncio/|httptools)"),
 ]
 _COMPILED = [(name, re.compile(pattern)) for name, pattern in STAGES]
 
