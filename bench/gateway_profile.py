@@ -45,7 +45,7 @@ STAGES: list[tuple[str, str]] = [
     ("routing", r"\(gateway/(routes|router_strategy|cascade)\.py\)|^resolve_route \(|^_answered_by \("),
     ("decode + validation", r"\((gateway/(strict_request|protocol)\.py|litestar/_kwargs/)|^sampling_params \("),
     ("pipeline glue", r"\(gateway/(lifecycle|pipeline|accounting|app|completions)\.py\)"),
-    ("HTTP + ASGI", r"\((uvicorn/|litestar/|gateway/(server|http_guard)\.py|asyncio/|httptools)"),
+    ("HTTP + ASGI", r"\((uvicorn/|litestar/|gateway/(server|http_guard|fast_path)\.py|asyncio/|httptools)"),
 ]
 _COMPILED = [(name, re.compile(pattern)) for name, pattern in STAGES]
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--rate", type=int, default=400, help="py-spy samples per second")
-    ap.add_argument("--kind", default="gateway", choices=("gateway", "untraced"))
+    ap.add_argument("--kind", default="gateway", choices=("gateway", "traced", "untraced"))
     args = ap.parse_args(argv)
     proc, port = start_server(args.kind)
     stop, done = threading.Event(), [0]

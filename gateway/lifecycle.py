@@ -327,7 +327,15 @@ async def answer(job: Job, fmt: Any) -> Response | Stream:
         finish.close()  # and releases the request if the stream never started
 
     return EventStream(events, media_type="text/event-stream", headers=headers | {"cache-control": "no-cache"},
-                       background=BackgroundTask(after))
+                       background=after_answer(after))
+
+
+def after_answer(fn: Callable[[], Any]) -> BackgroundTask:
+    """`BackgroundTask(fn)` for a coroutine function of ours, without Litestar's check (unwrapping partials,
+    inspecting the callable) of whether it must be wrapped to be awaited: it is async already."""
+    task = BackgroundTask.__new__(BackgroundTask)
+    task.fn, task.args, task.kwargs = fn, (), {}
+    return task
 
 
 def _failed_before_answer(job: Job, exc: BaseException) -> None:
@@ -414,7 +422,7 @@ async def _json_answer(first: RequestOutput, run: RoutedRun, progress: Progress,
         await run.close()
 
     return Response(content=body, media_type="application/json", headers=headers,
-                    background=BackgroundTask(after_body))
+                    background=after_answer(after_body))
 
 
 async def _stream_events(first: RequestOutput, run: RoutedRun, progress: Progress, fmt: Formatter,

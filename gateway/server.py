@@ -133,7 +133,9 @@ class DrainingServer(uvicorn.Server):
 def build_server(cfg: TandemConfig, app: Any, *, sock: socket.socket | None = None,
                  limits: HTTPLimits | None = None) -> DrainingServer:
     limits = limits or HTTPLimits(cfg.server.max_header_bytes, cfg.server.header_timeout_s, cfg.server.body_timeout_s)
-    draining = Draining(app)
+    from gateway.fast_path import FastPath  # imports the app (torch): not before a bad config has failed
+
+    draining = Draining(FastPath.over(app))
     config = uvicorn.Config(
         draining, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
         timeout_graceful_shutdown=cfg.server.grace_period_s, access_log=False, lifespan="on",

@@ -58,29 +58,36 @@ class _EventStreamResponse(ASGIStreamingResponse):
     body is written from this task while one watcher task waits for the client to leave and cancels it."""
 
     async def send_body(self, send: Send, receive: Receive) -> None:
-        task = asyncio.current_task()
-        streaming = True
+        await send_events(self.iterator, send, receive)
 
-        def client_left(watcher: asyncio.Task) -> None:
-            if streaming and not watcher.cancelled() and watcher.exception() is None:
-                task.cancel()  # the engine request is aborted by the stream's `finally`
 
-        watcher = asyncio.create_task(until_disconnect(receive))
-        watcher.add_done_callback(client_left)
-        try:
-            done = False
-            async for chunk in self.iterator:
-                done = chunk.endswith(SSE_DONE)  # the last event: end the body in the same write
-                await send({"type": "http.response.body", "body": chunk, "more_body": not done})
-            if not done:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not watcher.done() or watcher.cancelled():
-                raise  # cancelled from elsewhere (server shutdown): not ours to swallow
-            task.uncancel()
-        finally:
-            streaming = False
-            watcher.cancel()
+async def send_events(iterator: Any, send: Send, receive: Receive) -> None:
+    """The SSE body: each chunk of `iterator` written from this task, the last in the same write that ends the
+    body, while one watcher task waits for the client to leave and cancels it (the engine request is then
+    aborted by the stream's `finally`)."""
+    task = asyncio.current_task()
+    streaming = True
+
+    def client_left(watcher: asyncio.Task) -> None:
+        if streaming and not watcher.cancelled() and watcher.exception() is None:
+            task.cancel()
+
+    watcher = asyncio.create_task(until_disconnect(receive))
+    watcher.add_done_callback(client_left)
+    try:
+        done = False
+        async for chunk in iterator:
+            done = chunk.endswith(SSE_DONE)  # the last event: end the body in the same write
+            await send({"type": "http.response.body", "body": chunk, "more_body": not done})
+        if not done:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        if not watcher.done() or watcher.cancelled():
+            raise  # cancelled from elsewhere (server shutdown): not ours to swallow
+        task.uncancel()
+    finally:
+        streaming = False
+        watcher.cancel()
 
 
 class EventStream(Stream):

@@ -6,6 +6,7 @@ and the OpenTelemetry GenAI server histograms. `Telemetry` also holds the tracer
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -72,6 +73,23 @@ def build_meter_provider(cfg: TelemetryConfig) -> MeterProvider | None:
 
 
 # ------------------------------------------------------------------------------------------- Prometheus
+
+
+def _observe(child: Any, amount: float) -> None:
+    """`child.observe(amount)` for a label-bound prometheus_client Histogram child, the same sum and bucket found
+    by bisection instead of its walk over every bound with a check per call (8 histograms a request)."""
+    bounds = child._upper_bounds
+    child._sum.inc(amount)
+    i = bisect_left(bounds, amount)
+    if i < len(bounds) and amount <= bounds[i]:  # NaN lands in no bucket, as with observe()
+        child._buckets[i].inc(1)
+
+
+def _histogram_observer(child: Any) -> Callable[[Any, float], None]:
+    """`_observe` when the child has the fields it reads (prometheus_client 0.20+), else its own observe."""
+    ok = all(hasattr(child, name) for name in ("_upper_bounds", "_sum", "_buckets"))
+    return _observe if ok else lambda c, amount: c.observe(amount)
+
 
 # catalog name -> the engine stats() key it reads
 ENGINE_GAUGES = {"num_requests_running": "num_running", "num_requests_waiting": "num_waiting",
@@ -169,6 +187,7 @@ class Telemetry:
         self._admission: Callable[[], Any] = lambda: None
         self._autoscaler: Callable[[], Any] = lambda: None
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._observe: Callable[[Any, float], None] = _observe  # checked against the first bound child
         reg = self.registry
 
         def histogram(name: str) -> Histogram:
@@ -237,6 +256,7 @@ class Telemetry:
             bound = self._children[key] = tuple(m.labels(model, route) for m in (
                 self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens,
                 self.inference, self.prefill, self.decode, self.params_n))
+            self._observe = _histogram_observer(bound[0])
         return bound
 
     def labelled(self, metric: Any, *labels: str) -> Any:
@@ -254,15 +274,16 @@ class Telemetry:
         the engine's timestamps) and sizes (prompt, generated and most-per-choice tokens, n)."""
         (ttft_m, itl_m, tpot_m, e2e_m, queue_m, prompt_m, generation_m, inference_m, prefill_m, decode_m,
          n_m) = self._bound(model, route)
+        observe = self._observe
         if ttft_s is not None:
-            ttft_m.observe(ttft_s)
+            observe(ttft_m, ttft_s)
         for gap in itls:
-            itl_m.observe(gap)
+            observe(itl_m, gap)
         if tpot_s is not None:
-            tpot_m.observe(tpot_s)
-        e2e_m.observe(e2e_s)
+            observe(tpot_m, tpot_s)
+        observe(e2e_m, e2e_s)
         if queue_s is not None:
-            queue_m.observe(max(0.0, queue_s))
+            observe(queue_m, max(0.0, queue_s))
         self.labelled(self.requests, model, route, finish_reason).inc()
         prompt_m.inc(prompt_tokens)
         generation_m.inc(output_tokens)
@@ -270,17 +291,17 @@ class Telemetry:
             m = output.metrics
             if m is not None and m.first_scheduled_time is not None:
                 if m.first_token_time is not None:
-                    prefill_m.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+                    observe(prefill_m, max(0.0, m.first_token_time - m.first_scheduled_time))
                     if m.finished_time is not None:
-                        decode_m.observe(max(0.0, m.finished_time - m.first_token_time))
+                        observe(decode_m, max(0.0, m.finished_time - m.first_token_time))
                 if m.finished_time is not None:
-                    inference_m.observe(max(0.0, m.finished_time - m.first_scheduled_time))
+                    observe(inference_m, max(0.0, m.finished_time - m.first_scheduled_time))
             tokens = self.token_histograms
             tokens.observe("request_prompt_tokens", model, route, prompt_tokens)
             tokens.observe("request_generation_tokens", model, route, output_tokens)
             tokens.observe("request_max_num_generation_tokens", model, route,
                            max((len(c.token_ids) for c in output.outputs), default=0))
-            n_m.observe(len(output.outputs))
+            observe(n_m, len(output.outputs))
         attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "tandem",
                  "gen_ai.request.model": request_model or route, "gen_ai.response.model": model}
         if ttft_s is not None:

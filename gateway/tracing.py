@@ -21,6 +21,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import Status, StatusCode
 
 from engines.outputs import RequestMetrics
@@ -95,55 +96,76 @@ class ServerSpanMiddleware(OpenTelemetryInstrumentationMiddleware):
         AbstractMiddleware.__init__(self, app=app, scopes=config.scopes, exclude=config.exclude,
                                     exclude_opt_key=config.exclude_opt_key)
         self.tracer = config.tracer or trace.get_tracer("tandem.gateway", tracer_provider=config.tracer_provider)
+        self.provider = config.tracer_provider or trace.get_tracer_provider()
         self.stable, self.old = http_semconv_mode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        carrier: dict[str, str] = {}
-        for name, value in scope["headers"]:
-            carrier[name.decode("latin-1")] = value.decode("latin-1")
-        method, path = scope.get("method", ""), scope["path"]
-        route = scope.get("path_template") or path
-        span = self.tracer.start_span(f"{method} {route}", context=propagate.extract(carrier),
-                                      kind=trace.SpanKind.SERVER)
-        recording = span.is_recording()
-        if recording:
-            span.set_attributes(_http_attributes(scope, carrier, method, path, route, self.stable, self.old))
-        token = context.attach(trace.set_span_in_context(span))
-        status = 0
-        operation = GENERATION_PATHS.get(path) if recording and method == "POST" else None
-        body: list[bytes] = []  # a generation request's body as the app reads it (references, no copies)
+        if not spans_reach_anyone(self.provider):
+            await self.app(scope, receive, send)  # no span: the handlers see the invalid span, a no-op
+            return
+        await traced(self.tracer, self.stable, self.old, self.app, scope, receive, send)
 
-        async def receive_body() -> Message:
-            message = await receive()
-            if message["type"] == "http.request":
-                body.append(message.get("body", b""))
-            return message
 
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                if operation is not None and status in SHED_STATUSES:
-                    await _shed_attributes(span, operation, body, receive)
-            await send(message)
+async def traced(tracer: trace.Tracer, stable: bool, old: bool, app: ASGIApp, scope: Scope, receive: Receive,
+                 send: Send) -> None:
+    """`app` under the request's SERVER span (ServerSpanMiddleware's, and the fast path's: gateway/fast_path.py)."""
+    carrier: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        carrier[name.decode("latin-1")] = value.decode("latin-1")
+    method, path = scope.get("method", ""), scope["path"]
+    route = scope.get("path_template") or path
+    span = tracer.start_span(f"{method} {route}", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER)
+    recording = span.is_recording()
+    if recording:
+        span.set_attributes(_http_attributes(scope, carrier, method, path, route, stable, old))
+    token = context.attach(trace.set_span_in_context(span))
+    status = 0
+    operation = GENERATION_PATHS.get(path) if recording and method == "POST" else None
+    body: list[bytes] = []  # a generation request's body as the app reads it (references, no copies)
 
-        try:
-            await self.app(scope, receive_body if operation is not None else receive, send_status)
-        except Exception as exc:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-            raise
-        finally:
-            if status:
-                if self.stable:
-                    span.set_attribute("http.response.status_code", status)
-                if self.old:
-                    span.set_attribute("http.status_code", status)
-                if status >= 500:
-                    span.set_attribute("error.type", str(status))
-                    span.set_status(Status(StatusCode.ERROR))
-            span.end()
-            context.detach(token)
+    async def receive_body() -> Message:
+        message = await receive()
+        if message["type"] == "http.request":
+            body.append(message.get("body", b""))
+        return message
+
+    async def send_status(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+            if operation is not None and status in SHED_STATUSES:
+                await _shed_attributes(span, operation, body, receive)
+        await send(message)
+
+    try:
+        await app(scope, receive_body if operation is not None else receive, send_status)
+    except Exception as exc:
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        if status:
+            if stable:
+                span.set_attribute("http.response.status_code", status)
+            if old:
+                span.set_attribute("http.status_code", status)
+            if status >= 500:
+                span.set_attribute("error.type", str(status))
+                span.set_status(Status(StatusCode.ERROR))
+        span.end()
+        context.detach(token)
+
+
+def spans_reach_anyone(provider: Any) -> bool:
+    """Whether a span started from `provider` can reach anyone: an SDK provider with at least one span processor
+    (an exporter, an in-memory test exporter...), not disabled, and a sampler other than always-off. Checked on
+    every request (a processor may be added after start-up). The default `tandem serve` exports no traces: its
+    spans would be built, sampled, filled and dropped, about 0.3 ms of CPU a request for nothing."""
+    processors = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", None)
+    if processors is None:
+        return True  # not the SDK's provider (a proxy, another SDK): assume it records
+    return bool(processors) and not getattr(provider, "_disabled", False) and \
+        getattr(provider, "sampler", None) is not ALWAYS_OFF
 
 
 async def _shed_attributes(span: trace.Span, operation: str, body: list[bytes], receive: Receive) -> None:

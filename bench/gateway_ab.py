@@ -1,0 +1,249 @@
+"""Gateway CPU per request before and after a change, the two trees measured in turn in one run (issue 41).
+
+`--old COMMIT` is unpacked (git archive) into a temporary folder and given this tree's bench/gateway_overhead.py,
+so both trees serve the same harness. Then, in alternating rounds so the shared machine's load lands on both:
+  - instant engine (bench/gateway_overhead.py's servers): server CPU per request of N sequential streamed and
+    JSON chat completions on one keep-alive connection, for `gateway` (as `tandem serve` runs: no trace
+    exporter), `traced` (every span handed to a BatchSpanProcessor), `untraced` (sampler always_off) and the
+    bare uvicorn app `asgi`; added = gateway - asgi;
+  - open loop at --rate req/s (Poisson, streamed): p50/p99 latency of the gateway minus the bare socket server's;
+  - with --real: one-token completions (max_tokens 1, greedy) on the tiny small checkpoint through the real
+    server (`gateway.server.main`, one route, one engine) against the same generation through the offline API
+    (`engines.LLM`), server/process CPU per request, OMP_NUM_THREADS=1 for both; added = served - offline.
+
+    .venv/bin/python bench/gateway_ab.py --old a9badfa [--requests 1000] [--rounds 3] [--real]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gateway_overhead import _cpu_seconds, _payload, _roundtrip, drive  # noqa: E402
+from bench.results_meta import write_results  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "gateway_ab.json"
+KINDS = ("asgi", "gateway", "traced", "untraced")
+SERVER_ENV = {"untraced": {"OTEL_TRACES_SAMPLER": "always_off"}}
+REAL_PROMPT = "Say hello to the benchmark."
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(proc: subprocess.Popen, port: int, path: bytes, what: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as c:
+                c.sendall(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+                if c.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{what} did not start")
+
+
+def start(tree: Path, kind: str) -> tuple[subprocess.Popen, int]:
+    port = _port()
+    env = {**os.environ, "PYTHONPATH": str(tree), **SERVER_ENV.get(kind, {})}
+    proc = subprocess.Popen([sys.executable, str(tree / "bench" / "gateway_overhead.py"), "--serve", kind,
+                             "--port", str(port)], cwd=tree, env=env)
+    _wait(proc, port, b"/" if kind in ("asgi", "bare") else b"/ready", f"{tree.name} {kind}")
+    return proc, port
+
+
+def sequential(proc: subprocess.Popen, port: int, payload: bytes, requests: int, warm: int = 200) -> float:
+    """Server CPU ms per request of `requests` sequential round trips on one connection."""
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(warm):
+            _roundtrip(conn, payload)
+        cpu0 = _cpu_seconds(proc.pid)
+        for _ in range(requests):
+            _roundtrip(conn, payload)
+        return 1000 * (_cpu_seconds(proc.pid) - cpu0) / requests
+
+
+def instant(trees: dict[str, Path], requests: int, rounds: int, rate: float, duration: float) -> dict:
+    servers = {(t, k): start(path, k) for t, path in trees.items() for k in KINDS}
+    bare = {t: start(path, "bare") for t, path in trees.items()}
+    cpu: dict[str, dict[str, dict[str, list[float]]]] = {t: {k: {"stream": [], "json": []} for k in KINDS}
+                                                         for t in trees}
+    lat: dict[str, dict[str, list[float]]] = {t: {"gateway": [], "bare": []} for t in trees}
+    try:
+        for r in range(rounds):
+            order = list(trees) if r % 2 == 0 else list(reversed(trees))
+            for t in order:
+                for k in KINDS:
+                    proc, port = servers[(t, k)]
+                    for mode in ("stream", "json"):
+                        cpu[t][k][mode].append(sequential(proc, port, _payload(mode), requests))
+                for which, (_, port) in (("gateway", servers[(t, "gateway")]), ("bare", bare[t])):
+                    asyncio.run(drive(port, "stream", 50, 0.5))  # warm the connections
+                    row = asyncio.run(drive(port, "stream", rate, duration / rounds, seed=r))
+                    if row["errors"]:
+                        print(f"  {t} {which}: {row['errors']} errors at {rate:g} req/s {row['error_sample']}")
+                    lat[t][which] += row["latencies_s"]
+                print(f"  round {r + 1}/{rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        for proc, _ in [*servers.values(), *bare.values()]:
+            proc.terminate()
+            proc.wait(10)
+    out: dict = {}
+    for t in trees:
+        rows = {k: {mode: {"median": float(np.median(v)), "rounds": v} for mode, v in modes.items()}
+                for k, modes in cpu[t].items()}
+        added = {k: {mode: rows[k][mode]["median"] - rows["asgi"][mode]["median"] for mode in ("stream", "json")}
+                 for k in ("gateway", "traced", "untraced")}
+        pct = {w: {p: float(np.percentile(np.asarray(v) * 1000, p)) for p in (50, 99)} for w, v in lat[t].items()}
+        out[t] = {"cpu_ms_per_request": rows, "added_cpu_ms_over_asgi": added,
+                  f"latency_ms_at_{rate:g}": pct,
+                  f"added_latency_ms_at_{rate:g}": {f"p{p}": pct["gateway"][p] - pct["bare"][p] for p in (50, 99)},
+                  "requests_at_rate": {w: len(v) for w, v in lat[t].items()}}
+    return out
+
+
+REAL_CONFIG = """
+[server]
+host = "127.0.0.1"
+port = {port}
+max_inflight_requests = 1024
+log_level = "warning"
+[kv_pool]
+memory_bytes = "256MiB"
+block_size = 16
+enable_prefix_caching = true
+[engines.small]
+checkpoint = "{tree}/models/tandem-tiny-s"
+max_num_seqs = 64
+max_num_batched_tokens = 512
+[routes.fast]
+strategy = "fixed"
+engines = ["small"]
+"""
+
+OFFLINE = """
+import os, sys, time
+from engines import LLM, SamplingParams
+llm = LLM(sys.argv[1], memory_bytes=256 << 20)
+params = SamplingParams(max_tokens=1, temperature=0.0)
+n = int(sys.argv[2])
+for _ in range(200):
+    llm.generate(sys.argv[3], params)
+c0 = time.process_time()
+for _ in range(n):
+    out = llm.generate(sys.argv[3], params)
+assert len(out[0].outputs[0].token_ids) == 1
+print((time.process_time() - c0) * 1000 / n)
+"""
+
+
+def real(trees: dict[str, Path], requests: int, rounds: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    body = json.dumps({"model": "fast", "prompt": REAL_PROMPT, "max_tokens": 1, "temperature": 0}).encode()
+    payload = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n" % len(body)) + body
+    servers = {}
+    tmp = Path(tempfile.mkdtemp(prefix="gateway_ab_cfg_"))
+    for t, tree in trees.items():
+        port = _port()
+        cfg = tmp / f"{t}.toml"
+        cfg.write_text(REAL_CONFIG.format(port=port, tree=ROOT))
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; from gateway.server import main; "
+                                 "sys.exit(main(sys.argv[1:]))", "--config", str(cfg)], cwd=tree,
+                                env={**env, "PYTHONPATH": str(tree)})
+        _wait(proc, port, b"/ready", f"{t} tandem serve")
+        servers[t] = (proc, port)
+    served: dict[str, list[float]] = {t: [] for t in trees}
+    offline: dict[str, list[float]] = {t: [] for t in trees}
+    try:
+        for r in range(rounds):
+            for t in (list(trees) if r % 2 == 0 else list(reversed(trees))):
+                proc, port = servers[t]
+                served[t].append(sequential(proc, port, payload, requests))
+                ran = subprocess.run([sys.executable, "-c", OFFLINE, str(ROOT / "models" / "tandem-tiny-s"),
+                                      str(requests), REAL_PROMPT], cwd=trees[t], env={**env, "PYTHONPATH": str(trees[t])},
+                                     capture_output=True, text=True, check=True)
+                offline[t].append(float(ran.stdout.strip().splitlines()[-1]))
+            print(f"  real round {r + 1}/{rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {t: {"served_cpu_ms": float(np.median(served[t])), "offline_cpu_ms": float(np.median(offline[t])),
+                "added_cpu_ms": float(np.median(served[t]) - np.median(offline[t])),
+                "served_rounds": served[t], "offline_rounds": offline[t]} for t in trees}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=True, help="the commit to compare this tree with")
+    ap.add_argument("--requests", type=int, default=1000, help="sequential requests per server, mode and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rate", type=float, default=1000.0, help="open-loop rate for the added latency")
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds at --rate per server, over the rounds")
+    ap.add_argument("--real", action="store_true", help="also one-token completions on the tiny small model")
+    ap.add_argument("--real-requests", type=int, default=300)
+    args = ap.parse_args(argv)
+    old = Path(tempfile.mkdtemp(prefix="gateway_ab_old_"))
+    try:
+        archive = subprocess.run(["git", "archive", args.old], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        shutil.copy(ROOT / "bench" / "gateway_overhead.py", old / "bench" / "gateway_overhead.py")
+        trees = {"old": old, "new": ROOT}
+        load0 = os.getloadavg()
+        print(f"old {args.old} vs this tree; load average {load0[0]:.1f} on {os.cpu_count()} cores", flush=True)
+        result = {"bench": "gateway_ab", "old_commit": args.old, "requests": args.requests, "rounds": args.rounds,
+                  "rate": args.rate, "duration_s": args.duration, "load_average_start": load0,
+                  "instant": instant(trees, args.requests, args.rounds, args.rate, args.duration)}
+        if args.real:
+            result["real"] = real(trees, args.real_requests, args.rounds)
+        result["load_average_end"] = os.getloadavg()
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+    for t in ("old", "new"):
+        i = result["instant"][t]
+        cpu = i["cpu_ms_per_request"]
+        print(f"{t}: CPU ms/request (median of rounds), stream / json")
+        for k in KINDS:
+            extra = "" if k == "asgi" else (f"   added {i['added_cpu_ms_over_asgi'][k]['stream']:.3f} / "
+                                            f"{i['added_cpu_ms_over_asgi'][k]['json']:.3f}")
+            print(f"  {k:<9}{cpu[k]['stream']['median']:7.3f} / {cpu[k]['json']['median']:.3f}{extra}")
+        a = i[f"added_latency_ms_at_{args.rate:g}"]
+        print(f"  added latency at {args.rate:g} req/s (stream, gateway - bare): p50 {a['p50']:.2f} ms, "
+              f"p99 {a['p99']:.2f} ms")
+        if "real" in result:
+            r = result["real"][t]
+            print(f"  one-token completion: served {r['served_cpu_ms']:.3f} ms, offline {r['offline_cpu_ms']:.3f} ms, "
+                  f"added {r['added_cpu_ms']:.3f} ms")
+    print(f"load average at the end {result['load_average_end'][0]:.1f}")
+    write_results(RESULTS, result, indent=1)
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
