@@ -1,21 +1,22 @@
 """The traffic-shift experiment end to end: the shipped router and learned cascade vs the ones `tandem router
 adapt` makes from N unlabelled prompts of shifted traffic, on an evaluation set of the same shift that nobody
-adapted on, labelled by references (bench/routing_shift_data.py: pygments modules, transformers greedy, line
-exact match).
+adapted on, labelled by references (bench/routing_shift_data.py: the modules of a package family, default
+pygments, `--family httpx,httpcore` for several packages; transformers greedy, line exact match).
 
 For each N (default 250, 500, 1000, 2000 prompts of the traffic side, in a fixed random order), adaptation runs
 as the command does (both engines answer, greedy, batched; pairs cached under bench/cache/routing_shift/); then
 on the evaluation modules: APGR of each router / cascade with 95% bootstrap intervals over modules, and the
 realised large fraction for a 30% target, with the artifact's static threshold and with the route's held one
 (gateway.route_monitor.RouteMonitor over the evaluation stream, window 1,000). Prints the table, writes
-bench/results/routing_shift.json.
+bench/results/routing_shift.json (pygments) or bench/results/routing_shift_FAMILY.json (keyed by family).
 
-    .venv/bin/python bench/routing_shift.py [--sizes 250 500 1000 2000] [--bootstrap 1000]
+    .venv/bin/python bench/routing_shift.py [--family PKG[,PKG]] [--sizes 250 500 1000 2000] [--bootstrap 1000]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -28,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.results_meta import write_results  # noqa: E402
-from bench.routing_shift_data import ANSWER_BUDGET, CACHE, FAMILY, ensure, read_jsonl  # noqa: E402
+from bench.routing_shift_data import ANSWER_BUDGET, DEFAULT_FAMILY, cache_dir, ensure, family_key, read_jsonl  # noqa: E402
 from gateway.route_monitor import RouteMonitor  # noqa: E402
 from router_model.adapt_cli import parser as adapt_parser  # noqa: E402
 from router_model.adapt_cli import run as adapt_run  # noqa: E402
@@ -72,29 +73,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[250, 500, 1000, 2000])
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/routing_shift.json"))
+    ap.add_argument("--family", default=DEFAULT_FAMILY, help="package(s) of the shifted set, comma-separated")
+    ap.add_argument("--adapt-args", default="", help="extra `tandem router adapt` options for every size "
+                    "(e.g. '--prior-share 0.1 --C 10'); the artifacts then go to a folder named by them")
+    ap.add_argument("--out", default=None, help="default bench/results/routing_shift[_FAMILY].json")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    paths = ensure(Path(args.small), Path(args.large))
+    key = family_key(args.family)
+    cache = cache_dir(args.family)
+    if args.out is None:
+        args.out = str(ROOT / "bench/results" / ("routing_shift.json" if key == DEFAULT_FAMILY
+                                                 else f"routing_shift_{key}.json"))
+    paths = ensure(Path(args.small), Path(args.large), family=args.family)
     rows = read_jsonl(paths["eval"])
     examples = [parse_example(r, f"eval:{i}") for i, r in enumerate(rows, 1)]
     shipped = (Router.load(args.router), Router.load(Path(args.router) / "cascade"))
     small = np.mean([r["small_exact"] for r in rows])
     large = np.mean([r["large_exact"] for r in rows])
-    print(f"evaluation: {len(rows)} prompts from {len({r['group'] for r in rows})} {FAMILY} modules; exact match "
+    print(f"evaluation: {len(rows)} prompts from {len({r['group'] for r in rows})} {key} modules; exact match "
           f"small {small:.4f}, large {large:.4f}; large-only right "
           f"{sum(r['large_exact'] > r['small_exact'] for r in rows)}, small-only "
           f"{sum(r['small_exact'] > r['large_exact'] for r in rows)}")
     results = {"shipped": evaluate(*shipped, rows, examples, args.bootstrap), "adapted": {}}
     decisions = {}
     for n in sorted(args.sizes):
-        out = CACHE / f"adapted_{n}"
-        a = adapt_parser().parse_args([
+        variant = "".join(c if c.isalnum() or c in ".-" else "_" for c in args.adapt_args.strip())
+        out = cache / (f"adapted_{n}" + (f"_{variant}" if variant else ""))
+        a = adapt_parser().parse_args(args.adapt_args.split() + [
             "--data", str(paths["traffic"]), "--limit", str(n), "--router", args.router, "--out", str(out),
             "--small", args.small, "--large", args.large, "--stop", "\n", "--max-tokens", str(ANSWER_BUDGET),
-            "--label-cache", str(CACHE / "pairs.jsonl"), "--log", str(CACHE / "adapt_log.jsonl")])
+            "--label-cache", str(cache / "pairs.jsonl"), "--log", str(cache / "adapt_log.jsonl")])
         t0 = time.perf_counter()
         summary = adapt_run(a)
         seconds = time.perf_counter() - t0
@@ -126,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for k, ok in checks.items():
         print(f"{'met' if ok else 'NOT met'}: {k}")
-    write_results(Path(args.out), {"family": FAMILY, "eval_prompts": len(rows),
+    write_results(Path(args.out), {"family": key, "adapt_args": args.adapt_args, "eval_prompts": len(rows),
                                    "eval_modules": len({r["group"] for r in rows}),
                                    "eval_exact": {"small": small, "large": large}, "bootstrap": args.bootstrap,
                                    "target_large_fraction": TARGET, "results": results, "decisions": decisions,
-                                   "checks": checks}, indent=2)
+                                   "checks": checks, "load_average": [round(x, 2) for x in os.getloadavg()]},
+                  indent=2)
     print(f"wrote {args.out}")
     return 0
 
