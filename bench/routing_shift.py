@@ -65,6 +65,31 @@ def evaluate(router: Router, cascade: Router, rows: list[dict], examples, bootst
     return out
 
 
+def ceiling(shipped: tuple[Router, Router], args, cache: Path, rows, examples) -> dict:
+    """The bound on what adaptation of these features can reach: the refit fed the traffic side's *reference*
+    labels (large right where the small is wrong; transformers, as the evaluation's) instead of self-labels,
+    on the same prompts and with the same prior; scored on the evaluation modules, never fitted on."""
+    from bench.routing_shift_data import build_prompts, reference_rows, write_jsonl
+    from router_model.adapt import AdaptOptions, Traffic, refit
+
+    path = cache / "traffic_refs.jsonl.gz"
+    if not path.is_file():
+        write_jsonl(path, reference_rows(build_prompts(Path(args.small), 2000, 0, family=args.family)["traffic"],
+                                         Path(args.small), Path(args.large)))
+    refs = read_jsonl(path)[:max(args.sizes)]
+    router_t, scorer_t = Traffic(), Traffic()
+    for r in refs:
+        q = float(r["large_exact"] > r["small_exact"])
+        router_t.add(r["prompt"], q, r["group"])
+        scorer_t.add(r["prompt"], q, r["group"], r["small_answer"], r["small_answer_stats"])
+    prior = read_jsonl(Path(shipped[0].metadata["data"]) if Path(shipped[0].metadata["data"]).is_absolute()
+                       else ROOT / shipped[0].metadata["data"])
+    opts = AdaptOptions(prior_share=0.3)
+    r, c = refit(shipped[0], prior, router_t, opts), refit(shipped[1], prior, scorer_t, opts)
+    return evaluate(r, c, rows, examples, args.bootstrap) | {"traffic_prompts": len(refs),
+                                                              "large_only_right": int(sum(router_t.q))}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--router", default=str(ROOT / "models/router"))
@@ -76,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", default=DEFAULT_FAMILY, help="package(s) of the shifted set, comma-separated")
     ap.add_argument("--adapt-args", default="", help="extra `tandem router adapt` options for every size "
                     "(e.g. '--prior-share 0.1 --C 10'); the artifacts then go to a folder named by them")
+    ap.add_argument("--ceiling", action="store_true", help="also refit on the traffic side's reference labels "
+                    "(a bound, not an adaptation: references of the traffic are what a team never has)")
     ap.add_argument("--out", default=None, help="default bench/results/routing_shift[_FAMILY].json")
     args = ap.parse_args(argv)
     import torch
@@ -97,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(r['large_exact'] > r['small_exact'] for r in rows)}, small-only "
           f"{sum(r['small_exact'] > r['large_exact'] for r in rows)}")
     results = {"shipped": evaluate(*shipped, rows, examples, args.bootstrap), "adapted": {}}
+    if args.ceiling:
+        results["ceiling (reference-labelled traffic)"] = ceiling(shipped, args, cache, rows, examples)
     decisions = {}
     for n in sorted(args.sizes):
         variant = "".join(c if c.isalnum() or c in ".-" else "_" for c in args.adapt_args.strip())
@@ -119,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'large (static)':>14} {'large (held)':>12}")
     table = [("shipped", results["shipped"])] + [(f"adapted on {n} prompts", v)
                                                  for n, v in results["adapted"].items()]
+    if args.ceiling:
+        table.append(("refit on traffic references", results["ceiling (reference-labelled traffic)"]))
     for name, v in table:
         rr, cc = v["router"], v["cascade (learned)"]
         print(f"{name:<28} {rr['apgr']:11.3f} [{rr['apgr_ci'][0]:5.3f}, {rr['apgr_ci'][1]:5.3f}] "
