@@ -90,6 +90,31 @@ def ceiling(shipped: tuple[Router, Router], args, cache: Path, rows, examples) -
                                                               "large_only_right": int(sum(router_t.q))}
 
 
+FEATURE_VARIANTS = {  # `--features NAME`: the router refitted on other blocks than the shipped artifact's
+    "tail60": ({"view": "tail", "chars": 60, "ngrams": [1, 3], "buckets": 4096},),  # the prompt's end, coarse
+    "tail300": ({"view": "tail", "chars": 300, "ngrams": [2, 4], "buckets": 16384},),  # more context, coarse
+}
+
+
+def feature_template(shipped_dir: Path, name: str, dest: Path) -> Path:
+    """An untrained router of the shipped kind, stats, calibration method, C, target and prior data, with the
+    variant's hashed blocks: `tandem router adapt --router` of it refits those features."""
+    from router_model.features import FeatureConfig
+    from router_model.router import NUM_QUANTILES, Calibration
+
+    cur = Router.load(shipped_dir)
+    cfg = FeatureConfig(blocks=FEATURE_VARIANTS[name], stats=cur.feature_config.stats)
+    meta = {"data": str(ROOT / cur.metadata["data"]), "C": cur.metadata.get("C", 1.0),
+            "trained_at": f"template {name}"}
+    t = Router(feature_config=cfg, dense_mean=np.zeros(cfg.num_dense), dense_scale=np.ones(cfg.num_dense),
+               coef=np.zeros((1, cfg.num_dense + cfg.num_hashed)), intercept=np.zeros(1),
+               calibration=Calibration("sigmoid", a=np.array([-1.0]), b=np.array([0.0])), kind=cur.kind,
+               score_quantiles=np.linspace(0, 1, NUM_QUANTILES), metadata=meta)
+    t.target_large_fraction = cur.target_large_fraction
+    t.save(dest)
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--router", default=str(ROOT / "models/router"))
@@ -101,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", default=DEFAULT_FAMILY, help="package(s) of the shifted set, comma-separated")
     ap.add_argument("--adapt-args", default="", help="extra `tandem router adapt` options for every size "
                     "(e.g. '--prior-share 0.1 --C 10'); the artifacts then go to a folder named by them")
+    ap.add_argument("--features", choices=sorted(FEATURE_VARIANTS), default=None,
+                    help="refit the router on these blocks instead of the shipped ones (the scorer: as shipped)")
     ap.add_argument("--ceiling", action="store_true", help="also refit on the traffic side's reference labels "
                     "(a bound, not an adaptation: references of the traffic are what a team never has)")
     ap.add_argument("--out", default=None, help="default bench/results/routing_shift[_FAMILY].json")
@@ -129,9 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     decisions = {}
     for n in sorted(args.sizes):
         variant = "".join(c if c.isalnum() or c in ".-" else "_" for c in args.adapt_args.strip())
+        variant += f"_features-{args.features}" if args.features else ""
         out = cache / (f"adapted_{n}" + (f"_{variant}" if variant else ""))
-        a = adapt_parser().parse_args(args.adapt_args.split() + [
-            "--data", str(paths["traffic"]), "--limit", str(n), "--router", args.router, "--out", str(out),
+        base = args.router
+        extra = args.adapt_args.split()
+        if args.features:  # an untrained template: always installed (its gate is logged), the scorer not refit
+            base = str(feature_template(Path(args.router), args.features, cache / f"template_{args.features}"))
+            extra += ["--cascade", "none", "--min-gain", "-1"]
+        a = adapt_parser().parse_args(extra + [
+            "--data", str(paths["traffic"]), "--limit", str(n), "--router", base, "--out", str(out),
             "--small", args.small, "--large", args.large, "--stop", "\n", "--max-tokens", str(ANSWER_BUDGET),
             "--label-cache", str(cache / "pairs.jsonl"), "--log", str(cache / "adapt_log.jsonl")])
         t0 = time.perf_counter()
