@@ -1,21 +1,22 @@
 """The traffic-shift experiment end to end: the shipped router and learned cascade vs the ones `tandem router
 adapt` makes from N unlabelled prompts of shifted traffic, on an evaluation set of the same shift that nobody
-adapted on, labelled by references (bench/routing_shift_data.py: pygments modules, transformers greedy, line
-exact match).
+adapted on, labelled by references (bench/routing_shift_data.py: the modules of a package family, default
+pygments, `--family httpx,httpcore` for several packages; transformers greedy, line exact match).
 
 For each N (default 250, 500, 1000, 2000 prompts of the traffic side, in a fixed random order), adaptation runs
 as the command does (both engines answer, greedy, batched; pairs cached under bench/cache/routing_shift/); then
 on the evaluation modules: APGR of each router / cascade with 95% bootstrap intervals over modules, and the
 realised large fraction for a 30% target, with the artifact's static threshold and with the route's held one
 (gateway.route_monitor.RouteMonitor over the evaluation stream, window 1,000). Prints the table, writes
-bench/results/routing_shift.json.
+bench/results/routing_shift.json (pygments) or bench/results/routing_shift_FAMILY.json (keyed by family).
 
-    .venv/bin/python bench/routing_shift.py [--sizes 250 500 1000 2000] [--bootstrap 1000]
+    .venv/bin/python bench/routing_shift.py [--family PKG[,PKG]] [--sizes 250 500 1000 2000] [--bootstrap 1000]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -28,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.results_meta import write_results  # noqa: E402
-from bench.routing_shift_data import ANSWER_BUDGET, CACHE, FAMILY, ensure, read_jsonl  # noqa: E402
+from bench.routing_shift_data import ANSWER_BUDGET, DEFAULT_FAMILY, cache_dir, ensure, family_key, read_jsonl  # noqa: E402
 from gateway.route_monitor import RouteMonitor  # noqa: E402
 from router_model.adapt_cli import parser as adapt_parser  # noqa: E402
 from router_model.adapt_cli import run as adapt_run  # noqa: E402
@@ -64,6 +65,56 @@ def evaluate(router: Router, cascade: Router, rows: list[dict], examples, bootst
     return out
 
 
+def ceiling(shipped: tuple[Router, Router], args, cache: Path, rows, examples) -> dict:
+    """The bound on what adaptation of these features can reach: the refit fed the traffic side's *reference*
+    labels (large right where the small is wrong; transformers, as the evaluation's) instead of self-labels,
+    on the same prompts and with the same prior; scored on the evaluation modules, never fitted on."""
+    from bench.routing_shift_data import build_prompts, reference_rows, write_jsonl
+    from router_model.adapt import AdaptOptions, Traffic, refit
+
+    path = cache / "traffic_refs.jsonl.gz"
+    if not path.is_file():
+        write_jsonl(path, reference_rows(build_prompts(Path(args.small), 2000, 0, family=args.family)["traffic"],
+                                         Path(args.small), Path(args.large)))
+    refs = read_jsonl(path)[:max(args.sizes)]
+    router_t, scorer_t = Traffic(), Traffic()
+    for r in refs:
+        q = float(r["large_exact"] > r["small_exact"])
+        router_t.add(r["prompt"], q, r["group"])
+        scorer_t.add(r["prompt"], q, r["group"], r["small_answer"], r["small_answer_stats"])
+    prior = read_jsonl(Path(shipped[0].metadata["data"]) if Path(shipped[0].metadata["data"]).is_absolute()
+                       else ROOT / shipped[0].metadata["data"])
+    opts = AdaptOptions(prior_share=0.3)
+    r, c = refit(shipped[0], prior, router_t, opts), refit(shipped[1], prior, scorer_t, opts)
+    return evaluate(r, c, rows, examples, args.bootstrap) | {"traffic_prompts": len(refs),
+                                                              "large_only_right": int(sum(router_t.q))}
+
+
+FEATURE_VARIANTS = {  # `--features NAME`: the router refitted on other blocks than the shipped artifact's
+    "tail60": ({"view": "tail", "chars": 60, "ngrams": [1, 3], "buckets": 4096},),  # the prompt's end, coarse
+    "tail300": ({"view": "tail", "chars": 300, "ngrams": [2, 4], "buckets": 16384},),  # more context, coarse
+}
+
+
+def feature_template(shipped_dir: Path, name: str, dest: Path) -> Path:
+    """An untrained router of the shipped kind, stats, calibration method, C, target and prior data, with the
+    variant's hashed blocks: `tandem router adapt --router` of it refits those features."""
+    from router_model.features import FeatureConfig
+    from router_model.router import NUM_QUANTILES, Calibration
+
+    cur = Router.load(shipped_dir)
+    cfg = FeatureConfig(blocks=FEATURE_VARIANTS[name], stats=cur.feature_config.stats)
+    meta = {"data": str(ROOT / cur.metadata["data"]), "C": cur.metadata.get("C", 1.0),
+            "trained_at": f"template {name}"}
+    t = Router(feature_config=cfg, dense_mean=np.zeros(cfg.num_dense), dense_scale=np.ones(cfg.num_dense),
+               coef=np.zeros((1, cfg.num_dense + cfg.num_hashed)), intercept=np.zeros(1),
+               calibration=Calibration("sigmoid", a=np.array([-1.0]), b=np.array([0.0])), kind=cur.kind,
+               score_quantiles=np.linspace(0, 1, NUM_QUANTILES), metadata=meta)
+    t.target_large_fraction = cur.target_large_fraction
+    t.save(dest)
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--router", default=str(ROOT / "models/router"))
@@ -72,29 +123,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[250, 500, 1000, 2000])
     ap.add_argument("--bootstrap", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/routing_shift.json"))
+    ap.add_argument("--family", default=DEFAULT_FAMILY, help="package(s) of the shifted set, comma-separated")
+    ap.add_argument("--adapt-args", default="", help="extra `tandem router adapt` options for every size "
+                    "(e.g. '--prior-share 0.1 --C 10'); the artifacts then go to a folder named by them")
+    ap.add_argument("--features", choices=sorted(FEATURE_VARIANTS), default=None,
+                    help="refit the router on these blocks instead of the shipped ones (the scorer: as shipped)")
+    ap.add_argument("--ceiling", action="store_true", help="also refit on the traffic side's reference labels "
+                    "(a bound, not an adaptation: references of the traffic are what a team never has)")
+    ap.add_argument("--out", default=None, help="default bench/results/routing_shift[_FAMILY].json")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    paths = ensure(Path(args.small), Path(args.large))
+    key = family_key(args.family)
+    cache = cache_dir(args.family)
+    if args.out is None:
+        args.out = str(ROOT / "bench/results" / ("routing_shift.json" if key == DEFAULT_FAMILY
+                                                 else f"routing_shift_{key}.json"))
+    paths = ensure(Path(args.small), Path(args.large), family=args.family)
     rows = read_jsonl(paths["eval"])
     examples = [parse_example(r, f"eval:{i}") for i, r in enumerate(rows, 1)]
     shipped = (Router.load(args.router), Router.load(Path(args.router) / "cascade"))
     small = np.mean([r["small_exact"] for r in rows])
     large = np.mean([r["large_exact"] for r in rows])
-    print(f"evaluation: {len(rows)} prompts from {len({r['group'] for r in rows})} {FAMILY} modules; exact match "
+    print(f"evaluation: {len(rows)} prompts from {len({r['group'] for r in rows})} {key} modules; exact match "
           f"small {small:.4f}, large {large:.4f}; large-only right "
           f"{sum(r['large_exact'] > r['small_exact'] for r in rows)}, small-only "
           f"{sum(r['small_exact'] > r['large_exact'] for r in rows)}")
     results = {"shipped": evaluate(*shipped, rows, examples, args.bootstrap), "adapted": {}}
+    if args.ceiling:
+        results["ceiling (reference-labelled traffic)"] = ceiling(shipped, args, cache, rows, examples)
     decisions = {}
     for n in sorted(args.sizes):
-        out = CACHE / f"adapted_{n}"
-        a = adapt_parser().parse_args([
-            "--data", str(paths["traffic"]), "--limit", str(n), "--router", args.router, "--out", str(out),
+        variant = "".join(c if c.isalnum() or c in ".-" else "_" for c in args.adapt_args.strip())
+        variant += f"_features-{args.features}" if args.features else ""
+        out = cache / (f"adapted_{n}" + (f"_{variant}" if variant else ""))
+        base = args.router
+        extra = args.adapt_args.split()
+        if args.features:  # an untrained template: always installed (its gate is logged), the scorer not refit
+            base = str(feature_template(Path(args.router), args.features, cache / f"template_{args.features}"))
+            extra += ["--cascade", "none", "--min-gain", "-1"]
+        a = adapt_parser().parse_args(extra + [
+            "--data", str(paths["traffic"]), "--limit", str(n), "--router", base, "--out", str(out),
             "--small", args.small, "--large", args.large, "--stop", "\n", "--max-tokens", str(ANSWER_BUDGET),
-            "--label-cache", str(CACHE / "pairs.jsonl"), "--log", str(CACHE / "adapt_log.jsonl")])
+            "--label-cache", str(cache / "pairs.jsonl"), "--log", str(cache / "adapt_log.jsonl")])
         t0 = time.perf_counter()
         summary = adapt_run(a)
         seconds = time.perf_counter() - t0
@@ -109,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'large (static)':>14} {'large (held)':>12}")
     table = [("shipped", results["shipped"])] + [(f"adapted on {n} prompts", v)
                                                  for n, v in results["adapted"].items()]
+    if args.ceiling:
+        table.append(("refit on traffic references", results["ceiling (reference-labelled traffic)"]))
     for name, v in table:
         rr, cc = v["router"], v["cascade (learned)"]
         print(f"{name:<28} {rr['apgr']:11.3f} [{rr['apgr_ci'][0]:5.3f}, {rr['apgr_ci'][1]:5.3f}] "
@@ -126,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for k, ok in checks.items():
         print(f"{'met' if ok else 'NOT met'}: {k}")
-    write_results(Path(args.out), {"family": FAMILY, "eval_prompts": len(rows),
+    write_results(Path(args.out), {"family": key, "adapt_args": args.adapt_args, "eval_prompts": len(rows),
                                    "eval_modules": len({r["group"] for r in rows}),
                                    "eval_exact": {"small": small, "large": large}, "bootstrap": args.bootstrap,
                                    "target_large_fraction": TARGET, "results": results, "decisions": decisions,
-                                   "checks": checks}, indent=2)
+                                   "checks": checks, "load_average": [round(x, 2) for x in os.getloadavg()]},
+                  indent=2)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,8 +1,10 @@
 """The shifted traffic of bench/routing_shift.py: line-completion prompts from a package family the models and the
-router never saw (pygments in the venv's site-packages: lexers, mostly tables of regular expressions and token types, where the
-training modules are the CPython standard library), split by module into unlabelled traffic (what adaptation may
-read) and an evaluation set with reference labels made by transformers (greedy, each model, exact match and edit
-similarity against the true line), never by tandem's engines. Everything is cached under bench/cache/ (ignored).
+router never saw (one or more installed packages of the venv's site-packages, e.g. pygments: lexers, mostly tables
+of regular expressions and token types; the training modules are the CPython standard library), split by module
+into unlabelled traffic (what adaptation may read) and an evaluation set with reference labels made by transformers
+(greedy, each model, exact match and edit similarity against the true line), never by tandem's engines. Everything
+is cached under bench/cache/routing_shift/FAMILY/ (ignored). `--probe N` measures a few families' exact-match
+rates on N prompts of their traffic side (never their evaluation modules), to choose one.
 """
 
 from __future__ import annotations
@@ -10,27 +12,52 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / "bench" / "cache" / "routing_shift"
-FAMILY = "pygments"
+CACHE_ROOT = ROOT / "bench" / "cache" / "routing_shift"
+DEFAULT_FAMILY = "pygments"
 _SKIP = {"tests", "test", "__pycache__"}
 # every answer's budget, as the traffic's (`tandem router adapt --max-tokens 44`): lines are at most 40 tokens;
 # a budget cut to the reference's length would tell the answers where the line ends, which traffic never does
 ANSWER_BUDGET = 44
 
 
-def family_modules(family: str = FAMILY) -> list[tuple[str, str]]:
-    """(dotted module name, source) of every non-test module of an installed package, sorted by name."""
+def packages_of(family: str) -> list[str]:
+    """'httpx,httpcore' -> ['httpx', 'httpcore']: a family is one package or several, comma-separated."""
+    names = [p.strip() for p in family.split(",") if p.strip()]
+    if not names:
+        raise SystemExit(f"empty package family {family!r}")
+    return names
+
+
+def family_key(family: str) -> str:
+    """The name results and caches are keyed by: the packages joined with '+' ('httpx+httpcore')."""
+    return "+".join(packages_of(family))
+
+
+def cache_dir(family: str) -> Path:
+    return CACHE_ROOT / family_key(family)
+
+
+def family_modules(family: str = DEFAULT_FAMILY) -> list[tuple[str, str]]:
+    """(dotted module name, source) of every non-test module of the family's installed packages, sorted."""
+    out = []
+    for package in packages_of(family):
+        out += _package_modules(package)
+    return sorted(out)
+
+
+def _package_modules(package: str) -> list[tuple[str, str]]:
     import importlib.util
 
-    spec = importlib.util.find_spec(family)
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"package {family!r} is not installed in this interpreter")
+        raise SystemExit(f"package {package!r} is not installed in this interpreter")
     root = Path(next(iter(spec.submodule_search_locations)))
     out = []
     for path in sorted(root.rglob("*.py")):
@@ -49,7 +76,7 @@ def side_of(module: str) -> str:
 
 
 def build_prompts(small_dir: Path, traffic: int, evaluation: int, seed: int = 0, per_module_cap: int = 40,
-                  family: str = FAMILY) -> dict:
+                  family: str = DEFAULT_FAMILY) -> dict:
     """{'traffic': [...], 'eval': [...]}: rows {prompt, reference, group, max_tokens}, in a random order."""
     from engines.tokenizer import Tokenizer
     from router_model.labels import line_prompts, token_pieces
@@ -60,6 +87,8 @@ def build_prompts(small_dir: Path, traffic: int, evaluation: int, seed: int = 0,
     mods = family_modules(family)
     for side, want in (("traffic", traffic), ("eval", evaluation)):
         chosen = [(name, tok.encode(text)) for name, text in mods if side_of(name) == side]
+        if not want:
+            continue
         prompts = line_prompts(chosen, pieces, tok.decode, per_module_cap, 32, 256, 40, seed)
         rng = np.random.default_rng(seed + (side == "eval"))
         order = rng.permutation(len(prompts))[:want]
@@ -162,12 +191,14 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def ensure(small_dir: Path, large_dir: Path, traffic: int = 2000, evaluation: int = 4000, log=print) -> dict:
+def ensure(small_dir: Path, large_dir: Path, traffic: int = 2000, evaluation: int = 4000, log=print,
+           family: str = DEFAULT_FAMILY) -> dict:
     """The cached traffic prompts (unlabelled JSONL for `tandem router adapt`) and evaluation references."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    traffic_path, eval_path = CACHE / "traffic.jsonl", CACHE / "eval_refs.jsonl.gz"
+    cache = cache_dir(family)
+    cache.mkdir(parents=True, exist_ok=True)
+    traffic_path, eval_path = cache / "traffic.jsonl", cache / "eval_refs.jsonl.gz"
     if not traffic_path.is_file() or not eval_path.is_file():
-        data = build_prompts(small_dir, traffic, evaluation)
+        data = build_prompts(small_dir, traffic, evaluation, family=family)
         log(f"{len(data['traffic'])} traffic prompts from {len({r['group'] for r in data['traffic']})} modules, "
             f"{len(data['eval'])} evaluation prompts from {len({r['group'] for r in data['eval']})} modules")
         if not eval_path.is_file():
@@ -180,25 +211,71 @@ def ensure(small_dir: Path, large_dir: Path, traffic: int = 2000, evaluation: in
     return {"traffic": traffic_path, "eval": eval_path}
 
 
-def main() -> int:
-    """Build (or find) the cached sets and write what they hold to bench/results/routing_shift_data.json."""
+def summarize(rows: list[dict]) -> dict:
+    """Both models' exact-match and edit rates on reference rows, and the prompts only one of them gets right."""
+    exact = {m: float(np.mean([r[f"{m}_exact"] for r in rows])) for m in ("small", "large")}
+    return {"prompts": len(rows), "modules": len({r["group"] for r in rows}), "exact": exact,
+            "edit": {m: float(np.mean([r[f"{m}_edit"] for r in rows])) for m in ("small", "large")},
+            "gap": exact["large"] - exact["small"],
+            "large_only_right": sum(r["large_exact"] > r["small_exact"] for r in rows),
+            "small_only_right": sum(r["small_exact"] > r["large_exact"] for r in rows)}
+
+
+def probe(family: str, n: int, small_dir: Path, large_dir: Path, log=print) -> dict:
+    """References on `n` prompts of the family's traffic side (its evaluation modules are never looked at)."""
+    t = time.perf_counter()
+    rows = build_prompts(small_dir, n, 0, family=family)["traffic"]
+    out = summarize(reference_rows(rows, small_dir, large_dir, log=lambda *_: None))
+    out["seconds"] = round(time.perf_counter() - t, 1)
+    out["load_average"] = round(os.getloadavg()[0], 2)
+    log(f"{family_key(family):<24} {out['prompts']:5d} prompts {out['modules']:4d} modules  EM small "
+        f"{out['exact']['small']:.3f} large {out['exact']['large']:.3f} gap {out['gap']:+.3f}  large-only "
+        f"{out['large_only_right']:4d} small-only {out['small_only_right']:4d}  ({out['seconds']:.0f}s, load "
+        f"{os.getloadavg()[0]:.1f})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build (or find) a family's cached sets and write what they hold to
+    bench/results/routing_shift_data[_FAMILY].json; or with --probe N, each family's rates on N traffic prompts
+    (merged into bench/results/routing_shift_probe.json, keyed by family)."""
+    import argparse
+
     import torch
 
     from bench.results_meta import write_results
 
-    torch.set_num_threads(1)
-    paths = ensure(ROOT / "models/tandem-tiny-s", ROOT / "models/tandem-tiny-l")
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--family", nargs="+", default=[DEFAULT_FAMILY],
+                    help="package family, several packages comma-separated (with --probe: several families)")
+    ap.add_argument("--probe", type=int, default=0, help="prompts per family to probe (0: build the sets)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    small_dir, large_dir = ROOT / "models/tandem-tiny-s", ROOT / "models/tandem-tiny-l"
+    if args.probe:
+        path = ROOT / "bench/results/routing_shift_probe.json"
+        found = json.loads(path.read_text())["families"] if path.is_file() else {}
+        for family in args.family:
+            found[family_key(family)] = probe(family, args.probe, small_dir, large_dir)
+        write_results(path, {"prompts_per_family": args.probe, "side": "traffic", "answer_budget": ANSWER_BUDGET,
+                             "families": found}, indent=2)
+        return 0
+    if len(args.family) != 1:
+        raise SystemExit("building the sets takes one family (several packages comma-separated)")
+    family = args.family[0]
+    paths = ensure(small_dir, large_dir, family=family)
     rows = read_jsonl(paths["eval"])
     with paths["traffic"].open(encoding="utf-8") as f:
         traffic = [json.loads(line) for line in f if line.strip()]
-    summary = {"family": FAMILY, "answer_budget": ANSWER_BUDGET, "traffic_prompts": len(traffic),
+    s = summarize(rows)
+    summary = {"family": family_key(family), "answer_budget": ANSWER_BUDGET, "traffic_prompts": len(traffic),
                "traffic_modules": len({r["group"] for r in traffic}), "eval_prompts": len(rows),
-               "eval_modules": len({r["group"] for r in rows}),
-               "eval_exact": {m: float(np.mean([r[f"{m}_exact"] for r in rows])) for m in ("small", "large")},
-               "large_only_right": sum(r["large_exact"] > r["small_exact"] for r in rows),
-               "small_only_right": sum(r["small_exact"] > r["large_exact"] for r in rows)}
+               "eval_modules": s["modules"], "eval_exact": s["exact"], "eval_edit": s["edit"],
+               "large_only_right": s["large_only_right"], "small_only_right": s["small_only_right"]}
     print(json.dumps(summary, indent=1))
-    write_results(ROOT / "bench/results/routing_shift_data.json", summary, indent=2)
+    suffix = "" if family_key(family) == DEFAULT_FAMILY else f"_{family_key(family)}"
+    write_results(ROOT / f"bench/results/routing_shift_data{suffix}.json", summary, indent=2)
     return 0
 
 

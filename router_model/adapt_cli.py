@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of --data")
     p.add_argument("--prior-data", default=None, help="the shipped reference-labelled rows (default: the "
                                                       "artifact's metadata 'data')")
+    p.add_argument("--label", choices=("model", "disagreement"), default="model",
+                   help="what a pair's label is: the label model's P(large right, small wrong), or 1 - the "
+                        "answers' edit similarity (a regression on agreement similarity)")
     p.add_argument("--prior-share", type=float, default=0.3, help="their share of the training weight")
     p.add_argument("--prior-max", type=int, default=3000)
     p.add_argument("--holdout", type=float, default=0.25, help="share of traffic groups held back to validate")
@@ -70,9 +73,18 @@ def _records(paths: list[str]) -> list[dict]:
     return out
 
 
+class DisagreementLabel:
+    """`--label disagreement`: a pair's label is 1 - the edit similarity of its two answers, no label model."""
+
+    def label(self, pair: dict) -> float:
+        return 1.0 - float(pair["agreement"]["edit_similarity"])
+
+
 def gather(args: argparse.Namespace, label_model: LabelModel, want_scorer: bool, log=print
            ) -> tuple[Traffic, Traffic, dict]:
     """(router traffic, escalation traffic, counts) from --data, --shadow-labels and --verification-labels."""
+    if getattr(args, "label", "model") == "disagreement":
+        label_model = DisagreementLabel()
     router_t, scorer_t = Traffic(), Traffic()
     counts = {"prompts": 0, "shadow": 0, "shadow_features_only": 0, "verifications": 0, "engine_runs": 0}
     if args.data:

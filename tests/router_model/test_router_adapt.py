@@ -152,3 +152,19 @@ def test_cli_adapts_on_tens_of_prompts_end_to_end(tmp_path, capsys):
     log2 = [json.loads(line) for line in (out2 / "adapt_log.jsonl").read_text().splitlines()]
     assert [r["decision"] for r in log2] == ["kept", "kept"]
     assert not (out2 / "router.npz").exists() and not (out2 / "cascade").exists()
+
+
+def test_disagreement_labels_are_one_minus_the_answers_edit_similarity(tmp_path):
+    from router_model.adapt_cli import gather, parser
+    from router_model.scoring import edit_similarity
+
+    pairs = [("return x", "return x"), ("return x", "return y + 1"), ("pass", "raise ValueError(name)")]
+    shadow = tmp_path / "shadow.jsonl"
+    shadow.write_text("".join(json.dumps({"prompt": f"def f{i}():\n    ", **agreement(s, g)}) + "\n"
+                              for i, (s, g) in enumerate(pairs)))
+    args = parser().parse_args(["--router", "r", "--out", "o", "--shadow-labels", str(shadow),
+                                "--label", "disagreement"])
+    router_t, _, counts = gather(args, label_model=None, want_scorer=False)
+    assert counts["shadow"] == 3
+    assert router_t.q == pytest.approx([1.0 - edit_similarity(s, g) for s, g in pairs])
+    assert router_t.q[0] == 0.0 and 0.0 < router_t.q[1] < router_t.q[2] <= 1.0
