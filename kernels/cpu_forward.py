@@ -5,8 +5,8 @@ A tiny model's decode step through PyTorch is ~100 framework ops (norms, matmuls
 ~5-20 us of dispatch: more than the arithmetic. Here Python builds the step's index arrays once and C runs
 every layer: the projections stream each weight once (float32 `wt [K, N]`, the column-major layout
 `engines.model.cpu_weight_layout` stores, read from a bfloat16 copy where its values are all bf16 (a bf16
-checkpoint: half the bytes, the same bits; `cpu_kernels.bf16_copy`), or int8 `[N, K]` with per-row scales,
-weight-only or w8a8), many-row steps take the register tiles 8 rows at a time or the MKL SGEMM torch ships
+checkpoint: half the bytes, the same bits; `cpu_kernels.bf16_copy`), or int8 `[N, K]` with per-row scales or a
+scale per 32 weights (GGUF Q8_0), weight-only or w8a8), many-row steps take the register tiles 8 rows at a time or the MKL SGEMM torch ships
 (`cpu_kernels.calibrate` picks by timing both on the model's weights when it is built), K/V go into their pages
 and attention reads the pages in place.
 
@@ -219,8 +219,10 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
     rows stacked into one [sum N, K] weight the modules then view, so nothing is stored twice)."""
     from kernels.quant_matmul import QuantLinear
 
-    if any(getattr(lin, "input_perm", None) is not None for lin in linears):
-        return None  # act-order weights gather their input first: QuantLinear.forward does, the C stack does not
+    if any(getattr(lin, "input_perm", None) is not None or getattr(lin, "act_quant", None) for lin in linears):
+        # act-order weights gather their input first, per-token int8 activations are quantised first:
+        # QuantLinear.forward does, the C stack does not
+        return None
     if all(type(lin) is nn.Linear for lin in linears):
         if fused is not None:
             w, b, _ = fused
@@ -243,7 +245,7 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
         return _int4_group(linears, keep)
     if len(modes) == 1 and modes <= {"int8", "w8a8"} and all(
             isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears):
-        if len({lin.bias is None for lin in linears}) != 1:
+        if len({lin.bias is None for lin in linears}) != 1 or len({lin.int8_group for lin in linears}) != 1:
             return None
         with torch.no_grad():
             if len(linears) == 1:
@@ -260,7 +262,8 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
             if linears[0].bias is not None:
                 b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
         keep.extend([q, s] + ([b] if b is not None else []))
-        return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=int(modes == {"w8a8"}))
+        return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=int(modes == {"w8a8"}),
+                    group=linears[0].int8_group)  # group 32: int8 with a scale per 32 weights (GGUF Q8_0)
     return None
 
 

@@ -3,7 +3,10 @@ quantise / dequantise functions, which the Triton matmul (kernels/quant_matmul.p
 references (kernels/cpu_kernels.py) both use.
 
 Formats (weights are nn.Linear's [N, K]):
-- int8: w ~= q[n, k] * scale[n]; q int8 in [-127, 127], scale float32 [N] (symmetric, per output channel).
+- int8: w ~= q[n, k] * scale[n]; q int8 in [-127, 127], scale float32 [N] (symmetric, per output channel);
+  or grouped (GGUF Q8_0's blocks): w ~= q[n, k] * scale[n, k // 32], scale float32 [N, K / 32].
+- int8 with per-token activations (compressed-tensors W8A8): int8's weights; each activation row quantised to
+  int8 by `quantize_act_token` (scale = amax / 127.5, the library's rounding) before the matmul.
 - w8a8 (CPU): int8's weights, and the activations quantised at run time per block of 32 values
   (`quantize_act_q8`, llama.cpp's q8_0 rounding), so the dots are integer dots; the head is quantised too.
 - int4: w ~= (q[n, k] - zero[n, g]) * scale[n, g], g = k // group; q in [0, 15] packed two per byte
@@ -40,8 +43,23 @@ def quantize_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), d
 
 
+def quantize_act_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 per row, as compressed-tensors quantises a W8A8 checkpoint's input activations:
+    x [M, K] -> (int8 [M, K], float32 scale [M]) with scale = amax / 127.5 (its bit range 255 over 2; float32's
+    eps where a row is all zeros) and q = clamp(round-half-even(x / scale), -128, 127)."""
+    xf = x.detach().float()
+    scale = xf.abs().amax(-1) / 127.5
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    q = torch.round(xf / scale[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float()[:, None]
+    """Per channel (scale [N]) or per group (scale [N, K / group])."""
+    if scale.dim() == 1:
+        return q.float() * scale.float()[:, None]
+    n, k = q.shape
+    return (q.float().view(n, scale.shape[1], -1) * scale.float()[..., None]).view(n, k)
 
 
 def quantize_int4(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from kernels.quant_formats import (  # noqa: F401 - the formats' functions, re-e
     dequantize_int4,
     dequantize_int8,
     quantize_act_q8,
+    quantize_act_token,
     quantize_int4,
     quantize_int8,
     unpack_int4,
@@ -54,6 +55,10 @@ def _wq_matmul_kernel(
                         other=0.0)
             w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None],
                         other=0)
+            if GROUP > 1:  # a scale per GROUP weights (GGUF Q8_0): the tile dequantised here
+                s = tl.load(scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None],
+                            mask=n_ok[None, :] & k_ok[:, None], other=0.0).to(tl.float32)
+                w = w.to(tl.float32) * s
             if F32_DOT:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
@@ -84,7 +89,7 @@ def _wq_matmul_kernel(
                 w_hi = w_hi.to(x_even.dtype)
             acc += tl.dot(x_even, w_lo, input_precision=DOT_PREC)
             acc += tl.dot(x_odd, w_hi, input_precision=DOT_PREC)
-    if BITS == 8:
+    if BITS == 8 and GROUP == 1:
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -110,13 +115,14 @@ def wq_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
               split_k: int | None = None) -> torch.Tensor:
     """x [M, K] @ dequant(w).T -> [M, N] in x's dtype (Triton; interpreter on CPU tensors).
 
-    int8 when w is int8 [N, K] (scale [N]); int4 when w is packed uint8 [N, K/2] (scale/zero [N, K/group]).
+    int8 when w is int8 [N, K] (scale [N], or [N, K / group] with a group of at least 16, e.g. Q8_0's 32);
+    int4 when w is packed uint8 [N, K/2] (scale/zero [N, K/group]).
     """
     require_triton()
     bits = 8 if w.dtype == torch.int8 else 4
     m, k = x.shape
     n = w.shape[0]
-    group = k // scale.shape[1] if bits == 4 else 0
+    group = k // scale.shape[1] if scale.dim() == 2 else 0
     x = x.contiguous()
     on_cuda = x.is_cuda
     bm, bn, bk, split = _launch_config(m, n, k, bits, group, on_cuda)
@@ -188,20 +194,32 @@ class QuantLinear(nn.Module):
     kernels/cpu_kernels.c: int8 with float32 activations; w8a8, and int4 in groups of 64 or 128, with the
     activations quantised per 32 (`quantize_act_q8`); else torch's packed ops (`_weight_int8pack_mm`,
     `_weight_int4pack_mm_for_cpu`) fed bf16 activations, their fast path, where the build has them and the
-    shape fits (`cpu_packed_op_fits`); else the reference.
+    shape fits (`cpu_packed_op_fits`); else the reference. int8 with a scale per 32 weights (`int8_group`,
+    GGUF Q8_0) or per-token int8 activations (`act_quant`, compressed-tensors W8A8) take the C kernels at every
+    row count (no packed op takes block scales; bf16 would round the quantised activations), else the reference.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group_size: int = 64,
-                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32):
+                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
+                 int8_group: int = 0):
         super().__init__()
         if mode not in ("int8", "int4", "w8a8"):
             raise ValueError(f"quantization mode must be 'int8', 'int4' or 'w8a8', got {mode!r}")
         if mode == "w8a8" and in_features % 32:
             raise ValueError(f"w8a8 needs in_features divisible by 32, got {in_features}")
+        if int8_group and (mode == "int4" or int8_group != 32 or in_features % 32):
+            raise ValueError(f"grouped int8 scales come in blocks of 32 of in_features, got {int8_group} for "
+                             f"{in_features} ({mode})")
         self.in_features, self.out_features, self.mode, self.group_size = in_features, out_features, mode, group_size
+        # int8 / w8a8: 0 = a scale per output channel; 32 = a scale per 32 weights of a row (GGUF Q8_0)
+        self.int8_group = int8_group
+        # int8: "token" quantises each activation row to int8 first (compressed-tensors W8A8's dynamic per-token
+        # input activations, `quantize_act_token`); None keeps the activations float
+        self.act_quant: str | None = None
         if mode in ("int8", "w8a8"):
             self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-            self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
+            shape = (out_features, in_features // int8_group) if int8_group else (out_features,)
+            self.register_buffer("scale", torch.ones(shape, dtype=torch.float32, device=device))
             self.zero = None
         else:
             groups = in_features // group_size
@@ -256,6 +274,9 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.input_perm is not None:
             x2 = x2.index_select(1, self.input_perm)
+        if self.act_quant == "token":  # the activations as the checkpoint's config quantises them, exactly
+            xq, xs = quantize_act_token(x2)
+            x2 = xq.float() * xs[:, None]
         if self.mode == "w8a8":
             if x2.is_cuda:
                 raise ValueError("w8a8 quantization runs on the CPU; use int8 on CUDA")
@@ -266,7 +287,7 @@ class QuantLinear(nn.Module):
             y = self._cpu_forward(x2)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         from kernels import cpu_kernels
@@ -279,11 +300,14 @@ class QuantLinear(nn.Module):
         return torch.cat(out).to(x.dtype) if out else x.new_empty((0, self.out_features))
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "int8" and x.shape[0] <= CPU_KERNEL_MAX_ROWS and x.dtype == torch.float32:
+        exact = self.int8_group or self.act_quant  # no packed op takes group scales; bf16 would round x
+        if self.mode == "int8" and (exact or (x.shape[0] <= CPU_KERNEL_MAX_ROWS and x.dtype == torch.float32)):
             from kernels import cpu_kernels
 
-            if cpu_kernels.available():
-                return cpu_kernels.linear_int8(x, self.weight, self.scale)
+            if cpu_kernels.available():  # (then at any row count)
+                return cpu_kernels.linear_int8(x.float(), self.weight, self.scale).to(x.dtype)
+        if exact:
+            return wq_matmul_ref(x, self.weight, self.scale)
         if (self.mode == "int4" and self.group_size in W4A8_GROUPS and x.shape[0] <= CPU_KERNEL_MAX_ROWS
                 and x.dtype == torch.float32):
             from kernels import cpu_kernels
@@ -310,7 +334,9 @@ class QuantLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        g = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        g = f", group_size={self.group_size}" if self.mode == "int4" else (
+            f", scale per {self.int8_group}" if self.int8_group else "")
+        g += ", activations int8 per token" if self.act_quant == "token" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{g}"
 
 

@@ -1,6 +1,7 @@
 """Checkpoints another tool quantised (config.json's `quantization_config`, or quantize_config.json): GPTQ
 (4-bit, groups, symmetric or not, v1 / v2 zero points), AWQ (GEMM layout, 4-bit) and compressed-tensors
-(pack-quantized int4 in groups or per channel, int-quantized int8 per channel, FP8 dequantised), loaded
+(pack-quantized int4 in groups or per channel, int-quantized int8 per channel, with W8A8's dynamic per-token
+int8 input activations applied in the forward, FP8 dequantised; other activation schemes refused), loaded
 straight into kernels/quant_matmul.py's QuantLinear (int4: q [N, K/2] packed, zero, scale; int8: q, scale[N])
 without widening to float. Layouts that fit no kernel (GPTQ with desc_act's reordered groups, int8 in groups)
 are dequantised at load, and the log says so.
@@ -87,6 +88,7 @@ class Scheme:
                                       "pack-quantized int4 (group, channel), int-quantized int8, float-quantized "
                                       "fp8 (dequantised)")
             self.ignore = list(qc.get("ignore") or [])
+            self.act_quant = _input_activations(groups[0].get("input_activations"), self, where)
         else:
             raise CheckpointError(f"{where}: quantization method {self.method!r} is not supported; supported: gptq, "
                                   "awq, compressed-tensors")
@@ -94,8 +96,31 @@ class Scheme:
     @property
     def name(self) -> str:
         if self.method == "compressed-tensors":
-            return f"compressed-tensors {self.format} {self.kind}{self.bits} {self.strategy}"
+            acts = " + int8 activations per token" if getattr(self, "act_quant", None) else ""
+            return f"compressed-tensors {self.format} {self.kind}{self.bits} {self.strategy}{acts}"
         return f"{self.method} int{self.bits} g{self.group}"
+
+
+def _input_activations(a: dict[str, Any] | None, scheme: Scheme, where: str) -> str | None:
+    """What a compressed-tensors group declares for its input activations: None (weight-only) or "token"
+    (dynamic symmetric int8 per token, W8A8: QuantLinear applies it in the forward, on int8 channel-wise
+    weights). Anything else is refused: tandem would otherwise run float activations the checkpoint was not
+    made for."""
+    if not a:
+        return None
+    kind, bits, strategy = str(a.get("type", "int")), int(a.get("num_bits", 8)), str(a.get("strategy", "tensor"))
+    dynamic, symmetric = a.get("dynamic") is True, bool(a.get("symmetric", True))
+    if not (kind == "int" and bits == 8 and strategy == "token" and dynamic and symmetric):
+        raise CheckpointError(
+            f"{where}: compressed-tensors input activations {kind}{bits} {strategy} "
+            f"({'dynamic' if dynamic else 'static'}, {'symmetric' if symmetric else 'asymmetric'}) are not "
+            "supported: tandem applies dynamic symmetric int8 per token (W8A8) or none (weight-only)")
+    if not (scheme.format in ("int-quantized", "naive-quantized") and scheme.bits == 8
+            and scheme.strategy in ("channel", "tensor")):
+        raise CheckpointError(f"{where}: compressed-tensors int8 per-token input activations are supported with "
+                              f"int8 channel-wise weights only, not {scheme.format} {scheme.kind}{scheme.bits} "
+                              f"{scheme.strategy}")
+    return "token"
 
 
 def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Scheme, device: torch.device,
@@ -169,7 +194,8 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
         m = QuantLinear(k, n, bias is not None, "int8", device="meta")
         m.weight = w.contiguous().to(device)
         m.scale = scale.reshape(-1).expand(n).contiguous().to(device)
-        return _with_bias(m, bias, device), "int8"
+        m.act_quant = scheme.act_quant
+        return _with_bias(m, bias, device), "int8 (w8a8 per token)" if m.act_quant else "int8"
     zp = get(f"{prefix}.weight_zero_point").float() if f"{prefix}.weight_zero_point" in names else 0.0
     wf = (w.float().view(n, scale.shape[1], -1) - (zp[..., None] if torch.is_tensor(zp) else zp)) * scale[..., None]
     return _float(linear, wf.view(n, k), bias, device, dtype), "dequantised (int8 groups)"
