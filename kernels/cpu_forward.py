@@ -32,7 +32,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _Lin(ctypes.Structure):
     _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64), ("w8a8", _I64), ("zero", _PTR),
-                ("group", _I64), ("w16", _PTR)]
+                ("group", _I64), ("w16", _PTR), ("int4", _I64), ("zoff", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -269,26 +269,40 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
 
 def _int4_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | None:
     """int4 QuantLinears of one group size (64 or 128, what tk_linear_w4a8 takes) over the same input: packed
-    weights, fp16 scales and zero points stacked by rows (the modules then view them), the scales also as
-    float32 for the C side."""
+    weights, scales and packed zero points (or none: 8) stacked by rows (the modules then view them), the
+    scales also as float32 for the C side."""
     from kernels.quant_matmul import W4A8_GROUPS, QuantLinear
 
     groups = {lin.group_size for lin in linears}
     if (len(groups) != 1 or groups.pop() not in W4A8_GROUPS or len({lin.bias is None for lin in linears}) != 1
-            or not all(isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears)):
+            or not all(isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears)
+            or len({lin.scale.dtype for lin in linears}) != 1
+            or len({lin.zero_offset for lin in linears if lin.zero is not None}) > 1):
         return None
     with torch.no_grad():
-        parts = [(lin.weight, lin.scale, lin.zero) for lin in linears]
-        q, s16, z = (torch.cat([p[i] for p in parts]).contiguous() for i in range(3))
+        packed = [lin for lin in linears if lin.zero is not None]
+        if packed:  # stacked, the zeros need one form: a projection whose zeros are all 8 gets them stored
+            off = packed[0].zero_offset
+            nib = 8 - off
+            for lin in linears:
+                if lin.zero is None:
+                    lin.zero = torch.full((lin.out_features, (lin.scale.shape[1] + 1) // 2), nib | (nib << 4),
+                                          dtype=torch.uint8)
+                    lin.zero_offset = off
+        names = ("weight", "scale") + (("zero",) if packed else ())
+        stacked = [torch.cat([getattr(lin, a) for lin in linears]).contiguous() for a in names]
         start = 0
         for lin in linears:
             n = lin.out_features
-            lin.weight.data, lin.scale.data, lin.zero.data = q[start:start + n], s16[start:start + n], z[start:start + n]
+            for a, t in zip(names, stacked):
+                getattr(lin, a).data = t[start:start + n]
             start += n
+        q, s16 = stacked[0], stacked[1]
+        z = stacked[2] if len(stacked) > 2 else None
         s32 = s16.float().contiguous()
         b = None
         if linears[0].bias is not None:
             b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
-    keep.extend([q, s16, z, s32] + ([b] if b is not None else []))
-    return _Lin(w=q.data_ptr(), scale=s32.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=0, zero=z.data_ptr(),
-                group=linears[0].group_size)
+    keep.extend([t for t in (q, s16, z, s32, b) if t is not None])
+    return _Lin(w=q.data_ptr(), scale=s32.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=0, zero=_ptr(z),
+                group=linears[0].group_size, int4=1, zoff=linears[0].zero_offset)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from kernels import thread_governor
 from kernels.cbuild import NoCompiler, build_library
-from kernels.quant_formats import dequantize_int4, dequantize_int8, quantize_act_q8
+from kernels.quant_formats import dequantize_int4, dequantize_int8, quantize_act_q8, unpack_zero
 
 _SRC = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno"]
@@ -218,7 +218,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.tk_linear_i8g, lib.tk_linear_w8a8g):  # scale [N, K / 32]
         fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
         fn.restype = _INT
-    lib.tk_linear_w4a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT]
+    lib.tk_linear_w4a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT]
     lib.tk_linear_w4a8.restype = _INT
     lib.tk_quant_act_q8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR]
     lib.tk_quant_act_q8.restype = None
@@ -387,24 +387,27 @@ def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     return _quant_linear(fn, "w8a8", x, q.shape[0], bias, q.data_ptr(), scale.data_ptr())
 
 
-def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32, its rows quantised per 32 values, @ dequantize_int4(packed, scale, zero).T (+ bias):
-    packed uint8 [N, K / 2], scale float32 [N, K / group] (contiguous), zero uint8 [N, K / group]."""
+def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                bias: torch.Tensor | None = None, zero_offset: int = 0) -> torch.Tensor:
+    """x [M, K] float32, its rows quantised per 32 values, @ the int4 weight.T (+ bias): packed uint8 [N, K / 2],
+    scale [N, K / group] (float32 contiguous: other dtypes are widened per call), zero packed two per byte
+    (`quant_formats.pack_zero`: uint8 [N, ceil(G / 2)], + zero_offset) or None (8 everywhere)."""
     lib = load()
     if lib is None:
-        return linear_w4a8_ref(x, packed, scale, zero, bias)
-    packed, scale, zero = packed.contiguous(), scale.float().contiguous(), zero.contiguous()
+        return linear_w4a8_ref(x, packed, scale, zero, bias, zero_offset)
+    packed, scale = packed.contiguous(), scale.float().contiguous()
+    zero = None if zero is None else zero.contiguous()
     return _quant_linear(lib.tk_linear_w4a8, "int4", x, packed.shape[0], bias, packed.data_ptr(), scale.data_ptr(),
-                         zero.data_ptr(), group)
+                         None if zero is None else zero.data_ptr(), zero_offset, group)
 
 
-def linear_w4a8_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_w4a8_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                    bias: torch.Tensor | None = None, zero_offset: int = 0) -> torch.Tensor:
     xq, d = quantize_act_q8(x)
     m, k = x.shape
     xd = (xq.float().view(m, k // 32, 32) * d[..., None]).view(m, k)
-    return F.linear(xd, dequantize_int4(packed, scale, zero), None if bias is None else bias.float())
+    z = unpack_zero(zero, scale.shape[1], zero_offset, rows=packed.shape[0])
+    return F.linear(xd, dequantize_int4(packed, scale, z), None if bias is None else bias.float())
 
 
 def quant_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,11 @@ Formats (weights are nn.Linear's [N, K]):
 - w8a8 (CPU): int8's weights, and the activations quantised at run time per block of 32 values
   (`quantize_act_q8`, llama.cpp's q8_0 rounding), so the dots are integer dots; the head is quantised too.
 - int4: w ~= (q[n, k] - zero[n, g]) * scale[n, g], g = k // group; q in [0, 15] packed two per byte
-  (even k in the low nibble, odd k in the high one) as uint8 [N, K/2]; scale float16 [N, K/group],
-  zero uint8 [N, K/group] (asymmetric, per group of 32, 64 or 128).
+  (even k in the low nibble, odd k in the high one) as uint8 [N, K/2]; scale float16 (or a checkpoint's
+  bfloat16 / float32) [N, K/group]; zero per group of 32, 64 or 128 (or K). `quantize_int4` returns the zeros
+  one byte per group; the kernels and QuantLinear take them packed (`pack_zero`): two nibbles per byte, uint8
+  [N, ceil(G/2)] (even g low), zero = nibble + an offset of 0 or 1 (GPTQ v1 stores zero - 1: its nibbles
+  as they are, with offset 1), or None where every zero is 8 (symmetric: nothing stored).
 """
 
 from __future__ import annotations
@@ -79,6 +82,30 @@ def quantize_int4(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, torch
     return packed, scale.half(), zero.to(torch.uint8)
 
 
+def pack_zero(zero: torch.Tensor, offset: int = 0) -> torch.Tensor | None:
+    """Zero points [N, G] (each `offset` .. `offset` + 15) -> uint8 [N, ceil(G/2)] nibbles of zero - offset (even
+    g in the low nibble); None where every zero is 8 (the kernels' default: nothing stored)."""
+    z = zero.to(torch.int16) - offset
+    if bool((z < 0).any()) or bool((z > 15).any()):
+        raise ValueError(f"int4 zero points must lie in {offset}..{offset + 15}")
+    if bool((z + offset == 8).all()):
+        return None
+    if z.shape[1] % 2:
+        z = torch.cat([z, torch.zeros_like(z[:, :1])], 1)
+    z = z.to(torch.uint8)
+    return (z[:, 0::2] | (z[:, 1::2] << 4)).contiguous()
+
+
+def unpack_zero(zero: torch.Tensor | None, groups: int, offset: int = 0, rows: int | None = None) -> torch.Tensor:
+    """`pack_zero`'s inverse: uint8 [N, G] (None: 8 everywhere, `rows` of them)."""
+    if zero is None:
+        return torch.full((rows, groups), 8, dtype=torch.uint8)
+    out = torch.empty(zero.shape[0], zero.shape[1] * 2, dtype=torch.uint8, device=zero.device)
+    out[:, 0::2] = zero & 0xF
+    out[:, 1::2] = zero >> 4
+    return out[:, :groups] + offset
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] -> uint8 [N, K] of values 0..15 (low nibble = even k)."""
     n, half = packed.shape
@@ -88,7 +115,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """zero: one byte per group [N, G] (None: 8)."""
+    if zero is None:
+        zero = torch.full(scale.shape, 8, dtype=torch.uint8, device=scale.device)
     q = unpack_int4(packed).float()
     n, k = q.shape
     group = k // scale.shape[1]

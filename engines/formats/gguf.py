@@ -275,7 +275,7 @@ def _put_quantized(model: nn.Module, name: str, t: Any, qtype: str, mode: str, r
         new = QuantLinear(k, n, has_bias, "int4", group_size=32, device="meta")
         new.weight = packed.to(device)
         new.scale = scale.contiguous().to(device)
-        new.zero = torch.full((n, k // 32), 8, dtype=torch.uint8, device=device)
+        new.set_zero_points(None)  # Q4_0 is symmetric: q - 8, no zero points stored
         mode = "int4"
     if has_bias:  # the file's bias, when it came before the weight; else a placeholder it overwrites later
         bias = old.bias if old.bias.device.type != "meta" else torch.zeros(n, device=device)

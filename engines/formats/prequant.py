@@ -132,12 +132,13 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
     n, k = linear.out_features, linear.in_features
     bias = get(f"{prefix}.bias") if f"{prefix}.bias" in names else None
 
-    def int4(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: int) -> nn.Module:
-        """q, zero uint8 [N, K] / [N, G] in 0..15 (zero up to 16), scale [N, G]: onto int4, exactly."""
+    def int4(q: torch.Tensor, zero: torch.Tensor | None, offset: int, scale: torch.Tensor, group: int) -> nn.Module:
+        """q uint8 [N, K] in 0..15, zero [N, G] the file's nibbles (zero points minus `offset`; None: 8), scale
+        [N, G] in its stored dtype: onto int4, exactly, the zeros packed two per byte as the files pack them."""
         m = QuantLinear(k, n, bias is not None, "int4", group_size=group, device="meta")
         m.weight = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous().to(device)
-        m.zero = zero.to(torch.uint8).contiguous().to(device)
-        m.scale = (scale.float() if scale.dtype == torch.bfloat16 else scale).contiguous().to(device)
+        m.set_zero_points(None if zero is None else zero.to(torch.int16) + offset, offset)
+        m.scale = scale.contiguous().to(device)
         return _with_bias(m, bias, device)
 
     if scheme.method in ("gptq", "awq"):
@@ -148,9 +149,8 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
         scales = get(f"{prefix}.scales")  # [K / group, N]
         if scheme.method == "gptq":
             q = _unpack_rows(get(f"{prefix}.qweight"), k).t()  # [N, K]
-            zero = _unpack_cols(get(f"{prefix}.qzeros"), n).t().to(torch.int16)  # [N, G]
-            if scheme.v1:
-                zero = zero + 1  # GPTQ v1 stores zero - 1
+            zero = _unpack_cols(get(f"{prefix}.qzeros"), n).t().to(torch.int16)  # [N, G] nibbles
+            offset = 1 if scheme.v1 else 0  # GPTQ v1 stores zero - 1
             g_idx = get(f"{prefix}.g_idx").long() if f"{prefix}.g_idx" in names else None
             if g_idx is not None and not torch.equal(g_idx, torch.arange(k) // group):
                 # desc_act: input rows visit the groups out of order. With `group` rows per group, sorting
@@ -158,15 +158,15 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
                 # activations are gathered into it (QuantLinear.input_perm); else floats
                 perm = torch.argsort(g_idx, stable=True)
                 if torch.equal(g_idx[perm], torch.arange(k) // group):
-                    m = int4(q[:, perm].to(torch.uint8), zero, scales.t(), group)
-                    m.input_perm = perm.to(device)
+                    m = int4(q[:, perm].to(torch.uint8), zero, offset, scales.t(), group)
+                    m.input_perm = perm.to(torch.int32).to(device)  # (the file's g_idx is int32 too)
                     return m, "int4 (act-order)"
-                w = (q.float() - zero.float()[:, g_idx]) * scales.t().float()[:, g_idx]
+                w = (q.float() - (zero + offset).float()[:, g_idx]) * scales.t().float()[:, g_idx]
                 return _float(linear, w, bias, device, dtype), "dequantised (desc_act)"
         else:
             q = _unpack_cols(get(f"{prefix}.qweight"), n, AWQ_ORDER).t()
-            zero = _unpack_cols(get(f"{prefix}.qzeros"), n, AWQ_ORDER).t()
-        return int4(q.to(torch.uint8), zero, scales.t(), group), "int4"
+            zero, offset = _unpack_cols(get(f"{prefix}.qzeros"), n, AWQ_ORDER).t(), 0
+        return int4(q.to(torch.uint8), zero, offset, scales.t(), group), "int4"
 
     # compressed-tensors
     if scheme.format == "pack-quantized":
@@ -177,11 +177,10 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
         group = k // groups
         _check(group * groups == k, scheme, prefix, f"in_features {k} and {groups} scale groups")
         q = _unpack_cols(get(f"{prefix}.weight_packed"), k)  # [N, K], value + 8
-        if scheme.symmetric:
-            zero = torch.full((n, groups), 8, dtype=torch.uint8)
-        else:
+        zero = None  # symmetric: 8 everywhere, nothing stored
+        if not scheme.symmetric:
             zero = _unpack_cols(get(f"{prefix}.weight_zero_point").t().contiguous(), n).t()  # [N, G], zp + 8
-        return int4(q.to(torch.uint8), zero, scale, group), "int4"
+        return int4(q.to(torch.uint8), zero, 0, scale, group), "int4"
     if f"{prefix}.weight_scale" not in names:
         return None
     w = get(f"{prefix}.weight")

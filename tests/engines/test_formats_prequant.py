@@ -118,14 +118,25 @@ def test_weights_equal_the_formats_dequantisation_and_logits_match(made, kind, t
         assert got == seq[len(PROMPT):]
 
 
-@pytest.mark.parametrize("kind", ["gptq-sym", "awq-gemm", "ct-w4a16"])
-def test_4bit_weights_take_the_files_memory(made, kind, tiny_checkpoint):
-    """Packed weights and scales as stored, never widened; the zero points one byte per group (files pack them
-    8 to an int32, or store none when symmetric): at most that much over the file."""
+@pytest.mark.parametrize("kind", ["gptq-sym", "gptq-asym-g128", "gptq-desc-act", "awq-gemm", "ct-w4a16",
+                                  "ct-w4a16-asym"])
+def test_4bit_weights_take_no_more_memory_than_the_file(made, kind, tiny_checkpoint):
+    """Packed weights and scales as stored, never widened; the zero points packed two per byte (the files pack
+    them 8 to an int32: the same bytes), none where they are all 8 (symmetric), act-order's permutation int32 as
+    the file's g_idx: the loaded weights take no more bytes than the file."""
     folder = made(kind)
     model = LLM(folder, max_model_len=64).engine.model
-    zero_bytes = sum(m.zero.numel() for m in model.modules() if isinstance(m, QuantLinear))
-    assert model.load_info["weight_bytes"] <= (folder / "model.safetensors").stat().st_size + zero_bytes
+    lins = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(lins) == 14 and all(m.mode == "int4" for m in lins)
+    assert model.load_info["weight_bytes"] <= (folder / "model.safetensors").stat().st_size
+    zeros = [m.zero for m in lins]
+    if kind in ("gptq-sym", "gptq-desc-act", "ct-w4a16"):
+        assert all(z is None for z in zeros)  # symmetric: no zero points kept
+    else:
+        # (random weights of a small projection may have every zero at 8: nothing stored for it either)
+        assert any(z is not None for z in zeros)
+        assert all(z.dtype == torch.uint8 and z.shape[1] == (m.scale.shape[1] + 1) // 2
+                   for m, z in zip(lins, zeros) if z is not None)
     float_file = tiny_checkpoint("llama", **GEOMETRY) / "model.safetensors"
     assert model.load_info["weight_bytes"] < 0.35 * float_file.stat().st_size
 
@@ -193,7 +204,7 @@ def test_gptq_qwen2_keeps_its_qkv_biases(tiny_checkpoint, tmp_path):
     assert (ours - theirs).abs().max().item() < 0.25
 
 
-@pytest.mark.parametrize("kind", ["gptq-sym", "gptq-desc-act", "awq-gemm", "ct-w4a16"])
+@pytest.mark.parametrize("kind", ["gptq-sym", "gptq-asym-g128", "gptq-desc-act", "awq-gemm", "ct-w4a16"])
 def test_engine_decoding_equals_the_models_own_forward(made, kind):
     """The engine's CPU decode path (the C decoder stack where it covers the model) gives the tokens of a
     greedy loop over the model's own forward: act-order weights, whose input must be gathered first, keep the
