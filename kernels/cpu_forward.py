@@ -32,7 +32,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _Lin(ctypes.Structure):
     _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64), ("w8a8", _I64), ("zero", _PTR),
-                ("group", _I64), ("w16", _PTR), ("int4", _I64), ("zoff", _I64)]
+                ("group", _I64), ("w16", _PTR), ("int4", _I64), ("zoff", _I64), ("skind", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -269,8 +269,8 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list[torch.T
 
 def _int4_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | None:
     """int4 QuantLinears of one group size (64 or 128, what tk_linear_w4a8 takes) over the same input: packed
-    weights, scales and packed zero points (or none: 8) stacked by rows (the modules then view them), the
-    scales also as float32 for the C side."""
+    weights, scales (in their stored dtype, which the C side reads) and packed zero points (or none: 8) stacked
+    by rows (the modules then view them): nothing kept twice."""
     from kernels.quant_matmul import W4A8_GROUPS, QuantLinear
 
     groups = {lin.group_size for lin in linears}
@@ -297,12 +297,14 @@ def _int4_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | No
             for a, t in zip(names, stacked):
                 getattr(lin, a).data = t[start:start + n]
             start += n
-        q, s16 = stacked[0], stacked[1]
+        q, s = stacked[0], stacked[1]
         z = stacked[2] if len(stacked) > 2 else None
-        s32 = s16.float().contiguous()
+        if s.dtype not in cpu_kernels.SCALE_KINDS:
+            return None
         b = None
         if linears[0].bias is not None:
             b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
-    keep.extend([t for t in (q, s16, z, s32, b) if t is not None])
-    return _Lin(w=q.data_ptr(), scale=s32.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=0, zero=_ptr(z),
-                group=linears[0].group_size, int4=1, zoff=linears[0].zero_offset)
+    keep.extend([t for t in (q, s, z, b) if t is not None])
+    return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=0, zero=_ptr(z),
+                group=linears[0].group_size, int4=1, zoff=linears[0].zero_offset,
+                skind=cpu_kernels.SCALE_KINDS[s.dtype])  # the scales as stored: no float32 copy

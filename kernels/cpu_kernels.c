@@ -1194,7 +1194,8 @@ int tk_linear_w8a8g(const float *x, int64_t M, int64_t K, const int8_t *q, const
 }
 
 /* ---- int4 weights x int8 activations (w4a8): kernels.quant_matmul's int4 format ------------------------------
- * q uint8 [N, K / 2] (even k in the low nibble), scale float32 [N, K / group] (the fp16 scales widened once),
+ * q uint8 [N, K / 2] (even k in the low nibble), scale [N, K / group] as stored (skind 0: float32, 1: float16,
+ * 2: bfloat16; read once per row and group),
  * zero packed two per byte, uint8 [N, ceil(G / 2)] (even g in the low nibble; zero = nibble + zoff), or NULL
  * for 8 everywhere (symmetric); w = (q - zero) * scale; group 64 or 128. The activations are quantised per 32 as
  * for w8a8 and stored per pair of blocks in the nibbles' order (both blocks' even positions, then both
@@ -1202,6 +1203,31 @@ int tk_linear_w8a8g(const float *x, int64_t M, int64_t K, const int8_t *q, const
  * one vpmaddubsw with the matching activations (nibbles are the unsigned side: no sign trick, and the two
  * products add in int16 without saturating); the zero point comes off once per group through the group's
  * activation sum: sum (q - z) x = q.x - z sum x. */
+
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    if (e == 31) v.u = sign | 0x7F800000u | (m << 13);      /* inf, nan */
+    else if (e) v.u = sign | ((e + 112) << 23) | (m << 13); /* normal */
+    else {                                                  /* zero, subnormal: m * 2^-24 */
+        v.f = (float)m * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+#endif
+}
+
+/* scale i of an int4 weight stored as float32 (skind 0), float16 (1) or bfloat16 (2) */
+static inline float scale_at(const void *s, int64_t skind, int64_t i) {
+    return skind == 1 ? f16_to_f32(((const uint16_t *)s)[i])
+           : skind == 2 ? bf16_to_f32(((const uint16_t *)s)[i]) : ((const float *)s)[i];
+}
 
 /* the zero point of group g in a row of packed zeros (NULL: 8) */
 static inline float zero_at(const uint8_t *zrow, int64_t g, int64_t zoff) {
@@ -1246,7 +1272,8 @@ static void quant_act_q8_pairs(const float *x, int64_t M, int64_t K, int64_t gro
 /* NR weight rows x MR activation rows over K (q rows at stride K / 2 bytes, scales/zeros at stride G) */
 #define TK_DEF_W4(NR, MR)                                                                                      \
     static void w4_##NR##x##MR(const int8_t *xp, const float *d, const float *gsum, int64_t K, int64_t group,   \
-                               const uint8_t *q, const float *sc, const uint8_t *zp, int64_t zoff, float *s) { \
+                               const uint8_t *q, const void *sc, int64_t sk, const uint8_t *zp, int64_t zoff,    \
+                               float *s) {                                                                     \
         const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8), GZ = (G + 1) / 2;                   \
         const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                              \
         __m256 acc[MR][NR];                                                                                    \
@@ -1283,7 +1310,7 @@ static void quant_act_q8_pairs(const float *x, int64_t M, int64_t K, int64_t gro
                 }                                                                                              \
             }                                                                                                  \
             for (int i = 0; i < NR; i++) {                                                                     \
-                const float ws = sc[i * G + g], wz = ws * zero_at(zp ? zp + i * GZ : 0, g, zoff);              \
+                const float ws = scale_at(sc, sk, i * G + g), wz = ws * zero_at(zp ? zp + i * GZ : 0, g, zoff); \
                 const __m256 wv = _mm256_set1_ps(ws);                                                          \
                 for (int r = 0; r < MR; r++) {                                                                 \
                     acc[r][i] = _mm256_fmadd_ps(grp[r][i], wv, acc[r][i]);                                     \
@@ -1300,10 +1327,11 @@ TK_DEF_W4(1, 1)
 #endif
 
 static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, int64_t M, int64_t K,
-                           int64_t group, const uint8_t *q, const float *sc, const uint8_t *zp, int64_t zoff,
-                           const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+                           int64_t group, const uint8_t *q, const void *scale, int64_t sk, const uint8_t *zp,
+                           int64_t zoff, const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
     const int64_t B = K / Q8, G = K / group, GZ = (G + 1) / 2;
 #define ZROW(n) (zp ? zp + (n) * GZ : 0)
+#define SROW(n) ((const char *)scale + (n) * G * (sk ? 2 : 4))
     int64_t n = n0;
 #if TK_AVX2
     float s[8];
@@ -1311,19 +1339,19 @@ static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, 
         const uint8_t *qn = q + n * (K / 2);
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) {
-            w4_4x2(xp + m * K, d + m * B, gsum + m * G, K, group, qn, sc + n * G, ZROW(n), zoff, s);
+            w4_4x2(xp + m * K, d + m * B, gsum + m * G, K, group, qn, SROW(n), sk, ZROW(n), zoff, s);
             for (int r = 0; r < 2; r++)
                 for (int i = 0; i < 4; i++)
                     y[(m + r) * N + n + i] = s[r * 4 + i] + (bias ? bias[n + i] : 0.f);
         }
         for (; m < M; m++) {
-            w4_4x1(xp + m * K, d + m * B, gsum + m * G, K, group, qn, sc + n * G, ZROW(n), zoff, s);
+            w4_4x1(xp + m * K, d + m * B, gsum + m * G, K, group, qn, SROW(n), sk, ZROW(n), zoff, s);
             for (int i = 0; i < 4; i++) y[m * N + n + i] = s[i] + (bias ? bias[n + i] : 0.f);
         }
     }
     for (; n < n1; n++)
         for (int64_t m = 0; m < M; m++) {
-            w4_1x1(xp + m * K, d + m * B, gsum + m * G, K, group, q + n * (K / 2), sc + n * G, ZROW(n), zoff, s);
+            w4_1x1(xp + m * K, d + m * B, gsum + m * G, K, group, q + n * (K / 2), SROW(n), sk, ZROW(n), zoff, s);
             y[m * N + n] = s[0] + (bias ? bias[n] : 0.f);
         }
 #else
@@ -1342,18 +1370,21 @@ static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, 
                     }
                     tg += d[m * B + b] * (float)a0 + d[m * B + b + 1] * (float)a1;
                 }
-                t += sc[n * G + g] * tg - sc[n * G + g] * zero_at(ZROW(n), g, zoff) * gsum[m * G + g];
+                const float ws = scale_at(scale, sk, n * G + g);
+                t += ws * tg - ws * zero_at(ZROW(n), g, zoff) * gsum[m * G + g];
             }
             y[m * N + n] = t + (bias ? bias[n] : 0.f);
         }
 #endif
 #undef ZROW
+#undef SROW
 }
 
 /* y[M, N] = q8(x) . ((q - zero) * scale) (+ bias); returns 0, 1 when the scratch allocation failed, 2 when the
  * group is not 64 or 128 or does not divide K */
-int tk_linear_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *scale, const uint8_t *zero,
-                   int64_t zoff, int64_t group, int64_t N, const float *bias, float *y, int nthreads) {
+int tk_linear_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *q, const void *scale, int64_t skind,
+                   const uint8_t *zero, int64_t zoff, int64_t group, int64_t N, const float *bias, float *y,
+                   int nthreads) {
     if ((group != 64 && group != 128) || K % group) return 2;
     const int64_t B = K / Q8, G = K / group;
     size_t need = 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(B + G);
@@ -1361,7 +1392,7 @@ int tk_linear_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *q, const
     int8_t *xp = (int8_t *)q4_scratch;
     float *d = (float *)(xp + 2 * M * K), *gsum = d + M * B;
     quant_act_q8_pairs(x, M, K, group, xp, d, gsum);
-#define W4_ROWS(a, b) linear_w4_rows(xp, d, gsum, M, K, group, q, scale, zero, zoff, bias, y, N, a, b)
+#define W4_ROWS(a, b) linear_w4_rows(xp, d, gsum, M, K, group, q, scale, skind, zero, zoff, bias, y, N, a, b)
     TK_OVER_COLUMNS(N, nthreads, 4, W4_ROWS);
 #undef W4_ROWS
     return 0;
@@ -1651,12 +1682,13 @@ typedef struct {
     int64_t ld;
     int64_t w8a8; /* int8 weights: 1 quantises the activations too (tk_linear_w8a8), 0 keeps them float32 */
     const uint8_t *zero; /* int4 (tk_linear_w4a8): zero points packed [N, ceil(K / group / 2)] or NULL; w is
-                          * packed [N, K / 2], scale float32 [N, K / group] */
+                          * packed [N, K / 2], scale [N, K / group] of type skind */
     int64_t group;
     const uint16_t *w16; /* float32: the same weight as bf16 bits (same layout and ld), which the register tiles
                           * read instead where it is not NULL (tk_linear_f32_w16) */
     int64_t int4;        /* 1: int4 weights (tk_linear_w4a8; zero may then be NULL, 8 everywhere) */
     int64_t zoff;        /* int4: added to each packed zero nibble */
+    int64_t skind;       /* int4: the scales' type as stored (0 float32, 1 float16, 2 bfloat16) */
 } tk_lin;
 
 typedef struct {
@@ -1678,8 +1710,8 @@ typedef struct {
 /* returns 0, or 1 when a scratch allocation failed */
 static int lin_apply(const tk_lin *l, const float *x, int64_t M, int64_t K, int64_t N, float *y, int nthreads) {
     if (l->int4)
-        return tk_linear_w4a8(x, M, K, (const uint8_t *)l->w, l->scale, l->zero, l->zoff, l->group, N, l->bias, y,
-                              nthreads) ? 1 : 0;
+        return tk_linear_w4a8(x, M, K, (const uint8_t *)l->w, l->scale, l->skind, l->zero, l->zoff, l->group, N,
+                              l->bias, y, nthreads) ? 1 : 0;
     if (l->scale && l->group) /* int8 with a scale per 32 weights */
         return (l->w8a8 ? tk_linear_w8a8g : tk_linear_i8g)(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y,
                                                            nthreads) ? 1 : 0;

@@ -53,6 +53,7 @@ build_error: str | None = None  # why the kernels are unavailable, once `load()`
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SGEMM_MIN_ROWS = 13  # kernels/cpu_kernels.c's built-in threshold
+SCALE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # tk_linear_w4a8's skind
 BLOCK_MAX_KN = 1 << 20  # and the register blocks' built-in bound (floats)
 
 
@@ -218,7 +219,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.tk_linear_i8g, lib.tk_linear_w8a8g):  # scale [N, K / 32]
         fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
         fn.restype = _INT
-    lib.tk_linear_w4a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT]
+    lib.tk_linear_w4a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT]
     lib.tk_linear_w4a8.restype = _INT
     lib.tk_quant_act_q8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR]
     lib.tk_quant_act_q8.restype = None
@@ -390,15 +391,15 @@ def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
 def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
                 bias: torch.Tensor | None = None, zero_offset: int = 0) -> torch.Tensor:
     """x [M, K] float32, its rows quantised per 32 values, @ the int4 weight.T (+ bias): packed uint8 [N, K / 2],
-    scale [N, K / group] (float32 contiguous: other dtypes are widened per call), zero packed two per byte
-    (`quant_formats.pack_zero`: uint8 [N, ceil(G / 2)], + zero_offset) or None (8 everywhere)."""
+    scale [N, K / group] float32, float16 or bfloat16 as stored (the kernel reads that type: no widened copy),
+    zero packed two per byte (`quant_formats.pack_zero`: uint8 [N, ceil(G / 2)], + zero_offset) or None (8)."""
     lib = load()
     if lib is None:
         return linear_w4a8_ref(x, packed, scale, zero, bias, zero_offset)
-    packed, scale = packed.contiguous(), scale.float().contiguous()
+    packed, scale = packed.contiguous(), scale.contiguous() if scale.dtype in SCALE_KINDS else scale.float().contiguous()
     zero = None if zero is None else zero.contiguous()
     return _quant_linear(lib.tk_linear_w4a8, "int4", x, packed.shape[0], bias, packed.data_ptr(), scale.data_ptr(),
-                         None if zero is None else zero.data_ptr(), zero_offset, group)
+                         SCALE_KINDS[scale.dtype], None if zero is None else zero.data_ptr(), zero_offset, group)
 
 
 def linear_w4a8_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

@@ -277,14 +277,6 @@ class QuantLinear(nn.Module):
         return unpack_zero(self.zero, self.scale.shape[1], self.zero_offset, rows=self.out_features).to(
             self.scale.device)
 
-    def _int4_scale_f32(self) -> torch.Tensor:
-        """The fp16 scales widened to float32 for the CPU kernel, cached while the scale buffer stays the same."""
-        cached = getattr(self, "_s32", None)
-        if cached is None or cached[0] != self.scale.data_ptr():
-            cached = (self.scale.data_ptr(), self.scale.float().contiguous())
-            self._s32 = cached
-        return cached[1]
-
     def dequantized_weight(self) -> torch.Tensor:
         """The float weight [N, K] in the input's order (an input_perm undone)."""
         if self.mode in ("int8", "w8a8"):
@@ -339,7 +331,7 @@ class QuantLinear(nn.Module):
             from kernels import cpu_kernels
 
             if cpu_kernels.available():  # activations quantised per 32 (as w8a8): 2-3x the packed op at 1-4 rows
-                return cpu_kernels.linear_w4a8(x, self.weight, self._int4_scale_f32(), self.zero, self.group_size,
+                return cpu_kernels.linear_w4a8(x, self.weight, self.scale, self.zero, self.group_size,
                                                zero_offset=self.zero_offset)
         if not cpu_packed_op_fits(self.mode, self.out_features, self.in_features):
             return wq_matmul_ref(x, self.weight, self.scale, self.zero, zero_offset=self.zero_offset)

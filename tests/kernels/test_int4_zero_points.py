@@ -93,3 +93,29 @@ def test_quantlinear_int4_keeps_zeros_packed(zeros, offset, group):
     x = torch.randn(4, k)
     # torch's packed op (group 32) rounds the activations to bf16; the C kernel (64) quantises them per 32
     torch.testing.assert_close(lin(x), x @ w.T, atol=3e-2, rtol=3e-2)
+
+
+@needs_kernels
+def test_c_w4a8_reads_the_scales_as_stored():
+    """float16 / bfloat16 scales read by the kernel itself (no float32 copy kept): the same bits as their
+    float32 widening, subnormal float16 scales included, also in a build without F16C (the C conversion)."""
+    import ctypes
+
+    from kernels.cbuild import build_library
+
+    packed, scale, zero = int4_weight(32, 256, 64, "asym")
+    scale = scale.clone()
+    scale[0, 0], scale[1, 1], scale[2, 2] = 3e-6, -6e-8, 65504.0  # subnormals, the largest half
+    x = torch.randn(3, 256)
+    zp = pack_zero(zero)
+    want = ck.linear_w4a8(x, packed, scale.float(), zp, 64)
+    assert torch.equal(ck.linear_w4a8(x, packed, scale, zp, 64), want)
+    b16 = scale.to(torch.bfloat16)
+    assert torch.equal(ck.linear_w4a8(x, packed, b16, zp, 64), ck.linear_w4a8(x, packed, b16.float(), zp, 64))
+    so = build_library(ck._SRC.read_text(), "tandem_cpu_kernels_nof16c",
+                       [*ck._FLAGS, "-mno-f16c", "-Wno-unknown-pragmas"], ck.cache_dir(), key=(ck._cpu_flags(),))
+    lib = ck._bind(ctypes.CDLL(str(so)))
+    y = torch.empty(3, 32)
+    rc = lib.tk_linear_w4a8(x.data_ptr(), 3, 256, packed.data_ptr(), scale.data_ptr(), 1, zp.data_ptr(), 0, 64, 32,
+                            None, y.data_ptr(), 1)
+    assert rc == 0 and torch.equal(y, want)
