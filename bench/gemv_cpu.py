@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 from bench.results_meta import write_results  # noqa: E402
 from kernels import cpu_kernels as ck  # noqa: E402
-from kernels.quant_matmul import quantize_int4, quantize_int8  # noqa: E402
+from kernels.quant_matmul import pack_zero, quantize_int4, quantize_int8  # noqa: E402
 
 KINDS = ("f32_torch", "f32_kernel", "int8_packed", "int8_kernel", "w8a8_kernel", "int4_kernel")
 BYTES = {"f32_torch": 4.0, "f32_kernel": 4.0, "int8_packed": 1.0, "int8_kernel": 1.0, "w8a8_kernel": 1.0,
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         q = q.contiguous()
         s_bf16 = s.to(torch.bfloat16)
         p4, s4, z4 = quantize_int4(w, 64)
+        z4 = pack_zero(z4)
         p4, s4, z4 = p4.contiguous(), s4.float().contiguous(), z4.contiguous()  # as QuantLinear's buffers
         for m in args.rows:
             x = torch.randn(m, k, generator=g)
@@ -120,6 +121,7 @@ def model_passes(row_counts: list[int], reps: int) -> list[dict]:
                 w = torch.randn(n, k, generator=g)
                 q, s = quantize_int8(w)
                 p4, s4, z4 = quantize_int4(w, 64)
+                z4 = pack_zero(z4)
                 layer.append((w.t().contiguous().t(), q.contiguous(), s, p4.contiguous(), s4.float().contiguous(),
                               z4.contiguous()))
             sets.append(layer)

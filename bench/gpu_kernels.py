@@ -29,7 +29,14 @@ from engines.model import Transformer, rope_inv_freq  # noqa: E402
 from engines.model_config import ModelConfig  # noqa: E402
 from kernels.kv_write import write_kv  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.quant_matmul import QuantLinear, quantize_int4, quantize_int8, quantize_model, wq_matmul  # noqa: E402
+from kernels.quant_matmul import (  # noqa: E402
+    QuantLinear,
+    pack_zero,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    wq_matmul,
+)
 
 ROWS: list[dict] = []
 PAGE = 16
@@ -150,10 +157,11 @@ def matmul_shape(copy_gbs: float, m: int, n: int, k: int) -> None:
     x = torch.randn(m, k, device=DEV, dtype=dtype)
     q8, s8 = quantize_int8(w)
     p4, s4, z4 = quantize_int4(w, 64)
+    z4 = pack_zero(z4)
     variants = [
         ("bf16 torch", lambda: x @ w.T, w.numel() * 2),
         ("int8 triton", lambda: wq_matmul(x, q8, s8), q8.numel() + s8.numel() * 4),
-        ("int4 g64 triton", lambda: wq_matmul(x, p4, s4, z4), p4.numel() + s4.numel() * 3),
+        ("int4 g64 triton", lambda: wq_matmul(x, p4, s4, z4), p4.numel() + s4.numel() * 2 + z4.numel()),
     ]
     for name, fn, wbytes in variants:
         label = f"M={m} N={n} K={k} {name}"

@@ -1,8 +1,9 @@
 """Pre-quantised 4-bit checkpoints vs tandem's own quantise-on-load, on the CPU: one random Llama (float
-safetensors) and its GPTQ (sym, groups of 128), AWQ (GEMM, groups of 128) and compressed-tensors W4A16 copies
-(tests/prequant_files.py), each decoded greedily by `LLM(...)` (round-robin over the models, median of the repeats), next to `LLM(float, quantization="int4",
-quantization_group_size=128)`. Prints decode tokens/s, the ratio to tandem's int4 in the same run, weight bytes
-in memory and the checkpoint's bytes on disk; writes bench/results/prequant.json.
+safetensors) and its GPTQ (sym and asym, groups of 128), AWQ (GEMM, groups of 128) and compressed-tensors W4A16
+copies (tests/prequant_files.py), each decoded greedily by `LLM(...)` (round-robin over the models, median of the
+repeats), next to `LLM(float, quantization="int4", quantization_group_size=128)`. Prints decode tokens/s, the
+ratio to tandem's int4 in the same run, weight bytes in memory (`load_info`), the checkpoint's bytes on disk and
+their ratio (loaded / file); writes bench/results/prequant.json.
 
     .venv/bin/python bench/prequant.py [--hidden 1024 --layers 8 --tokens 64 --repeats 3 --threads 1]
 """
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     src = build_checkpoint(tmp / "float", "llama", hidden_size=args.hidden, intermediate_size=args.hidden * 3,
                            num_layers=args.layers, num_heads=args.hidden // 64, num_kv_heads=args.hidden // 256,
                            vocab_size=384)
-    folders = {"gptq g128": gptq(src, tmp / "gptq", group=128), "awq g128": awq(src, tmp / "awq", group=128),
+    folders = {"gptq g128": gptq(src, tmp / "gptq", group=128),
+               "gptq asym g128": gptq(src, tmp / "gptq-asym", group=128, sym=False),
+               "awq g128": awq(src, tmp / "awq", group=128),
                "compressed-tensors w4a16": compressed_tensors(src, tmp / "ct", "W4A16")}
     llms = {"tandem int4 g128 (at load)": (LLM(src, quantization="int4", quantization_group_size=128,
                                                 max_model_len=256), src)}
@@ -70,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
              "ratio": statistics.median(rates[name]) / base_rate,
              "weight_bytes": llm.engine.model.load_info["weight_bytes"],
              "file_bytes": (folder / "model.safetensors").stat().st_size} for name, (llm, folder) in llms.items()]
-    print(f"{'model':<30} {'tok/s':>8} {'vs int4':>8} {'weights MB':>11} {'file MB':>8}")
+    for r in rows:
+        r["loaded_over_file"] = r["weight_bytes"] / r["file_bytes"]
+    print(f"{'model':<30} {'tok/s':>8} {'vs int4':>8} {'weights MB':>11} {'file MB':>8} {'loaded/file':>12}")
     for r in rows:
         print(f"{r['model']:<30} {r['tok_s']:>8.1f} {r['ratio']:>8.2f} {r['weight_bytes'] / 1e6:>11.2f} "
-              f"{r['file_bytes'] / 1e6:>8.2f}")
+              f"{r['file_bytes'] / 1e6:>8.2f} {r['loaded_over_file']:>12.3f}")
     write_results(Path(args.out), {"args": vars(args), "torch": torch.__version__, "rows": rows})
     return 0
 

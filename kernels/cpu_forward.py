@@ -5,8 +5,8 @@ A tiny model's decode step through PyTorch is ~100 framework ops (norms, matmuls
 ~5-20 us of dispatch: more than the arithmetic. Here Python builds the step's index arrays once and C runs
 every layer: the projections stream each weight once (float32 `wt [K, N]`, the column-major layout
 `engines.model.cpu_weight_layout` stores, read from a bfloat16 copy where its values are all bf16 (a bf16
-checkpoint: half the bytes, the same bits; `cpu_kernels.bf16_copy`), or int8 `[N, K]` with per-row scales,
-weight-only or w8a8), many-row steps take the register tiles 8 rows at a time or the MKL SGEMM torch ships
+checkpoint: half the bytes, the same bits; `cpu_kernels.bf16_copy`), or int8 `[N, K]` with per-row scales or a
+scale per 32 weights (GGUF Q8_0), weight-only or w8a8), many-row steps take the register tiles 8 rows at a time or the MKL SGEMM torch ships
 (`cpu_kernels.calibrate` picks by timing both on the model's weights when it is built), K/V go into their pages
 and attention reads the pages in place.
 
@@ -37,7 +37,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _Lin(ctypes.Structure):
     _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64), ("w8a8", _I64), ("zero", _PTR),
-                ("group", _I64), ("w16", _PTR)]
+                ("group", _I64), ("w16", _PTR), ("int4", _I64), ("zoff", _I64), ("skind", _I64)]
 
 
 class _Moe(ctypes.Structure):
@@ -271,8 +271,10 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
     rows stacked into one [sum N, K] weight the modules then view, so nothing is stored twice)."""
     from kernels.quant_matmul import QuantLinear
 
-    if any(getattr(lin, "input_perm", None) is not None for lin in linears):
-        return None  # act-order weights gather their input first: QuantLinear.forward does, the C stack does not
+    if any(getattr(lin, "input_perm", None) is not None or getattr(lin, "act_quant", None) for lin in linears):
+        # act-order weights gather their input first, per-token int8 activations are quantised first:
+        # QuantLinear.forward does, the C stack does not
+        return None
     if all(type(lin) is nn.Linear for lin in linears):
         if fused is not None:
             w, b, _ = fused
@@ -296,7 +298,7 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
         return _int4_group(linears, keep)
     if len(modes) == 1 and modes <= {"int8", "w8a8"} and all(
             isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears):
-        if len({lin.bias is None for lin in linears}) != 1:
+        if len({lin.bias is None for lin in linears}) != 1 or len({lin.int8_group for lin in linears}) != 1:
             return None
         with torch.no_grad():
             if len(linears) == 1:
@@ -313,32 +315,49 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
             if linears[0].bias is not None:
                 b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
         keep.extend([q, s] + ([b] if b is not None else []))
-        return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=int(modes == {"w8a8"}))
+        return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=int(modes == {"w8a8"}),
+                    group=linears[0].int8_group)  # group 32: int8 with a scale per 32 weights (GGUF Q8_0)
     return None
 
 
 def _int4_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | None:
     """int4 QuantLinears of one group size (64 or 128, what tk_linear_w4a8 takes) over the same input: packed
-    weights, fp16 scales and zero points stacked by rows (the modules then view them), the scales also as
-    float32 for the C side."""
+    weights, scales (in their stored dtype, which the C side reads) and packed zero points (or none: 8) stacked
+    by rows (the modules then view them): nothing kept twice."""
     from kernels.quant_matmul import W4A8_GROUPS, QuantLinear
 
     groups = {lin.group_size for lin in linears}
     if (len(groups) != 1 or groups.pop() not in W4A8_GROUPS or len({lin.bias is None for lin in linears}) != 1
-            or not all(isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears)):
+            or not all(isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears)
+            or len({lin.scale.dtype for lin in linears}) != 1
+            or len({lin.zero_offset for lin in linears if lin.zero is not None}) > 1):
         return None
     with torch.no_grad():
-        parts = [(lin.weight, lin.scale, lin.zero) for lin in linears]
-        q, s16, z = (torch.cat([p[i] for p in parts]).contiguous() for i in range(3))
+        packed = [lin for lin in linears if lin.zero is not None]
+        if packed:  # stacked, the zeros need one form: a projection whose zeros are all 8 gets them stored
+            off = packed[0].zero_offset
+            nib = 8 - off
+            for lin in linears:
+                if lin.zero is None:
+                    lin.zero = torch.full((lin.out_features, (lin.scale.shape[1] + 1) // 2), nib | (nib << 4),
+                                          dtype=torch.uint8)
+                    lin.zero_offset = off
+        names = ("weight", "scale") + (("zero",) if packed else ())
+        stacked = [torch.cat([getattr(lin, a) for lin in linears]).contiguous() for a in names]
         start = 0
         for lin in linears:
             n = lin.out_features
-            lin.weight.data, lin.scale.data, lin.zero.data = q[start:start + n], s16[start:start + n], z[start:start + n]
+            for a, t in zip(names, stacked):
+                getattr(lin, a).data = t[start:start + n]
             start += n
-        s32 = s16.float().contiguous()
+        q, s = stacked[0], stacked[1]
+        z = stacked[2] if len(stacked) > 2 else None
+        if s.dtype not in cpu_kernels.SCALE_KINDS:
+            return None
         b = None
         if linears[0].bias is not None:
             b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
-    keep.extend([q, s16, z, s32] + ([b] if b is not None else []))
-    return _Lin(w=q.data_ptr(), scale=s32.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=0, zero=z.data_ptr(),
-                group=linears[0].group_size)
+    keep.extend([t for t in (q, s, z, b) if t is not None])
+    return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=0, zero=_ptr(z),
+                group=linears[0].group_size, int4=1, zoff=linears[0].zero_offset,
+                skind=cpu_kernels.SCALE_KINDS[s.dtype])  # the scales as stored: no float32 copy

@@ -7,6 +7,7 @@
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
  *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics;
  *                    AMX int8 tiles at 3+ rows where the CPU has them)
+ *   tk_linear_i8g, tk_linear_w8a8g  the same with a scale per 32 weights (GGUF Q8_0's blocks), scale [N, K / 32]
  *   tk_linear_w4a8   int4 weights (per-group scale and zero point) with the activations quantised the same way
  *   tk_paged_attention_f32  attention of T queries over float32 KV pages read in place (no gather): each
  *                    sequence's queries are the last q_len of its context_len positions, causal
@@ -1005,14 +1006,233 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
     return 0;
 }
 
+/* ---- int8 weights with a scale per block of 32 (GGUF Q8_0's own blocks): q [N, K], scale float32 [N, K / 32] --
+ * Weight-only (float32 activations: each block's 32 products summed, then scaled by its block's scale) and
+ * w8a8 (the activations quantised per 32 as above: one integer dot per block, scaled by both blocks' scales,
+ * llama.cpp's q8_0 x q8_0 dot). Need K % 32 == 0. The w8a8 tiles are the 256-bit ones (dot_q8: vpdpbusd where
+ * the build has VNNI); no AMX. */
+
+#if TK_AVX2
+/* two weight rows x MR activation rows: s0[r], s1[r] = sum_b c[b] * (x[r, b] . q[b]) */
+#define TK_DEF_I8G(MR)                                                                                         \
+    static void i8g_2x##MR(const float *x, int64_t K, const int8_t *q0, const int8_t *q1, const float *c0,     \
+                           const float *c1, float *s0, float *s1) {                                           \
+        __m256 a0[MR], a1[MR];                                                                                 \
+        for (int r = 0; r < MR; r++) a0[r] = a1[r] = _mm256_setzero_ps();                                     \
+        for (int64_t b = 0; b < K / Q8; b++) {                                                                 \
+            __m256 p0[MR], p1[MR];                                                                             \
+            for (int r = 0; r < MR; r++) p0[r] = p1[r] = _mm256_setzero_ps();                                 \
+            for (int j = 0; j < Q8; j += 8) {                                                                  \
+                __m256 w0 = i8x8(q0 + b * Q8 + j), w1 = i8x8(q1 + b * Q8 + j);                                 \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    __m256 xv = _mm256_loadu_ps(x + r * K + b * Q8 + j);                                       \
+                    p0[r] = _mm256_fmadd_ps(xv, w0, p0[r]);                                                    \
+                    p1[r] = _mm256_fmadd_ps(xv, w1, p1[r]);                                                    \
+                }                                                                                              \
+            }                                                                                                  \
+            __m256 g0 = _mm256_broadcast_ss(c0 + b), g1 = _mm256_broadcast_ss(c1 + b);                         \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                a0[r] = _mm256_fmadd_ps(p0[r], g0, a0[r]);                                                     \
+                a1[r] = _mm256_fmadd_ps(p1[r], g1, a1[r]);                                                     \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < MR; r++) {                                                                         \
+            s0[r] = hsum256(a0[r]);                                                                            \
+            s1[r] = hsum256(a1[r]);                                                                            \
+        }                                                                                                      \
+    }
+TK_DEF_I8G(1)
+TK_DEF_I8G(2)
+TK_DEF_I8G(3)
+TK_DEF_I8G(4)
+typedef void (*i8g_fn)(const float *, int64_t, const int8_t *, const int8_t *, const float *, const float *,
+                       float *, float *);
+static const i8g_fn I8G[5] = {0, i8g_2x1, i8g_2x2, i8g_2x3, i8g_2x4};
+
+/* NR weight rows x MR activation rows of w8a8 with block scales on both sides */
+#define TK_DEF_W8G(NR, MR)                                                                                     \
+    static void w8g_##NR##x##MR(const int8_t *xq, const uint8_t *xa, const float *d, int64_t K, const int8_t *q,\
+                                const float *ws, float *s) {                                                   \
+        const int64_t B = K / Q8;                                                                              \
+        __m256 acc[MR][NR];                                                                                    \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int i = 0; i < NR; i++) acc[r][i] = _mm256_setzero_ps();                                     \
+        for (int64_t b = 0; b < B; b++) {                                                                      \
+            if (NR == 4) {                                                                                     \
+                const char *pf = (const char *)(q + 4 * K) + b * 128;                                          \
+                _mm_prefetch(pf, _MM_HINT_T0);                                                                 \
+                _mm_prefetch(pf + 64, _MM_HINT_T0);                                                            \
+            }                                                                                                  \
+            __m256i w[NR];                                                                                     \
+            for (int i = 0; i < NR; i++) w[i] = _mm256_loadu_si256((const __m256i *)(q + i * K + b * Q8));   \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                __m256i a = _mm256_loadu_si256((const __m256i *)(xa + r * K + b * Q8));                        \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * Q8));                        \
+                const float dr = d[r * B + b];                                                                 \
+                for (int i = 0; i < NR; i++)                                                                   \
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q8(a, x, w[i])),                        \
+                                                _mm256_set1_ps(dr * ws[i * B + b]), acc[r][i]);               \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int i = 0; i < NR; i++) s[r * NR + i] = hsum256(acc[r][i]);                                   \
+    }
+TK_DEF_W8G(4, 1)
+TK_DEF_W8G(4, 2)
+TK_DEF_W8G(1, 1)
+#endif
+
+static void linear_i8g_rows(const float *x, int64_t M, int64_t K, const int8_t *q, const float *sc,
+                            const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t B = K / Q8;
+    int64_t n = n0;
+#if TK_AVX2
+    float s0[4], s1[4];
+    for (; n + 2 <= n1; n += 2)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int mr = (int)(M - m0 < 4 ? M - m0 : 4);
+            I8G[mr](x + m0 * K, K, q + n * K, q + (n + 1) * K, sc + n * B, sc + (n + 1) * B, s0, s1);
+            for (int r = 0; r < mr; r++) {
+                y[(m0 + r) * N + n] = s0[r] + (bias ? bias[n] : 0.f);
+                y[(m0 + r) * N + n + 1] = s1[r] + (bias ? bias[n + 1] : 0.f);
+            }
+        }
+#endif
+    for (; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float t = 0.f;
+            for (int64_t b = 0; b < B; b++) {
+                float p = 0.f;
+                for (int j = 0; j < Q8; j++) p += x[m * K + b * Q8 + j] * q[n * K + b * Q8 + j];
+                t += p * sc[n * B + b];
+            }
+            y[m * N + n] = t + (bias ? bias[n] : 0.f);
+        }
+}
+
+/* many rows: the weight widened once with its block scales (q * scale, as the dequantised reference), SGEMM */
+static int linear_i8g_sgemm(const float *x, int64_t M, int64_t K, const int8_t *q, const float *sc, int64_t N,
+                            const float *bias, float *y) {
+    size_t need = (size_t)N * (size_t)K;
+    if (grow_scratch(&i8_scratch, &i8_scratch_cap, sizeof(float) * need)) return 1;
+    float *wf = (float *)i8_scratch;
+    for (size_t i = 0; i < need; i++) wf[i] = (float)q[i] * sc[i / Q8];
+    int n = (int)N, m = (int)M, k = (int)K;
+    float one = 1.f, zero = 0.f;
+    tk_sgemm("T", "N", &n, &m, &k, &one, wf, &k, x, &k, &zero, y, &n);
+    if (bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t c = 0; c < N; c++) y[r * N + c] += bias[c];
+    return 0;
+}
+
+/* y[M, N] = x . (q * scale[n, k / 32]) (+ bias); 0, or 2 when K is not a multiple of 32 */
+int tk_linear_i8g(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+                  const float *bias, float *y, int nthreads) {
+    if (K % Q8) return 2;
+    if (tk_sgemm && M >= SGEMM_MIN_ROWS && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)
+        && (int64_t)N * K < ((int64_t)1 << 31) && !linear_i8g_sgemm(x, M, K, q, scale, N, bias, y))
+        return 0;
+#define I8G_ROWS(a, b) linear_i8g_rows(x, M, K, q, scale, bias, y, N, a, b)
+    TK_OVER_COLUMNS(N, nthreads, 2, I8G_ROWS);
+#undef I8G_ROWS
+    return 0;
+}
+
+static void linear_w8g_rows(const int8_t *xq, const uint8_t *xa, const float *d, int64_t M, int64_t K,
+                            const int8_t *q, const float *ws, const float *bias, float *y, int64_t N, int64_t n0,
+                            int64_t n1) {
+    const int64_t B = K / Q8;
+    int64_t n = n0;
+#if TK_AVX2
+    float s[8];
+    for (; n + 4 <= n1; n += 4) {
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            w8g_4x2(xq + m * K, xa + m * K, d + m * B, K, q + n * K, ws + n * B, s);
+            for (int r = 0; r < 2; r++)
+                for (int i = 0; i < 4; i++) y[(m + r) * N + n + i] = s[r * 4 + i] + (bias ? bias[n + i] : 0.f);
+        }
+        for (; m < M; m++) {
+            w8g_4x1(xq + m * K, xa + m * K, d + m * B, K, q + n * K, ws + n * B, s);
+            for (int i = 0; i < 4; i++) y[m * N + n + i] = s[i] + (bias ? bias[n + i] : 0.f);
+        }
+    }
+    for (; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            w8g_1x1(xq + m * K, xa + m * K, d + m * B, K, q + n * K, ws + n * B, s);
+            y[m * N + n] = s[0] + (bias ? bias[n] : 0.f);
+        }
+#else
+    for (; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float t = 0.f;
+            for (int64_t b = 0; b < B; b++) {
+                int32_t acc = 0;
+                for (int j = 0; j < Q8; j++) acc += (int32_t)xq[m * K + b * Q8 + j] * q[n * K + b * Q8 + j];
+                t += d[m * B + b] * ws[n * B + b] * (float)acc;
+            }
+            y[m * N + n] = t + (bias ? bias[n] : 0.f);
+        }
+#endif
+}
+
+/* y[M, N] = q8(x) . (q * scale[n, k / 32]) (+ bias); 0, 1 when the scratch allocation failed, 2 for K % 32 */
+int tk_linear_w8a8g(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+                    const float *bias, float *y, int nthreads) {
+    if (K % Q8) return 2;
+    if (grow_scratch(&q8_scratch, &q8_scratch_cap, 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(K / Q8)))
+        return 1;
+    int8_t *xq = (int8_t *)q8_scratch;
+    uint8_t *xa = (uint8_t *)(xq + M * K);
+    float *d = (float *)(xa + M * K);
+    quant_act_q8(x, M, K, xq, xa, d);
+#define W8G_ROWS(a, b) linear_w8g_rows(xq, xa, d, M, K, q, scale, bias, y, N, a, b)
+    TK_OVER_COLUMNS(N, nthreads, 4, W8G_ROWS);
+#undef W8G_ROWS
+    return 0;
+}
+
 /* ---- int4 weights x int8 activations (w4a8): kernels.quant_matmul's int4 format ------------------------------
- * q uint8 [N, K / 2] (even k in the low nibble), scale float32 [N, K / group] (the fp16 scales widened once),
- * zero uint8 [N, K / group]; w = (q - zero) * scale; group 64 or 128. The activations are quantised per 32 as
+ * q uint8 [N, K / 2] (even k in the low nibble), scale [N, K / group] as stored (skind 0: float32, 1: float16,
+ * 2: bfloat16; read once per row and group),
+ * zero packed two per byte, uint8 [N, ceil(G / 2)] (even g in the low nibble; zero = nibble + zoff), or NULL
+ * for 8 everywhere (symmetric); w = (q - zero) * scale; group 64 or 128. The activations are quantised per 32 as
  * for w8a8 and stored per pair of blocks in the nibbles' order (both blocks' even positions, then both
  * blocks' odd ones), so 32 packed bytes (64 weights) give two vectors of nibbles, `& 15` and `>> 4 & 15`, each
  * one vpmaddubsw with the matching activations (nibbles are the unsigned side: no sign trick, and the two
  * products add in int16 without saturating); the zero point comes off once per group through the group's
  * activation sum: sum (q - z) x = q.x - z sum x. */
+
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    if (e == 31) v.u = sign | 0x7F800000u | (m << 13);      /* inf, nan */
+    else if (e) v.u = sign | ((e + 112) << 23) | (m << 13); /* normal */
+    else {                                                  /* zero, subnormal: m * 2^-24 */
+        v.f = (float)m * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+#endif
+}
+
+/* scale i of an int4 weight stored as float32 (skind 0), float16 (1) or bfloat16 (2) */
+static inline float scale_at(const void *s, int64_t skind, int64_t i) {
+    return skind == 1 ? f16_to_f32(((const uint16_t *)s)[i])
+           : skind == 2 ? bf16_to_f32(((const uint16_t *)s)[i]) : ((const float *)s)[i];
+}
+
+/* the zero point of group g in a row of packed zeros (NULL: 8) */
+static inline float zero_at(const uint8_t *zrow, int64_t g, int64_t zoff) {
+    return zrow ? (float)(((zrow[g >> 1] >> ((g & 1) * 4)) & 15) + zoff) : 8.f;
+}
 
 static __thread void *q4_scratch = 0;
 static __thread size_t q4_scratch_cap = 0;
@@ -1052,8 +1272,9 @@ static void quant_act_q8_pairs(const float *x, int64_t M, int64_t K, int64_t gro
 /* NR weight rows x MR activation rows over K (q rows at stride K / 2 bytes, scales/zeros at stride G) */
 #define TK_DEF_W4(NR, MR)                                                                                      \
     static void w4_##NR##x##MR(const int8_t *xp, const float *d, const float *gsum, int64_t K, int64_t group,   \
-                               const uint8_t *q, const float *sc, const uint8_t *zp, float *s) {              \
-        const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8);                                      \
+                               const uint8_t *q, const void *sc, int64_t sk, const uint8_t *zp, int64_t zoff,    \
+                               float *s) {                                                                     \
+        const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8), GZ = (G + 1) / 2;                   \
         const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                              \
         __m256 acc[MR][NR];                                                                                    \
         float corr[MR][NR];                                                                                    \
@@ -1089,7 +1310,7 @@ static void quant_act_q8_pairs(const float *x, int64_t M, int64_t K, int64_t gro
                 }                                                                                              \
             }                                                                                                  \
             for (int i = 0; i < NR; i++) {                                                                     \
-                const float ws = sc[i * G + g], wz = ws * (float)zp[i * G + g];                                \
+                const float ws = scale_at(sc, sk, i * G + g), wz = ws * zero_at(zp ? zp + i * GZ : 0, g, zoff); \
                 const __m256 wv = _mm256_set1_ps(ws);                                                          \
                 for (int r = 0; r < MR; r++) {                                                                 \
                     acc[r][i] = _mm256_fmadd_ps(grp[r][i], wv, acc[r][i]);                                     \
@@ -1106,9 +1327,11 @@ TK_DEF_W4(1, 1)
 #endif
 
 static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, int64_t M, int64_t K,
-                           int64_t group, const uint8_t *q, const float *sc, const uint8_t *zp, const float *bias,
-                           float *y, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t B = K / Q8, G = K / group;
+                           int64_t group, const uint8_t *q, const void *scale, int64_t sk, const uint8_t *zp,
+                           int64_t zoff, const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t B = K / Q8, G = K / group, GZ = (G + 1) / 2;
+#define ZROW(n) (zp ? zp + (n) * GZ : 0)
+#define SROW(n) ((const char *)scale + (n) * G * (sk ? 2 : 4))
     int64_t n = n0;
 #if TK_AVX2
     float s[8];
@@ -1116,19 +1339,19 @@ static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, 
         const uint8_t *qn = q + n * (K / 2);
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) {
-            w4_4x2(xp + m * K, d + m * B, gsum + m * G, K, group, qn, sc + n * G, zp + n * G, s);
+            w4_4x2(xp + m * K, d + m * B, gsum + m * G, K, group, qn, SROW(n), sk, ZROW(n), zoff, s);
             for (int r = 0; r < 2; r++)
                 for (int i = 0; i < 4; i++)
                     y[(m + r) * N + n + i] = s[r * 4 + i] + (bias ? bias[n + i] : 0.f);
         }
         for (; m < M; m++) {
-            w4_4x1(xp + m * K, d + m * B, gsum + m * G, K, group, qn, sc + n * G, zp + n * G, s);
+            w4_4x1(xp + m * K, d + m * B, gsum + m * G, K, group, qn, SROW(n), sk, ZROW(n), zoff, s);
             for (int i = 0; i < 4; i++) y[m * N + n + i] = s[i] + (bias ? bias[n + i] : 0.f);
         }
     }
     for (; n < n1; n++)
         for (int64_t m = 0; m < M; m++) {
-            w4_1x1(xp + m * K, d + m * B, gsum + m * G, K, group, q + n * (K / 2), sc + n * G, zp + n * G, s);
+            w4_1x1(xp + m * K, d + m * B, gsum + m * G, K, group, q + n * (K / 2), SROW(n), sk, ZROW(n), zoff, s);
             y[m * N + n] = s[0] + (bias ? bias[n] : 0.f);
         }
 #else
@@ -1147,17 +1370,21 @@ static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, 
                     }
                     tg += d[m * B + b] * (float)a0 + d[m * B + b + 1] * (float)a1;
                 }
-                t += sc[n * G + g] * tg - sc[n * G + g] * (float)zp[n * G + g] * gsum[m * G + g];
+                const float ws = scale_at(scale, sk, n * G + g);
+                t += ws * tg - ws * zero_at(ZROW(n), g, zoff) * gsum[m * G + g];
             }
             y[m * N + n] = t + (bias ? bias[n] : 0.f);
         }
 #endif
+#undef ZROW
+#undef SROW
 }
 
 /* y[M, N] = q8(x) . ((q - zero) * scale) (+ bias); returns 0, 1 when the scratch allocation failed, 2 when the
  * group is not 64 or 128 or does not divide K */
-int tk_linear_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *scale, const uint8_t *zero,
-                   int64_t group, int64_t N, const float *bias, float *y, int nthreads) {
+int tk_linear_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *q, const void *scale, int64_t skind,
+                   const uint8_t *zero, int64_t zoff, int64_t group, int64_t N, const float *bias, float *y,
+                   int nthreads) {
     if ((group != 64 && group != 128) || K % group) return 2;
     const int64_t B = K / Q8, G = K / group;
     size_t need = 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(B + G);
@@ -1165,7 +1392,7 @@ int tk_linear_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *q, const
     int8_t *xp = (int8_t *)q4_scratch;
     float *d = (float *)(xp + 2 * M * K), *gsum = d + M * B;
     quant_act_q8_pairs(x, M, K, group, xp, d, gsum);
-#define W4_ROWS(a, b) linear_w4_rows(xp, d, gsum, M, K, group, q, scale, zero, bias, y, N, a, b)
+#define W4_ROWS(a, b) linear_w4_rows(xp, d, gsum, M, K, group, q, scale, skind, zero, zoff, bias, y, N, a, b)
     TK_OVER_COLUMNS(N, nthreads, 4, W4_ROWS);
 #undef W4_ROWS
     return 0;
@@ -1450,15 +1677,18 @@ void tk_rope_f32(float *x, int64_t T, int64_t ldx, int64_t h0, int64_t h1, int64
 
 typedef struct {
     const void *w; /* float32 wt [K, N] (row stride ld) or int8 q [N, K] */
-    const float *scale; /* int8: [N]; NULL for float32 */
+    const float *scale; /* int8: [N], or [N, K / 32] where group is 32; NULL for float32 */
     const float *bias;  /* [N] or NULL */
     int64_t ld;
     int64_t w8a8; /* int8 weights: 1 quantises the activations too (tk_linear_w8a8), 0 keeps them float32 */
-    const uint8_t *zero; /* int4 (tk_linear_w4a8): zero points [N, K / group]; w is packed [N, K / 2], scale
-                          * float32 [N, K / group] */
+    const uint8_t *zero; /* int4 (tk_linear_w4a8): zero points packed [N, ceil(K / group / 2)] or NULL; w is
+                          * packed [N, K / 2], scale [N, K / group] of type skind */
     int64_t group;
     const uint16_t *w16; /* float32: the same weight as bf16 bits (same layout and ld), which the register tiles
                           * read instead where it is not NULL (tk_linear_f32_w16) */
+    int64_t int4;        /* 1: int4 weights (tk_linear_w4a8; zero may then be NULL, 8 everywhere) */
+    int64_t zoff;        /* int4: added to each packed zero nibble */
+    int64_t skind;       /* int4: the scales' type as stored (0 float32, 1 float16, 2 bfloat16) */
 } tk_lin;
 
 /* A mixture-of-experts block in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router's softmax
@@ -1492,9 +1722,12 @@ typedef struct {
 
 /* returns 0, or 1 when a scratch allocation failed */
 static int lin_apply(const tk_lin *l, const float *x, int64_t M, int64_t K, int64_t N, float *y, int nthreads) {
-    if (l->zero)
-        return tk_linear_w4a8(x, M, K, (const uint8_t *)l->w, l->scale, l->zero, l->group, N, l->bias, y, nthreads)
-               ? 1 : 0;
+    if (l->int4)
+        return tk_linear_w4a8(x, M, K, (const uint8_t *)l->w, l->scale, l->skind, l->zero, l->zoff, l->group, N,
+                              l->bias, y, nthreads) ? 1 : 0;
+    if (l->scale && l->group) /* int8 with a scale per 32 weights */
+        return (l->w8a8 ? tk_linear_w8a8g : tk_linear_i8g)(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y,
+                                                           nthreads) ? 1 : 0;
     if (l->scale && l->w8a8) return tk_linear_w8a8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);
     if (l->scale)
         tk_linear_i8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);

@@ -13,8 +13,8 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
   `calibrate` decides by timing both on the model's weights (it depends on the CPU). `weight16`, a
   `bf16_copy` of a weight whose values are all bfloat16 (a bf16 checkpoint upcast at load), is what the
   register tiles read then: half the bytes, the same bits.
-- `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale) with float32 activations; many
-  rows widen the weight to float32 once and take the SGEMM too.
+- `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale, or a scale per 32 weights as GGUF
+  Q8_0 stores them) with float32 activations; many rows widen the weight to float32 once and take the SGEMM too.
 - `linear_w8a8(x, q, scale, bias)`: the same weights with the activations quantised per 32 values
   (`kernels.quant_matmul.quantize_act_q8`, llama.cpp's q8_0 rounding): integer dots, for every row count;
   at 3+ rows on AMX int8 tiles where the CPU and Linux allow them (`set_amx()` turns them off to compare).
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from kernels import thread_governor
 from kernels.cbuild import NoCompiler, build_library
-from kernels.quant_formats import dequantize_int4, quantize_act_q8
+from kernels.quant_formats import dequantize_int4, dequantize_int8, quantize_act_q8, unpack_zero
 
 _SRC = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno"]
@@ -53,6 +53,7 @@ build_error: str | None = None  # why the kernels are unavailable, once `load()`
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SGEMM_MIN_ROWS = 13  # kernels/cpu_kernels.c's built-in threshold
+SCALE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # tk_linear_w4a8's skind
 BLOCK_MAX_KN = 1 << 20  # and the register blocks' built-in bound (floats)
 
 
@@ -215,7 +216,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_linear_i8.restype = None
     lib.tk_linear_w8a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
     lib.tk_linear_w8a8.restype = _INT
-    lib.tk_linear_w4a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _INT]
+    for fn in (lib.tk_linear_i8g, lib.tk_linear_w8a8g):  # scale [N, K / 32]
+        fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT]
+        fn.restype = _INT
+    lib.tk_linear_w4a8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT]
     lib.tk_linear_w4a8.restype = _INT
     lib.tk_quant_act_q8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR]
     lib.tk_quant_act_q8.restype = None
@@ -344,12 +348,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
                 ) -> torch.Tensor:
-    """x [M, K] float32 @ (q [N, K] int8 * scale [N] float32).T (+ bias), accumulated in float32."""
+    """x [M, K] float32 @ (q [N, K] int8 * scale).T (+ bias), accumulated in float32: scale float32 [N], or
+    [N, K / 32] (a scale per block of 32 weights, GGUF Q8_0's)."""
     lib = load()
     if lib is None:
         return linear_int8_ref(x, q, scale, bias)
-    q, scale = q.contiguous(), scale.contiguous()
-    return _quant_linear(lib.tk_linear_i8, "int8", x, q.shape[0], bias, q.data_ptr(), scale.data_ptr())
+    q, scale = q.contiguous(), scale.float().contiguous()
+    fn = lib.tk_linear_i8g if scale.dim() == 2 else lib.tk_linear_i8  # (tk_linear_i8 returns nothing)
+    return _quant_linear(fn, "int8", x, q.shape[0], bias, q.data_ptr(), scale.data_ptr())
 
 
 def _quant_linear(fn, name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, *weights: int
@@ -362,8 +368,8 @@ def _quant_linear(fn, name: str, x: torch.Tensor, n: int, bias: torch.Tensor | N
     b = None if bias is None else bias.float().contiguous()
     rc = fn(x.data_ptr(), m, k, *weights, n, None if b is None else b.data_ptr(), y.data_ptr(), _threads())
     if rc == 2:
-        raise ValueError(f"{name}: in_features {k} does not fit the kernel (w8a8: a multiple of 32; int4: of the "
-                         "group, which must be 64 or 128)")
+        raise ValueError(f"{name}: in_features {k} does not fit the kernel (w8a8, grouped int8: a multiple of 32; "
+                         "int4: of the group, which must be 64 or 128)")
     if rc:
         raise MemoryError(f"{name} linear: scratch allocation failed")
     return y
@@ -371,33 +377,38 @@ def _quant_linear(fn, name: str, x: torch.Tensor, n: int, bias: torch.Tensor | N
 
 def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
                 ) -> torch.Tensor:
-    """x [M, K] float32 (K % 32 == 0) with its rows quantised per 32 values, @ (q [N, K] int8 * scale [N]).T
-    (+ bias): int8 dots, each block's sum scaled by its activation scale, accumulated in float32."""
+    """x [M, K] float32 (K % 32 == 0) with its rows quantised per 32 values, @ (q [N, K] int8 * scale).T
+    (+ bias): int8 dots, each block's sum scaled by its activation scale (and, with scale [N, K / 32], by its
+    weight block's), accumulated in float32."""
     lib = load()
     if lib is None:
         return linear_w8a8_ref(x, q, scale, bias)
-    q, scale = q.contiguous(), scale.contiguous()
-    return _quant_linear(lib.tk_linear_w8a8, "w8a8", x, q.shape[0], bias, q.data_ptr(), scale.data_ptr())
+    q, scale = q.contiguous(), scale.float().contiguous()
+    fn = lib.tk_linear_w8a8g if scale.dim() == 2 else lib.tk_linear_w8a8
+    return _quant_linear(fn, "w8a8", x, q.shape[0], bias, q.data_ptr(), scale.data_ptr())
 
 
-def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32, its rows quantised per 32 values, @ dequantize_int4(packed, scale, zero).T (+ bias):
-    packed uint8 [N, K / 2], scale float32 [N, K / group] (contiguous), zero uint8 [N, K / group]."""
+def linear_w4a8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                bias: torch.Tensor | None = None, zero_offset: int = 0) -> torch.Tensor:
+    """x [M, K] float32, its rows quantised per 32 values, @ the int4 weight.T (+ bias): packed uint8 [N, K / 2],
+    scale [N, K / group] float32, float16 or bfloat16 as stored (the kernel reads that type: no widened copy),
+    zero packed two per byte (`quant_formats.pack_zero`: uint8 [N, ceil(G / 2)], + zero_offset) or None (8)."""
     lib = load()
     if lib is None:
-        return linear_w4a8_ref(x, packed, scale, zero, bias)
-    packed, scale, zero = packed.contiguous(), scale.float().contiguous(), zero.contiguous()
+        return linear_w4a8_ref(x, packed, scale, zero, bias, zero_offset)
+    packed, scale = packed.contiguous(), scale.contiguous() if scale.dtype in SCALE_KINDS else scale.float().contiguous()
+    zero = None if zero is None else zero.contiguous()
     return _quant_linear(lib.tk_linear_w4a8, "int4", x, packed.shape[0], bias, packed.data_ptr(), scale.data_ptr(),
-                         zero.data_ptr(), group)
+                         SCALE_KINDS[scale.dtype], None if zero is None else zero.data_ptr(), zero_offset, group)
 
 
-def linear_w4a8_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_w4a8_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                    bias: torch.Tensor | None = None, zero_offset: int = 0) -> torch.Tensor:
     xq, d = quantize_act_q8(x)
     m, k = x.shape
     xd = (xq.float().view(m, k // 32, 32) * d[..., None]).view(m, k)
-    return F.linear(xd, dequantize_int4(packed, scale, zero), None if bias is None else bias.float())
+    z = unpack_zero(zero, scale.shape[1], zero_offset, rows=packed.shape[0])
+    return F.linear(xd, dequantize_int4(packed, scale, z), None if bias is None else bias.float())
 
 
 def quant_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -415,12 +426,12 @@ def linear_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias:
     xq, d = quantize_act_q8(x)
     m, k = x.shape
     xd = (xq.float().view(m, k // 32, 32) * d[..., None]).view(m, k)
-    return F.linear(xd, q.float() * scale.float()[:, None], None if bias is None else bias.float())
+    return F.linear(xd, dequantize_int8(q, scale), None if bias is None else bias.float())
 
 
 def linear_int8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
                     ) -> torch.Tensor:
-    return F.linear(x.float(), q.float() * scale.float()[:, None], None if bias is None else bias.float())
+    return F.linear(x.float(), dequantize_int8(q, scale), None if bias is None else bias.float())
 
 
 # ---- paged attention -----------------------------------------------------------------------------------------

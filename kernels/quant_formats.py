@@ -3,12 +3,18 @@ quantise / dequantise functions, which the Triton matmul (kernels/quant_matmul.p
 references (kernels/cpu_kernels.py) both use.
 
 Formats (weights are nn.Linear's [N, K]):
-- int8: w ~= q[n, k] * scale[n]; q int8 in [-127, 127], scale float32 [N] (symmetric, per output channel).
+- int8: w ~= q[n, k] * scale[n]; q int8 in [-127, 127], scale float32 [N] (symmetric, per output channel);
+  or grouped (GGUF Q8_0's blocks): w ~= q[n, k] * scale[n, k // 32], scale float32 [N, K / 32].
+- int8 with per-token activations (compressed-tensors W8A8): int8's weights; each activation row quantised to
+  int8 by `quantize_act_token` (scale = amax / 127.5, the library's rounding) before the matmul.
 - w8a8 (CPU): int8's weights, and the activations quantised at run time per block of 32 values
   (`quantize_act_q8`, llama.cpp's q8_0 rounding), so the dots are integer dots; the head is quantised too.
 - int4: w ~= (q[n, k] - zero[n, g]) * scale[n, g], g = k // group; q in [0, 15] packed two per byte
-  (even k in the low nibble, odd k in the high one) as uint8 [N, K/2]; scale float16 [N, K/group],
-  zero uint8 [N, K/group] (asymmetric, per group of 32, 64 or 128).
+  (even k in the low nibble, odd k in the high one) as uint8 [N, K/2]; scale float16 (or a checkpoint's
+  bfloat16 / float32) [N, K/group]; zero per group of 32, 64 or 128 (or K). `quantize_int4` returns the zeros
+  one byte per group; the kernels and QuantLinear take them packed (`pack_zero`): two nibbles per byte, uint8
+  [N, ceil(G/2)] (even g low), zero = nibble + an offset of 0 or 1 (GPTQ v1 stores zero - 1: its nibbles
+  as they are, with offset 1), or None where every zero is 8 (symmetric: nothing stored).
 """
 
 from __future__ import annotations
@@ -40,8 +46,23 @@ def quantize_act_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), d
 
 
+def quantize_act_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 per row, as compressed-tensors quantises a W8A8 checkpoint's input activations:
+    x [M, K] -> (int8 [M, K], float32 scale [M]) with scale = amax / 127.5 (its bit range 255 over 2; float32's
+    eps where a row is all zeros) and q = clamp(round-half-even(x / scale), -128, 127)."""
+    xf = x.detach().float()
+    scale = xf.abs().amax(-1) / 127.5
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    q = torch.round(xf / scale[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float()[:, None]
+    """Per channel (scale [N]) or per group (scale [N, K / group])."""
+    if scale.dim() == 1:
+        return q.float() * scale.float()[:, None]
+    n, k = q.shape
+    return (q.float().view(n, scale.shape[1], -1) * scale.float()[..., None]).view(n, k)
 
 
 def quantize_int4(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,6 +82,30 @@ def quantize_int4(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, torch
     return packed, scale.half(), zero.to(torch.uint8)
 
 
+def pack_zero(zero: torch.Tensor, offset: int = 0) -> torch.Tensor | None:
+    """Zero points [N, G] (each `offset` .. `offset` + 15) -> uint8 [N, ceil(G/2)] nibbles of zero - offset (even
+    g in the low nibble); None where every zero is 8 (the kernels' default: nothing stored)."""
+    z = zero.to(torch.int16) - offset
+    if bool((z < 0).any()) or bool((z > 15).any()):
+        raise ValueError(f"int4 zero points must lie in {offset}..{offset + 15}")
+    if bool((z + offset == 8).all()):
+        return None
+    if z.shape[1] % 2:
+        z = torch.cat([z, torch.zeros_like(z[:, :1])], 1)
+    z = z.to(torch.uint8)
+    return (z[:, 0::2] | (z[:, 1::2] << 4)).contiguous()
+
+
+def unpack_zero(zero: torch.Tensor | None, groups: int, offset: int = 0, rows: int | None = None) -> torch.Tensor:
+    """`pack_zero`'s inverse: uint8 [N, G] (None: 8 everywhere, `rows` of them)."""
+    if zero is None:
+        return torch.full((rows, groups), 8, dtype=torch.uint8)
+    out = torch.empty(zero.shape[0], zero.shape[1] * 2, dtype=torch.uint8, device=zero.device)
+    out[:, 0::2] = zero & 0xF
+    out[:, 1::2] = zero >> 4
+    return out[:, :groups] + offset
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] -> uint8 [N, K] of values 0..15 (low nibble = even k)."""
     n, half = packed.shape
@@ -70,7 +115,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """zero: one byte per group [N, G] (None: 8)."""
+    if zero is None:
+        zero = torch.full(scale.shape, 8, dtype=torch.uint8, device=scale.device)
     q = unpack_int4(packed).float()
     n, k = q.shape
     group = k // scale.shape[1]

@@ -15,10 +15,13 @@ from kernels.quant_formats import (  # noqa: F401 - the formats' functions, re-e
     INT4_GROUPS,
     dequantize_int4,
     dequantize_int8,
+    pack_zero,
     quantize_act_q8,
+    quantize_act_token,
     quantize_int4,
     quantize_int8,
     unpack_int4,
+    unpack_zero,
 )
 
 W4A8_GROUPS = (64, 128)  # the groups kernels/cpu_kernels.c's int4 GEMV (w4a8) takes
@@ -31,9 +34,9 @@ W4A8_GROUPS = (64, 128)  # the groups kernels/cpu_kernels.c's int4 GEMV (w4a8) t
 @kernel
 def _wq_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_sn, stride_os, stride_om,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    M, N, K, k_per_split, zero_offset,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_os, stride_om,
+    HAS_ZERO: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -54,6 +57,10 @@ def _wq_matmul_kernel(
                         other=0.0)
             w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None],
                         other=0)
+            if GROUP > 1:  # a scale per GROUP weights (GGUF Q8_0): the tile dequantised here
+                s = tl.load(scale_ptr + offs_n[None, :] * stride_sn + (offs_k // GROUP)[:, None],
+                            mask=n_ok[None, :] & k_ok[:, None], other=0.0).to(tl.float32)
+                w = w.to(tl.float32) * s
             if F32_DOT:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
@@ -70,7 +77,11 @@ def _wq_matmul_kernel(
             grp = offs_even // GROUP
             sm = n_ok[None, :] & b_ok[:, None]
             s = tl.load(scale_ptr + offs_n[None, :] * stride_sn + grp[:, None], mask=sm, other=0.0).to(tl.float32)
-            z = tl.load(zero_ptr + offs_n[None, :] * stride_sn + grp[:, None], mask=sm, other=0).to(tl.float32)
+            if HAS_ZERO:  # packed two per byte (even groups in the low nibble), + zero_offset
+                zb = tl.load(zero_ptr + offs_n[None, :] * stride_zn + (grp // 2)[:, None], mask=sm, other=0)
+                z = ((zb.to(tl.int32) >> ((grp % 2) * 4)[:, None]) & 0xF).to(tl.float32) + zero_offset
+            else:
+                z = 8.0
             w_lo = ((wb & 0xF).to(tl.float32) - z) * s
             w_hi = ((wb >> 4).to(tl.float32) - z) * s
             xm = m_ok[:, None] & b_ok[None, :]
@@ -84,7 +95,7 @@ def _wq_matmul_kernel(
                 w_hi = w_hi.to(x_even.dtype)
             acc += tl.dot(x_even, w_lo, input_precision=DOT_PREC)
             acc += tl.dot(x_odd, w_hi, input_precision=DOT_PREC)
-    if BITS == 8:
+    if BITS == 8 and GROUP == 1:
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -107,16 +118,18 @@ def _launch_config(m: int, n: int, k: int, bits: int, group: int, on_cuda: bool)
 
 
 def wq_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, *,
-              split_k: int | None = None) -> torch.Tensor:
+              split_k: int | None = None, zero_offset: int = 0) -> torch.Tensor:
     """x [M, K] @ dequant(w).T -> [M, N] in x's dtype (Triton; interpreter on CPU tensors).
 
-    int8 when w is int8 [N, K] (scale [N]); int4 when w is packed uint8 [N, K/2] (scale/zero [N, K/group]).
+    int8 when w is int8 [N, K] (scale [N], or [N, K / group] with a group of at least 16, e.g. Q8_0's 32);
+    int4 when w is packed uint8 [N, K/2] (scale [N, K/group]; zero packed by `pack_zero`, uint8
+    [N, ceil(G/2)] + zero_offset, or None for 8).
     """
     require_triton()
     bits = 8 if w.dtype == torch.int8 else 4
     m, k = x.shape
     n = w.shape[0]
-    group = k // scale.shape[1] if bits == 4 else 0
+    group = k // scale.shape[1] if scale.dim() == 2 else 0
     x = x.contiguous()
     on_cuda = x.is_cuda
     bm, bn, bk, split = _launch_config(m, n, k, bits, group, on_cuda)
@@ -130,18 +143,21 @@ def wq_matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
         out = torch.empty((1, m, n), dtype=x.dtype, device=x.device)
     f32 = not on_cuda
     _wq_matmul_kernel[(-(-m // bm), -(-n // bn), split)](
-        x, w, scale, zero if zero is not None else scale, out, m, n, k, k_per_split,
-        x.stride(0), w.stride(0), scale.stride(0), out.stride(0), out.stride(1),
-        BITS=bits, GROUP=max(group, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32,
+        x, w, scale, zero if zero is not None else scale, out, m, n, k, k_per_split, zero_offset,
+        x.stride(0), w.stride(0), scale.stride(0), zero.stride(0) if zero is not None else 0, out.stride(0),
+        out.stride(1), HAS_ZERO=zero is not None, BITS=bits, GROUP=max(group, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32,
         DOT_PREC=dot_precision(x.dtype, on_cuda), on_cuda=on_cuda, num_warps=8 if bm * bn >= 128 * 128 else 4,
     )
     return out.sum(0).to(x.dtype) if split > 1 else out[0]
 
 
 def wq_matmul_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, *,
-                  split_k: int | None = None) -> torch.Tensor:
+                  split_k: int | None = None, zero_offset: int = 0) -> torch.Tensor:
     """PyTorch reference of `wq_matmul`: dequantise the whole weight in float32, then one matmul."""
-    wf = dequantize_int8(w, scale) if w.dtype == torch.int8 else dequantize_int4(w, scale, zero)
+    if w.dtype == torch.int8:
+        wf = dequantize_int8(w, scale)
+    else:
+        wf = dequantize_int4(w, scale, unpack_zero(zero, scale.shape[1], zero_offset, rows=w.shape[0]))
     return (x.float() @ wf.T).to(x.dtype)
 
 
@@ -188,26 +204,40 @@ class QuantLinear(nn.Module):
     kernels/cpu_kernels.c: int8 with float32 activations; w8a8, and int4 in groups of 64 or 128, with the
     activations quantised per 32 (`quantize_act_q8`); else torch's packed ops (`_weight_int8pack_mm`,
     `_weight_int4pack_mm_for_cpu`) fed bf16 activations, their fast path, where the build has them and the
-    shape fits (`cpu_packed_op_fits`); else the reference.
+    shape fits (`cpu_packed_op_fits`); else the reference. int8 with a scale per 32 weights (`int8_group`,
+    GGUF Q8_0) or per-token int8 activations (`act_quant`, compressed-tensors W8A8) take the C kernels at every
+    row count (no packed op takes block scales; bf16 would round the quantised activations), else the reference.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mode: str, group_size: int = 64,
-                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32):
+                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
+                 int8_group: int = 0):
         super().__init__()
         if mode not in ("int8", "int4", "w8a8"):
             raise ValueError(f"quantization mode must be 'int8', 'int4' or 'w8a8', got {mode!r}")
         if mode == "w8a8" and in_features % 32:
             raise ValueError(f"w8a8 needs in_features divisible by 32, got {in_features}")
+        if int8_group and (mode == "int4" or int8_group != 32 or in_features % 32):
+            raise ValueError(f"grouped int8 scales come in blocks of 32 of in_features, got {int8_group} for "
+                             f"{in_features} ({mode})")
         self.in_features, self.out_features, self.mode, self.group_size = in_features, out_features, mode, group_size
+        # int8 / w8a8: 0 = a scale per output channel; 32 = a scale per 32 weights of a row (GGUF Q8_0)
+        self.int8_group = int8_group
+        # int8: "token" quantises each activation row to int8 first (compressed-tensors W8A8's dynamic per-token
+        # input activations, `quantize_act_token`); None keeps the activations float
+        self.act_quant: str | None = None
         if mode in ("int8", "w8a8"):
             self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-            self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
+            shape = (out_features, in_features // int8_group) if int8_group else (out_features,)
+            self.register_buffer("scale", torch.ones(shape, dtype=torch.float32, device=device))
             self.zero = None
         else:
             groups = in_features // group_size
             self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
             self.register_buffer("scale", torch.ones(out_features, groups, dtype=torch.float16, device=device))
-            self.register_buffer("zero", torch.zeros(out_features, groups, dtype=torch.uint8, device=device))
+            # packed two per byte, + zero_offset (`set_zero_points`); None: 8 everywhere (symmetric), none stored
+            self.register_buffer("zero", None)
+        self.zero_offset = 0
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device),
                                  requires_grad=False) if bias else None
         self._cpu_cache: tuple | None = None
@@ -228,25 +258,31 @@ class QuantLinear(nn.Module):
             packed, s, z = quantize_int4(w, group_size)
             m.weight.copy_(packed)
             m.scale.copy_(s)
-            m.zero.copy_(z)
+            m.set_zero_points(z)
         if linear.bias is not None:
             m.bias.data.copy_(linear.bias.detach())
         return m
 
-    def _int4_scale_f32(self) -> torch.Tensor:
-        """The fp16 scales widened to float32 for the CPU kernel, cached while the scale buffer stays the same."""
-        cached = getattr(self, "_s32", None)
-        if cached is None or cached[0] != self.scale.data_ptr():
-            cached = (self.scale.data_ptr(), self.scale.float().contiguous())
-            self._s32 = cached
-        return cached[1]
+    def set_zero_points(self, zero: torch.Tensor | None, offset: int = 0, packed: bool = False) -> None:
+        """int4: the zero points [N, G] (each offset .. offset + 15), stored packed two per byte (None where all are
+        8); `packed`: `zero` already is (nibbles [N, ceil(G/2)])."""
+        if not packed:
+            zero = None if zero is None else pack_zero(zero.cpu(), offset)
+        dev = self.weight.device if self.weight.device.type != "meta" else None
+        self.zero = None if zero is None else (zero.to(dev) if dev is not None else zero)
+        self.zero_offset = offset if zero is not None else 0
+
+    def zero_points(self) -> torch.Tensor:
+        """int4: the zero points one byte per group [N, G], unpacked."""
+        return unpack_zero(self.zero, self.scale.shape[1], self.zero_offset, rows=self.out_features).to(
+            self.scale.device)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float weight [N, K] in the input's order (an input_perm undone)."""
         if self.mode in ("int8", "w8a8"):
             w = dequantize_int8(self.weight, self.scale)
         else:
-            w = dequantize_int4(self.weight, self.scale, self.zero)
+            w = dequantize_int4(self.weight, self.scale, self.zero_points())
         if self.input_perm is not None:
             w = w[:, torch.argsort(self.input_perm)]
         return w
@@ -256,17 +292,20 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.input_perm is not None:
             x2 = x2.index_select(1, self.input_perm)
+        if self.act_quant == "token":  # the activations as the checkpoint's config quantises them, exactly
+            xq, xs = quantize_act_token(x2)
+            x2 = xq.float() * xs[:, None]
         if self.mode == "w8a8":
             if x2.is_cuda:
                 raise ValueError("w8a8 quantization runs on the CPU; use int8 on CUDA")
             y = self._w8a8(x2)
         elif x2.is_cuda and HAVE_TRITON:
-            y = wq_matmul(x2, self.weight, self.scale, self.zero)
+            y = wq_matmul(x2, self.weight, self.scale, self.zero, zero_offset=self.zero_offset)
         else:
             y = self._cpu_forward(x2)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         from kernels import cpu_kernels
@@ -279,19 +318,23 @@ class QuantLinear(nn.Module):
         return torch.cat(out).to(x.dtype) if out else x.new_empty((0, self.out_features))
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "int8" and x.shape[0] <= CPU_KERNEL_MAX_ROWS and x.dtype == torch.float32:
+        exact = self.int8_group or self.act_quant  # no packed op takes group scales; bf16 would round x
+        if self.mode == "int8" and (exact or (x.shape[0] <= CPU_KERNEL_MAX_ROWS and x.dtype == torch.float32)):
             from kernels import cpu_kernels
 
-            if cpu_kernels.available():
-                return cpu_kernels.linear_int8(x, self.weight, self.scale)
+            if cpu_kernels.available():  # (then at any row count)
+                return cpu_kernels.linear_int8(x.float(), self.weight, self.scale).to(x.dtype)
+        if exact:
+            return wq_matmul_ref(x, self.weight, self.scale)
         if (self.mode == "int4" and self.group_size in W4A8_GROUPS and x.shape[0] <= CPU_KERNEL_MAX_ROWS
                 and x.dtype == torch.float32):
             from kernels import cpu_kernels
 
             if cpu_kernels.available():  # activations quantised per 32 (as w8a8): 2-3x the packed op at 1-4 rows
-                return cpu_kernels.linear_w4a8(x, self.weight, self._int4_scale_f32(), self.zero, self.group_size)
+                return cpu_kernels.linear_w4a8(x, self.weight, self.scale, self.zero, self.group_size,
+                                               zero_offset=self.zero_offset)
         if not cpu_packed_op_fits(self.mode, self.out_features, self.in_features):
-            return wq_matmul_ref(x, self.weight, self.scale, self.zero)
+            return wq_matmul_ref(x, self.weight, self.scale, self.zero, zero_offset=self.zero_offset)
         # bf16 activations are the packed ops' fast path (fp32 ~7x, int4 fp32/fp16 ~13x slower on this CPU);
         # the ops also insist on a contiguous last dimension, which a strided bf16 input would not have
         xb = x.to(torch.bfloat16).contiguous()
@@ -300,7 +343,7 @@ class QuantLinear(nn.Module):
                 self._cpu_cache = (self.scale.to(torch.bfloat16),)
             return torch.ops.aten._weight_int8pack_mm(xb, self.weight, self._cpu_cache[0]).to(x.dtype)
         if self._cpu_cache is None:
-            wp, sz = _cpu_int4_pack(self.weight, self.scale, self.zero)
+            wp, sz = _cpu_int4_pack(self.weight, self.scale, self.zero_points())
             self._cpu_cache = (wp, sz.to(torch.bfloat16))
         wp, sz = self._cpu_cache
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, wp, self.group_size, sz).to(x.dtype)
@@ -310,7 +353,9 @@ class QuantLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        g = f", group_size={self.group_size}" if self.mode == "int4" else ""
+        g = f", group_size={self.group_size}" if self.mode == "int4" else (
+            f", scale per {self.int8_group}" if self.int8_group else "")
+        g += ", activations int8 per token" if self.act_quant == "token" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{g}"
 
 

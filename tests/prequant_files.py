@@ -37,14 +37,18 @@ def _save(dst: Path, cfg: dict, state: dict[str, torch.Tensor], qc: dict, in_con
     return dst
 
 
-def compressed_tensors(src: Path, dst: Path, preset: str = "W4A16") -> Path:
+def compressed_tensors(src: Path, dst: Path, preset: str = "W4A16", activations: bool = True) -> Path:
     """`preset` (W4A16: int4 groups of 128 symmetric, pack-quantized; W4A16_ASYM; W8A8: int8 per channel,
-    int-quantized; FP8: float8 e4m3 per tensor, float-quantized) applied with compressed-tensors' calculate_qparams and compressors."""
+    int-quantized, dynamic int8 activations per token; FP8: float8 e4m3 per tensor, float-quantized, static
+    float8 activations) applied with compressed-tensors' calculate_qparams and compressors; `activations` False
+    drops the preset's input activations from the config (weight-only)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
+    if not activations:
+        scheme.input_activations = None
     fmt = ("float-quantized" if scheme.weights.type == "float" else
            "int-quantized" if scheme.weights.num_bits == 8 else "pack-quantized")
     compressor = BaseCompressor.get_value_from_registry(fmt)

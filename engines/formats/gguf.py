@@ -1,8 +1,9 @@
 """GGUF files (llama.cpp's format) through the `gguf` package: geometry, RoPE and tokenizer from the metadata,
 tensors mapped onto the `Transformer`'s Hugging Face names. F32 / F16 / BF16 load as floats; Q4_0 goes onto the
-int4 kernels exactly (groups of 32); Q8_0 onto int8 / w8a8 when that quantization is asked for (its per-block
-scales re-rounded per output channel), else dequantised exactly; every other type the gguf package can
-dequantise (Q4_K, Q5_K, Q6_K, ...) is dequantised at load, and the log says so.
+int4 kernels exactly (groups of 32); Q8_0 onto the int8 kernels exactly, its int8 values and its scale per block
+of 32 as stored (weight-only; w8a8, activations quantised per 32 too, when that quantization is asked for);
+every other type the gguf package can dequantise (Q4_K, Q5_K, Q6_K, ...) is dequantised at load, and the log
+says so.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", device: str |
     """(Transformer, Tokenizer, GenerationDefaults, quantization text) from one GGUF file.
 
     `quantization` ("none" or a quantise-on-load mode) applies to the tensors that load as floats; Q4_0 goes
-    onto int4 whatever it says (exactly), Q8_0 onto int8 / w8a8 when it says so (one more rounding)."""
+    onto int4 and Q8_0 onto int8 (w8a8 when it says so) whatever it says, exactly."""
 
     path = Path(path)
     reader = read(path)
@@ -165,9 +166,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "auto", device: str |
             rows = _unpermute_rows(shape[0], heads)
         qtype = t.tensor_type.name
         linear = name.endswith(".weight") and "embed_tokens" not in name and len(shape) == 2
-        onto = {"Q4_0": "int4", "Q8_0": quantization if quantization in ("int8", "w8a8") else None}.get(qtype)
+        onto = {"Q4_0": "int4", "Q8_0": "w8a8" if quantization == "w8a8" else "int8"}.get(qtype)
         if linear and onto is not None:
-            _put_quantized(model, name, t, qtype, onto, rows, device)
+            onto = _put_quantized(model, name, t, qtype, onto, rows, device)
             kinds[f"{qtype}->{onto}"] += 1
         else:
             w = torch.from_numpy(_dequantize(t, path).reshape(shape).copy())
@@ -239,8 +240,9 @@ def _blocks(t: Any, bytes_per_block: int) -> np.ndarray:
 
 
 def _put_quantized(model: nn.Module, name: str, t: Any, qtype: str, mode: str, rows: torch.Tensor | None,
-                   device: torch.device) -> None:
-    from kernels.quant_matmul import QuantLinear, quantize_int8
+                   device: torch.device) -> str:
+    """The file's quantised tensor as the Linear's QuantLinear, its values as stored; returns the mode it took."""
+    from kernels.quant_matmul import QuantLinear
 
     module_path = name.rpartition(".")[0]
     parent_path, _, child = module_path.rpartition(".")
@@ -248,16 +250,19 @@ def _put_quantized(model: nn.Module, name: str, t: Any, qtype: str, mode: str, r
     n, k = old.out_features, old.in_features
     has_bias = old.bias is not None
     if qtype == "Q8_0":
+        # w = d * q per block of 32 values: int8 q [N, K] and the fp16 d as float32 [N, K / 32], as stored
         blocks = _blocks(t, 34)
-        d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32))  # [N*K/32, 1]
-        q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).float()  # [N*K/32, 32]
-        w = (q * d).reshape(n, k)
+        d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32)).reshape(n, k // 32)
+        q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).reshape(n, k)
         if rows is not None:
-            w = w[rows]
-        # per-block scales do not fit the per-channel int8 format: the exact Q8_0 values, re-rounded per row
-        qi, scale = quantize_int8(w)
-        new = QuantLinear(k, n, has_bias, mode, device="meta")
-        new.weight, new.scale = qi.to(device), scale.to(device)
+            q, d = q[rows], d[rows]
+        if mode == "w8a8" and bool((q == -128).any()):
+            # the w8a8 dots take |x| against the weights' signs flipped, which -128 (never written by llama.cpp's
+            # quantiser, but a valid byte) overflows: weight-only int8 is exact for it
+            log.info("gguf %s: %s holds -128, which w8a8's dots cannot take; it runs int8 weight-only", t.name, name)
+            mode = "int8"
+        new = QuantLinear(k, n, has_bias, mode, device="meta", int8_group=32)
+        new.weight, new.scale = q.contiguous().to(device), d.contiguous().to(device)
     else:  # Q4_0: w = d * (q - 8), 32 values per block, nibble j holds values j (low) and j + 16 (high)
         blocks = _blocks(t, 18)
         d = torch.from_numpy(blocks[:, :2].copy().view(np.float16))  # [N*K/32, 1]
@@ -270,8 +275,10 @@ def _put_quantized(model: nn.Module, name: str, t: Any, qtype: str, mode: str, r
         new = QuantLinear(k, n, has_bias, "int4", group_size=32, device="meta")
         new.weight = packed.to(device)
         new.scale = scale.contiguous().to(device)
-        new.zero = torch.full((n, k // 32), 8, dtype=torch.uint8, device=device)
+        new.set_zero_points(None)  # Q4_0 is symmetric: q - 8, no zero points stored
+        mode = "int4"
     if has_bias:  # the file's bias, when it came before the weight; else a placeholder it overwrites later
         bias = old.bias if old.bias.device.type != "meta" else torch.zeros(n, device=device)
         new.bias = nn.Parameter(bias.detach(), requires_grad=False)
     setattr(model.get_submodule(parent_path), child, new)
+    return mode

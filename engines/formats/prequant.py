@@ -1,6 +1,7 @@
 """Checkpoints another tool quantised (config.json's `quantization_config`, or quantize_config.json): GPTQ
 (4-bit, groups, symmetric or not, v1 / v2 zero points), AWQ (GEMM layout, 4-bit) and compressed-tensors
-(pack-quantized int4 in groups or per channel, int-quantized int8 per channel, FP8 dequantised), loaded
+(pack-quantized int4 in groups or per channel, int-quantized int8 per channel, with W8A8's dynamic per-token
+int8 input activations applied in the forward, FP8 dequantised; other activation schemes refused), loaded
 straight into kernels/quant_matmul.py's QuantLinear (int4: q [N, K/2] packed, zero, scale; int8: q, scale[N])
 without widening to float. Layouts that fit no kernel (GPTQ with desc_act's reordered groups, int8 in groups)
 are dequantised at load, and the log says so.
@@ -87,6 +88,7 @@ class Scheme:
                                       "pack-quantized int4 (group, channel), int-quantized int8, float-quantized "
                                       "fp8 (dequantised)")
             self.ignore = list(qc.get("ignore") or [])
+            self.act_quant = _input_activations(groups[0].get("input_activations"), self, where)
         else:
             raise CheckpointError(f"{where}: quantization method {self.method!r} is not supported; supported: gptq, "
                                   "awq, compressed-tensors")
@@ -94,8 +96,31 @@ class Scheme:
     @property
     def name(self) -> str:
         if self.method == "compressed-tensors":
-            return f"compressed-tensors {self.format} {self.kind}{self.bits} {self.strategy}"
+            acts = " + int8 activations per token" if getattr(self, "act_quant", None) else ""
+            return f"compressed-tensors {self.format} {self.kind}{self.bits} {self.strategy}{acts}"
         return f"{self.method} int{self.bits} g{self.group}"
+
+
+def _input_activations(a: dict[str, Any] | None, scheme: Scheme, where: str) -> str | None:
+    """What a compressed-tensors group declares for its input activations: None (weight-only) or "token"
+    (dynamic symmetric int8 per token, W8A8: QuantLinear applies it in the forward, on int8 channel-wise
+    weights). Anything else is refused: tandem would otherwise run float activations the checkpoint was not
+    made for."""
+    if not a:
+        return None
+    kind, bits, strategy = str(a.get("type", "int")), int(a.get("num_bits", 8)), str(a.get("strategy", "tensor"))
+    dynamic, symmetric = a.get("dynamic") is True, bool(a.get("symmetric", True))
+    if not (kind == "int" and bits == 8 and strategy == "token" and dynamic and symmetric):
+        raise CheckpointError(
+            f"{where}: compressed-tensors input activations {kind}{bits} {strategy} "
+            f"({'dynamic' if dynamic else 'static'}, {'symmetric' if symmetric else 'asymmetric'}) are not "
+            "supported: tandem applies dynamic symmetric int8 per token (W8A8) or none (weight-only)")
+    if not (scheme.format in ("int-quantized", "naive-quantized") and scheme.bits == 8
+            and scheme.strategy in ("channel", "tensor")):
+        raise CheckpointError(f"{where}: compressed-tensors int8 per-token input activations are supported with "
+                              f"int8 channel-wise weights only, not {scheme.format} {scheme.kind}{scheme.bits} "
+                              f"{scheme.strategy}")
+    return "token"
 
 
 def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Scheme, device: torch.device,
@@ -107,12 +132,13 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
     n, k = linear.out_features, linear.in_features
     bias = get(f"{prefix}.bias") if f"{prefix}.bias" in names else None
 
-    def int4(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: int) -> nn.Module:
-        """q, zero uint8 [N, K] / [N, G] in 0..15 (zero up to 16), scale [N, G]: onto int4, exactly."""
+    def int4(q: torch.Tensor, zero: torch.Tensor | None, offset: int, scale: torch.Tensor, group: int) -> nn.Module:
+        """q uint8 [N, K] in 0..15, zero [N, G] the file's nibbles (zero points minus `offset`; None: 8), scale
+        [N, G] in its stored dtype: onto int4, exactly, the zeros packed two per byte as the files pack them."""
         m = QuantLinear(k, n, bias is not None, "int4", group_size=group, device="meta")
         m.weight = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous().to(device)
-        m.zero = zero.to(torch.uint8).contiguous().to(device)
-        m.scale = (scale.float() if scale.dtype == torch.bfloat16 else scale).contiguous().to(device)
+        m.set_zero_points(None if zero is None else zero.to(torch.int16) + offset, offset)
+        m.scale = scale.contiguous().to(device)
         return _with_bias(m, bias, device)
 
     if scheme.method in ("gptq", "awq"):
@@ -123,9 +149,8 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
         scales = get(f"{prefix}.scales")  # [K / group, N]
         if scheme.method == "gptq":
             q = _unpack_rows(get(f"{prefix}.qweight"), k).t()  # [N, K]
-            zero = _unpack_cols(get(f"{prefix}.qzeros"), n).t().to(torch.int16)  # [N, G]
-            if scheme.v1:
-                zero = zero + 1  # GPTQ v1 stores zero - 1
+            zero = _unpack_cols(get(f"{prefix}.qzeros"), n).t().to(torch.int16)  # [N, G] nibbles
+            offset = 1 if scheme.v1 else 0  # GPTQ v1 stores zero - 1
             g_idx = get(f"{prefix}.g_idx").long() if f"{prefix}.g_idx" in names else None
             if g_idx is not None and not torch.equal(g_idx, torch.arange(k) // group):
                 # desc_act: input rows visit the groups out of order. With `group` rows per group, sorting
@@ -133,15 +158,15 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
                 # activations are gathered into it (QuantLinear.input_perm); else floats
                 perm = torch.argsort(g_idx, stable=True)
                 if torch.equal(g_idx[perm], torch.arange(k) // group):
-                    m = int4(q[:, perm].to(torch.uint8), zero, scales.t(), group)
-                    m.input_perm = perm.to(device)
+                    m = int4(q[:, perm].to(torch.uint8), zero, offset, scales.t(), group)
+                    m.input_perm = perm.to(torch.int32).to(device)  # (the file's g_idx is int32 too)
                     return m, "int4 (act-order)"
-                w = (q.float() - zero.float()[:, g_idx]) * scales.t().float()[:, g_idx]
+                w = (q.float() - (zero + offset).float()[:, g_idx]) * scales.t().float()[:, g_idx]
                 return _float(linear, w, bias, device, dtype), "dequantised (desc_act)"
         else:
             q = _unpack_cols(get(f"{prefix}.qweight"), n, AWQ_ORDER).t()
-            zero = _unpack_cols(get(f"{prefix}.qzeros"), n, AWQ_ORDER).t()
-        return int4(q.to(torch.uint8), zero, scales.t(), group), "int4"
+            zero, offset = _unpack_cols(get(f"{prefix}.qzeros"), n, AWQ_ORDER).t(), 0
+        return int4(q.to(torch.uint8), zero, offset, scales.t(), group), "int4"
 
     # compressed-tensors
     if scheme.format == "pack-quantized":
@@ -152,11 +177,10 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
         group = k // groups
         _check(group * groups == k, scheme, prefix, f"in_features {k} and {groups} scale groups")
         q = _unpack_cols(get(f"{prefix}.weight_packed"), k)  # [N, K], value + 8
-        if scheme.symmetric:
-            zero = torch.full((n, groups), 8, dtype=torch.uint8)
-        else:
+        zero = None  # symmetric: 8 everywhere, nothing stored
+        if not scheme.symmetric:
             zero = _unpack_cols(get(f"{prefix}.weight_zero_point").t().contiguous(), n).t()  # [N, G], zp + 8
-        return int4(q.to(torch.uint8), zero, scale, group), "int4"
+        return int4(q.to(torch.uint8), zero, 0, scale, group), "int4"
     if f"{prefix}.weight_scale" not in names:
         return None
     w = get(f"{prefix}.weight")
@@ -169,7 +193,8 @@ def build(prefix: str, linear: nn.Linear, get: Any, names: set[str], scheme: Sch
         m = QuantLinear(k, n, bias is not None, "int8", device="meta")
         m.weight = w.contiguous().to(device)
         m.scale = scale.reshape(-1).expand(n).contiguous().to(device)
-        return _with_bias(m, bias, device), "int8"
+        m.act_quant = scheme.act_quant
+        return _with_bias(m, bias, device), "int8 (w8a8 per token)" if m.act_quant else "int8"
     zp = get(f"{prefix}.weight_zero_point").float() if f"{prefix}.weight_zero_point" in names else 0.0
     wf = (w.float().view(n, scale.shape[1], -1) - (zp[..., None] if torch.is_tensor(zp) else zp)) * scale[..., None]
     return _float(linear, wf.view(n, k), bias, device, dtype), "dequantised (int8 groups)"

@@ -1,9 +1,10 @@
 """GGUF files (engines/formats/gguf.py) written in the tests with the gguf package (GGUFWriter, gguf.quants)
 from tiny random checkpoints, loaded through `LLM(FILE.gguf)` and checked against transformers' own GGUF
 loader (`from_pretrained(dir, gguf_file=...)`, which dequantises): greedy tokens equal for F32, F16 and Q8_0
-(dequantised exactly by default), logits within 0.25 for Q8_0 onto the int8 / w8a8 kernels (asked for with
-quantization=..., re-rounded per output channel: within half a step of the file's values) and for Q4_0 (onto
-int4 in groups of 32, exact weights; torch's packed CPU op rounds activations to bf16), within 1e-4 for Q4_K
+(onto the int8 kernels with the file's int8 values and scale per 32, exactly: the loaded weights are int8),
+logits within 0.25 for Q8_0 onto w8a8 (asked for with quantization=..., activations quantised per 32 too) and
+for Q4_0 (onto int4 in groups of 32, exact weights; torch's packed CPU op rounds activations to bf16), within
+1e-4 for Q4_K
 (dequantised at load); the tokenizer and chat template from the metadata equal transformers'; a truncated
 file, a type tandem cannot load and an unsupported architecture fail with one line naming the file."""
 
@@ -72,8 +73,11 @@ def test_greedy_tokens_equal_transformers(ggufs, arch, kind):
     assert ours == [_ref_greedy(ref, p, 10) for p in PROMPTS]
     info = llm.engine.model.load_info
     assert info["format"] == "gguf" and info["source"] == str(path) and info["context_length"] == 512
-    if kind == "Q8_0":
-        assert "Q8_0->float (dequantised)" in info["quantization"]
+    if kind == "Q8_0":  # onto the int8 kernel as stored: int8 values, the file's scale per block of 32
+        assert "Q8_0->int8 x" in info["quantization"] and "dequantised" not in info["quantization"]
+        for lin in (llm.engine.model.model.layers[0].self_attn.q_proj, llm.engine.model.model.layers[1].mlp.down_proj):
+            assert isinstance(lin, QuantLinear) and lin.mode == "int8" and lin.int8_group == 32
+            assert lin.weight.dtype == torch.int8 and lin.scale.shape == (lin.out_features, lin.in_features // 32)
 
 
 @pytest.mark.parametrize("kind,quant,tol", [("Q8_0", "int8", 0.25), ("Q8_0", "w8a8", 0.25), ("Q4_0", "none", 0.25),
@@ -107,11 +111,16 @@ def test_loaded_weights_equal_the_format_librarys_dequantisation(ggufs):
             ref = ref.reshape(heads, -1, 2, ref.shape[1]).swapaxes(1, 2).reshape(ref.shape)
         assert isinstance(module, QuantLinear) and module.mode == "int4" and module.group_size == 32
         assert torch.equal(module.dequantized_weight(), torch.from_numpy(ref))
-    q8 = LLM(ggufs("llama", "Q8_0"), max_model_len=64, quantization="int8").engine.model.model.layers[0].mlp.up_proj
-    t = {t.name: t for t in gguf.GGUFReader(str(ggufs("llama", "Q8_0")), "r").tensors}["blk.0.ffn_up.weight"]
-    ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
-    step = q8.scale[:, None]  # one per-channel int8 step: the re-rounding error is at most half of it
-    assert ((q8.dequantized_weight() - ref).abs() <= step / 2 + 1e-6).all()
+    q8_model = LLM(ggufs("llama", "Q8_0"), max_model_len=64).engine.model
+    q8_tensors = {t.name: t for t in gguf.GGUFReader(str(ggufs("llama", "Q8_0")), "r").tensors}
+    for gguf_name, module, heads in [("blk.0.ffn_up.weight", q8_model.model.layers[0].mlp.up_proj, None),
+                                     ("blk.1.attn_k.weight", q8_model.model.layers[1].self_attn.k_proj, 2)]:
+        t = q8_tensors[gguf_name]
+        ref = gguf.quants.dequantize(t.data, t.tensor_type)
+        if heads:
+            ref = ref.reshape(heads, -1, 2, ref.shape[1]).swapaxes(1, 2).reshape(ref.shape)
+        assert module.weight.dtype == torch.int8 and module.int8_group == 32
+        assert torch.equal(module.dequantized_weight(), torch.from_numpy(ref))  # exactly the file's values
 
 
 def test_q4_k_packing_is_the_formats_own():

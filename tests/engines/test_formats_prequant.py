@@ -1,12 +1,12 @@
 """Pre-quantised safetensors (engines/formats/prequant.py) through `LLM(folder)`: compressed-tensors checkpoints
 made with the library's own qparams and compressors (W4A16 symmetric and asymmetric, pack-quantized; W8A8 int8
-per channel; FP8 per tensor, dequantised at load), GPTQ (4-bit, groups, symmetric and asymmetric, desc_act
+per channel with dynamic per-token int8 activations; FP8 per tensor weight-only, dequantised at load), GPTQ (4-bit, groups, symmetric and asymmetric, desc_act
 false and true) and AWQ (GEMM) packed to their documented layouts. For each, the loaded weights equal the
 format's dequantisation exactly (the library's own for compressed-tensors), the layers are tandem's QuantLinear
 (never widened, except FP8, said so; desc_act's reordered groups with the activations gathered into the
 stored order), and the logits are within 0.25 of
 transformers' on the dequantised weights (transformers loads symmetric compressed-tensors itself on the CPU);
-greedy tokens are compared where the CPU path runs float activations (int8 weight-only, the dequantised FP8). Bad configs (GPTQ bits, unknown method) fail with one line naming config.json."""
+greedy tokens are compared where the CPU path runs float or W8A8's per-token activations (int8, the dequantised FP8). Bad configs (GPTQ bits, unknown method) fail with one line naming config.json."""
 
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAKERS = {
     "ct-w4a16": (lambda s, d: compressed_tensors(s, d, "W4A16"), compressed_tensors_reference, "int4"),
     "ct-w4a16-asym": (lambda s, d: compressed_tensors(s, d, "W4A16_ASYM"), compressed_tensors_reference, "int4"),
-    "ct-w8a8": (lambda s, d: compressed_tensors(s, d, "W8A8"), compressed_tensors_reference, "int8"),
-    "ct-fp8": (lambda s, d: compressed_tensors(s, d, "FP8"), compressed_tensors_reference, "dequantised (fp8)"),
+    "ct-w8a8": (lambda s, d: compressed_tensors(s, d, "W8A8"), compressed_tensors_reference, "int8 (w8a8 per token)"),
+    "ct-fp8": (lambda s, d: compressed_tensors(s, d, "FP8", activations=False), compressed_tensors_reference,
+               "dequantised (fp8)"),
     "gptq-sym": (lambda s, d: gptq(s, d, group=64, sym=True), gptq_reference, "int4"),
     "gptq-asym-g128": (lambda s, d: gptq(s, d, group=128, sym=False), gptq_reference, "int4"),
     "gptq-desc-act": (lambda s, d: gptq(s, d, group=64, desc_act=True), gptq_reference, "int4 (act-order)"),
@@ -103,10 +104,10 @@ def test_weights_equal_the_formats_dequantisation_and_logits_match(made, kind, t
         theirs = ref(ids).logits[0]
         ours = model.dense_logits(ids)[0]
     assert theirs.abs().max() > 1.0 and (ours - theirs).abs().max().item() < 0.25
-    if loaded_as == "int8" or loaded_as.startswith("dequantised"):
-        # float activations on the CPU (the W8A8 checkpoint's dynamic int8 activations are not applied: int8
-        # weight-only): the greedy tokens of transformers on the dequantised weights
-        dense = ref if not native else transformers.AutoModelForCausalLM.from_pretrained(
+    if loaded_as.startswith(("int8", "dequantised")):
+        # the greedy tokens of transformers: on the dequantised weights, or (W8A8) on the checkpoint itself,
+        # whose activations compressed-tensors quantises per token as tandem does
+        dense = ref if not native or kind == "ct-w8a8" else transformers.AutoModelForCausalLM.from_pretrained(
             _dequantised_float_folder(folder, reference, tmp_path / "float"), dtype=torch.float32).eval()
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         got = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids
@@ -117,14 +118,25 @@ def test_weights_equal_the_formats_dequantisation_and_logits_match(made, kind, t
         assert got == seq[len(PROMPT):]
 
 
-@pytest.mark.parametrize("kind", ["gptq-sym", "awq-gemm", "ct-w4a16"])
-def test_4bit_weights_take_the_files_memory(made, kind, tiny_checkpoint):
-    """Packed weights and scales as stored, never widened; the zero points one byte per group (files pack them
-    8 to an int32, or store none when symmetric): at most that much over the file."""
+@pytest.mark.parametrize("kind", ["gptq-sym", "gptq-asym-g128", "gptq-desc-act", "awq-gemm", "ct-w4a16",
+                                  "ct-w4a16-asym"])
+def test_4bit_weights_take_no_more_memory_than_the_file(made, kind, tiny_checkpoint):
+    """Packed weights and scales as stored, never widened; the zero points packed two per byte (the files pack
+    them 8 to an int32: the same bytes), none where they are all 8 (symmetric), act-order's permutation int32 as
+    the file's g_idx: the loaded weights take no more bytes than the file."""
     folder = made(kind)
     model = LLM(folder, max_model_len=64).engine.model
-    zero_bytes = sum(m.zero.numel() for m in model.modules() if isinstance(m, QuantLinear))
-    assert model.load_info["weight_bytes"] <= (folder / "model.safetensors").stat().st_size + zero_bytes
+    lins = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(lins) == 14 and all(m.mode == "int4" for m in lins)
+    assert model.load_info["weight_bytes"] <= (folder / "model.safetensors").stat().st_size
+    zeros = [m.zero for m in lins]
+    if kind in ("gptq-sym", "gptq-desc-act", "ct-w4a16"):
+        assert all(z is None for z in zeros)  # symmetric: no zero points kept
+    else:
+        # (random weights of a small projection may have every zero at 8: nothing stored for it either)
+        assert any(z is not None for z in zeros)
+        assert all(z.dtype == torch.uint8 and z.shape[1] == (m.scale.shape[1] + 1) // 2
+                   for m, z in zip(lins, zeros) if z is not None)
     float_file = tiny_checkpoint("llama", **GEOMETRY) / "model.safetensors"
     assert model.load_info["weight_bytes"] < 0.35 * float_file.stat().st_size
 
@@ -192,7 +204,7 @@ def test_gptq_qwen2_keeps_its_qkv_biases(tiny_checkpoint, tmp_path):
     assert (ours - theirs).abs().max().item() < 0.25
 
 
-@pytest.mark.parametrize("kind", ["gptq-sym", "gptq-desc-act", "awq-gemm", "ct-w4a16"])
+@pytest.mark.parametrize("kind", ["gptq-sym", "gptq-asym-g128", "gptq-desc-act", "awq-gemm", "ct-w4a16"])
 def test_engine_decoding_equals_the_models_own_forward(made, kind):
     """The engine's CPU decode path (the C decoder stack where it covers the model) gives the tokens of a
     greedy loop over the model's own forward: act-order weights, whose input must be gathered first, keep the

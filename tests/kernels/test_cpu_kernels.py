@@ -223,10 +223,11 @@ def test_linear_w4a8_matches_reference(m, n, k, group):
     """int4 weights (asymmetric, per group) with the activations quantised per 32: the dequantised-weight
     reference up to float summation order, for every tile, with bias and on two threads; group 32 is refused
     (QuantLinear then keeps torch's packed op)."""
-    from kernels.quant_matmul import quantize_int4
+    from kernels.quant_matmul import pack_zero, quantize_int4
 
     g = torch.Generator().manual_seed(n + k + m + group)
     packed, scale, zero = quantize_int4(torch.randn(n, k, generator=g), group)
+    zero = pack_zero(zero)  # the kernels take the zeros packed two per byte
     x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4
     x[0, :32] = 0
     b = torch.randn(n, generator=g)
@@ -242,6 +243,7 @@ def test_linear_w4a8_matches_reference(m, n, k, group):
     finally:
         torch.set_num_threads(1)
     p32, s32, z32 = quantize_int4(torch.randn(8, 64, generator=g), 32)
+    z32 = pack_zero(z32)
     with pytest.raises(ValueError, match="group"):
         ck.linear_w4a8(x[:, :64], p32, s32.float(), z32, 32)
 

@@ -16,6 +16,7 @@ from kernels.quant_matmul import (  # noqa: E402
     QuantLinear,
     dequantize_int4,
     dequantize_int8,
+    pack_zero,
     quantize_int4,
     quantize_int8,
     quantize_model,
@@ -85,6 +86,7 @@ def test_int8_triton_matmul_matches_reference(m):
 def test_int4_triton_matmul_matches_reference(group):
     n, k, m = 24, 256, 3
     packed, s, z = quantize_int4(weight(n, k, seed=group), group)
+    z = pack_zero(z)  # the kernels take the zeros packed two per byte
     x = torch.randn(m, k)
     packed, s, z, x = packed.to(DEV), s.to(DEV), z.to(DEV), x.to(DEV)
     ref = wq_matmul_ref(x, packed, s, z)
@@ -182,7 +184,8 @@ def test_quantlinear_shapes_the_cpu_packed_ops_cannot_take_use_the_reference(mod
         y = ql(x)
         assert torch.isfinite(y).all()
         # the reference path: exactly the dequantised weight in float32
-        torch.testing.assert_close(y, wq_matmul_ref(x, ql.weight, ql.scale, ql.zero), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y, wq_matmul_ref(x, ql.weight, ql.scale, ql.zero, zero_offset=ql.zero_offset),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_quantlinear_takes_strided_bf16_activations():
