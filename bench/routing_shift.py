@@ -28,14 +28,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import bench.routing_shift_data as shift_data  # noqa: E402
 from bench.results_meta import write_results  # noqa: E402
 from bench.routing_shift_data import ANSWER_BUDGET, DEFAULT_FAMILY, cache_dir, ensure, family_key, read_jsonl  # noqa: E402
 from gateway.route_monitor import RouteMonitor  # noqa: E402
 from router_model.adapt_cli import parser as adapt_parser  # noqa: E402
 from router_model.adapt_cli import run as adapt_run  # noqa: E402
 from router_model.cli import policy_scores  # noqa: E402
-from router_model.data import parse_example  # noqa: E402
+from router_model.data import parse_example, read_rows  # noqa: E402
 from router_model.evaluate import compare_policies  # noqa: E402
+from router_model.features import FeatureConfig  # noqa: E402
+from router_model.prompt_stats import PROMPT_EXTRAS, PromptStats, needs_prompt_stats  # noqa: E402
 from router_model.router import Router  # noqa: E402
 
 TARGET = 0.3
@@ -65,12 +68,13 @@ def evaluate(router: Router, cascade: Router, rows: list[dict], examples, bootst
     return out
 
 
-def ceiling(shipped: tuple[Router, Router], args, cache: Path, rows, examples) -> dict:
+def ceiling(base: Router, scorer: Router, args, cache: Path, rows, examples, held=None) -> dict:
     """The bound on what adaptation of these features can reach: the refit fed the traffic side's *reference*
     labels (large right where the small is wrong; transformers, as the evaluation's) instead of self-labels,
     on the same prompts and with the same prior; scored on the evaluation modules, never fitted on."""
     from bench.routing_shift_data import build_prompts, reference_rows, write_jsonl
     from router_model.adapt import AdaptOptions, Traffic, refit
+    from router_model.adapt_cli import add_prompt_stats
 
     path = cache / "traffic_refs.jsonl.gz"
     if not path.is_file():
@@ -82,28 +86,47 @@ def ceiling(shipped: tuple[Router, Router], args, cache: Path, rows, examples) -
         q = float(r["large_exact"] > r["small_exact"])
         router_t.add(r["prompt"], q, r["group"])
         scorer_t.add(r["prompt"], q, r["group"], r["small_answer"], r["small_answer_stats"])
-    prior = read_jsonl(Path(shipped[0].metadata["data"]) if Path(shipped[0].metadata["data"]).is_absolute()
-                       else ROOT / shipped[0].metadata["data"])
+    prior = read_jsonl(Path(base.metadata["data"]) if Path(base.metadata["data"]).is_absolute()
+                       else ROOT / base.metadata["data"])
     opts = AdaptOptions(prior_share=0.3)
-    r, c = refit(shipped[0], prior, router_t, opts), refit(shipped[1], prior, scorer_t, opts)
-    return evaluate(r, c, rows, examples, args.bootstrap) | {"traffic_prompts": len(refs),
-                                                              "large_only_right": int(sum(router_t.q))}
+    router_prior = prior
+    if needs_prompt_stats(base.feature_config.extras):
+        router_prior = add_prompt_stats(base, prior, router_t, opts, argparse.Namespace(
+            small=args.small, dtype="auto", prompt_stats_cache=str(shift_data.CACHE_ROOT / "prompt_stats.jsonl")))
+    r, c = refit(base, router_prior, router_t, opts), refit(scorer, prior, scorer_t, opts)
+    out = evaluate(r, c, rows, examples, args.bootstrap) | {"traffic_prompts": len(refs),
+                                                             "large_only_right": int(sum(router_t.q))}
+    if held is not None:
+        out["heldout"] = evaluate(r, c, *held, args.bootstrap)
+    return out
 
 
-FEATURE_VARIANTS = {  # `--features NAME`: the router refitted on other blocks than the shipped artifact's
-    "tail60": ({"view": "tail", "chars": 60, "ngrams": [1, 3], "buckets": 4096},),  # the prompt's end, coarse
-    "tail300": ({"view": "tail", "chars": 300, "ngrams": [2, 4], "buckets": 16384},),  # more context, coarse
+SHIPPED = None  # a variant's blocks: the shipped artifact's own
+TAIL60 = {"view": "tail", "chars": 60, "ngrams": [1, 3], "buckets": 4096}
+FEATURE_VARIANTS = {  # `--features NAME`: the router refitted on other features than the shipped artifact's
+    # (blocks, extras)
+    "tail60": ((TAIL60,), ()),  # the prompt's end, coarse
+    "tail300": (({"view": "tail", "chars": 300, "ngrams": [2, 4], "buckets": 16384},), ()),  # more context, coarse
+    # the small model's prefill of the prompt (router_model/prompt_stats.py) beside the shipped blocks, beside
+    # the coarse tail, or with the text statistics only
+    "prompt-lp": (SHIPPED, tuple(PROMPT_EXTRAS)),
+    "tail60-lp": ((TAIL60,), tuple(PROMPT_EXTRAS)),
+    "lp-only": ((), tuple(PROMPT_EXTRAS)),
 }
+
+
+def variant_config(name: str, cur: FeatureConfig) -> FeatureConfig:
+    blocks, extras = FEATURE_VARIANTS[name]
+    return FeatureConfig(blocks=cur.blocks if blocks is SHIPPED else blocks, stats=cur.stats, extras=extras)
 
 
 def feature_template(shipped_dir: Path, name: str, dest: Path) -> Path:
     """An untrained router of the shipped kind, stats, calibration method, C, target and prior data, with the
-    variant's hashed blocks: `tandem router adapt --router` of it refits those features."""
-    from router_model.features import FeatureConfig
+    variant's hashed blocks and extras: `tandem router adapt --router` of it refits those features."""
     from router_model.router import NUM_QUANTILES, Calibration
 
     cur = Router.load(shipped_dir)
-    cfg = FeatureConfig(blocks=FEATURE_VARIANTS[name], stats=cur.feature_config.stats)
+    cfg = variant_config(name, cur.feature_config)
     meta = {"data": str(ROOT / cur.metadata["data"]), "C": cur.metadata.get("C", 1.0),
             "trained_at": f"template {name}"}
     t = Router(feature_config=cfg, dense_mean=np.zeros(cfg.num_dense), dense_scale=np.ones(cfg.num_dense),
@@ -130,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="refit the router on these blocks instead of the shipped ones (the scorer: as shipped)")
     ap.add_argument("--ceiling", action="store_true", help="also refit on the traffic side's reference labels "
                     "(a bound, not an adaptation: references of the traffic are what a team never has)")
+    ap.add_argument("--heldout", default=None, help="also score every router and cascade on this reference-labelled "
+                    "file (e.g. models/router/labels/test.jsonl.gz: the original held-out split)")
     ap.add_argument("--out", default=None, help="default bench/results/routing_shift[_FAMILY].json")
     args = ap.parse_args(argv)
     import torch
@@ -144,29 +169,50 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_jsonl(paths["eval"])
     examples = [parse_example(r, f"eval:{i}") for i, r in enumerate(rows, 1)]
     shipped = (Router.load(args.router), Router.load(Path(args.router) / "cascade"))
+    base = args.router
+    if args.features:  # an untrained template of the variant's features
+        base = str(feature_template(Path(args.router), args.features, cache / f"template_{args.features}"))
+    prompt_stats = PromptStats(args.small, shift_data.CACHE_ROOT / "prompt_stats.jsonl")
+    want_stats = needs_prompt_stats(Router.load(base).feature_config.extras)
+    if want_stats:  # what the small engine's prefill of each evaluation prompt gives, as the router's extras
+        for ex, st in zip(examples, prompt_stats([ex.conversation for ex in examples])):
+            ex.extras |= st
+    held = None
+    if args.heldout:
+        hrows = read_rows(args.heldout)
+        held = (hrows, [parse_example(r, f"heldout:{i}") for i, r in enumerate(hrows, 1)])
+        if want_stats:
+            for ex, st in zip(held[1], prompt_stats([ex.conversation for ex in held[1]])):
+                ex.extras |= st
+
+    def score(r: Router, c: Router, tag: dict | None = None) -> dict:
+        out = evaluate(r, c, rows, examples, args.bootstrap) | (tag or {})
+        if held is not None:
+            out["heldout"] = evaluate(r, c, *held, args.bootstrap)
+        return out
     small = np.mean([r["small_exact"] for r in rows])
     large = np.mean([r["large_exact"] for r in rows])
     print(f"evaluation: {len(rows)} prompts from {len({r['group'] for r in rows})} {key} modules; exact match "
           f"small {small:.4f}, large {large:.4f}; large-only right "
           f"{sum(r['large_exact'] > r['small_exact'] for r in rows)}, small-only "
           f"{sum(r['small_exact'] > r['large_exact'] for r in rows)}")
-    results = {"shipped": evaluate(*shipped, rows, examples, args.bootstrap), "adapted": {}}
+    results = {"shipped": score(*shipped), "adapted": {}}
     if args.ceiling:
-        results["ceiling (reference-labelled traffic)"] = ceiling(shipped, args, cache, rows, examples)
+        results["ceiling (reference-labelled traffic)"] = ceiling(Router.load(base), shipped[1], args, cache, rows,
+                                                                  examples, held)
     decisions = {}
     for n in sorted(args.sizes):
         variant = "".join(c if c.isalnum() or c in ".-" else "_" for c in args.adapt_args.strip())
         variant += f"_features-{args.features}" if args.features else ""
         out = cache / (f"adapted_{n}" + (f"_{variant}" if variant else ""))
-        base = args.router
         extra = args.adapt_args.split()
         if args.features:  # an untrained template: always installed (its gate is logged), the scorer not refit
-            base = str(feature_template(Path(args.router), args.features, cache / f"template_{args.features}"))
             extra += ["--cascade", "none", "--min-gain", "-1"]
         a = adapt_parser().parse_args(extra + [
             "--data", str(paths["traffic"]), "--limit", str(n), "--router", base, "--out", str(out),
             "--small", args.small, "--large", args.large, "--stop", "\n", "--max-tokens", str(ANSWER_BUDGET),
-            "--label-cache", str(cache / "pairs.jsonl"), "--log", str(cache / "adapt_log.jsonl")])
+            "--label-cache", str(cache / "pairs.jsonl"), "--log", str(cache / "adapt_log.jsonl"),
+            "--prompt-stats-cache", str(shift_data.CACHE_ROOT / "prompt_stats.jsonl")])
         t0 = time.perf_counter()
         summary = adapt_run(a)
         seconds = time.perf_counter() - t0
@@ -175,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         swapped = {d["kind"]: d["decision"] == "swapped" for d in summary["decisions"]}
         r = Router.load(out) if swapped.get("router") else shipped[0]
         c = Router.load(out / "cascade") if swapped.get("escalation") else shipped[1]
-        results["adapted"][n] = evaluate(r, c, rows, examples, args.bootstrap) | {
-            "swapped": swapped, "adapt_seconds": round(seconds, 1)}
+        results["adapted"][n] = score(r, c, {"swapped": swapped, "adapt_seconds": round(seconds, 1)})
     print(f"\n{'policy':<28} {'router APGR':>11} {'95% CI':>15} {'cascade APGR':>12} {'95% CI':>15} "
           f"{'large (static)':>14} {'large (held)':>12}")
     table = [("shipped", results["shipped"])] + [(f"adapted on {n} prompts", v)

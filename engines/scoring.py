@@ -6,6 +6,8 @@ Scoring is one dense causal forward of the prompt (`Transformer.dense_logits`, n
 engine's step loop: `prompt_logprobs` is the computation (the offline `LLM` calls it in its own thread) and
 `score_async` runs it for asyncio callers on one scoring thread per device, so the event loop never waits on
 torch and at most `MAX_PENDING` scorings queue before a caller is told to retry (`ScoringBusy`).
+`prompt_profile` is the same forward kept as plain numbers (each token's logprob, each position's next-token
+entropy, the last position's included), what a router reads of the prompt (router_model/prompt_stats.py).
 Logprobs are the raw model's (no temperature or penalties), as the engine's sampled-token logprobs are.
 """
 
@@ -68,6 +70,27 @@ def prompt_logprobs(model: Any, token_ids: list[int], top_k: int = 0, tokenizer:
     return out
 
 
+def prompt_profile(model: Any, token_ids: list[int]) -> tuple[list[float], list[float]]:
+    """(chosen, entropy): `chosen[i]` the logprob of token i + 1 after tokens 0..i (as `prompt_logprobs`), and
+    `entropy[i]` the entropy (nats) of the model's next-token distribution after tokens 0..i, for every
+    position including the last (what the model expects right after the prompt). One dense forward."""
+    if not token_ids:
+        return [], []
+    device = next(model.parameters()).device
+    chosen: list[float] = []
+    entropy: list[float] = []
+    with torch.inference_mode():
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        logits = model.dense_logits(ids)[0]
+        targets = ids[0, 1:]
+        for start in range(0, logits.shape[0], CHUNK):
+            logprobs = torch.log_softmax(logits[start:start + CHUNK].float(), dim=-1)
+            entropy += (-(logprobs.exp() * logprobs).sum(-1)).tolist()
+            rows = targets[start:start + CHUNK]  # the last position has no target
+            chosen += logprobs[:rows.shape[0]].gather(1, rows[:, None])[:, 0].tolist()
+    return chosen, entropy
+
+
 _executors: dict[str, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
 _pending = 0
@@ -84,6 +107,15 @@ def _executor(device: torch.device) -> ThreadPoolExecutor:
 async def score_async(model: Any, token_ids: list[int], top_k: int = 0, tokenizer: Any = None
                       ) -> list[PositionLogprobs | None]:
     """`prompt_logprobs` on the device's scoring thread; raises ScoringBusy past MAX_PENDING waiting."""
+    return await _on_scoring_thread(model, prompt_logprobs, model, token_ids, top_k, tokenizer)
+
+
+async def profile_async(model: Any, token_ids: list[int]) -> tuple[list[float], list[float]]:
+    """`prompt_profile` on the device's scoring thread (the same queue and bound as `score_async`)."""
+    return await _on_scoring_thread(model, prompt_profile, model, token_ids)
+
+
+async def _on_scoring_thread(model: Any, fn: Any, *args: Any) -> Any:
     global _pending
     with _lock:
         if _pending >= MAX_PENDING:
@@ -92,7 +124,7 @@ async def score_async(model: Any, token_ids: list[int], top_k: int = 0, tokenize
     try:
         loop = asyncio.get_running_loop()
         device = next(model.parameters()).device
-        return await loop.run_in_executor(_executor(device), prompt_logprobs, model, token_ids, top_k, tokenizer)
+        return await loop.run_in_executor(_executor(device), fn, *args)
     finally:
         with _lock:
             _pending -= 1

@@ -13,8 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from router_model.adapt import AdaptOptions, Traffic, artifact_version, decide, holdout_split, refit
 from router_model.data import DataError, read_rows
+from router_model.prompt_stats import needs_prompt_stats
 from router_model.router import Router, RouterArtifactError
 from router_model.self_labels import LabelModel, answer_pairs
 
@@ -53,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, help="decision log (default OUT/adapt_log.jsonl)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads for the engines (0: default)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompt-stats-cache", default=None, help="JSONL cache of the small model's prompt statistics "
+                   "(only for a router whose extras read them: router_model/prompt_stats.py)")
     return p
 
 
@@ -118,6 +123,24 @@ def gather(args: argparse.Namespace, label_model: LabelModel, want_scorer: bool,
     return router_t, scorer_t, counts
 
 
+def add_prompt_stats(current: Router, prior_rows: list[dict], traffic: Traffic, opts: AdaptOptions,
+                     args: argparse.Namespace, log=print) -> list[dict]:
+    """For a router that reads the small model's prefill: those statistics of each traffic prompt (as its
+    extras) and of the prior rows the refit uses (subsampled here as `refit` would: only those are scored)."""
+    from router_model.prompt_stats import PromptStats
+
+    if len(prior_rows) > opts.prior_max:
+        keep = np.linspace(0, len(prior_rows) - 1, opts.prior_max).round().astype(int)
+        prior_rows = [prior_rows[i] for i in keep]
+    stats = PromptStats(args.small, getattr(args, "prompt_stats_cache", None), dtype=args.dtype)
+    idx = [i for i, c in enumerate(traffic.conversations) if c is not None]
+    log(f"small-model prompt statistics for {len(idx)} traffic prompts and {len(prior_rows)} prior rows")
+    for i, s in zip(idx, stats([traffic.conversations[i] for i in idx], log)):
+        traffic.stats[i] = (traffic.stats[i] or {}) | s
+    prompts = [_prompt(r, f"prior:{i}") for i, r in enumerate(prior_rows, 1)]
+    return [r | {"extras": (r.get("extras") or {}) | s} for r, s in zip(prior_rows, stats(prompts, log))]
+
+
 def run(args: argparse.Namespace, log=print) -> dict:
     router_dir = Path(args.router)
     current = Router.load(router_dir)
@@ -137,16 +160,19 @@ def run(args: argparse.Namespace, log=print) -> dict:
         raise DataError(f"{len(router_t)} self-labelled prompts are too few to adapt on (20 at least)")
     opts = AdaptOptions(holdout=args.holdout, prior_share=args.prior_share, prior_max=args.prior_max,
                         min_gain=args.min_gain, folds=args.folds, seed=args.seed, C=args.C)
+    router_prior = prior_rows
+    if needs_prompt_stats(current.feature_config.extras):
+        router_prior = add_prompt_stats(current, prior_rows, router_t, opts, args, log)
     out = Path(args.out)
     log_path = args.log or str(out / "adapt_log.jsonl")
     extra = {"traffic": counts, "data": args.data, "prior_data": str(prior_path)}
     summary: dict[str, Any] = {"counts": counts, "decisions": []}
-    for cur, cur_dir, traffic, dest in ((current, router_dir, router_t, out),
-                                        (scorer, cascade_dir, scorer_t, out / "cascade")):
+    for cur, cur_dir, traffic, dest, prior in ((current, router_dir, router_t, out, router_prior),
+                                               (scorer, cascade_dir, scorer_t, out / "cascade", prior_rows)):
         if cur is None or len(traffic) < 20:
             continue
         fit_idx, val_idx = holdout_split(traffic.groups, opts.holdout, opts.seed)
-        new = refit(cur, prior_rows, traffic.subset(fit_idx), opts, log)
+        new = refit(cur, prior, traffic.subset(fit_idx), opts, log)
         rec = decide(cur, cur_dir, new, traffic.subset(val_idx), dest, opts, log_path, log, label_model,
                      extra | {"fit_rows": len(fit_idx)})
         summary["decisions"].append(rec)

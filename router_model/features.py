@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 import router_model.native as native
+from router_model.prompt_stats import PROMPT_EXTRAS
 
 # One prompt: a plain string (one user turn) or OpenAI-style messages.
 Conversation = str | Sequence[Mapping[str, Any]]
@@ -37,7 +38,7 @@ STAT_NAMES: tuple[str, ...] = (
 # Extra features a caller supplies per request: the small model's prefill, or (for the escalation scorer)
 # the statistics of the small answer's token logprobs (router_model.scoring.answer_stats).
 KNOWN_EXTRAS: dict[str, str] = {
-    "small_prompt_logprob": "mean token log-probability of the prompt under the small model",
+    **PROMPT_EXTRAS,  # the small model's prefill of the prompt (router_model/prompt_stats.py)
     "answer_mean_logprob": "mean chosen-token logprob of the small answer",
     "answer_min_logprob": "minimum chosen-token logprob of the small answer",
     "answer_first_line_logprob": "mean chosen-token logprob over the small answer's first line",
