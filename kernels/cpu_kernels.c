@@ -607,10 +607,12 @@ static inline __m256i dot_q8(__m256i xa, __m256i xs, __m256i w) {
 #endif
 }
 
-/* NR weight rows x MR activation rows: s[r * NR + i] = sum_b d[r, b] * (x_q[r, b] . q[i, b]) */
-#define TK_DEF_W8(NR, MR)                                                                                      \
-    static void w8_##NR##x##MR(const int8_t *xq, const uint8_t *xa, const float *d, int64_t K, const int8_t *q, \
-                               float *s) {                                                                     \
+/* NR weight rows x MR activation rows: s[r * NR + i] = sum_b SCALE * (x_q[r, b] . q[i, b]), SCALE a __m256 of
+ * r, i, b (and B, d, the tile's own EXTRA arguments): the per-channel tiles below scale by d[r, b] alone (the
+ * channel scale comes after), the block-scaled ones by d[r, b] * ws[i, b] */
+#define TK_DEF_W8T(PRE, NR, MR, EXTRA, SCALE)                                                                  \
+    static void PRE##NR##x##MR(const int8_t *xq, const uint8_t *xa, const float *d, int64_t K, const int8_t *q,  \
+                               EXTRA float *s) {                                                               \
         const int64_t B = K / Q8;                                                                              \
         __m256 acc[MR][NR];                                                                                    \
         for (int r = 0; r < MR; r++)                                                                           \
@@ -627,17 +629,17 @@ static inline __m256i dot_q8(__m256i xa, __m256i xs, __m256i w) {
             for (int r = 0; r < MR; r++) {                                                                     \
                 __m256i a = _mm256_loadu_si256((const __m256i *)(xa + r * K + b * Q8));                        \
                 __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * Q8));                        \
-                __m256 db = _mm256_broadcast_ss(d + r * B + b);                                                \
                 for (int i = 0; i < NR; i++)                                                                   \
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q8(a, x, w[i])), db, acc[r][i]);       \
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q8(a, x, w[i])), SCALE, acc[r][i]);    \
             }                                                                                                  \
         }                                                                                                      \
         for (int r = 0; r < MR; r++)                                                                           \
             for (int i = 0; i < NR; i++) s[r * NR + i] = hsum256(acc[r][i]);                                   \
     }
-TK_DEF_W8(4, 1)
-TK_DEF_W8(4, 2)
-TK_DEF_W8(1, 1)
+#define W8_CHANNEL _mm256_broadcast_ss(d + r * B + b)
+TK_DEF_W8T(w8_, 4, 1, , W8_CHANNEL)
+TK_DEF_W8T(w8_, 4, 2, , W8_CHANNEL)
+TK_DEF_W8T(w8_, 1, 1, , W8_CHANNEL)
 #endif
 
 #if TK_VNNI
@@ -1049,37 +1051,13 @@ typedef void (*i8g_fn)(const float *, int64_t, const int8_t *, const int8_t *, c
                        float *, float *);
 static const i8g_fn I8G[5] = {0, i8g_2x1, i8g_2x2, i8g_2x3, i8g_2x4};
 
-/* NR weight rows x MR activation rows of w8a8 with block scales on both sides */
-#define TK_DEF_W8G(NR, MR)                                                                                     \
-    static void w8g_##NR##x##MR(const int8_t *xq, const uint8_t *xa, const float *d, int64_t K, const int8_t *q,\
-                                const float *ws, float *s) {                                                   \
-        const int64_t B = K / Q8;                                                                              \
-        __m256 acc[MR][NR];                                                                                    \
-        for (int r = 0; r < MR; r++)                                                                           \
-            for (int i = 0; i < NR; i++) acc[r][i] = _mm256_setzero_ps();                                     \
-        for (int64_t b = 0; b < B; b++) {                                                                      \
-            if (NR == 4) {                                                                                     \
-                const char *pf = (const char *)(q + 4 * K) + b * 128;                                          \
-                _mm_prefetch(pf, _MM_HINT_T0);                                                                 \
-                _mm_prefetch(pf + 64, _MM_HINT_T0);                                                            \
-            }                                                                                                  \
-            __m256i w[NR];                                                                                     \
-            for (int i = 0; i < NR; i++) w[i] = _mm256_loadu_si256((const __m256i *)(q + i * K + b * Q8));   \
-            for (int r = 0; r < MR; r++) {                                                                     \
-                __m256i a = _mm256_loadu_si256((const __m256i *)(xa + r * K + b * Q8));                        \
-                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * Q8));                        \
-                const float dr = d[r * B + b];                                                                 \
-                for (int i = 0; i < NR; i++)                                                                   \
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q8(a, x, w[i])),                        \
-                                                _mm256_set1_ps(dr * ws[i * B + b]), acc[r][i]);               \
-            }                                                                                                  \
-        }                                                                                                      \
-        for (int r = 0; r < MR; r++)                                                                           \
-            for (int i = 0; i < NR; i++) s[r * NR + i] = hsum256(acc[r][i]);                                   \
-    }
-TK_DEF_W8G(4, 1)
-TK_DEF_W8G(4, 2)
-TK_DEF_W8G(1, 1)
+/* NR weight rows x MR activation rows of w8a8 with block scales on both sides: the per-channel tiles' shape
+ * (TK_DEF_W8T) with each block's product scaled by d[r, b] * ws[i, b] */
+#define W8G_ARGS const float *ws,
+#define W8_BLOCK _mm256_set1_ps(d[r * B + b] * ws[i * B + b])
+TK_DEF_W8T(w8g_, 4, 1, W8G_ARGS, W8_BLOCK)
+TK_DEF_W8T(w8g_, 4, 2, W8G_ARGS, W8_BLOCK)
+TK_DEF_W8T(w8g_, 1, 1, W8G_ARGS, W8_BLOCK)
 #endif
 
 static void linear_i8g_rows(const float *x, int64_t M, int64_t K, const int8_t *q, const float *sc,
