@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # the pytest selections, each one line: a name, then pytest arguments
 SELECTIONS=(
-  "kernels tests/kernels/test_kernels_attention.py tests/kernels/test_kernels_kv_write.py tests/kernels/test_kernels_quant.py tests/kernels/test_kernels_fused.py tests/kernels/test_kernels_model.py"
+  "kernels tests/kernels/test_kernels_attention.py tests/kernels/test_kernels_kv_write.py tests/kernels/test_kernels_quant.py tests/kernels/test_kernels_fused.py tests/kernels/test_kernels_model.py tests/kernels/test_int8_groups.py tests/kernels/test_int4_zero_points.py"
   "cuda_graphs tests/engines/test_engine_quant.py -k cuda_graph"
 )
 declare -A LIMIT_S=([kernels]=210 [cuda_graphs]=90)
