@@ -301,11 +301,13 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
         if len({lin.bias is None for lin in linears}) != 1 or len({lin.int8_group for lin in linears}) != 1:
             return None
         with torch.no_grad():
+            # per channel float32; per 32 weights float16 (GGUF Q8_0's, as stored: tk_linear_i8g reads that)
+            sdt = torch.float16 if linears[0].int8_group else torch.float32
             if len(linears) == 1:
-                q, s = linears[0].weight.contiguous(), linears[0].scale.float().contiguous()
+                q, s = linears[0].weight.contiguous(), linears[0].scale.to(sdt).contiguous()
             else:
                 q = torch.cat([lin.weight for lin in linears]).contiguous()
-                s = torch.cat([lin.scale.float() for lin in linears]).contiguous()
+                s = torch.cat([lin.scale.to(sdt) for lin in linears]).contiguous()
                 start = 0
                 for lin in linears:
                     n = lin.out_features

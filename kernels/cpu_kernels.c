@@ -7,7 +7,8 @@
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
  *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics;
  *                    AMX int8 tiles at 3+ rows where the CPU has them)
- *   tk_linear_i8g, tk_linear_w8a8g  the same with a scale per 32 weights (GGUF Q8_0's blocks), scale [N, K / 32]
+ *   tk_linear_i8g, tk_linear_w8a8g  the same with a scale per 32 weights (GGUF Q8_0's blocks), scale float16
+ *                    [N, K / 32] as the file stores it
  *   tk_linear_w4a8   int4 weights (per-group scale and zero point) with the activations quantised the same way
  *   tk_paged_attention_f32  attention of T queries over float32 KV pages read in place (no gather): each
  *                    sequence's queries are the last q_len of its context_len positions, causal
@@ -126,6 +127,26 @@ static inline float bf16_to_f32(uint16_t h) {
     } v = {(uint32_t)h << 16};
     return v.f;
 }
+/* float16 bits to float32, exactly (F16C where the build has it; the GGUF Q8_0 block scales, int4 scales) */
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    union {
+        uint32_t u;
+        float f;
+    } v;
+    if (e == 31) v.u = sign | 0x7F800000u | (m << 13);      /* inf, nan */
+    else if (e) v.u = sign | ((e + 112) << 23) | (m << 13); /* normal */
+    else {                                                  /* zero, subnormal: m * 2^-24 */
+        v.f = (float)m * 5.9604644775390625e-8f;
+        v.u |= sign;
+    }
+    return v.f;
+#endif
+}
+
 #define AT_F32(p) (*(p))
 #define AT_BF16(p) bf16_to_f32(*(p))
 
@@ -1008,7 +1029,7 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
     return 0;
 }
 
-/* ---- int8 weights with a scale per block of 32 (GGUF Q8_0's own blocks): q [N, K], scale float32 [N, K / 32] --
+/* ---- int8 weights with a scale per block of 32 (GGUF Q8_0's own blocks): q [N, K], scale float16 [N, K / 32] --
  * Weight-only (float32 activations: each block's 32 products summed, then scaled by its block's scale) and
  * w8a8 (the activations quantised per 32 as above: one integer dot per block, scaled by both blocks' scales,
  * llama.cpp's q8_0 x q8_0 dot). Need K % 32 == 0. The w8a8 tiles are the 256-bit ones (dot_q8: vpdpbusd where
@@ -1017,8 +1038,8 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
 #if TK_AVX2
 /* two weight rows x MR activation rows: s0[r], s1[r] = sum_b c[b] * (x[r, b] . q[b]) */
 #define TK_DEF_I8G(MR)                                                                                         \
-    static void i8g_2x##MR(const float *x, int64_t K, const int8_t *q0, const int8_t *q1, const float *c0,     \
-                           const float *c1, float *s0, float *s1) {                                           \
+    static void i8g_2x##MR(const float *x, int64_t K, const int8_t *q0, const int8_t *q1, const uint16_t *c0,  \
+                           const uint16_t *c1, float *s0, float *s1) {                                        \
         __m256 a0[MR], a1[MR];                                                                                 \
         for (int r = 0; r < MR; r++) a0[r] = a1[r] = _mm256_setzero_ps();                                     \
         for (int64_t b = 0; b < K / Q8; b++) {                                                                 \
@@ -1032,7 +1053,7 @@ int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const 
                     p1[r] = _mm256_fmadd_ps(xv, w1, p1[r]);                                                    \
                 }                                                                                              \
             }                                                                                                  \
-            __m256 g0 = _mm256_broadcast_ss(c0 + b), g1 = _mm256_broadcast_ss(c1 + b);                         \
+            __m256 g0 = _mm256_set1_ps(f16_to_f32(c0[b])), g1 = _mm256_set1_ps(f16_to_f32(c1[b]));             \
             for (int r = 0; r < MR; r++) {                                                                     \
                 a0[r] = _mm256_fmadd_ps(p0[r], g0, a0[r]);                                                     \
                 a1[r] = _mm256_fmadd_ps(p1[r], g1, a1[r]);                                                     \
@@ -1047,20 +1068,20 @@ TK_DEF_I8G(1)
 TK_DEF_I8G(2)
 TK_DEF_I8G(3)
 TK_DEF_I8G(4)
-typedef void (*i8g_fn)(const float *, int64_t, const int8_t *, const int8_t *, const float *, const float *,
+typedef void (*i8g_fn)(const float *, int64_t, const int8_t *, const int8_t *, const uint16_t *, const uint16_t *,
                        float *, float *);
 static const i8g_fn I8G[5] = {0, i8g_2x1, i8g_2x2, i8g_2x3, i8g_2x4};
 
 /* NR weight rows x MR activation rows of w8a8 with block scales on both sides: the per-channel tiles' shape
  * (TK_DEF_W8T) with each block's product scaled by d[r, b] * ws[i, b] */
-#define W8G_ARGS const float *ws,
-#define W8_BLOCK _mm256_set1_ps(d[r * B + b] * ws[i * B + b])
+#define W8G_ARGS const uint16_t *ws,
+#define W8_BLOCK _mm256_set1_ps(d[r * B + b] * f16_to_f32(ws[i * B + b]))
 TK_DEF_W8T(w8g_, 4, 1, W8G_ARGS, W8_BLOCK)
 TK_DEF_W8T(w8g_, 4, 2, W8G_ARGS, W8_BLOCK)
 TK_DEF_W8T(w8g_, 1, 1, W8G_ARGS, W8_BLOCK)
 #endif
 
-static void linear_i8g_rows(const float *x, int64_t M, int64_t K, const int8_t *q, const float *sc,
+static void linear_i8g_rows(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *sc,
                             const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
     const int64_t B = K / Q8;
     int64_t n = n0;
@@ -1082,19 +1103,19 @@ static void linear_i8g_rows(const float *x, int64_t M, int64_t K, const int8_t *
             for (int64_t b = 0; b < B; b++) {
                 float p = 0.f;
                 for (int j = 0; j < Q8; j++) p += x[m * K + b * Q8 + j] * q[n * K + b * Q8 + j];
-                t += p * sc[n * B + b];
+                t += p * f16_to_f32(sc[n * B + b]);
             }
             y[m * N + n] = t + (bias ? bias[n] : 0.f);
         }
 }
 
 /* many rows: the weight widened once with its block scales (q * scale, as the dequantised reference), SGEMM */
-static int linear_i8g_sgemm(const float *x, int64_t M, int64_t K, const int8_t *q, const float *sc, int64_t N,
+static int linear_i8g_sgemm(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *sc, int64_t N,
                             const float *bias, float *y) {
     size_t need = (size_t)N * (size_t)K;
     if (grow_scratch(&i8_scratch, &i8_scratch_cap, sizeof(float) * need)) return 1;
     float *wf = (float *)i8_scratch;
-    for (size_t i = 0; i < need; i++) wf[i] = (float)q[i] * sc[i / Q8];
+    for (size_t i = 0; i < need; i++) wf[i] = (float)q[i] * f16_to_f32(sc[i / Q8]);
     int n = (int)N, m = (int)M, k = (int)K;
     float one = 1.f, zero = 0.f;
     tk_sgemm("T", "N", &n, &m, &k, &one, wf, &k, x, &k, &zero, y, &n);
@@ -1105,7 +1126,7 @@ static int linear_i8g_sgemm(const float *x, int64_t M, int64_t K, const int8_t *
 }
 
 /* y[M, N] = x . (q * scale[n, k / 32]) (+ bias); 0, or 2 when K is not a multiple of 32 */
-int tk_linear_i8g(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+int tk_linear_i8g(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *scale, int64_t N,
                   const float *bias, float *y, int nthreads) {
     if (K % Q8) return 2;
     if (tk_sgemm && M >= SGEMM_MIN_ROWS && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)
@@ -1118,7 +1139,7 @@ int tk_linear_i8g(const float *x, int64_t M, int64_t K, const int8_t *q, const f
 }
 
 static void linear_w8g_rows(const int8_t *xq, const uint8_t *xa, const float *d, int64_t M, int64_t K,
-                            const int8_t *q, const float *ws, const float *bias, float *y, int64_t N, int64_t n0,
+                            const int8_t *q, const uint16_t *ws, const float *bias, float *y, int64_t N, int64_t n0,
                             int64_t n1) {
     const int64_t B = K / Q8;
     int64_t n = n0;
@@ -1148,7 +1169,7 @@ static void linear_w8g_rows(const int8_t *xq, const uint8_t *xa, const float *d,
             for (int64_t b = 0; b < B; b++) {
                 int32_t acc = 0;
                 for (int j = 0; j < Q8; j++) acc += (int32_t)xq[m * K + b * Q8 + j] * q[n * K + b * Q8 + j];
-                t += d[m * B + b] * ws[n * B + b] * (float)acc;
+                t += d[m * B + b] * f16_to_f32(ws[n * B + b]) * (float)acc;
             }
             y[m * N + n] = t + (bias ? bias[n] : 0.f);
         }
@@ -1156,7 +1177,7 @@ static void linear_w8g_rows(const int8_t *xq, const uint8_t *xa, const float *d,
 }
 
 /* y[M, N] = q8(x) . (q * scale[n, k / 32]) (+ bias); 0, 1 when the scratch allocation failed, 2 for K % 32 */
-int tk_linear_w8a8g(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
+int tk_linear_w8a8g(const float *x, int64_t M, int64_t K, const int8_t *q, const uint16_t *scale, int64_t N,
                     const float *bias, float *y, int nthreads) {
     if (K % Q8) return 2;
     if (grow_scratch(&q8_scratch, &q8_scratch_cap, 2 * (size_t)M * (size_t)K + sizeof(float) * (size_t)M * (size_t)(K / Q8)))
@@ -1181,25 +1202,6 @@ int tk_linear_w8a8g(const float *x, int64_t M, int64_t K, const int8_t *q, const
  * one vpmaddubsw with the matching activations (nibbles are the unsigned side: no sign trick, and the two
  * products add in int16 without saturating); the zero point comes off once per group through the group's
  * activation sum: sum (q - z) x = q.x - z sum x. */
-
-static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
-    union {
-        uint32_t u;
-        float f;
-    } v;
-    if (e == 31) v.u = sign | 0x7F800000u | (m << 13);      /* inf, nan */
-    else if (e) v.u = sign | ((e + 112) << 23) | (m << 13); /* normal */
-    else {                                                  /* zero, subnormal: m * 2^-24 */
-        v.f = (float)m * 5.9604644775390625e-8f;
-        v.u |= sign;
-    }
-    return v.f;
-#endif
-}
 
 /* scale i of an int4 weight stored as float32 (skind 0), float16 (1) or bfloat16 (2) */
 static inline float scale_at(const void *s, int64_t skind, int64_t i) {
@@ -1655,7 +1657,7 @@ void tk_rope_f32(float *x, int64_t T, int64_t ldx, int64_t h0, int64_t h1, int64
 
 typedef struct {
     const void *w; /* float32 wt [K, N] (row stride ld) or int8 q [N, K] */
-    const float *scale; /* int8: [N], or [N, K / 32] where group is 32; NULL for float32 */
+    const float *scale; /* int8: float32 [N], or float16 bits [N, K / 32] where group is 32; NULL for float32 */
     const float *bias;  /* [N] or NULL */
     int64_t ld;
     int64_t w8a8; /* int8 weights: 1 quantises the activations too (tk_linear_w8a8), 0 keeps them float32 */
@@ -1704,8 +1706,8 @@ static int lin_apply(const tk_lin *l, const float *x, int64_t M, int64_t K, int6
         return tk_linear_w4a8(x, M, K, (const uint8_t *)l->w, l->scale, l->skind, l->zero, l->zoff, l->group, N,
                               l->bias, y, nthreads) ? 1 : 0;
     if (l->scale && l->group) /* int8 with a scale per 32 weights */
-        return (l->w8a8 ? tk_linear_w8a8g : tk_linear_i8g)(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y,
-                                                           nthreads) ? 1 : 0;
+        return (l->w8a8 ? tk_linear_w8a8g : tk_linear_i8g)(x, M, K, (const int8_t *)l->w, (const uint16_t *)l->scale, N,
+                                                           l->bias, y, nthreads) ? 1 : 0;
     if (l->scale && l->w8a8) return tk_linear_w8a8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);
     if (l->scale)
         tk_linear_i8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);

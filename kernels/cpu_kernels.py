@@ -353,9 +353,15 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     lib = load()
     if lib is None:
         return linear_int8_ref(x, q, scale, bias)
-    q, scale = q.contiguous(), scale.float().contiguous()
+    q, scale = q.contiguous(), _int8_scale(scale)
     fn = lib.tk_linear_i8g if scale.dim() == 2 else lib.tk_linear_i8  # (tk_linear_i8 returns nothing)
     return _quant_linear(fn, "int8", x, q.shape[0], bias, q.data_ptr(), scale.data_ptr())
+
+
+def _int8_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The scales as the int8 kernels read them: float32 per channel [N]; per 32 weights [N, K / 32] float16 (GGUF
+    Q8_0's own, kept as stored; other dtypes are rounded to float16 here)."""
+    return (scale.half() if scale.dim() == 2 else scale.float()).contiguous()
 
 
 def _quant_linear(fn, name: str, x: torch.Tensor, n: int, bias: torch.Tensor | None, *weights: int
@@ -383,7 +389,7 @@ def linear_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     lib = load()
     if lib is None:
         return linear_w8a8_ref(x, q, scale, bias)
-    q, scale = q.contiguous(), scale.float().contiguous()
+    q, scale = q.contiguous(), _int8_scale(scale)
     fn = lib.tk_linear_w8a8g if scale.dim() == 2 else lib.tk_linear_w8a8
     return _quant_linear(fn, "w8a8", x, q.shape[0], bias, q.data_ptr(), scale.data_ptr())
 

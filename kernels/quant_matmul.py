@@ -228,8 +228,10 @@ class QuantLinear(nn.Module):
         self.act_quant: str | None = None
         if mode in ("int8", "w8a8"):
             self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+            # a scale per channel float32; per 32 weights float16, as GGUF Q8_0 stores it (every path reads that)
             shape = (out_features, in_features // int8_group) if int8_group else (out_features,)
-            self.register_buffer("scale", torch.ones(shape, dtype=torch.float32, device=device))
+            self.register_buffer("scale", torch.ones(shape, dtype=torch.float16 if int8_group else torch.float32,
+                                                     device=device))
             self.zero = None
         else:
             groups = in_features // group_size

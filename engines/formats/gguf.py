@@ -250,9 +250,9 @@ def _put_quantized(model: nn.Module, name: str, t: Any, qtype: str, mode: str, r
     n, k = old.out_features, old.in_features
     has_bias = old.bias is not None
     if qtype == "Q8_0":
-        # w = d * q per block of 32 values: int8 q [N, K] and the fp16 d as float32 [N, K / 32], as stored
+        # w = d * q per block of 32 values: int8 q [N, K] and the fp16 d [N, K / 32], as stored (the file's bytes)
         blocks = _blocks(t, 34)
-        d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32)).reshape(n, k // 32)
+        d = torch.from_numpy(blocks[:, :2].copy().view(np.float16)).reshape(n, k // 32)
         q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).reshape(n, k)
         if rows is not None:
             q, d = q[rows], d[rows]

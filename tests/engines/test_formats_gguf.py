@@ -121,6 +121,14 @@ def test_loaded_weights_equal_the_format_librarys_dequantisation(ggufs):
             ref = ref.reshape(heads, -1, 2, ref.shape[1]).swapaxes(1, 2).reshape(ref.shape)
         assert module.weight.dtype == torch.int8 and module.int8_group == 32
         assert torch.equal(module.dequantized_weight(), torch.from_numpy(ref))  # exactly the file's values
+        # the int8 values and the fp16 block scales as stored: no more bytes than the file's 34 per 32 weights
+        assert module.scale.dtype == torch.float16
+        assert module.weight.nbytes + module.scale.nbytes <= t.data.nbytes == module.weight.numel() * 34 // 32
+    q8_lins = [m for m in q8_model.modules() if isinstance(m, QuantLinear)]
+    q8_file = [t for n, t in q8_tensors.items() if t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+               and n != "token_embd.weight"]  # the 14 projections and the head
+    assert len(q8_lins) == len(q8_file) == 15
+    assert sum(m.weight.nbytes + m.scale.nbytes for m in q8_lins) <= sum(t.data.nbytes for t in q8_file)
 
 
 def test_q4_k_packing_is_the_formats_own():

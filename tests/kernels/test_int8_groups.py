@@ -21,14 +21,14 @@ needs_kernels = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unav
 
 
 def q8_0(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-    """A random weight quantised to Q8_0 by the gguf package: (int8 q [N, K], float32 d [N, K / 32], gguf's own
+    """A random weight quantised to Q8_0 by the gguf package: (int8 q [N, K], float16 d [N, K / 32], gguf's own
     dequantisation [N, K]), q and d read from the blocks' bytes (fp16 d, then 32 int8)."""
     import gguf
 
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
     data = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
     blocks = np.asarray(data, dtype=np.uint8).reshape(-1, 34)
-    d = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32)).reshape(n, k // 32)
+    d = torch.from_numpy(blocks[:, :2].copy().view(np.float16)).reshape(n, k // 32)
     q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).reshape(n, k)
     return q, d, gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0)
 
