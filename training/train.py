@@ -114,7 +114,8 @@ def _digest(data: bytes) -> str:
 
 # ---------------------------------------------------------------- model and export
 
-def hf_config(size: Size, vocab_size: int, ids: dict[str, int], dtype: str = "bfloat16") -> dict:
+def hf_config(size: Size, vocab_size: int, ids: dict[str, int], dtype: str = "bfloat16",
+              max_positions: int = MAX_POSITIONS) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -126,7 +127,7 @@ def hf_config(size: Size, vocab_size: int, ids: dict[str, int], dtype: str = "bf
         "num_key_value_heads": size.kv_heads,
         "head_dim": size.hidden // size.heads,
         "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITIONS,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "attention_bias": False,
@@ -185,8 +186,10 @@ def export(model, cfg: dict, tok_dir: Path, out_dir: Path, meta: dict) -> None:
         "max_new_tokens": 128,
     }
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok_dir / name, tmp / name)
+    shutil.copy(tok_dir / "tokenizer.json", tmp / "tokenizer.json")
+    tok_cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    tok_cfg["model_max_length"] = cfg["max_position_embeddings"]  # the tokenizer says the model's context
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     (tmp / "training_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     if out_dir.exists():
         old = out_dir.with_name(out_dir.name + ".old")
@@ -277,7 +280,6 @@ def eval_loss(model, data: np.ndarray, seq_len: int, n_windows: int, autocast: b
 
 def fit(args: argparse.Namespace) -> None:
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
     tok_dir = Path(args.tokenizer)
@@ -286,7 +288,10 @@ def fit(args: argparse.Namespace) -> None:
     vocab = json.loads((tok_dir / "tokenizer.json").read_text())
     vocab_size = len(vocab["model"]["vocab"])
     vocab_size = max(vocab_size, max(ids.values()) + 1)
-    cfg = hf_config(size, vocab_size, ids)
+    cfg = hf_config(size, vocab_size, ids, max_positions=args.max_positions)
+    longest = max(args.seq_len, args.long_seq_len if args.long_batch_size else 0)
+    if longest > args.max_positions:
+        raise SystemExit(f"training windows of {longest} tokens need --max-positions >= {longest}")
     model = build_model(cfg, args.seed)
     previous = _warm_start(model, Path(args.init_from)) if args.init_from else None
     teacher = None
@@ -340,24 +345,25 @@ def fit(args: argparse.Namespace) -> None:
         else:
             starts = rng.integers(0, len(train) - seq - 1, size=bsz)
             batch = torch.from_numpy(np.stack([train[s:s + seq + 1] for s in starts]).astype(np.int64))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
-            logits = model.dense_logits(batch[:, :-1])
-        flat = logits.float().reshape(-1, vocab_size)
-        loss = F.cross_entropy(flat, batch[:, 1:].reshape(-1))
-        if teacher is not None:
-            # logit distillation: match the teacher's next-token distribution so the student agrees with its
-            # argmax (what a speculative draft needs), mixed with the plain data loss
-            with torch.no_grad():
-                target = F.log_softmax(teacher.dense_logits(batch[:, :-1]).float().reshape(-1, vocab_size), -1)
-            kl = F.kl_div(F.log_softmax(flat, -1), target, log_target=True, reduction="batchmean")
-            loss = (1 - args.distill_weight) * loss + args.distill_weight * kl
+        batches = [batch]
+        if args.long_batch_size:
+            # mixed lengths: long windows teach the far positions, the short ones keep the short range as it was
+            lstarts = rng.integers(0, len(train) - args.long_seq_len - 1, size=args.long_batch_size)
+            batches.append(torch.from_numpy(
+                np.stack([train[s:s + args.long_seq_len + 1] for s in lstarts]).astype(np.int64)))
+        n_total = sum(b[:, 1:].numel() for b in batches)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        step_loss = 0.0
+        for b in batches:
+            # each part weighted by its share of the step's tokens: one mean over every predicted token
+            part = _batch_loss(model, teacher, b, vocab_size, args) * (b[:, 1:].numel() / n_total)
+            part.backward()
+            step_loss += part.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        tokens += bsz * seq
-        loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+        tokens += n_total
+        loss_ema = step_loss if loss_ema is None else 0.98 * loss_ema + 0.02 * step_loss
         now = time.monotonic()
         if step % args.log_every == 0:
             print(f"step={step} progress={progress:.3f} lr={lr:.2e} loss={loss_ema:.4f} "
@@ -366,6 +372,25 @@ def fit(args: argparse.Namespace) -> None:
             _save(model, cfg, tok_dir, out_dir, args, step, tokens, now - start, val, previous)
             last_save = time.monotonic()
     _save(model, cfg, tok_dir, out_dir, args, step, tokens, time.monotonic() - start, val, previous, final=True)
+
+
+def _batch_loss(model, teacher, batch, vocab_size: int, args: argparse.Namespace):
+    """Next-token cross-entropy of one batch, mixed with the KL to the teacher when distilling."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
+        logits = model.dense_logits(batch[:, :-1])
+    flat = logits.float().reshape(-1, vocab_size)
+    loss = F.cross_entropy(flat, batch[:, 1:].reshape(-1))
+    if teacher is not None:
+        # logit distillation: match the teacher's next-token distribution so the student agrees with its
+        # argmax (what a speculative draft needs), mixed with the plain data loss
+        with torch.no_grad():
+            target = F.log_softmax(teacher.dense_logits(batch[:, :-1]).float().reshape(-1, vocab_size), -1)
+        kl = F.kl_div(F.log_softmax(flat, -1), target, log_target=True, reduction="batchmean")
+        loss = (1 - args.distill_weight) * loss + args.distill_weight * kl
+    return loss
 
 
 def _warm_start(model, folder: Path) -> dict:
@@ -383,13 +408,18 @@ def _warm_start(model, folder: Path) -> dict:
 
 def _save(model, cfg, tok_dir, out_dir, args, step, tokens, elapsed, val, previous, final=False) -> None:
     vloss = eval_loss(model, val, args.seq_len, 64, args.autocast)
+    vlong = None
+    if args.long_batch_size:
+        vlong = round(eval_loss(model, val, args.long_seq_len, 8, args.autocast), 4)
     # steps/tokens count every stage so far; `previous` keeps the earlier stages' own records
     meta = {"size": args.size, "steps": step + (previous or {}).get("steps", 0),
             "tokens": tokens + (previous or {}).get("tokens", 0), "stage_steps": step, "stage_tokens": tokens,
-            "elapsed_s": round(elapsed, 1), "val_loss": round(vloss, 4), "final": final, "argv": sys.argv[1:],
+            "elapsed_s": round(elapsed, 1), "val_loss": round(vloss, 4),
+            "val_loss_long": vlong, "final": final, "argv": sys.argv[1:],
             "teacher": args.teacher, "previous": previous}
     export(model, cfg, tok_dir, out_dir, meta)
-    print(f"saved step={step} tokens={tokens} val_loss={vloss:.4f} final={final} -> {out_dir}", flush=True)
+    print(f"saved step={step} tokens={tokens} val_loss={vloss:.4f} val_loss_long={vlong} final={final} "
+          f"-> {out_dir}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--weight-decay", type=float, default=0.1)
     m.add_argument("--batch-size", type=int, default=16)
     m.add_argument("--seq-len", type=int, default=256)
+    m.add_argument("--long-seq-len", type=int, default=2048, help="window length of the --long-batch-size rows")
+    m.add_argument("--long-batch-size", type=int, default=0,
+                   help="rows of --long-seq-len tokens added to every step (mixed-length batches)")
+    m.add_argument("--max-positions", type=int, default=MAX_POSITIONS,
+                   help="max_position_embeddings (and model_max_length) of the exported model")
     m.add_argument("--threads", type=int, default=2)
     m.add_argument("--autocast", action="store_true", help="bf16 autocast (fp32 master weights)")
     m.add_argument("--seed", type=int, default=0)

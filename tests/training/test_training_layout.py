@@ -64,3 +64,27 @@ def test_training_writes_the_tools_aware_chat_template_the_shipped_models_carry(
     assert '"name": "get_weather"' in text and "<tools>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert "<tool_response>\n12C\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_export_gives_config_and_tokenizer_the_same_context(tmp_path):
+    """`--max-positions` reaches both places a loader reads the context from: config.json and the tokenizer's
+    model_max_length (copied from a 512-token tokenizer folder, as when continuing a shipped model)."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    from training.train import SIZES, build_model, export, hf_config, special_ids
+
+    tok_dir = ROOT / "models" / "tandem-tiny-s"
+    assert json.loads((tok_dir / "tokenizer_config.json").read_text())["model_max_length"] == 512
+    cfg = hf_config(SIZES["s"], 4096, special_ids(tok_dir), max_positions=2048)
+    model = build_model(cfg, seed=0)
+    export(model, cfg, tok_dir, tmp_path / "out", {"test": True})
+    assert AutoConfig.from_pretrained(tmp_path / "out").max_position_embeddings == 2048
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").model_max_length == 2048
+    ref = LlamaForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()
+    x = torch.arange(1, 40).unsqueeze(0)
+    with torch.no_grad():
+        ours = model.to(torch.bfloat16).float().dense_logits(x)
+        assert torch.allclose(ref(x).logits, ours, atol=1e-3)
