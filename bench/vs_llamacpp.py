@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -47,7 +46,7 @@ for p in (ROOT, ROOT / "tests"):
 from bench.results_meta import write_results  # noqa: E402
 
 CACHE = Path(os.environ.get("TANDEM_BENCH_CACHE", Path.home() / ".cache" / "tandem"))
-LLAMA_CPP_PYTHON = "0.3.16"
+LLAMA_CPP_PYTHON = "0.3.36"
 
 
 # ---- llama-server ------------------------------------------------------------------------------------------
@@ -99,18 +98,31 @@ def gguf_module(server: Path):
 # ---- models and GGUF conversion ----------------------------------------------------------------------------
 
 
-def llama80m(folder: Path) -> Path:
-    """A random ~80M-parameter Llama with tandem-tiny-l's tokenizer (vocab 4096)."""
+# random Llamas with tandem-tiny-l's tokenizer (vocab 4096, tied head): (hidden, layers, heads, kv heads, MLP)
+RANDOM_LLAMAS = {"llama80m": (768, 12, 12, 4, 2048),  # 82M parameters
+                 "llama200m": (1024, 16, 16, 4, 3072),  # 195M
+                 "llama250m": (1024, 20, 16, 4, 3072),  # 243M
+                 "llama1b": (2048, 22, 32, 4, 5632)}  # 977M (TinyLlama-1.1B's shape)
+
+
+def random_llama(folder: Path, name: str = "llama80m") -> Path:
+    """The random Llama `name` of RANDOM_LLAMAS, built once into `folder`."""
     if (folder / "model.safetensors").exists():
         return folder
     from tiny_checkpoints import build_checkpoint
 
-    build_checkpoint(folder, "llama", vocab_size=4096, hidden_size=768, num_layers=12, num_heads=12,
-                     num_kv_heads=4, intermediate_size=2048, max_position_embeddings=2048, with_tokenizer=False,
+    h, n_layers, nh, nkv, inter = RANDOM_LLAMAS[name]
+    build_checkpoint(folder, "llama", vocab_size=4096, hidden_size=h, num_layers=n_layers, num_heads=nh,
+                     num_kv_heads=nkv, intermediate_size=inter, max_position_embeddings=4096, with_tokenizer=False,
                      tie_word_embeddings=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ROOT / "models" / "tandem-tiny-l" / name, folder / name)
     return folder
+
+
+def llama80m(folder: Path) -> Path:
+    """The random ~80M-parameter Llama (bench/cpu_prefill.py's model too)."""
+    return random_llama(folder, "llama80m")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -143,7 +155,10 @@ def bf16_variant(folder: Path, out: Path) -> Path:
     return out
 
 
-def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = False, bf16: bool = False) -> Path:
+def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = False, bf16: bool = False,
+            four_bit: bool = False) -> Path:
+    """The GGUF of `folder`: f32, BF16, Q8_0 layers (and head with `head_8bit`) or Q4_0 layers (`four_bit`,
+    f32 head, as tandem's int4 keeps its head float)."""
     if out.exists():
         return out
     import torch
@@ -168,7 +183,7 @@ def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = Fa
     w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if eight_bit
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if eight_bit else gguf.LlamaFileType.MOSTLY_Q4_0 if four_bit
                     else gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t for t in tok.get("added_tokens", [])}
@@ -188,7 +203,8 @@ def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = Fa
     w.add_add_bos_token(False)
 
     def add(name: str, arr: np.ndarray, quant: bool) -> None:
-        kind = (gguf.GGMLQuantizationType.Q8_0 if quant and arr.ndim == 2 and arr.shape[1] % 32 == 0
+        kind = (gguf.GGMLQuantizationType.Q4_0 if quant and four_bit and arr.ndim == 2 and arr.shape[1] % 32 == 0
+                else gguf.GGMLQuantizationType.Q8_0 if quant and arr.ndim == 2 and arr.shape[1] % 32 == 0
                 else gguf.GGMLQuantizationType.BF16 if bf16 and arr.ndim == 2 else None)
         if kind is not None:
             from gguf.quants import quantize
@@ -202,17 +218,18 @@ def to_gguf(gguf, folder: Path, out: Path, eight_bit: bool, head_8bit: bool = Fa
     add("output_norm.weight", sd["model.norm.weight"], False)
     if not cfg.get("tie_word_embeddings", False):
         add("output.weight", sd["lm_head.weight"], head_8bit)
+    lq = eight_bit or four_bit
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"], False)
         add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], False)
-        add(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], nh), eight_bit)
-        add(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], nkv), eight_bit)
-        add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], eight_bit)
-        add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], eight_bit)
-        add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], eight_bit)
-        add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], eight_bit)
-        add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], eight_bit)
+        add(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], nh), lq)
+        add(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], nkv), lq)
+        add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], lq)
+        add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], lq)
+        add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], lq)
+        add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], lq)
+        add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], lq)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -229,7 +246,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
     import httpx
 
     t0 = time.monotonic()
@@ -277,9 +294,10 @@ def server_cpu_s(pid: int) -> float:
 # ---- the client --------------------------------------------------------------------------------------------
 
 
-async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int,
+                      extra: dict | None = None) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, **(extra or {})}
     t0 = time.perf_counter()
     times = []
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
@@ -346,20 +364,248 @@ def make_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 # ---- main --------------------------------------------------------------------------------------------------
 
 
+def stream_bandwidth(threads: int, reps: int = 5) -> float:
+    """This machine's streaming read bandwidth, GB/s: the best of `reps` torch.sum passes over 1 GiB of float32
+    (far past the caches) on `threads` threads: the roofline decode's weight reads are held against."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(1 << 28)
+        float(x.sum())
+        best = min(_timed(lambda: float(x.sum())) for _ in range(reps))
+        return x.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(old)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes(folder: Path, quant: str, gguf_path: Path, gguf) -> dict:
+    """Bytes one decode token reads: every layer projection and the (tied) head, once. llama.cpp's from its GGUF's
+    tensors (norms aside; the embedding table is the tied head); tandem's from its own formats' bytes per weight
+    (one QuantLinear of the model's first projection shape, built here, for int8 / int4)."""
+    r = gguf.GGUFReader(str(gguf_path))
+    ll = sum(int(t.n_bytes) for t in r.tensors if "norm" not in t.name)
+    cfg = json.loads((folder / "config.json").read_text())
+    h, inter, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    per_layer = h * hd * (2 * cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) + 3 * h * inter
+    head = cfg["vocab_size"] * h
+    if quant in ("f32", "bf16"):
+        per_w = 4.0 if quant == "f32" else 2.0
+        tb = (per_layer * n_layers + head) * per_w
+    else:
+        from torch import nn
+
+        from kernels.quant_matmul import QuantLinear
+
+        mode = {"8bit": "w8a8", "int8": "int8", "int4": "int4"}[quant]
+        q = QuantLinear.from_linear(nn.Linear(h, inter, bias=False), mode)
+        per_w = sum(b.numel() * b.element_size() for b in q.buffers() if b is not None) / (h * inter)
+        head_w = per_w if mode == "w8a8" else 4.0  # w8a8 quantises the head as q8_0 does; int8/int4 keep it f32
+        tb = per_layer * n_layers * per_w + head * head_w
+    return {"tandem_bytes": tb, "llama_bytes": float(ll), "params": per_layer * n_layers + head}
+
+
+def prepare(gguf, work: Path, name: str, quant: str, tandem_8bit: str) -> dict:
+    """The checkpoint folder, GGUF and tandem options of one (model, weights) cell."""
+    base = ROOT / "models" / "tandem-tiny-l" if name == "tiny-l" else random_llama(work / name, name)
+    eight, four, bf16 = quant == "8bit", quant == "int4", quant == "bf16"
+    head8 = eight and tandem_8bit == "w8a8"
+    gguf_kind = ("q8_0-all" if head8 else "q8_0-f32head") if eight else "q4_0-f32head" if four else quant
+    folder = bf16_variant(base, work / f"{name}-bf16") if bf16 else base
+    path = to_gguf(gguf, folder, work / f"{name}-{gguf_kind}.gguf", eight, head8, bf16, four_bit=four)
+    return {"folder": folder, "gguf": path, "gguf_kind": gguf_kind, "bf16_reads": quant != "f32",
+            "tandem_quant": tandem_8bit if eight else "int4" if four else None}
+
+
+def model_of(kind: str) -> str:
+    return "tandem" if kind == "tandem" else "m"
+
+
+def start_pair(server: Path, cell: dict, threads: int, slots: int, ctx: int, work: Path) -> list:
+    procs = [start_llama(server, cell["gguf"], threads, slots, ctx, work / "llama.log")]
+    try:
+        procs.append(start_tandem(cell["folder"], threads, cell["tandem_quant"], ctx, work / "tandem.log",
+                                  bf16_reads=cell["bf16_reads"]))
+    except BaseException:
+        stop_all(procs)
+        raise
+    return procs
+
+
+def stop_all(procs: list) -> None:
+    for proc, _, _ in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def greedy_check(procs: list, prompts: list[list[int]], label: str):
+    texts = [[asyncio.run(greedy_text(url, model_of(kind), p, 16)) for p in prompts[:2]] for _, url, kind in procs]
+    agree = texts[0] == texts[1]
+    print(f"  {label}: greedy 16 tokens agree: {agree} {texts[0][0]!r} / {texts[1][0]!r}", flush=True)
+    return agree
+
+
+async def single(url: str, model: str, prompt: list[int], max_tokens: int, llama: bool) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient() as client:  # llama-server keeps a slot's prompt for reuse unless told
+        return await one_request(client, url, model, prompt, max_tokens, {"cache_prompt": False} if llama else None)
+
+
+def run_streams(server, cell, args, name, quant, threads, streams, prompts, work, ctx) -> dict:
+    runs: dict[str, list[dict]] = {"llama": [], "tandem": []}
+    procs = start_pair(server, cell, threads, streams, ctx, work)
+    try:
+        agree = greedy_check(procs, prompts, f"{name} {quant} t{threads}")
+        for _, url, kind in procs:  # warm-up, not measured: first touches of KV memory and buffers
+            if args.warmup_seconds > 0:
+                asyncio.run(closed_loop(url, model_of(kind), prompts, streams, args.max_tokens, args.warmup_seconds))
+        for r in range(args.rounds):
+            for proc, url, kind in (procs if r % 2 == 0 else procs[::-1]):
+                c0 = server_cpu_s(proc.pid)
+                res = asyncio.run(closed_loop(url, model_of(kind), prompts, streams, args.max_tokens, args.seconds))
+                res["server_cpu_s"] = server_cpu_s(proc.pid) - c0
+                res["tok_per_cpu_s"] = res["tok_s"] * res["wall_s"] / max(res["server_cpu_s"], 1e-9)
+                res["loadavg"] = os.getloadavg()[0]
+                runs[kind].append(res)
+                print(f"  {name} {quant} t{threads} streams={streams} round {r} {kind}: {res['tok_s']:.1f} tok/s "
+                      f"TTFT p50 {res['ttft_p50_ms']:.1f} ms TPOT p50/p99 {res['tpot_p50_ms']:.2f}/"
+                      f"{res['tpot_p99_ms']:.2f} ms load {res['loadavg']:.1f}", flush=True)
+    finally:
+        stop_all(procs)
+    med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+    return {"cell": "streams", "model": name, "quant": quant, "threads": threads,
+            "tandem_quant": cell["tandem_quant"] or "none", "gguf": cell["gguf_kind"], "streams": streams,
+            "runs": runs, "median": med, "greedy_agree": agree,
+            "ratio_tok_s": med["tandem"]["tok_s"] / med["llama"]["tok_s"],
+            "ratio_tpot_p99": med["tandem"]["tpot_p99_ms"] / med["llama"]["tpot_p99_ms"]}
+
+
+def run_decode(server, cell, args, name, quant, threads, prompts, work, ctx, bw: float, gguf) -> dict:
+    """One stream, one request of --decode-tokens per server per round: decode tok/s = 1 / TPOT (the prompt's
+    prefill is TTFT, outside), GB/s = the bytes a token reads / TPOT, and that over the streaming bandwidth."""
+    wb = weight_bytes(cell["folder"], quant, cell["gguf"], gguf)
+    runs: dict[str, list[dict]] = {"llama": [], "tandem": []}
+    procs = start_pair(server, cell, threads, 1, ctx, work)
+    try:
+        agree = greedy_check(procs, prompts, f"{name} {quant} t{threads}")
+        for r in range(args.rounds):
+            for _proc, url, kind in (procs if r % 2 == 0 else procs[::-1]):
+                res = asyncio.run(single(url, model_of(kind), prompts[r + 2], args.decode_tokens, kind == "llama"))
+                res["tok_s"] = 1.0 / res["tpot"]
+                res["gb_s"] = wb[f"{kind}_bytes"] / res["tpot"] / 1e9
+                res["loadavg"] = os.getloadavg()[0]
+                runs[kind].append(res)
+                print(f"  decode {name} {quant} t{threads} round {r} {kind}: {res['tok_s']:.2f} tok/s "
+                      f"{res['gb_s']:.1f} GB/s ({res['gb_s'] / bw:.2f} of {bw:.1f}) load {res['loadavg']:.1f}",
+                      flush=True)
+    finally:
+        stop_all(procs)
+    med = {k: {m: statistics.median(x[m] for x in v) for m in ("tok_s", "gb_s", "tpot", "ttft", "loadavg")}
+           for k, v in runs.items()}
+    return {"cell": "decode", "model": name, "quant": quant, "threads": threads, "gguf": cell["gguf_kind"],
+            "tandem_quant": cell["tandem_quant"] or "none", "bytes": wb, "stream_gb_s": bw, "runs": runs,
+            "median": med, "greedy_agree": agree,
+            "tandem_of_bandwidth": med["tandem"]["gb_s"] / bw, "llama_of_bandwidth": med["llama"]["gb_s"] / bw,
+            "ratio_tok_s": med["tandem"]["tok_s"] / med["llama"]["tok_s"]}
+
+
+def run_prefill(server, cell, args, name, quant, threads, work) -> dict:
+    """Cold prefill: one request (max_tokens 1) of a fresh random prompt of each length per server per round;
+    prompt tok/s = length / TTFT (tandem chunks at its default 512 tokens a step, llama-server its 512-token
+    ubatches; its prompt cache off)."""
+    ctx = max(args.prefill_lengths) + 16
+    runs: dict[str, dict[int, list[dict]]] = {"llama": {}, "tandem": {}}
+    procs = start_pair(server, cell, threads, 1, ctx, work)
+    rng = np.random.default_rng(1234)
+    try:
+        for _, url, kind in procs:  # warm: buffers of the longest prompt
+            asyncio.run(single(url, model_of(kind), rng.integers(5, 4000, max(args.prefill_lengths)).tolist(), 1,
+                               kind == "llama"))
+        for r in range(args.prefill_repeats):
+            for n in args.prefill_lengths:
+                prompt = rng.integers(5, 4000, n).tolist()  # the same fresh prompt for both servers
+                for _proc, url, kind in (procs if r % 2 == 0 else procs[::-1]):
+                    res = asyncio.run(single(url, model_of(kind), prompt, 1, kind == "llama"))
+                    res["prompt_tok_s"] = n / res["ttft"]
+                    res["loadavg"] = os.getloadavg()[0]
+                    runs[kind].setdefault(n, []).append(res)
+                    print(f"  prefill {name} {quant} t{threads} {n} tokens round {r} {kind}: "
+                          f"{res['prompt_tok_s']:.0f} tok/s (TTFT {res['ttft'] * 1e3:.0f} ms) "
+                          f"load {res['loadavg']:.1f}", flush=True)
+    finally:
+        stop_all(procs)
+    med = {k: {str(n): statistics.median(x["prompt_tok_s"] for x in v) for n, v in d.items()}
+           for k, d in runs.items()}
+    return {"cell": "prefill", "model": name, "quant": quant, "threads": threads, "gguf": cell["gguf_kind"],
+            "runs": {k: {str(n): v for n, v in d.items()} for k, d in runs.items()}, "median_prompt_tok_s": med,
+            "ratio": {str(n): med["tandem"][str(n)] / med["llama"][str(n)] for n in args.prefill_lengths}}
+
+
+def print_tables(cells: list[dict]) -> None:
+    rows = [c for c in cells if c["cell"] == "streams"]
+    if rows:
+        print("| model | weights | threads | streams | tandem tok/s | llama.cpp tok/s | ratio | TTFT p50 ms t / l | "
+              "TPOT p50 ms t / l | TPOT p99 ms t / l | tok per server CPU-s t / l |")
+        print("|" + "---|" * 11)
+    for c in rows:
+        t, ll = c["median"]["tandem"], c["median"]["llama"]
+        print(f"| {c['model']} | {c['quant']} | {c['threads']} | {c['streams']} | {t['tok_s']:.1f} | "
+              f"{ll['tok_s']:.1f} | {c['ratio_tok_s']:.2f}x | {t['ttft_p50_ms']:.1f} / {ll['ttft_p50_ms']:.1f} | "
+              f"{t['tpot_p50_ms']:.2f} / {ll['tpot_p50_ms']:.2f} | {t['tpot_p99_ms']:.2f} / {ll['tpot_p99_ms']:.2f} | "
+              f"{t['tok_per_cpu_s']:.0f} / {ll['tok_per_cpu_s']:.0f} |")
+    rows = [c for c in cells if c["cell"] == "decode"]
+    if rows:
+        print("| model | weights | threads | tandem tok/s | GB/s | of stream bw | llama.cpp tok/s | GB/s | of stream bw "
+              "| ratio | stream GB/s |")
+        print("|" + "---|" * 11)
+    for c in rows:
+        t, ll = c["median"]["tandem"], c["median"]["llama"]
+        print(f"| {c['model']} | {c['quant']} | {c['threads']} | {t['tok_s']:.2f} | {t['gb_s']:.1f} | "
+              f"{c['tandem_of_bandwidth']:.2f} | {ll['tok_s']:.2f} | {ll['gb_s']:.1f} | {c['llama_of_bandwidth']:.2f} | "
+              f"{c['ratio_tok_s']:.2f}x | {c['stream_gb_s']:.1f} |")
+    rows = [c for c in cells if c["cell"] == "prefill"]
+    if rows:
+        print("| model | weights | threads | prompt tokens | tandem prompt tok/s | llama.cpp prompt tok/s | ratio |")
+        print("|" + "---|" * 7)
+    for c in rows:
+        for n, r in c["ratio"].items():
+            print(f"| {c['model']} | {c['quant']} | {c['threads']} | {n} | {c['median_prompt_tok_s']['tandem'][n]:.0f} "
+                  f"| {c['median_prompt_tok_s']['llama'][n]:.0f} | {r:.2f}x |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", action="store_true", help="build llama-server into the cache, then exit")
-    ap.add_argument("--llama-server", default=None)
-    ap.add_argument("--models", default="tiny-l", help="comma list: tiny-l, llama80m")
-    ap.add_argument("--quant", default="f32,8bit", help="comma list: f32, bf16, 8bit")
+    ap.add_argument("--llama-server", default=None, help="the llama-server binary (else $LLAMA_SERVER, the cache, "
+                    "PATH)")
+    ap.add_argument("--cells", default="streams", help="comma list: streams (1/8/32-stream matrix), decode "
+                    "(one-stream roofline: GB/s over the streaming bandwidth), prefill (cold prompt tok/s)")
+    ap.add_argument("--models", default="tiny-l", help="comma list: tiny-l, " + ", ".join(RANDOM_LLAMAS))
+    ap.add_argument("--quant", default="f32,8bit", help="comma list: f32, bf16, 8bit, int4")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=12.0, help="closed-loop seconds per run")
     ap.add_argument("--warmup-seconds", type=float, default=4.0,
                     help="an unmeasured closed-loop run per server and cell first (0: none)")
+    ap.add_argument("--decode-tokens", type=int, default=24, help="decode cells: tokens per request")
+    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[400, 2000])
+    ap.add_argument("--prefill-repeats", type=int, default=2)
     ap.add_argument("--tandem-8bit", choices=["w8a8", "int8"], default="w8a8",
                     help="tandem's 8-bit mode (w8a8: against q8_0 everywhere; int8: against q8_0 with an f32 head)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_llamacpp.json"))
@@ -373,68 +619,29 @@ def main(argv: list[str] | None = None) -> int:
     gguf = gguf_module(server)
     work = CACHE / "vs_llamacpp"
     work.mkdir(parents=True, exist_ok=True)
-    folders = {"tiny-l": ROOT / "models" / "tandem-tiny-l", "llama80m": None}
-    ctx = args.prompt_tokens + args.max_tokens + 16
+    ctx = args.prompt_tokens + max(args.max_tokens, args.decode_tokens) + 16
     prompts = make_prompts(64, args.prompt_tokens, 0)
+    kinds = args.cells.split(",")
+    bw = {t: stream_bandwidth(t) for t in args.threads} if "decode" in kinds else {}
+    if bw:
+        print("  streaming read bandwidth: " + ", ".join(f"{t} thread(s) {b:.1f} GB/s" for t, b in bw.items()))
     cells = []
     load0 = os.getloadavg()
     for name in args.models.split(","):
-        base = folders[name] or llama80m(work / "llama80m")
         for quant in args.quant.split(","):
-            eight, bf16 = quant == "8bit", quant == "bf16"
-            head8 = eight and args.tandem_8bit == "w8a8"
-            gguf_kind = ("q8_0-all" if head8 else "q8_0-f32head") if eight else quant
-            folder = bf16_variant(base, work / f"{name}-bf16") if bf16 else base
-            path = to_gguf(gguf, folder, work / f"{name}-{gguf_kind}.gguf", eight, head8, bf16)
-            for streams in args.streams:
-                runs: dict[str, list[dict]] = {"llama": [], "tandem": []}
-                procs = [start_llama(server, path, args.threads, streams, ctx, work / "llama.log"),
-                         start_tandem(folder, args.threads, args.tandem_8bit if eight else None, ctx,
-                                      work / "tandem.log", bf16_reads=quant != "f32")]
-                agree = None
-                try:
-                    # the conversion check: both servers' greedy continuations of two prompts
-                    texts = [[asyncio.run(greedy_text(url, "tandem" if kind == "tandem" else "m", p, 16))
-                              for p in prompts[:2]] for _, url, kind in procs]
-                    agree = texts[0] == texts[1]
-                    print(f"  {name} {quant}: greedy 16 tokens agree: {agree} {texts[0][0]!r} / {texts[1][0]!r}")
-                    for _, url, kind in procs:  # warm-up, not measured: first touches of KV memory and buffers
-                        if args.warmup_seconds > 0:
-                            asyncio.run(closed_loop(url, "tandem" if kind == "tandem" else "m", prompts, streams,
-                                                    args.max_tokens, args.warmup_seconds))
-                    for r in range(args.rounds):
-                        order = procs if r % 2 == 0 else procs[::-1]
-                        for proc, url, kind in order:
-                            c0 = server_cpu_s(proc.pid)
-                            res = asyncio.run(closed_loop(url, "tandem" if kind == "tandem" else "m", prompts,
-                                                          streams, args.max_tokens, args.seconds))
-                            res["server_cpu_s"] = server_cpu_s(proc.pid) - c0
-                            res["tok_per_cpu_s"] = res["tok_s"] * res["wall_s"] / max(res["server_cpu_s"], 1e-9)
-                            runs[kind].append(res)
-                            print(f"  {name} {quant} streams={streams} round {r} {kind}: {res['tok_s']:.1f} tok/s "
-                                  f"TTFT p50 {res['ttft_p50_ms']:.1f} ms TPOT p50/p99 {res['tpot_p50_ms']:.2f}/"
-                                  f"{res['tpot_p99_ms']:.2f} ms", flush=True)
-                finally:
-                    for proc, _, _ in procs:
-                        proc.terminate()
-                        proc.wait(timeout=30)
-                med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
-                cells.append({"model": name, "quant": quant, "tandem_quant": args.tandem_8bit if eight else "none",
-                              "gguf": gguf_kind, "streams": streams, "runs": runs, "median": med,
-                              "greedy_agree": agree,
-                              "ratio_tok_s": med["tandem"]["tok_s"] / med["llama"]["tok_s"],
-                              "ratio_tpot_p99": med["tandem"]["tpot_p99_ms"] / med["llama"]["tpot_p99_ms"]})
-    hdr = ("| model | weights | streams | tandem tok/s | llama.cpp tok/s | ratio | TTFT p50 ms t / l | "
-           "TPOT p50 ms t / l | TPOT p99 ms t / l | tok per server CPU-s t / l |")
-    print(hdr)
-    print("|" + "---|" * 10)
-    for c in cells:
-        t, ll = c["median"]["tandem"], c["median"]["llama"]
-        print(f"| {c['model']} | {c['quant']} | {c['streams']} | {t['tok_s']:.1f} | {ll['tok_s']:.1f} | "
-              f"{c['ratio_tok_s']:.2f}x | {t['ttft_p50_ms']:.1f} / {ll['ttft_p50_ms']:.1f} | "
-              f"{t['tpot_p50_ms']:.2f} / {ll['tpot_p50_ms']:.2f} | {t['tpot_p99_ms']:.2f} / {ll['tpot_p99_ms']:.2f} | "
-              f"{t['tok_per_cpu_s']:.0f} / {ll['tok_per_cpu_s']:.0f} |")
-    out = {"cells": cells, "args": vars(args), "llama_server": str(server), "machine": platform.processor(),
+            cell = prepare(gguf, work, name, quant, args.tandem_8bit)
+            for threads in args.threads:
+                if "decode" in kinds:
+                    cells.append(run_decode(server, cell, args, name, quant, threads, prompts, work, ctx,
+                                            bw[threads], gguf))
+                if "prefill" in kinds and quant != "int4":
+                    cells.append(run_prefill(server, cell, args, name, quant, threads, work))
+                if "streams" in kinds:
+                    for streams in args.streams:
+                        cells.append(run_streams(server, cell, args, name, quant, threads, streams, prompts, work,
+                                                 ctx))
+    print_tables(cells)
+    out = {"cells": cells, "args": vars(args), "llama_server": str(server), "stream_gb_s": bw,
            "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_results(args.out, out, indent=1)

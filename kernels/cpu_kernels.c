@@ -1571,11 +1571,191 @@ static void attend_one_blocked(const attn_args *a, int64_t s, int64_t g, float *
         for (int64_t v = 0; v < nv; v++) _mm256_storeu_ps(oi + 8 * v, _mm256_mul_ps(o[v], vinv));
     }
 }
+
+/* attend_one_blocked for a prefill chunk (PF_MIN_Q queries or more, D a multiple of 16): the group's keys first
+ * transposed into blocks of PF_KB keys [D][PF_KB] (zero past the context), then four (query, head) pairs at a
+ * time: their scores over PF_KB keys in 12 registers (per dimension three key loads and four query broadcasts
+ * feed twelve FMAs, where the one-pair kernel's eight key loads feed eight), each pair's causal softmax, and
+ * its output four pairs by 16 dimensions at a time over the values. Scores past a pair's last key are zeros,
+ * so the four share one pass over the values. Decode steps and verify windows (fewer queries) keep the
+ * one-pair kernel, and their bits. `p` holds (D + PF_PT) * ctx padded to PF_KB, and PF_PT * D, floats. */
+#define PF_MIN_Q 16
+#define PF_KB 24
+#define PF_PT 16 /* pairs per tile: their scores kept, the values read once per tile */
+#define PF_VC 64 /* values per chunk of the tile's pass */
+static inline int64_t pf_pad(int64_t ctx) { return (ctx + PF_KB - 1) / PF_KB * PF_KB; }
+static inline int pf_takes(const attn_args *a, int64_t s) { return a->qlen[s] >= PF_MIN_Q && a->D % 16 == 0; }
+
+/* four pairs' scores over nblk blocks of keys (fewer pairs: the caller repeats the last one's query) */
+static void pf_scores(const float *const qp[4], const float *kt, int64_t D, int64_t nblk, float scale,
+                      float *const sp[4]) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    const float *q0 = qp[0], *q1 = qp[1], *q2 = qp[2], *q3 = qp[3];
+    for (int64_t b = 0; b < nblk; b++, kt += D * PF_KB) {
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+        __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+        const float *kd = kt;
+        for (int64_t d = 0; d < D; d++, kd += PF_KB) {
+            __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8), k2 = _mm256_loadu_ps(kd + 16);
+            __m256 qb = _mm256_broadcast_ss(q0 + d);
+            a00 = _mm256_fmadd_ps(qb, k0, a00);
+            a01 = _mm256_fmadd_ps(qb, k1, a01);
+            a02 = _mm256_fmadd_ps(qb, k2, a02);
+            qb = _mm256_broadcast_ss(q1 + d);
+            a10 = _mm256_fmadd_ps(qb, k0, a10);
+            a11 = _mm256_fmadd_ps(qb, k1, a11);
+            a12 = _mm256_fmadd_ps(qb, k2, a12);
+            qb = _mm256_broadcast_ss(q2 + d);
+            a20 = _mm256_fmadd_ps(qb, k0, a20);
+            a21 = _mm256_fmadd_ps(qb, k1, a21);
+            a22 = _mm256_fmadd_ps(qb, k2, a22);
+            qb = _mm256_broadcast_ss(q3 + d);
+            a30 = _mm256_fmadd_ps(qb, k0, a30);
+            a31 = _mm256_fmadd_ps(qb, k1, a31);
+            a32 = _mm256_fmadd_ps(qb, k2, a32);
+        }
+        int64_t j = b * PF_KB;
+#define PF_STORE(r, x0, x1, x2)                                                                                \
+    _mm256_storeu_ps(sp[r] + j, _mm256_mul_ps(x0, vs));                                                        \
+    _mm256_storeu_ps(sp[r] + j + 8, _mm256_mul_ps(x1, vs));                                                    \
+    _mm256_storeu_ps(sp[r] + j + 16, _mm256_mul_ps(x2, vs));
+        PF_STORE(0, a00, a01, a02)
+        PF_STORE(1, a10, a11, a12)
+        PF_STORE(2, a20, a21, a22)
+        PF_STORE(3, a30, a31, a32)
+#undef PF_STORE
+    }
+}
+
+/* four pairs' output dimensions [d0, d0 + 16), o[r] (8 floats apart... 16 per pair, row stride ldo) plus
+ * keys [j0, j1) of the score rows sp (numerators, zeros past each pair's last key) times the values, keys in
+ * order */
+static void pf_values(const float *const sp[4], const float *vbase, const int64_t *bt, int64_t bs,
+                      int64_t page_stride, int64_t tok_stride, int64_t j0, int64_t j1, int64_t d0, float *o,
+                      int64_t ldo) {
+    __m256 o00 = _mm256_loadu_ps(o), o01 = _mm256_loadu_ps(o + 8), o10 = _mm256_loadu_ps(o + ldo),
+           o11 = _mm256_loadu_ps(o + ldo + 8), o20 = _mm256_loadu_ps(o + 2 * ldo),
+           o21 = _mm256_loadu_ps(o + 2 * ldo + 8), o30 = _mm256_loadu_ps(o + 3 * ldo),
+           o31 = _mm256_loadu_ps(o + 3 * ldo + 8);
+    const float *s0 = sp[0], *s1 = sp[1], *s2 = sp[2], *s3 = sp[3];
+    for (int64_t j = j0; j < j1;) {
+        int64_t page = j / bs, off = j % bs;
+        int64_t end = j + (bs - off < j1 - j ? bs - off : j1 - j);
+        const float *vj = vbase + bt[page] * page_stride + off * tok_stride + d0;
+        for (; j < end; j++, vj += tok_stride) {
+            __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+            __m256 w = _mm256_broadcast_ss(s0 + j);
+            o00 = _mm256_fmadd_ps(w, v0, o00);
+            o01 = _mm256_fmadd_ps(w, v1, o01);
+            w = _mm256_broadcast_ss(s1 + j);
+            o10 = _mm256_fmadd_ps(w, v0, o10);
+            o11 = _mm256_fmadd_ps(w, v1, o11);
+            w = _mm256_broadcast_ss(s2 + j);
+            o20 = _mm256_fmadd_ps(w, v0, o20);
+            o21 = _mm256_fmadd_ps(w, v1, o21);
+            w = _mm256_broadcast_ss(s3 + j);
+            o30 = _mm256_fmadd_ps(w, v0, o30);
+            o31 = _mm256_fmadd_ps(w, v1, o31);
+        }
+    }
+    _mm256_storeu_ps(o, o00), _mm256_storeu_ps(o + 8, o01), _mm256_storeu_ps(o + ldo, o10);
+    _mm256_storeu_ps(o + ldo + 8, o11), _mm256_storeu_ps(o + 2 * ldo, o20), _mm256_storeu_ps(o + 2 * ldo + 8, o21);
+    _mm256_storeu_ps(o + 3 * ldo, o30), _mm256_storeu_ps(o + 3 * ldo + 8, o31);
+}
+
+/* row pp's softmax numerators over keys [0, n), zeros on [n, upto); returns 1 / their sum */
+static float pf_softmax(float *pp, int64_t n, int64_t upto) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(pp + j));
+        m1 = _mm256_max_ps(m1, _mm256_loadu_ps(pp + j + 8));
+    }
+    m0 = _mm256_max_ps(m0, m1);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float mx = _mm_cvtss_f32(h);
+    for (; j < n; j++) mx = pp[j] > mx ? pp[j] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pp + j), vmx));
+        _mm256_storeu_ps(pp + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum256(vsum);
+    for (; j < n; j++) {
+        pp[j] = expf(pp[j] - mx);
+        sum += pp[j];
+    }
+    for (j = n; j < upto; j++) pp[j] = 0.f;
+    return 1.f / sum;
+}
+
+static void attend_prefill(const attn_args *a, int64_t s, int64_t g, float *p) {
+    int64_t rep = a->Hq / a->Hkv, D = a->D, bs = a->bs;
+    int64_t q0 = a->qstart[s], qlen = a->qlen[s], ctx = a->ctx[s];
+    const int64_t *bt = a->block_tables + a->rows[s] * a->max_blocks;
+    const float *kbase = a->kc + g * a->head_stride, *vbase = a->vc + g * a->head_stride;
+    int64_t cpad = pf_pad(ctx), pairs = qlen * rep;
+    float *kt = p, *sc = p + D * cpad;
+    for (int64_t j = 0; j < cpad; j++) { /* keys -> [block][D][PF_KB] */
+        float *col = kt + (j / PF_KB) * D * PF_KB + j % PF_KB;
+        if (j < ctx) {
+            const float *kj = kbase + bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride;
+            for (int64_t d = 0; d < D; d++) col[d * PF_KB] = kj[d];
+        } else {
+            for (int64_t d = 0; d < D; d++) col[d * PF_KB] = 0.f;
+        }
+    }
+    float *ob = sc + PF_PT * cpad; /* the tile's outputs [PF_PT][D] */
+    for (int64_t t0 = 0; t0 < pairs; t0 += PF_PT) {
+        int64_t nt = pairs - t0 < PF_PT ? pairs - t0 : PF_PT, nmicro = (nt + 3) / 4;
+        const float *sp[PF_PT / 4][4];
+        int64_t nm[PF_PT / 4]; /* each micro tile's last key + 1 */
+        float inv[PF_PT];
+        for (int64_t m = 0; m < nmicro; m++) {
+            int64_t np = nt - 4 * m < 4 ? nt - 4 * m : 4;
+            const float *qp[4];
+            float *spw[4];
+            for (int r = 0; r < 4; r++) { /* past the last pair: the last one again, its results dropped */
+                int64_t pt = 4 * m + (r < np ? r : np - 1), pr = t0 + pt, i = pr / rep, h = g * rep + pr % rep;
+                qp[r] = a->q + (q0 + i) * a->q_ld + h * D;
+                spw[r] = sc + pt * cpad;
+                sp[m][r] = spw[r];
+                if (r == np - 1) nm[m] = ctx - qlen + i + 1; /* the latest query of the four */
+            }
+            pf_scores(qp, kt, D, pf_pad(nm[m]) / PF_KB, a->scale, spw);
+            for (int r = 0; r < np; r++) {
+                int64_t pr = t0 + 4 * m + r;
+                inv[4 * m + r] = pf_softmax(spw[r], ctx - qlen + pr / rep + 1, nm[m]);
+            }
+        }
+        memset(ob, 0, sizeof(float) * (size_t)(4 * nmicro * D));
+        int64_t nlast = nm[nmicro - 1];
+        for (int64_t c0 = 0; c0 < nlast; c0 += PF_VC) /* PF_VC values stay in L1 for the whole tile */
+            for (int64_t m = 0; m < nmicro; m++) {
+                int64_t c1 = c0 + PF_VC < nm[m] ? c0 + PF_VC : nm[m];
+                for (int64_t d0 = 0; c0 < c1 && d0 < D; d0 += 16)
+                    pf_values(sp[m], vbase, bt, bs, a->page_stride, a->tok_stride, c0, c1, d0, ob + 4 * m * D + d0, D);
+            }
+        for (int64_t pt = 0; pt < nt; pt++) {
+            int64_t pr = t0 + pt, i = pr / rep, h = g * rep + pr % rep;
+            float *o = a->out + (q0 + i) * a->o_ld + h * D;
+            __m256 vi = _mm256_set1_ps(inv[pt]);
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(ob + pt * D + d), vi));
+        }
+    }
+}
 #endif
 
 /* the work of one (sequence, KV head) */
 static inline void attend_pair(const attn_args *a, int64_t s, int64_t g, float *p) {
 #if TK_AVX2
+    if (pf_takes(a, s)) {
+        attend_prefill(a, s, g, p);
+        return;
+    }
     if (a->D % 8 == 0 && a->D <= 128) {
         attend_one_blocked(a, s, g, p);
         return;
@@ -1587,11 +1767,26 @@ static inline void attend_pair(const attn_args *a, int64_t s, int64_t g, float *
 static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthreads) {
     const attn_args a = *ap;
     int64_t Hkv = a.Hkv;
-    int64_t rep = a.Hq / Hkv, work = S * Hkv, max_q = 1;
-    for (int64_t s = 0; s < S; s++) max_q = a.qlen[s] > max_q ? a.qlen[s] : max_q;
+    int64_t rep = a.Hq / Hkv, work = S * Hkv, max_q = 1, any_pf = 0;
+    for (int64_t s = 0; s < S; s++) {
+#if TK_AVX2
+        if (pf_takes(&a, s)) {
+            any_pf = 1;
+            continue;
+        }
+#endif
+        max_q = a.qlen[s] > max_q ? a.qlen[s] : max_q;
+    }
     /* attend_pair's scores: every (query, head) pair of a group, contexts padded to a multiple of 8 */
     int64_t ctx_pad = ((max_ctx > 0 ? max_ctx : 1) + 7) / 8 * 8;
     size_t need = sizeof(float) * (size_t)(rep * max_q * ctx_pad);
+#if TK_AVX2
+    /* attend_prefill's transposed keys and four pairs' scores */
+    size_t need_pf = sizeof(float) * (size_t)((a.D + PF_PT) * pf_pad(max_ctx > 0 ? max_ctx : 1) + PF_PT * a.D);
+    if (any_pf && need_pf > need) need = need_pf;
+#else
+    (void)any_pf;
+#endif
     if (nthreads <= 1 || work < 2) {
         float *p = (float *)malloc(need);
         if (!p) return 1;

@@ -288,6 +288,36 @@ def test_paged_attention_matches_the_torch_path(hq, hkv, d):
 
 
 @needs_kernels
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 32), (12, 4, 64), (4, 4, 48)])
+def test_paged_attention_long_chunks_match_the_torch_path(hq, hkv, d):
+    """Prefill chunks of 16+ queries (the kernel's tiled prefill path: keys transposed, four (query, head)
+    pairs a tile, tiles of 16 sharing the value pass; pair counts not a multiple of 4 or 16) beside decodes
+    and a verify window in one call, contexts ending mid-page, shuffled pages, one and two threads: against the
+    gather + SDPA path."""
+    bs = 16
+    kc, vc = _pages(num_pages=64, hkv=hkv, d=d)
+    q_lens, ctxs = [1, 16, 37, 5, 77, 1], [9, 16, 200, 30, 301, 120]
+    perm = torch.randperm(kc.shape[0], generator=torch.Generator().manual_seed(3)).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctxs]
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(4))
+    ref = paged_attention_torch(q, kc, vc, bt, torch.tensor(starts), torch.tensor(ctxs))
+    seqs = torch.tensor([starts[:-1], q_lens, ctxs, list(range(len(ctxs)))], dtype=torch.int64)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = ck.paged_attention(q, kc, vc, bt, seqs, max(ctxs))
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernels
 def test_write_kv_is_the_indexed_store():
     kc, vc = _pages()
     kc2, vc2 = kc.clone(), vc.clone()
