@@ -3,7 +3,9 @@ with and without tandem-tiny-s drafting (w8a8), both servers up at once and meas
 closed-loop streaming client, on windows of held-out standard-library modules (bench/speculative.py's prompts):
 client-measured output tokens/s and TPOT p50 / p99 at 1, 8 and 32 streams (greedy) and at 1 stream with
 temperature 0.8. The ratio per cell is the median over rounds of speculative / plain (each round runs both,
-the order swapped every round). Prints a table, writes bench/results/spec_server_wide.json.
+the order swapped every round); beside it the same ratio of tokens per second of each server's own CPU time,
+which neighbours on a shared machine move much less than wall-clock rates. Prints a table, writes
+bench/results/spec_server_wide.json.
 
     .venv/bin/python bench/spec_server.py [--streams 1 8 32] [--rounds 2] [--seconds 20] [--max-tokens 64]
         [--threads 1] [--wide-factor 5] [--draft-quantization w8a8] [--k 4]
@@ -136,28 +138,36 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 for name in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
                     proc, url = servers[name]
-                    c0 = server_cpu_s(proc.pid)
+                    c0, l0 = server_cpu_s(proc.pid), os.getloadavg()[0]
                     res = asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp, args.seconds))
                     res["server_cpu_s"] = server_cpu_s(proc.pid) - c0
+                    # tokens per second of the server's own CPU time: what a neighbour's share of the cores
+                    # cannot move (a loaded 2-core VM gave the 1-stream server 0.23-0.34 of a core)
+                    res["tok_per_cpu_s"] = res["tok_s"] * res["wall_s"] / res["server_cpu_s"]
+                    res["loadavg_1m"] = (l0, os.getloadavg()[0])
                     runs[name].append(res)
-                    print(f"  streams={streams} T={temp} round {r} {name}: {res['tok_s']:.1f} tok/s TPOT p50/p99 "
-                          f"{res['tpot_p50_ms']:.1f}/{res['tpot_p99_ms']:.1f} ms", flush=True)
+                    print(f"  streams={streams} T={temp} round {r} {name}: {res['tok_s']:.1f} tok/s "
+                          f"({res['tok_per_cpu_s']:.1f} per server CPU-s) TPOT p50/p99 "
+                          f"{res['tpot_p50_ms']:.1f}/{res['tpot_p99_ms']:.1f} ms, load {l0:.1f}", flush=True)
             ratios = [s["tok_s"] / p["tok_s"] for s, p in zip(runs["spec"], runs["plain"])]
+            cpu_ratios = [s["tok_per_cpu_s"] / p["tok_per_cpu_s"] for s, p in zip(runs["spec"], runs["plain"])]
             med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
             cells.append({"streams": streams, "temperature": temp, "runs": runs, "median": med,
                           "round_ratios": ratios, "ratio_tok_s": statistics.median(ratios),
+                          "round_ratios_per_cpu_s": cpu_ratios, "ratio_tok_per_cpu_s": statistics.median(cpu_ratios),
                           "ratio_tpot_p99": med["spec"]["tpot_p99_ms"] / med["plain"]["tpot_p99_ms"]})
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
-    print("\n| streams | temperature | plain tok/s | speculative tok/s | ratio (rounds) | TPOT p50 ms p / s "
-          "| TPOT p99 ms p / s |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| streams | temperature | plain tok/s | speculative tok/s | ratio (rounds) | per server CPU-s "
+          "| TPOT p50 ms p / s | TPOT p99 ms p / s |")
+    print("|---|---|---|---|---|---|---|---|")
     for c in cells:
         p, s = c["median"]["plain"], c["median"]["spec"]
         print(f"| {c['streams']} | {c['temperature']} | {p['tok_s']:.1f} | {s['tok_s']:.1f} | "
               f"{c['ratio_tok_s']:.2f}x ({', '.join(f'{x:.2f}' for x in c['round_ratios'])}) | "
+              f"{c['ratio_tok_per_cpu_s']:.2f}x | "
               f"{p['tpot_p50_ms']:.1f} / {s['tpot_p50_ms']:.1f} | {p['tpot_p99_ms']:.1f} / {s['tpot_p99_ms']:.1f} |")
     out = {"config": {**vars(args), "target": f"tandem-tiny-l widened x{args.wide_factor} (training/widen.py)",
                       "draft": "models/tandem-tiny-s"},
