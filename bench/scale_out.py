@@ -238,7 +238,7 @@ def deploy(args: argparse.Namespace, *, replicas: int, routing: str, autoscale: 
         overrides["admission.enabled"] = False  # the step must queue, not shed: no failed request allowed
     options = ScaleOutOptions(
         config=str(args.config), overrides=overrides, replicas=replicas, routing=routing, pin_cpu=True,
-        num_cpus=1.0, torch_threads=1, routing_stats_period_s=0.5, stream_interval_ms=args.stream_interval_ms, autoscale=autoscale, min_replicas=1,
+        num_cpus=1.0, torch_threads=1, routing_stats_period_s=args.routing_stats_period_s, stream_interval_ms=args.stream_interval_ms, autoscale=autoscale, min_replicas=1,
         max_replicas=2, target_ongoing_requests=target_ongoing, down_stabilization_s=args.down_window_s,
         down_cooldown_s=args.down_window_s / 2, look_back_period_s=5.0, graceful_shutdown_timeout_s=60.0)
     serve.run(build_app(options), name=APP, route_prefix="/", external_scaler_enabled=external_scaler)
@@ -301,6 +301,7 @@ def measure(args: argparse.Namespace, name: str, replicas: int, routing: str, sl
     try:
         # the system prompts have been seen before (a steady state, not a cold start): one warm-up pass
         run_load(url, plan_requests(args, args.warm_rps, args.warm_s, seed=10_000 + seed), slos)
+        idle = idle_cores(args.idle_s)
         for k, rate in enumerate(rates or args.rates):
             plan = plan_requests(args, rate, args.duration, seed=seed * 100 + k)
             before = pool_counters()
@@ -318,10 +319,30 @@ def measure(args: argparse.Namespace, name: str, replicas: int, routing: str, sl
                   f"load gen {1e3 * c['load generator']:.1f}, ray {1e3 * (c['ray system'] + c['controller']):.1f}, "
                   f"other {1e3 * c['other']:.0f}; loadavg {cpu['loadavg_after'][0]:.2f}", flush=True)
             r["pool_pages"] = pool_pages
+            if idle is not None:  # what each component burns with no request at all, and the rest per request
+                r["idle_cores"] = idle
+                r["cpu_s_per_request_net_of_idle"] = {
+                    k: round(max(0.0, cpu["cpu_s"][k] - idle[k] * cpu["wall_s"]) / max(1, r["completed"]), 5)
+                    for k in COMPONENTS}
+                n = r["cpu_s_per_request_net_of_idle"]
+                print(f"    idle cores: proxy {idle['proxy']:.3f}, ingress {idle['ingress']:.3f}; net of idle, "
+                      f"proxy + ingress {1e3 * (n['proxy'] + n['ingress']):.1f} ms/request", flush=True)
             out.append(r)
     finally:
         undeploy()
     return out
+
+
+def idle_cores(seconds: float) -> dict[str, float] | None:
+    """Cores each component uses with the app deployed and no request in flight (Ray's and Serve's background
+    work: health checks, routing-stats and metrics pushes, the core workers' threads), over `seconds`."""
+    if seconds <= 0:
+        return None
+    meter = CpuMeter()
+    meter.start()
+    time.sleep(seconds)
+    cpu = meter.stop()
+    return {k: round(v / max(1e-9, cpu["wall_s"]), 4) for k, v in cpu["cpu_s"].items()}
 
 
 def replica_counts() -> tuple[int, int]:
@@ -560,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="each replica's KV pool (48 MiB: 512 pages; the 40 x 24-block prefixes need 960)")
     p.add_argument("--warm-s", type=float, default=12.0, help="warm-up seconds per deployment (same prefixes)")
     p.add_argument("--warm-rps", type=float, default=4.0)
+    p.add_argument("--routing-stats-period-s", type=float, default=0.5,
+                   help="how often replicas report KV usage and SLO headroom to the ingress's router")
+    p.add_argument("--idle-s", type=float, default=10.0,
+                   help="seconds of no load after the warm-up, to measure each component's background CPU (0: off)")
     p.add_argument("--stream-interval-ms", type=float, default=50.0,
                    help="the replicas' stream_interval_ms (0: every chunk as it comes)")
     p.add_argument("--ray-mode", choices=["throughput", "default"], default="throughput",

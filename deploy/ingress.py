@@ -108,12 +108,16 @@ class OpenAIIngress:
     def _pass_through(self, start: dict[str, Any], stream: Any) -> Response:
         headers = [(k, v) for k, v in start["headers"] if k.lower() not in HOP_BY_HOP]
         is_sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers)
-        response = StreamingResponse(self._body(stream, is_sse), status_code=start["status"])
+        response = StreamingResponse(self._body(stream, is_sse, start.get("body", b"")), status_code=start["status"])
         response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         return response
 
-    async def _body(self, stream: Any, is_sse: bool) -> AsyncIterator[bytes]:
+    async def _body(self, stream: Any, is_sse: bool, first: bytes = b"") -> AsyncIterator[bytes]:
+        """The body's first chunk came with the start (`TandemReplica.handle`); the rest is passed on as it
+        comes, bytes untouched."""
         try:
+            if first:
+                yield first
             async for chunk in stream:
                 yield chunk
         except Exception as exc:  # the replica died mid-answer: a stream gets an error event and [DONE]

@@ -81,10 +81,13 @@ def http_scope(method: str, path: str, headers: list[tuple[str, str]], query: st
 
 async def call_asgi(app: Any, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
                     query: str = "", extra_headers: dict[str, str] | None = None,
-                    stream_interval_s: float = 0.0) -> AsyncIterator[dict | bytes]:
+                    stream_interval_s: float = 0.0, body_with_start: bool = False) -> AsyncIterator[dict | bytes]:
     """One HTTP exchange with `app`: yields {"status", "headers"} first, then body chunks: the body messages
     waiting when one is read go together, and with `stream_interval_s` a chunk after the first waits until that
-    long after the previous one (the first token is never held). When the caller stops iterating (its client
+    long after the previous one (the first token is never held). With `body_with_start` the start waits for the
+    first body chunk and carries it as its "body" (one item fewer: each item is a Ray streaming message on
+    every hop, and the app sends the start just before its first body anyway). When the caller stops iterating
+    (its client
     left, or it was cancelled), the app sees `http.disconnect` and its request ends there (tandem aborts the
     engine requests and frees their KV blocks)."""
     outbox: asyncio.Queue = asyncio.Queue()
@@ -107,17 +110,23 @@ async def call_asgi(app: Any, method: str, path: str, headers: list[tuple[str, s
     held: Any = _NOTHING
     loop = asyncio.get_running_loop()
     last_chunk: float | None = None
+    start: dict | None = None  # body_with_start: the start, held until the first body chunk
     try:
         while True:
             message, held = (await outbox.get() if held is _NOTHING else held), _NOTHING
             if message is None:
+                if start is not None:
+                    yield start
                 if task.exception() is not None:
                     raise task.exception()
                 return
             if message["type"] == "http.response.start":
                 out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
                 out += list((extra_headers or {}).items())
-                yield {"status": message["status"], "headers": out}
+                start = {"status": message["status"], "headers": out}
+                if not body_with_start:
+                    yield start
+                    start = None
             elif message["type"] == "http.response.body":
                 # body messages already waiting go out as one chunk: each chunk costs a Ray streaming item on
                 # every hop (replica -> ingress -> proxy), so under load a stream's events travel together
@@ -131,7 +140,11 @@ async def call_asgi(app: Any, method: str, path: str, headers: list[tuple[str, s
                         break
                     chunk += queued.get("body", b"")
                     more = queued.get("more_body", False)
-                if chunk:
+                if start is not None and (chunk or not more):
+                    first, start = {**start, "body": chunk}, None
+                    yield first
+                    last_chunk = loop.time()
+                elif chunk:
                     yield chunk
                     last_chunk = loop.time()
                 if not more:
@@ -239,14 +252,14 @@ class TandemReplica:
 
     async def handle(self, request: dict[str, Any]) -> AsyncIterator[dict | bytes]:
         """One HTTP exchange: `request` has method, path, query, headers (pairs), body (bytes) and the router's
-        `routing` key (read by the router, ignored here)."""
+        `routing` key (read by the router, ignored here). The start dict carries the body's first chunk."""
         self.served += 1
         if self.first_request_at is None:
             self.first_request_at = time.time()
         async for item in call_asgi(self.app, request["method"], request["path"], request["headers"],
                                     request.get("body", b""), request.get("query", ""),
                                     extra_headers={"x-tandem-replica": self.replica_id},
-                                    stream_interval_s=self.stream_interval_s):
+                                    stream_interval_s=self.stream_interval_s, body_with_start=True):
             self.chunks += 1
             yield item
 

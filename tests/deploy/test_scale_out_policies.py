@@ -293,3 +293,33 @@ async def test_a_replica_warms_every_engine_up_before_its_constructor_returns(tm
         assert report["first_request_at"] >= report["ready_at"] and report["served"] == 1
     finally:
         await replica.shutdown()
+
+
+async def test_asgi_bridge_can_send_the_first_body_chunk_with_the_start():
+    """`body_with_start` (what `TandemReplica.handle` uses): one Ray item fewer per response; a response
+    with no body still yields its start, and the later chunks are unchanged."""
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"x-a", b"1")]})
+        for i in range(3):
+            await send({"type": "http.response.body", "body": f"{i};".encode(), "more_body": True})
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    items = [item async for item in call_asgi(app, "POST", "/v1/completions", [], b"{}", body_with_start=True)]
+    assert items == [{"status": 201, "headers": [("x-a", "1")], "body": b"0;"}, b"1;", b"2;"]
+
+    async def empty(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    items = [item async for item in call_asgi(empty, "GET", "/x", [], b"", body_with_start=True)]
+    assert items == [{"status": 204, "headers": [], "body": b""}]
+
+    async def start_only(scope, receive, send):  # the app returned after its start, no body message
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    items = [item async for item in call_asgi(start_only, "GET", "/x", [], b"", body_with_start=True)]
+    assert items == [{"status": 200, "headers": []}]
