@@ -205,6 +205,7 @@ class AdmissionController:
         self._running: dict[str, tuple[str, float]] = {}  # request id -> (engine, first token time)
         self._route_waiting: dict[str, int] = {}
         self.decisions: collections.Counter[str] = collections.Counter()  # "route/action/reason" -> count
+        self._queued_read: tuple[str, int, int, float | None] | None = None  # the last predicted_ttft's reading
 
     # ---- reading the state -------------------------------------------------------------------------------
     def _backlog(self, engine: str) -> _EngineBacklog:
@@ -243,16 +244,13 @@ class AdmissionController:
     def predicted_ttft(self, engine: str, priority: int, prompt_tokens: int) -> float | None:
         """`queued_ttft` times the measured stretch of the class: how much longer its recent first tokens took
         than their queue predicted (work that arrived later with a higher priority ran first)."""
-        return self._predict(engine, priority, prompt_tokens)[1]
-
-    def _predict(self, engine: str, priority: int, prompt_tokens: int) -> tuple[float | None, float | None]:
-        """(`queued_ttft`, `predicted_ttft`) from one reading of the backlog."""
         queued = self.queued_ttft(engine, priority, prompt_tokens)
+        self._queued_read = (engine, priority, prompt_tokens, queued)  # what `admit` books, unless read again
         if queued is None:
-            return None, None
+            return None
         s = self.config
-        return queued, queued * self._backlog(engine).stretch(priority, s.min_rate_observations, self.clock(),
-                                                              s.rate_halflife_s)
+        return queued * self._backlog(engine).stretch(priority, s.min_rate_observations, self.clock(),
+                                                      s.rate_halflife_s)
 
     def num_waiting(self, route: str | None = None) -> int:
         """Requests admitted and still waiting for their first token (one route, or all)."""
@@ -284,40 +282,35 @@ class AdmissionController:
     def decide(self, route: str, engine: str, prompt_tokens: int, *, pinned: bool = False) -> AdmissionDecision:
         """The verdict for a request of `route` that routing sent to `engine`; changes no state. `pinned`: only
         that engine may serve it (an embedding: another model's vectors are another space), never a downgrade."""
-        return self._decide(route, engine, prompt_tokens, pinned)[0]
-
-    def _decide(self, route: str, engine: str, prompt_tokens: int, pinned: bool
-                ) -> tuple[AdmissionDecision, float | None]:
-        """`decide`, and the queued TTFT on the engine it names (what `_enter` records), read once."""
         cfg = self.routes.get(route)
         s = self.config
         priority = cfg.priority if cfg is not None else 0
         ttft_ms = cfg.slo.ttft_ms if cfg is not None else None
         target = ttft_ms / 1000.0 if ttft_ms is not None else None
         limit = cfg.max_waiting if cfg is not None and cfg.max_waiting is not None else s.max_waiting_per_route
-        queued, predicted = self._predict(engine, priority, prompt_tokens)
+        predicted = self.predicted_ttft(engine, priority, prompt_tokens)
 
         if self._route_waiting.get(route, 0) >= limit:
-            return self._shed("queue_full", engine, priority, predicted, target, 0.0), queued
+            return self._shed("queue_full", engine, priority, predicted, target, 0.0)
         if target is None:
-            return AdmissionDecision(action="admit", engine=engine, reason="no_slo", predicted_ttft_s=predicted), queued
+            return AdmissionDecision(action="admit", engine=engine, reason="no_slo", predicted_ttft_s=predicted)
         if predicted is None:
-            return AdmissionDecision(action="admit", engine=engine, reason="warming_up", target_ttft_s=target), queued
+            return AdmissionDecision(action="admit", engine=engine, reason="warming_up", target_ttft_s=target)
         budget = s.ttft_slack * target
         if predicted <= budget:
             return AdmissionDecision(action="admit", engine=engine, reason="within_slo",
-                                     predicted_ttft_s=predicted, target_ttft_s=target), queued
+                                     predicted_ttft_s=predicted, target_ttft_s=target)
         small = cfg.engines[0] if cfg is not None and len(cfg.engines) > 1 else None
         if cfg is not None and cfg.allow_downgrade and not pinned and small is not None and small != engine:
-            queued_small, on_small = self._predict(small, priority, prompt_tokens)
+            on_small = self.predicted_ttft(small, priority, prompt_tokens)
             if on_small is not None and on_small <= budget:
                 return AdmissionDecision(action="downgrade", engine=small, reason="small_meets_slo",
-                                         predicted_ttft_s=on_small, target_ttft_s=target), queued_small
+                                         predicted_ttft_s=on_small, target_ttft_s=target)
         if self._nothing_ahead(engine, priority):
             # Nothing of its class is ahead and a slot is free: shedding cannot make it faster later.
             return AdmissionDecision(action="admit", engine=engine, reason="slo_unreachable",
-                                     predicted_ttft_s=predicted, target_ttft_s=target), queued
-        return self._shed("slo_miss", engine, priority, predicted, target, budget), queued
+                                     predicted_ttft_s=predicted, target_ttft_s=target)
+        return self._shed("slo_miss", engine, priority, predicted, target, budget)
 
     def _nothing_ahead(self, engine: str, priority: int) -> bool:
         backlog = self._backlog(engine)
@@ -356,10 +349,15 @@ class AdmissionController:
               ) -> AdmissionDecision:
         """`decide`, and when admitted (or downgraded) book the request on the engine the verdict names."""
         self._check_new(request_id)
-        decision, queued = self._decide(route, engine, prompt_tokens, pinned)
+        self._queued_read = None
+        decision = self.decide(route, engine, prompt_tokens, pinned=pinned)
         self.decisions[f"{route}/{decision.action}/{decision.reason}"] += 1
         if decision.admitted:
-            self._enter(request_id, route, decision.engine or engine, prompt_tokens, decision.predicted_ttft_s,
+            booked, cfg = decision.engine or engine, self.routes.get(route)
+            read = self._queued_read  # the verdict's own reading of the queue, when it was of the booked engine
+            key = (booked, cfg.priority if cfg is not None else 0, prompt_tokens)
+            queued = read[3] if read is not None and read[:3] == key else self.queued_ttft(*key)
+            self._enter(request_id, route, booked, prompt_tokens, decision.predicted_ttft_s,
                         decision.target_ttft_s, queued)
         return decision
 
@@ -370,8 +368,8 @@ class AdmissionController:
         cfg = self.routes.get(route)
         priority = cfg.priority if cfg is not None else 0
         target = cfg.slo.ttft_ms / 1000.0 if cfg is not None and cfg.slo.ttft_ms is not None else None
-        queued, predicted = self._predict(engine, priority, prompt_tokens)
-        self._enter(request_id, route, engine, prompt_tokens, predicted, target, queued)
+        self._enter(request_id, route, engine, prompt_tokens, self.predicted_ttft(engine, priority, prompt_tokens),
+                    target, self.queued_ttft(engine, priority, prompt_tokens))
 
     def _check_new(self, request_id: str) -> None:
         if request_id in self._waiting or request_id in self._running:
@@ -379,7 +377,7 @@ class AdmissionController:
 
     def _enter(self, request_id: str, route: str, engine: str, prompt_tokens: int, predicted: float | None,
                target: float | None, queued: float | None) -> None:
-        """Book the request; `queued`: its queued TTFT read before it joins the ledger."""
+        """Book the request; `queued`: its queued TTFT, read before it joins the ledger."""
         cfg = self.routes.get(route)
         priority = cfg.priority if cfg is not None else 0
         now = self.clock()
