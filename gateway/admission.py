@@ -205,6 +205,7 @@ class AdmissionController:
         self._running: dict[str, tuple[str, float]] = {}  # request id -> (engine, first token time)
         self._route_waiting: dict[str, int] = {}
         self.decisions: collections.Counter[str] = collections.Counter()  # "route/action/reason" -> count
+        self._queued_read: tuple[str, int, int, float | None] | None = None  # the last predicted_ttft's reading
 
     # ---- reading the state -------------------------------------------------------------------------------
     def _backlog(self, engine: str) -> _EngineBacklog:
@@ -244,6 +245,7 @@ class AdmissionController:
         """`queued_ttft` times the measured stretch of the class: how much longer its recent first tokens took
         than their queue predicted (work that arrived later with a higher priority ran first)."""
         queued = self.queued_ttft(engine, priority, prompt_tokens)
+        self._queued_read = (engine, priority, prompt_tokens, queued)  # what `admit` books, unless read again
         if queued is None:
             return None
         s = self.config
@@ -347,11 +349,16 @@ class AdmissionController:
               ) -> AdmissionDecision:
         """`decide`, and when admitted (or downgraded) book the request on the engine the verdict names."""
         self._check_new(request_id)
+        self._queued_read = None
         decision = self.decide(route, engine, prompt_tokens, pinned=pinned)
         self.decisions[f"{route}/{decision.action}/{decision.reason}"] += 1
         if decision.admitted:
-            self._enter(request_id, route, decision.engine or engine, prompt_tokens, decision.predicted_ttft_s,
-                        decision.target_ttft_s)
+            booked, cfg = decision.engine or engine, self.routes.get(route)
+            read = self._queued_read  # the verdict's own reading of the queue, when it was of the booked engine
+            key = (booked, cfg.priority if cfg is not None else 0, prompt_tokens)
+            queued = read[3] if read is not None and read[:3] == key else self.queued_ttft(*key)
+            self._enter(request_id, route, booked, prompt_tokens, decision.predicted_ttft_s,
+                        decision.target_ttft_s, queued)
         return decision
 
     def book(self, request_id: str, route: str, engine: str, prompt_tokens: int) -> None:
@@ -362,17 +369,17 @@ class AdmissionController:
         priority = cfg.priority if cfg is not None else 0
         target = cfg.slo.ttft_ms / 1000.0 if cfg is not None and cfg.slo.ttft_ms is not None else None
         self._enter(request_id, route, engine, prompt_tokens, self.predicted_ttft(engine, priority, prompt_tokens),
-                    target)
+                    target, self.queued_ttft(engine, priority, prompt_tokens))
 
     def _check_new(self, request_id: str) -> None:
         if request_id in self._waiting or request_id in self._running:
             raise ValueError(f"request {request_id!r} was already admitted")
 
     def _enter(self, request_id: str, route: str, engine: str, prompt_tokens: int, predicted: float | None,
-               target: float | None) -> None:
+               target: float | None, queued: float | None) -> None:
+        """Book the request; `queued`: its queued TTFT, read before it joins the ledger."""
         cfg = self.routes.get(route)
         priority = cfg.priority if cfg is not None else 0
-        queued = self.queued_ttft(engine, priority, prompt_tokens)  # before it joins the ledger
         now = self.clock()
         backlog = self._backlog(engine)
         backlog.advance(now, self.config.rate_halflife_s)

@@ -153,7 +153,7 @@ async def _emit(response: Any, receive: Any, send: Any) -> bool:
             return False
         headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send_events(response.iterator, send, receive)
+        await send_events(response.iterator, send, receive, response.watcher)
     if response.background is not None:
         await response.background()
     return True

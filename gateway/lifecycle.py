@@ -120,13 +120,16 @@ async def serve(request: Request, state: GatewayState, route: Route,
         return await _stages(job)
     watch = ClientWatch(request.receive)  # the body is read: from here a client that leaves cancels the request
     try:
-        return await _stages(job)
+        answered = await _stages(job)
+        if isinstance(answered, EventStream):
+            answered.watcher = watch.hand_over()  # the stream watches from its first byte with the same task
+        return answered
     except asyncio.CancelledError:
         if not watch.uncancel_if_left():
             raise  # cancelled from elsewhere (server shutdown): not ours to swallow
         raise ClientDisconnected("The client closed the connection before its answer") from None
     finally:
-        watch.stop()  # an SSE stream watches for itself from its first byte
+        watch.stop()  # a no-op once handed over
 
 
 async def _stages(job: Job) -> Response | Stream:

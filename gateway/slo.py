@@ -184,8 +184,8 @@ class SLOAccounting:
         slot = self._route_slot(route, stamp)
         cfg = self.routes.get(route)
         met_all = True
-        for kind, value in (("ttft", ttft_s), ("tpot", tpot_s)):
-            target_ms = getattr(cfg.slo, f"{kind}_ms") if cfg is not None else None
+        ttft_ms, tpot_ms = (cfg.slo.ttft_ms, cfg.slo.tpot_ms) if cfg is not None else (None, None)
+        for kind, value, target_ms in (("ttft", ttft_s, ttft_ms), ("tpot", tpot_s, tpot_ms)):
             if value is None:
                 met_all = met_all and not (kind == "ttft" and target_ms is not None)  # no first token: a miss
                 continue

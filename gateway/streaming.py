@@ -50,21 +50,31 @@ class ClientWatch:
 
     def stop(self) -> None:
         self._watching = False  # a callback already scheduled must not cancel the response that follows
-        self._watcher.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    def hand_over(self) -> asyncio.Task:
+        """Stop watching for the request's task and give the watcher, still waiting, to the SSE stream that
+        answers (`send_events`): one watcher task a streamed request instead of one cancelled and another made."""
+        self._watching = False
+        watcher, self._watcher = self._watcher, None
+        return watcher
 
 
 class _EventStreamResponse(ASGIStreamingResponse):
     """Litestar's streaming response without its anyio task group, which cost about 0.05 ms a request: the
     body is written from this task while one watcher task waits for the client to leave and cancels it."""
 
+    watcher: asyncio.Task | None = None  # the request's ClientWatch's, handed over
+
     async def send_body(self, send: Send, receive: Receive) -> None:
-        await send_events(self.iterator, send, receive)
+        await send_events(self.iterator, send, receive, self.watcher)
 
 
-async def send_events(iterator: Any, send: Send, receive: Receive) -> None:
+async def send_events(iterator: Any, send: Send, receive: Receive, watcher: asyncio.Task | None = None) -> None:
     """The SSE body: each chunk of `iterator` written from this task, the last in the same write that ends the
-    body, while one watcher task waits for the client to leave and cancels it (the engine request is then
-    aborted by the stream's `finally`)."""
+    body, while one watcher task (`watcher`: one handed over by the request's ClientWatch, else a new one) waits
+    for the client to leave and cancels it (the engine request is then aborted by the stream's `finally`)."""
     task = asyncio.current_task()
     streaming = True
 
@@ -72,8 +82,9 @@ async def send_events(iterator: Any, send: Send, receive: Receive) -> None:
         if streaming and not watcher.cancelled() and watcher.exception() is None:
             task.cancel()
 
-    watcher = asyncio.create_task(until_disconnect(receive))
-    watcher.add_done_callback(client_left)
+    if watcher is None:
+        watcher = asyncio.create_task(until_disconnect(receive))
+    watcher.add_done_callback(client_left)  # run soon if the client has left already
     try:
         done = False
         async for chunk in iterator:
@@ -93,12 +104,16 @@ async def send_events(iterator: Any, send: Send, receive: Receive) -> None:
 class EventStream(Stream):
     """A `text/event-stream` response whose body is an async iterator of SSE bytes ending with [DONE]."""
 
+    watcher: asyncio.Task | None = None  # set by the pipeline: its ClientWatch's watcher, for `send_events`
+
     def to_asgi_response(self, app: Any, request: Request, *, background: Any = None, cookies: Any = None,
                          headers: dict[str, str] | None = None, is_head_response: bool = False,
                          media_type: Any = None, status_code: int | None = None, **_: Any) -> ASGIResponse:
-        return _EventStreamResponse(
+        response = _EventStreamResponse(
             background=self.background or background, content_length=0,
             cookies=[*self.cookies, *(cookies or [])], encoding=self.encoding,
             headers={**(headers or {}), **self.headers}, is_head_response=is_head_response,
             iterator=self.iterator, media_type=self.media_type or media_type,
             status_code=self.status_code or status_code)
+        response.watcher = self.watcher
+        return response

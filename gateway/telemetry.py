@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.values import MutexValue
 
 from engines.outputs import RequestOutput
 from gateway.autoscale import signals_from
@@ -83,6 +84,45 @@ def _observe(child: Any, amount: float) -> None:
     i = bisect_left(bounds, amount)
     if i < len(bounds) and amount <= bounds[i]:  # NaN lands in no bucket, as with observe()
         child._buckets[i].inc(1)
+
+
+class _LoopValue:
+    """prometheus_client's `MutexValue` without its lock, for the request metrics' label-bound children: only the
+    event loop writes them (one writer: no update is lost), and a scrape reads each float whole, as it does
+    through the lock (which never made a histogram's sum and buckets one snapshot either)."""
+
+    __slots__ = ("_value", "_exemplar")
+
+    def __init__(self, value: float) -> None:
+        self._value, self._exemplar = value, None
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._exemplar = exemplar
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self) -> Any:
+        return self._exemplar
+
+
+def _loop_only(child: Any) -> Any:
+    """`child` with its values (a counter's, a histogram's sum and buckets) as `_LoopValue`s, when they are plain
+    `MutexValue`s (not multiprocess files, not a prometheus_client whose fields differ)."""
+    for name in ("_value", "_sum"):
+        value = getattr(child, name, None)
+        if type(value) is MutexValue:
+            setattr(child, name, _LoopValue(value.get()))
+    buckets = getattr(child, "_buckets", None)
+    if isinstance(buckets, list) and all(type(b) is MutexValue for b in buckets):
+        child._buckets = [_LoopValue(b.get()) for b in buckets]
+    return child
 
 
 def _histogram_observer(child: Any) -> Callable[[Any, float], None]:
@@ -188,6 +228,7 @@ class Telemetry:
         self._autoscaler: Callable[[], Any] = lambda: None
         self._children: dict[tuple[Any, ...], Any] = {}
         self._observe: Callable[[Any, float], None] = _observe  # checked against the first bound child
+        self._genai_attrs: dict[tuple[str, str, str], dict[str, str]] = {}
         reg = self.registry
 
         def histogram(name: str) -> Histogram:
@@ -253,17 +294,17 @@ class Telemetry:
         key = (model, route)
         bound = self._children.get(key)
         if bound is None:
-            bound = self._children[key] = tuple(m.labels(model, route) for m in (
+            bound = self._children[key] = tuple(_loop_only(m.labels(model, route)) for m in (
                 self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens,
                 self.inference, self.prefill, self.decode, self.params_n))
             self._observe = _histogram_observer(bound[0])
         return bound
 
     def labelled(self, metric: Any, *labels: str) -> Any:
-        """`metric.labels(*labels)`, cached like `_bound`."""
+        """`metric.labels(*labels)`, cached like `_bound` (and written, like it, from the event loop only)."""
         child = self._children.get((metric, labels))
         if child is None:
-            child = self._children[(metric, labels)] = metric.labels(*labels)
+            child = self._children[(metric, labels)] = _loop_only(metric.labels(*labels))
         return child
 
     def observe_request(self, *, route: str, model: str, ttft_s: float | None, tpot_s: float | None, e2e_s: float,
@@ -302,8 +343,12 @@ class Telemetry:
             tokens.observe("request_max_num_generation_tokens", model, route,
                            max((len(c.token_ids) for c in output.outputs), default=0))
             observe(n_m, len(output.outputs))
-        attrs = {"gen_ai.operation.name": operation, "gen_ai.provider.name": "tandem",
-                 "gen_ai.request.model": request_model or route, "gen_ai.response.model": model}
+        attrs_key = (operation, request_model or route, model)
+        attrs = self._genai_attrs.get(attrs_key)
+        if attrs is None:  # one dict per label set, made once and never changed (the SDK may keep it)
+            attrs = self._genai_attrs[attrs_key] = {
+                "gen_ai.operation.name": operation, "gen_ai.provider.name": "tandem",
+                "gen_ai.request.model": attrs_key[1], "gen_ai.response.model": model}
         if ttft_s is not None:
             self.genai_ttft.record(ttft_s, attrs)
         if tpot_s is not None:
