@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 import router_model.native as native
-from router_model.prompt_stats import PROMPT_EXTRAS
 
 # One prompt: a plain string (one user turn) or OpenAI-style messages.
 Conversation = str | Sequence[Mapping[str, Any]]
@@ -35,6 +34,16 @@ STAT_NAMES: tuple[str, ...] = (
     # where the conversation stops: what comes next depends most on the last line
     "ends_mid_line", "log_last_line_len", "last_line_indent", "last_line_is_comment", "inside_triple_quote",
 )
+# The small model's prefill of the prompt (computed by router_model/prompt_stats.py).
+TAIL = 16  # the prompt's last tokens: what the next line depends on most
+PROMPT_EXTRAS: dict[str, str] = {
+    "small_prompt_logprob": "mean token log-probability of the prompt under the small model",
+    "small_prompt_min_logprob": "minimum token log-probability of the prompt under the small model",
+    "small_prompt_tail_logprob": f"mean token log-probability of the prompt's last {TAIL} tokens",
+    "small_prompt_last_logprob": "log-probability of the prompt's last token",
+    "small_prompt_tail_entropy": f"mean next-token entropy (nats) over the prompt's last {TAIL} positions",
+    "small_next_entropy": "entropy (nats) of the small model's next-token distribution right after the prompt",
+}
 # Extra features a caller supplies per request: the small model's prefill, or (for the escalation scorer)
 # the statistics of the small answer's token logprobs (router_model.scoring.answer_stats).
 KNOWN_EXTRAS: dict[str, str] = {

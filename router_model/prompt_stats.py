@@ -13,15 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-TAIL = 16  # the prompt's last tokens: what the next line depends on most
-PROMPT_EXTRAS: dict[str, str] = {
-    "small_prompt_logprob": "mean token log-probability of the prompt under the small model",
-    "small_prompt_min_logprob": "minimum token log-probability of the prompt under the small model",
-    "small_prompt_tail_logprob": f"mean token log-probability of the prompt's last {TAIL} tokens",
-    "small_prompt_last_logprob": "log-probability of the prompt's last token",
-    "small_prompt_tail_entropy": f"mean next-token entropy (nats) over the prompt's last {TAIL} positions",
-    "small_next_entropy": "entropy (nats) of the small model's next-token distribution right after the prompt",
-}
+from router_model.features import PROMPT_EXTRAS, TAIL  # defined beside the other features
 
 
 def needs_prompt_stats(extras: Sequence[str]) -> bool:
