@@ -254,6 +254,20 @@ def _pages(num_pages=48, block=16, hkv=2, d=32, seed=0):
     return kv[:, 0, 1], kv[:, 1, 1]
 
 
+def _shuffled_batch(num_pages: int, bs: int, q_lens: list[int], ctxs: list[int], hq: int, d: int,
+                    seeds: tuple[int, int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Block tables over shuffled pages (padded with each row's first page), query starts, random queries."""
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seeds[0])).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctxs]
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(seeds[1]))
+    return bt, starts, q
+
+
 @needs_kernels
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (4, 4, 64), (6, 2, 12)])
 def test_paged_attention_matches_the_torch_path(hq, hkv, d):
@@ -262,14 +276,7 @@ def test_paged_attention_matches_the_torch_path(hq, hkv, d):
     bs = 16
     kc, vc = _pages(hkv=hkv, d=d)
     q_lens, ctxs = [1, 5, 1, 40, 3, 1], [17, 30, 1, 70, 50, 100]
-    perm = torch.randperm(kc.shape[0], generator=torch.Generator().manual_seed(1)).tolist()
-    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctxs]
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(2))
+    bt, starts, q = _shuffled_batch(kc.shape[0], bs, q_lens, ctxs, hq, d, seeds=(1, 2))
     qsl, cl = torch.tensor(starts), torch.tensor(ctxs)
     ref = paged_attention_torch(q, kc, vc, bt, qsl, cl)
     plan = plan_paged_attention(bt, ctxs, starts, bs, kernel_max_query=8)
@@ -297,14 +304,7 @@ def test_paged_attention_long_chunks_match_the_torch_path(hq, hkv, d):
     bs = 16
     kc, vc = _pages(num_pages=64, hkv=hkv, d=d)
     q_lens, ctxs = [1, 16, 37, 5, 77, 1], [9, 16, 200, 30, 301, 120]
-    perm = torch.randperm(kc.shape[0], generator=torch.Generator().manual_seed(3)).tolist()
-    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctxs]
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(4))
+    bt, starts, q = _shuffled_batch(kc.shape[0], bs, q_lens, ctxs, hq, d, seeds=(3, 4))
     ref = paged_attention_torch(q, kc, vc, bt, torch.tensor(starts), torch.tensor(ctxs))
     seqs = torch.tensor([starts[:-1], q_lens, ctxs, list(range(len(ctxs)))], dtype=torch.int64)
     old = torch.get_num_threads()
