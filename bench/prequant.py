@@ -1,7 +1,8 @@
 """Pre-quantised 4-bit checkpoints vs tandem's own quantise-on-load, on the CPU: one random Llama (float
 safetensors) and its GPTQ (sym and asym, groups of 128), AWQ (GEMM, groups of 128) and compressed-tensors W4A16
-copies (tests/prequant_files.py), each decoded greedily by `LLM(...)` (round-robin over the models, median of the
-repeats), next to `LLM(float, quantization="int4", quantization_group_size=128)`. Prints decode tokens/s, the
+copies (tests/prequant_files.py), each decoded greedily by `LLM(...)` (round-robin over the models, rotated each
+round, median of the repeats), next to `LLM(float, quantization="int4", quantization_group_size=128)` (built
+twice: the second copy's ratio is the noise between identical models in the run). Prints decode tokens/s, the
 ratio to tandem's int4 in the same run, weight bytes in memory (`load_info`), the checkpoint's bytes on disk and
 their ratio (loaded / file); writes bench/results/prequant.json.
 
@@ -64,10 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     llms = {"tandem int4 g128 (at load)": (LLM(src, quantization="int4", quantization_group_size=128,
                                                 max_model_len=256), src)}
     llms.update({name: (LLM(folder, max_model_len=256), folder) for name, folder in folders.items()})
+    # the same at-load model built a second time: the spread between two identical models in one run (their
+    # weights lie at different addresses) is the noise floor the formats' ratios are read against
+    llms["tandem int4 g128 (at load, 2nd copy)"] = (LLM(src, quantization="int4", quantization_group_size=128,
+                                                         max_model_len=256), src)
     rates: dict[str, list[float]] = {name: [] for name in llms}
-    for _ in range(args.repeats):  # round-robin, so a busy moment of the machine hits every model alike
-        for name, (llm, _) in llms.items():
-            rates[name].append(decode_rate(llm, args.tokens, 1))
+    names = list(llms)
+    for rep in range(args.repeats):  # round-robin, so a busy moment of the machine hits every model alike,
+        # starting one model further on each round, so each takes every place in the order equally often
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            rates[name].append(decode_rate(llms[name][0], args.tokens, 1))
     base_rate = statistics.median(rates["tandem int4 g128 (at load)"])
     rows = [{"model": name, "tok_s": statistics.median(rates[name]),
              "ratio": statistics.median(rates[name]) / base_rate,
@@ -75,11 +82,14 @@ def main(argv: list[str] | None = None) -> int:
              "file_bytes": (folder / "model.safetensors").stat().st_size} for name, (llm, folder) in llms.items()]
     for r in rows:
         r["loaded_over_file"] = r["weight_bytes"] / r["file_bytes"]
-    print(f"{'model':<30} {'tok/s':>8} {'vs int4':>8} {'weights MB':>11} {'file MB':>8} {'loaded/file':>12}")
+    print(f"{'model':<36} {'tok/s':>8} {'vs int4':>8} {'weights MB':>11} {'file MB':>8} {'loaded/file':>12}")
     for r in rows:
-        print(f"{r['model']:<30} {r['tok_s']:>8.1f} {r['ratio']:>8.2f} {r['weight_bytes'] / 1e6:>11.2f} "
+        print(f"{r['model']:<36} {r['tok_s']:>8.1f} {r['ratio']:>8.2f} {r['weight_bytes'] / 1e6:>11.2f} "
               f"{r['file_bytes'] / 1e6:>8.2f} {r['loaded_over_file']:>12.3f}")
-    write_results(Path(args.out), {"args": vars(args), "torch": torch.__version__, "rows": rows})
+    spread = abs(rows[-1]["ratio"] - 1.0)
+    print(f"identical-model spread in this run: {spread:.3f}")
+    write_results(Path(args.out), {"args": vars(args), "torch": torch.__version__, "rows": rows,
+                                   "identical_model_spread": spread})
     return 0
 
 
