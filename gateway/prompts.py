@@ -1,7 +1,8 @@
 """The prompt each engine gets for one request: a chat conversation rendered with the engine's chat template,
 or a completion prompt as sent; token ids when admission needs the count. The size check bounds the work
 before any starts, and a long prompt renders and tokenises on the gateway's tokenisation pool
-(gateway/tokenize_pool.py) so the event loop keeps serving.
+(gateway/tokenize_pool.py) so the event loop keeps serving. A chat prompt's template parts are encoded once
+(gateway/prompt_tokens.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import msgspec
 
 from gateway.errors import APIError
+from gateway.prompt_tokens import piece_encoder
 from gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,10 +36,11 @@ Rendered = str | list[int]
 class Prompt:
     """One request's prompt, prepared once per engine on first use (a cascade needs it for two engines)."""
 
-    def __init__(self, render: Callable[[Any], Rendered], chars: int, param: str):
+    def __init__(self, render: Callable[[Any], Rendered], chars: int, param: str, *, templated: bool = False):
         self._render = render  # engine -> its prompt (the engine's chat template, or the prompt as sent)
         self.chars = chars  # characters of text the prompt holds (0 for token ids)
         self.param = param  # the request field holding it, for errors
+        self.templated = templated  # rendered by a chat template: encoded piece by cached piece
         self.tokenize = False  # True: `get` gives token ids (admission counts them; the engine need not encode)
         self._prepared: dict[str, Rendered] = {}
 
@@ -60,7 +63,8 @@ class Prompt:
     def _prepare(self, engine: Any) -> Rendered:
         prompt = self._render(engine)
         if self.tokenize and isinstance(prompt, str):
-            prompt = engine.tokenizer.encode(prompt)
+            prompt = piece_encoder(engine.tokenizer).encode(prompt) if self.templated \
+                else engine.tokenizer.encode(prompt)
         return prompt
 
 
@@ -100,7 +104,7 @@ def chat_prompt(data: ChatCompletionRequest, *, allow_request_template: bool) ->
             raise APIError(400, f"chat template error: {exc}", param="messages", code="invalid_value") from None
 
     chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-    return Prompt(render, chars, "messages"), messages
+    return Prompt(render, chars, "messages", templated=True), messages
 
 
 def _sent(prompt: str | list[int], param: str) -> tuple[Prompt, str | list[int]]:
