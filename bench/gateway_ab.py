@@ -10,6 +10,8 @@ so both trees serve the same harness. Then, in alternating rounds so the shared 
   - with --real: one-token completions (max_tokens 1, greedy) on the tiny small checkpoint through the real
     server (`gateway.server.main`, one route, one engine) against the same generation through the offline API
     (`engines.LLM`), server/process CPU per request, OMP_NUM_THREADS=1 for both; added = served - offline.
+    Both /v1/completions and /v1/chat/completions (one user message; offline: the chat template rendered by
+    the tokenizer, then `generate` of that text, as an offline caller would).
 
     .venv/bin/python bench/gateway_ab.py --old a9badfa [--requests 1000] [--rounds 3] [--real]
 """
@@ -40,6 +42,7 @@ RESULTS = ROOT / "bench" / "results" / "gateway_ab.json"
 KINDS = ("asgi", "gateway", "traced", "untraced")
 SERVER_ENV = {"untraced": {"OTEL_TRACES_SAMPLER": "always_off"}}
 REAL_PROMPT = "Say hello to the benchmark."
+ROUND_LOADS: dict[str, list[float]] = {"instant": [], "real": []}  # the 1-minute load average after each round
 
 
 def _port() -> int:
@@ -106,6 +109,7 @@ def instant(trees: dict[str, Path], requests: int, rounds: int, rate: float, dur
                     if row["errors"]:
                         print(f"  {t} {which}: {row['errors']} errors at {rate:g} req/s {row['error_sample']}")
                     lat[t][which] += row["latencies_s"]
+                ROUND_LOADS["instant"].append(os.getloadavg()[0])
                 print(f"  round {r + 1}/{rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         for proc, _ in [*servers.values(), *bare.values()]:
@@ -150,11 +154,16 @@ from engines import LLM, SamplingParams
 llm = LLM(sys.argv[1], memory_bytes=256 << 20)
 params = SamplingParams(max_tokens=1, temperature=0.0)
 n = int(sys.argv[2])
+if sys.argv[4] == "chat":
+    messages = [{"role": "user", "content": sys.argv[3]}]
+    prompt = lambda: llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+else:
+    prompt = lambda: sys.argv[3]
 for _ in range(200):
-    llm.generate(sys.argv[3], params)
+    llm.generate(prompt(), params)
 c0 = time.process_time()
 for _ in range(n):
-    out = llm.generate(sys.argv[3], params)
+    out = llm.generate(prompt(), params)
 assert len(out[0].outputs[0].token_ids) == 1
 print((time.process_time() - c0) * 1000 / n)
 """
@@ -162,9 +171,13 @@ print((time.process_time() - c0) * 1000 / n)
 
 def real(trees: dict[str, Path], requests: int, rounds: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    body = json.dumps({"model": "fast", "prompt": REAL_PROMPT, "max_tokens": 1, "temperature": 0}).encode()
-    payload = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-               b"content-length: %d\r\n\r\n" % len(body)) + body
+    payloads = {}
+    for mode, path, fields in (("completion", b"/v1/completions", {"prompt": REAL_PROMPT}),
+                               ("chat", b"/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": REAL_PROMPT}]})):
+        body = json.dumps({"model": "fast", **fields, "max_tokens": 1, "temperature": 0}).encode()
+        payloads[mode] = (b"POST " + path + b" HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n" % len(body)) + body
     servers = {}
     tmp = Path(tempfile.mkdtemp(prefix="gateway_ab_cfg_"))
     for t, tree in trees.items():
@@ -176,26 +189,31 @@ def real(trees: dict[str, Path], requests: int, rounds: int) -> dict:
                                 env={**env, "PYTHONPATH": str(tree)})
         _wait(proc, port, b"/ready", f"{t} tandem serve")
         servers[t] = (proc, port)
-    served: dict[str, list[float]] = {t: [] for t in trees}
-    offline: dict[str, list[float]] = {t: [] for t in trees}
+    served = {t: {mode: [] for mode in payloads} for t in trees}
+    offline = {t: {mode: [] for mode in payloads} for t in trees}
     try:
         for r in range(rounds):
             for t in (list(trees) if r % 2 == 0 else list(reversed(trees))):
                 proc, port = servers[t]
-                served[t].append(sequential(proc, port, payload, requests))
-                ran = subprocess.run([sys.executable, "-c", OFFLINE, str(ROOT / "models" / "tandem-tiny-s"),
-                                      str(requests), REAL_PROMPT], cwd=trees[t], env={**env, "PYTHONPATH": str(trees[t])},
-                                     capture_output=True, text=True, check=True)
-                offline[t].append(float(ran.stdout.strip().splitlines()[-1]))
+                for mode, payload in payloads.items():
+                    served[t][mode].append(sequential(proc, port, payload, requests))
+                    ran = subprocess.run([sys.executable, "-c", OFFLINE, str(ROOT / "models" / "tandem-tiny-s"),
+                                          str(requests), REAL_PROMPT, mode], cwd=trees[t],
+                                         env={**env, "PYTHONPATH": str(trees[t])}, capture_output=True, text=True,
+                                         check=True)
+                    offline[t][mode].append(float(ran.stdout.strip().splitlines()[-1]))
+            ROUND_LOADS["real"].append(os.getloadavg()[0])
             print(f"  real round {r + 1}/{rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
-    return {t: {"served_cpu_ms": float(np.median(served[t])), "offline_cpu_ms": float(np.median(offline[t])),
-                "added_cpu_ms": float(np.median(served[t]) - np.median(offline[t])),
-                "served_rounds": served[t], "offline_rounds": offline[t]} for t in trees}
+    return {t: {mode: {"served_cpu_ms": float(np.median(served[t][mode])),
+                       "offline_cpu_ms": float(np.median(offline[t][mode])),
+                       "added_cpu_ms": float(np.median(served[t][mode]) - np.median(offline[t][mode])),
+                       "served_rounds": served[t][mode], "offline_rounds": offline[t][mode]} for mode in payloads}
+            for t in trees}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.real:
             result["real"] = real(trees, args.real_requests, args.rounds)
         result["load_average_end"] = os.getloadavg()
+        result["load_average_rounds"] = ROUND_LOADS
     finally:
         shutil.rmtree(old, ignore_errors=True)
     for t in ("old", "new"):
@@ -235,9 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         a = i[f"added_latency_ms_at_{args.rate:g}"]
         print(f"  added latency at {args.rate:g} req/s (stream, gateway - bare): p50 {a['p50']:.2f} ms, "
               f"p99 {a['p99']:.2f} ms")
-        if "real" in result:
-            r = result["real"][t]
-            print(f"  one-token completion: served {r['served_cpu_ms']:.3f} ms, offline {r['offline_cpu_ms']:.3f} ms, "
+        for mode, r in result.get("real", {}).get(t, {}).items():
+            print(f"  one-token {mode}: served {r['served_cpu_ms']:.3f} ms, offline {r['offline_cpu_ms']:.3f} ms, "
                   f"added {r['added_cpu_ms']:.3f} ms")
     print(f"load average at the end {result['load_average_end'][0]:.1f}")
     write_results(RESULTS, result, indent=1)

@@ -101,6 +101,8 @@ class Finisher:
             self.state.slo.observe_request(self.route.name, self.run.engine.name, ttft_s=ttft, tpot_s=tpot,
                                            prompt_tokens=prompt_tokens, output_tokens=output_tokens)
         span = self.span
+        if not span.is_recording():  # no span processor, or sampled out: nothing below would be kept
+            return
         span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": output_tokens,
                              "gen_ai.response.finish_reasons": reasons,
                              "gen_ai.response.id": self.run.request_ids[0][1] if self.run.request_ids else ""})

@@ -85,6 +85,7 @@ class Job:
     part: int | None = None
     answer_format: AnswerFormat | None = None
     span: Any = None
+    recording: bool = False  # the server span records: its attributes are worth building
     arrival: float = 0.0
     request_id: str = ""
     client_request_id: str = ""  # the id the answer shows (the client's X-Request-Id when sent)
@@ -165,7 +166,7 @@ async def start(job: Job) -> None:
         if job.tokens is not None:
             job.tokens.settle(0)  # nothing ran: the whole reservation goes back
         raise
-    if job.span.is_recording():
+    if job.recording:
         started = job.run
         decision = {"tandem.route": job.route.name, "tandem.route.strategy": job.route.config.strategy,
                     "tandem.route.engine": started.engine.name, **started.attributes}
@@ -178,7 +179,7 @@ async def start_request(state: GatewayState, ctx: RoutingContext, span: Any,
                         tokens: TokenReservation | None = None) -> tuple[RoutedRun, tuple | None]:
     """`start` for a context made elsewhere (tests drive the strategies this way): the run and its route span."""
     job = Job(None, state, ctx.route, None, "", ctx.prompt, span=span, request_id=ctx.request_id,  # type: ignore[arg-type]
-              params=ctx.params, tokens=tokens, ctx=ctx)
+              params=ctx.params, tokens=tokens, ctx=ctx, recording=span.is_recording())
     await start(job)
     return job.run, job.route_span
 
@@ -196,24 +197,28 @@ def decode(job: Job) -> None:
     job.client_request_id = scope_state["request_id"]
     job.prompt.check_size(state.engines[name] for name in route.config.engines)
     job.span = span = trace.get_current_span()
-    span.update_name(f"{job.operation} {data.model}")
-    attributes = {"gen_ai.operation.name": job.operation, "gen_ai.provider.name": "tandem",
-                  "gen_ai.request.model": data.model, "tandem.route": route.name}
-    for attr, value in (("temperature", data.temperature), ("top_p", data.top_p), ("seed", data.seed)):
-        if value is not None:
-            attributes[f"gen_ai.request.{attr}"] = value
+    job.recording = recording = span.is_recording()  # no span processor, or sampled out: nothing to fill
+    attributes: dict[str, Any] = {}
+    if recording:
+        span.update_name(f"{job.operation} {data.model}")
+        attributes = {"gen_ai.operation.name": job.operation, "gen_ai.provider.name": "tandem",
+                      "gen_ai.request.model": data.model, "tandem.route": route.name}
+        for attr, value in (("temperature", data.temperature), ("top_p", data.top_p), ("seed", data.seed)):
+            if value is not None:
+                attributes[f"gen_ai.request.{attr}"] = value
     try:
         job.params = params = sampling_params(data, default_max_tokens=None if job.operation == "chat" else 16,
                                               max_tokens_cap=route.config.max_tokens)
     except InvalidParameter as exc:
         span.set_attributes(attributes)
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
-    if params.max_tokens is not None:
-        attributes["gen_ai.request.max_tokens"] = params.max_tokens
-    if state.cfg.telemetry.record_content:
-        attributes["gen_ai.input.messages"] = json.dumps(
-            job.conversation or [{"role": "user", "content": job.prompt_text}])
-    span.set_attributes(attributes)  # one call: each attribute set takes the span's lock
+    if recording:
+        if params.max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = params.max_tokens
+        if state.cfg.telemetry.record_content:
+            attributes["gen_ai.input.messages"] = json.dumps(
+                job.conversation or [{"role": "user", "content": job.prompt_text}])
+        span.set_attributes(attributes)  # one call: each attribute set takes the span's lock
     job.tokens = state.keyring.limiter.reservation(scope_state.get("api_key"))
     job.prompt.tokenize = state.admission is not None or job.tokens is not None  # both count the prompt's tokens
     job.ctx = RoutingContext(request_id=job.request_id, route=route, params=params, prompt=job.prompt,
@@ -258,13 +263,14 @@ def admit(job: Job) -> None:
     if state.admission is None:
         return
     d = state.admission.admit(job.request_id, route.name, plan.engine, tokens)
-    attrs: dict[str, Any] = {"tandem.admission.action": d.action, "tandem.admission.reason": d.reason,
-                             "tandem.admission.prompt_tokens": tokens}
-    if d.predicted_ttft_s is not None:
-        attrs["tandem.admission.predicted_ttft_ms"] = round(d.predicted_ttft_s * 1000.0, 3)
-    if d.retry_after_s is not None:
-        attrs["tandem.admission.retry_after_s"] = d.retry_after_s
-    job.span.set_attributes(attrs)
+    if job.recording:
+        attrs: dict[str, Any] = {"tandem.admission.action": d.action, "tandem.admission.reason": d.reason,
+                                 "tandem.admission.prompt_tokens": tokens}
+        if d.predicted_ttft_s is not None:
+            attrs["tandem.admission.predicted_ttft_ms"] = round(d.predicted_ttft_s * 1000.0, 3)
+        if d.retry_after_s is not None:
+            attrs["tandem.admission.retry_after_s"] = d.retry_after_s
+        job.span.set_attributes(attrs)
     if d.action == "downgrade":  # SLO pressure: the small engine meets the target
         plan.engine = d.engine
         plan.attributes["tandem.admission.downgraded"] = True
@@ -287,13 +293,14 @@ async def run(job: Job) -> None:
     """Wait for the started run's first output (a rejection becomes an HTTP error before any byte); its
     prefill is done, so admission's backlog shrinks; a cascade's decision is known now: span and counters."""
     run_, ctx, span = job.run, job.ctx, job.span
-    decided = set(run_.attributes)
+    decided = set(run_.attributes) if job.recording else None
     job.first = first = await _first_output(run_, ctx)
     ctx.ledger.first_token(job.request_id) if not first.error else ctx.ledger.release(job.request_id)
     job.finish.progress.saw(first)
-    attributes = {key: run_.attributes[key] for key in run_.attributes.keys() - decided}
-    attributes["gen_ai.response.model"] = run_.engine.name
-    span.set_attributes(attributes)
+    if decided is not None:
+        attributes = {key: run_.attributes[key] for key in run_.attributes.keys() - decided}
+        attributes["gen_ai.response.model"] = run_.engine.name
+        span.set_attributes(attributes)
     telemetry = job.state.telemetry
     if not job.route.direct:
         telemetry.labelled(telemetry.router_decisions, job.route.name, run_.engine.name).inc()

@@ -45,7 +45,7 @@ def conversations(seed: int, count: int) -> list[list[dict[str, str]]]:
     out = []
     for _ in range(count):
         messages = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.7 else []
-        for turn in range(rng.randint(1, 4)):
+        for _ in range(rng.randint(1, 4)):
             for role in ("user", "assistant"):
                 text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 3)))
                 messages.append({"role": role, "content": text or "."})
