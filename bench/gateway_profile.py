@@ -4,6 +4,13 @@ and each sample is charged to the stage of its innermost gateway-known frame; th
 scaled by the server's measured CPU per request (/proc), the milliseconds per request of each stage.
 
     .venv/bin/python bench/gateway_profile.py [--seconds 20] [--rate 400] [--kind gateway|untraced]
+    .venv/bin/python bench/gateway_profile.py --real [--seconds 15]   # the real server, per request kind
+
+`--real` profiles `gateway.server.main` on the tiny small checkpoint (bench/gateway_ab.py's config, one engine,
+OMP_NUM_THREADS=1) under one-token /v1/completions, one-token /v1/chat/completions and an 8-token streamed chat,
+each alone for `--seconds`. py-spy samples only the thread holding the GIL there (`--gil`: idle waits and
+uvloop's poll hold none); the event-loop thread's and the other threads' CPU per request come from
+/proc/<pid>/task, and each is shared out over that thread's samples by stage.
 
 py-spy samples wall time of running threads: a write to the loopback socket wakes the client, which on a
 loaded machine may take the core, so the `socket write` row is wall time, not CPU; it is reported apart and
@@ -80,12 +87,118 @@ def drive(port: int, stop: threading.Event, done: list[int]) -> None:
             done[0] += 2
 
 
+REAL_RESULTS = ROOT / "bench" / "results" / "gateway_profile_real.json"
+ENGINE_STEP = "engine step (model, scheduler, detokenising: offline too)"
+HAND_BACK = "hand-off back to the loop (deliver)"
+HAND_IN = "engine hand-off in (generate, wake, queue)"
+INTAKE = "engine intake (add_request's checks: offline too)"
+
+
+def real_stage(frames: list[str]) -> tuple[str, str]:
+    """(thread, stage) of one sample of the real server: the engine thread's step or its hand-back, or the event
+    loop's stages (the hand-off in and the engine's intake first, then the instant profile's table)."""
+    if any(f.startswith("EngineCore._loop (") for f in frames):
+        return "engine", HAND_BACK if any(f.startswith("OutputProcessor.deliver (") for f in frames) else ENGINE_STEP
+    if any(f.startswith(("ModelEngine.add_request (", "ModelEngine.submit (")) for f in frames):
+        return "loop", INTAKE
+    if any(re.search(r"\(engines/async_engine\.py\)|^EngineCore\.wake \(|^Queue\.(get|put_nowait) \(", f)
+           for f in frames):
+        return "loop", HAND_IN
+    return "loop", stage_of(frames)
+
+
+def _thread_cpu_seconds(pid: int, tid: int) -> float:
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _real_payloads() -> dict[str, bytes]:
+    import json
+
+    def post(path: str, body: dict) -> bytes:
+        raw = json.dumps({"model": "fast", "temperature": 0, **body}).encode()
+        return (b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n" % (path.encode(), len(raw))) + raw
+
+    chat = [{"role": "user", "content": "Say hello to the benchmark."}]
+    return {"completion": post("/v1/completions", {"prompt": "Say hello to the benchmark.", "max_tokens": 1}),
+            "chat": post("/v1/chat/completions", {"messages": chat, "max_tokens": 1}),
+            "stream8": post("/v1/chat/completions", {"messages": chat, "max_tokens": 8, "stream": True,
+                                                     "stream_options": {"include_usage": True}})}
+
+
+def real_main(args: argparse.Namespace) -> int:
+    from bench.gateway_ab import REAL_CONFIG, _port, _wait
+
+    port = _port()
+    tmp = Path(tempfile.mkdtemp(prefix="gateway_profile_"))
+    (tmp / "real.toml").write_text(REAL_CONFIG.format(port=port, tree=ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from gateway.server import main; "
+                             "sys.exit(main(sys.argv[1:]))", "--config", str(tmp / "real.toml")], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    result: dict = {"bench": "gateway_profile_real", "seconds": args.seconds, "rate": args.rate, "kinds": {}}
+    try:
+        _wait(proc, port, b"/ready", "tandem serve")
+        for kind, payload in _real_payloads().items():
+            stop, done = threading.Event(), [0]
+
+            def drive_one(payload: bytes = payload, stop: threading.Event = stop, done: list = done) -> None:
+                with socket.create_connection(("127.0.0.1", port)) as conn:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    while not stop.is_set():
+                        _roundtrip(conn, payload)
+                        done[0] += 1
+
+            driver = threading.Thread(target=drive_one)
+            driver.start()
+            time.sleep(3.0)  # warm-up
+            n0, cpu0, loop0 = done[0], _cpu_seconds(proc.pid), _thread_cpu_seconds(proc.pid, proc.pid)
+            out = tmp / f"{kind}.txt"
+            subprocess.run([str(Path(sys.executable).parent / "py-spy"), "record", "--gil", "-p", str(proc.pid),
+                            "-d", str(int(args.seconds)), "-r", str(args.rate), "-f", "raw", "-o", str(out)],
+                           check=True, capture_output=True)
+            n = done[0] - n0
+            cpu, loop_cpu = _cpu_seconds(proc.pid) - cpu0, _thread_cpu_seconds(proc.pid, proc.pid) - loop0
+            stop.set()
+            driver.join()
+            counts: collections.Counter = collections.Counter()
+            for line in out.read_text().splitlines():
+                stack, _, k = line.rpartition(" ")
+                frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+                if frames and frames[-1].startswith("_worker (concurrent/futures/thread.py"):
+                    continue
+                counts[real_stage(frames)] += int(k)
+            us = {"loop": 1e6 * loop_cpu / max(1, n), "engine": 1e6 * (cpu - loop_cpu) / max(1, n)}
+            per_thread = {t: sum(v for (tt, _), v in counts.items() if tt == t) for t in us}
+            total_us = us["loop"] + us["engine"]
+            rows = {f"{t}: {stage}": {"us_per_request": us[t] * v / max(1, per_thread[t]),
+                                      "share": us[t] * v / max(1, per_thread[t]) / max(1e-9, total_us)}
+                    for (t, stage), v in sorted(counts.items(), key=lambda kv: -kv[1])}
+            load = os.getloadavg()[0]
+            result["kinds"][kind] = {"requests": n, "server_cpu_us_per_request": total_us,
+                                     "loop_thread_cpu_us": us["loop"], "other_threads_cpu_us": us["engine"],
+                                     "load_average": load, "samples": sum(counts.values()), "stages": rows}
+            print(f"{kind}: {n} requests in {args.seconds:g} s, server CPU {total_us:.0f} us/request (event loop "
+                  f"{us['loop']:.0f}, engine and other threads {us['engine']:.0f}); load average {load:.1f}")
+            for name, row in rows.items():
+                print(f"  {name:<66}{row['us_per_request']:8.1f} us {100 * row['share']:6.1f}%")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    write_results(REAL_RESULTS, result, indent=1)
+    print(f"wrote {REAL_RESULTS.relative_to(ROOT)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--rate", type=int, default=400, help="py-spy samples per second")
     ap.add_argument("--kind", default="gateway", choices=("gateway", "traced", "untraced"))
+    ap.add_argument("--real", action="store_true", help="the real server on the tiny model, per request kind")
     args = ap.parse_args(argv)
+    if args.real:
+        return real_main(args)
     proc, port = start_server(args.kind)
     stop, done = threading.Event(), [0]
     try:

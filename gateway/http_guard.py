@@ -1,6 +1,7 @@
 """The HTTP edge under uvicorn: `GuardedHttpToolsProtocol` answers what never reaches the app (an oversized head
 431, a head or body that does not arrive in time 408, bytes that are not HTTP 400) with OpenAI's error body,
-within `HTTPLimits` ([server] in the config); `free_port` finds a port to listen on."""
+within `HTTPLimits` ([server] in the config), and sends a response's head in the same write as its first body
+bytes; `free_port` finds a port to listen on."""
 
 from __future__ import annotations
 
@@ -43,6 +44,46 @@ def _error_bytes(status: int, message: str, code: str, default_headers: list[tup
     return b"".join(head) + body
 
 
+class _HeadHeld:
+    """A request cycle's transport whose first write (the response head) waits for the next one (the body's
+    first bytes) to go out in one send: a JSON answer is one syscall and one wake-up of the client, not two.
+    Held at most until the loop's next turn, the response's end or the connection's refusal (`flush`)."""
+
+    __slots__ = ("_transport", "_protocol", "_held", "_fresh")
+
+    def __init__(self, transport: Transport, protocol: GuardedHttpToolsProtocol):
+        self._transport, self._protocol = transport, protocol
+        self._held: bytes | None = None
+        self._fresh = True  # nothing written yet: the next write is held
+
+    def write(self, data: bytes) -> None:
+        if self._held is not None:
+            data, self._held = self._held + data, None
+            self._protocol.holding = None
+        elif self._fresh:
+            self._fresh = False
+            self._held = bytes(data)
+            self._protocol.holding = self
+            self._protocol.loop.call_soon(self.flush)
+            return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            if self._protocol.holding is self:
+                self._protocol.holding = None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, ...: the transport's own
+        return getattr(self._transport, name)
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with HTTPLimits: an oversized head is a 431 before the app sees it, a head or
     body that does not arrive in time is a 408 (a connection that sent nothing is just closed). The parser
@@ -57,6 +98,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline: TimerHandle | None = None
         self._refused = False
         self._lingered_bytes = 0
+        self.holding: _HeadHeld | None = None  # the cycle whose response head waits for its body
 
     def connection_made(self, transport: Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -93,7 +135,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if size > self.limits.max_header_bytes:
             self._refuse_head(f"{size} bytes, at most {self.limits.max_header_bytes}")
             return
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before:  # a new request cycle (not an upgrade): its head goes out with its body
+            self.cycle.transport = _HeadHeld(self.transport, self)
         self._arm(self.limits.body_timeout_s, self._body_timed_out)
 
     def on_body(self, body: bytes) -> None:
@@ -107,8 +152,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_head, self._head_bytes = True, 0
         super().on_message_complete()
 
+    def on_response_complete(self) -> None:
+        self._flush_held()  # a response without body bytes (HEAD): its head goes now
+        super().on_response_complete()
+
+    def shutdown(self) -> None:
+        self._flush_held()
+        super().shutdown()
+
+    def _flush_held(self) -> None:
+        if self.holding is not None:
+            self.holding.flush()
+
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes that are not HTTP (or a malformed head): OpenAI's error body, not plain text."""
+        self._flush_held()
         self._refused = True
         self._disarm()
         log.info("refused a malformed request from %s: %s", self.client, msg)
@@ -155,6 +213,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _refuse(self, answer: tuple[int, str, str] | None) -> None:
         """Send `answer` (status, message, code) when given, and close. A request the app is still serving
         sees a disconnect, and its writes are dropped."""
+        self._flush_held()  # what the app sent before the refusal goes first
         self._refused = True
         self._disarm()
         cycle = self.cycle
