@@ -41,7 +41,7 @@ RESULTS = ROOT / "bench" / "results" / "gateway_profile.json"
 
 # (stage, pattern on "function (file)"): the innermost frame that matches one decides a sample's stage
 STAGES: list[tuple[str, str]] = [
-    ("socket write", r"^RequestResponseCycle\.send \("),
+    ("socket write", r"^(RequestResponseCycle\.send|_HeadHeld\.(write|flush)) \("),
     ("metrics + spans", r"\((gateway/(tracing|telemetry|metrics|vllm_metrics|slo)\.py|opentelemetry/|"
                         r"(trace|attributes|sdk|context|propagate|util)/|prometheus_client/)"),
     ("formatting (JSON)", r"\((gateway/(openai_format|answers)\.py|msgspec/)|^encode \("),
@@ -154,7 +154,8 @@ def real_main(args: argparse.Namespace) -> int:
             time.sleep(3.0)  # warm-up
             n0, cpu0, loop0 = done[0], _cpu_seconds(proc.pid), _thread_cpu_seconds(proc.pid, proc.pid)
             out = tmp / f"{kind}.txt"
-            subprocess.run([str(Path(sys.executable).parent / "py-spy"), "record", "--gil", "-p", str(proc.pid),
+            subprocess.run([str(Path(sys.executable).parent / "py-spy"), "record", "--gil", "--nonblocking", "-p",
+                            str(proc.pid),
                             "-d", str(int(args.seconds)), "-r", str(args.rate), "-f", "raw", "-o", str(out)],
                            check=True, capture_output=True)
             n = done[0] - n0
