@@ -1,6 +1,7 @@
 """Chat prompts encoded piece by cached piece (gateway/prompt_tokens.py) give the very ids of encoding the rendered
 prompt whole, on the shipped checkpoint's tokenizer and on tokenizers of other shapes (Llama 3 header tokens,
-a Llama 2 style Prepend normaliser, Metaspace, added tokens that strip spaces), over varied conversations."""
+a Llama 2 style Prepend normaliser, Metaspace, ByteLevel's prefix space, space-stripping added tokens), over
+varied conversations."""
 
 from __future__ import annotations
 
@@ -78,9 +79,13 @@ def _metaspace(folder: Path, scheme: str, normalizer: bool) -> tokenizers.Tokeni
 def shapes(tmp_path_factory) -> dict[str, Tokenizer]:
     root = tmp_path_factory.mktemp("piece_tokenizers")
     out = {"tandem-tiny-s": Tokenizer.from_pretrained(ROOT / "models" / "tandem-tiny-s")}
-    for name in ("chatml", "llama3", "lstrip", "metaspace_first", "metaspace_always", "llama2_prepend"):
+    for name in ("chatml", "llama3", "lstrip", "metaspace_first", "metaspace_always", "llama2_prepend",
+                 "bytelevel_prefix"):
         build_tokenizer(root / name)
     out["chatml"] = _tokenizer(root / "chatml", CHATML)
+    prefixed = tokenizers.Tokenizer.from_file(str(root / "bytelevel_prefix" / "tokenizer.json"))
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # a space before every piece
+    out["bytelevel_prefix"] = _tokenizer(root / "bytelevel_prefix", CHATML, prefixed)
     llama3 = tokenizers.Tokenizer.from_file(str(root / "llama3" / "tokenizer.json"))
     llama3.add_special_tokens(["<|start_header_id|>", "<|end_header_id|>"])
     llama3.pre_tokenizer = pre_tokenizers.Sequence([  # Llama 3's: a regex split, then bytes
@@ -99,7 +104,7 @@ def shapes(tmp_path_factory) -> dict[str, Tokenizer]:
 
 
 @pytest.mark.parametrize("shape", ["tandem-tiny-s", "chatml", "llama3", "lstrip", "metaspace_first",
-                                   "metaspace_always", "llama2_prepend"])
+                                   "metaspace_always", "llama2_prepend", "bytelevel_prefix"])
 def test_pieces_encode_to_the_ids_of_the_whole_prompt(shapes, shape):
     tok = shapes[shape]
     encoder = PieceEncoder(tok)
