@@ -26,7 +26,7 @@ SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
 # ChatML with Hermes-style tools (a <tools> block in the system turn, <tool_call> JSON in assistant turns,
 # <tool_response> for role "tool"): the template the shipped models carry, so `tools` work on `make serve`
 CHATML_TEMPLATE = (Path(__file__).with_name("chat_template.jinja")).read_text()
-MAX_POSITIONS = 512
+MAX_POSITIONS = 2048
 
 
 @dataclass(frozen=True)

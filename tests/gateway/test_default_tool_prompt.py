@@ -1,8 +1,8 @@
 """`tandem serve` with the embedded default pair, asked with real tool definitions (Berkeley Function Calling
 Leaderboard entries, tests/data/bfcl_tools.json): a definition that fits the models' context is answered, with
 the prompt counted exactly as transformers renders the models' chat template; one that does not fit is a 400
-in OpenAI's error shape, never a 500. The default pair's context is 512 tokens today (issue 40 item 5 asks for
-2,048: then the longer entries here move from the refused group to the answered one)."""
+in OpenAI's error shape, never a 500. The entries that do not fit the default pair's context (none at 2,048
+tokens) and one request carrying all the entries' functions at once are the refused group."""
 
 from __future__ import annotations
 
@@ -89,10 +89,19 @@ def test_a_real_tool_definition_that_fits_is_answered(server, reference_tokens, 
         assert choice["message"]["role"] == "assistant"
 
 
-def test_a_real_tool_definition_past_the_context_is_a_400(server):
+def every_tool_at_once() -> dict:
+    """One request carrying every entry's functions (an agent with all of them loaded) and the longest
+    entry's question: past a 2,048-token context, where each entry alone fits."""
+    longest = max(DATA["entries"], key=lambda e: e["rendered_tokens"])
+    return {"id": "all-tools", "question": longest["question"],
+            "function": [fn for e in DATA["entries"] for fn in e["function"]]}
+
+
+def test_a_real_tool_definition_past_the_context_is_a_400(server, reference_tokens):
     too_long = [e for e in DATA["entries"] if e["rendered_tokens"] + MAX_TOKENS > CONTEXT]
-    if CONTEXT >= 2048:
-        assert all(e["rendered_tokens"] > 2048 - MAX_TOKENS for e in too_long)
+    everything = every_tool_at_once()
+    assert reference_tokens(everything) + MAX_TOKENS > CONTEXT
+    too_long.append(everything)
     for entry in too_long:
         r = ask(server, entry, "tandem-large")
         assert r.status_code == 400, (entry["id"], r.text)

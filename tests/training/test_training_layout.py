@@ -68,7 +68,8 @@ def test_training_writes_the_tools_aware_chat_template_the_shipped_models_carry(
 
 def test_export_gives_config_and_tokenizer_the_same_context(tmp_path):
     """`--max-positions` reaches both places a loader reads the context from: config.json and the tokenizer's
-    model_max_length (copied from a 512-token tokenizer folder, as when continuing a shipped model)."""
+    model_max_length (copied from the shipped 2,048-token tokenizer folder, as when continuing a shipped model,
+    and exported at another length)."""
     import json
 
     import torch
@@ -77,12 +78,12 @@ def test_export_gives_config_and_tokenizer_the_same_context(tmp_path):
     from training.train import SIZES, build_model, export, hf_config, special_ids
 
     tok_dir = ROOT / "models" / "tandem-tiny-s"
-    assert json.loads((tok_dir / "tokenizer_config.json").read_text())["model_max_length"] == 512
-    cfg = hf_config(SIZES["s"], 4096, special_ids(tok_dir), max_positions=2048)
+    assert json.loads((tok_dir / "tokenizer_config.json").read_text())["model_max_length"] == 2048
+    cfg = hf_config(SIZES["s"], 4096, special_ids(tok_dir), max_positions=1024)
     model = build_model(cfg, seed=0)
     export(model, cfg, tok_dir, tmp_path / "out", {"test": True})
-    assert AutoConfig.from_pretrained(tmp_path / "out").max_position_embeddings == 2048
-    assert AutoTokenizer.from_pretrained(tmp_path / "out").model_max_length == 2048
+    assert AutoConfig.from_pretrained(tmp_path / "out").max_position_embeddings == 1024
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").model_max_length == 1024
     ref = LlamaForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32).eval()
     x = torch.arange(1, 40).unsqueeze(0)
     with torch.no_grad():
