@@ -28,6 +28,7 @@ from gateway.server import build_parser, config_from_args, free_port
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "tandem-tiny-l"
 DRAFT = ROOT / "models" / "tandem-tiny-s"
+CONTEXT = json.loads((MODEL / "config.json").read_text())["max_position_embeddings"]  # 2,048
 PROMPTS = ["The quick brown fox", "def read_config(path):", "Once upon a time there"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -67,7 +68,7 @@ def test_serves_exactly_one_model_named_as_asked(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(server + "/ready").json()["engines"] == ["tiny"]  # the default tiny engines are not loaded
     card = client.models.retrieve("tiny")
-    assert card.id == "tiny" and card.max_model_len == 512
+    assert card.id == "tiny" and card.max_model_len == CONTEXT
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("tandem-small")
     assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
@@ -114,7 +115,7 @@ def test_tokenize_and_detokenize_round_trip_with_vllm_shapes(server, offline):
     body = r.json()
     assert r.status_code == 200 and set(body) == {"count", "max_model_len", "tokens", "token_strs"}
     assert body["tokens"] == offline.tokenizer.encode(PROMPTS[0], add_special_tokens=True)
-    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 512
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == CONTEXT
     assert "".join(body["token_strs"]) == PROMPTS[0]
     back = _post(server, "/detokenize", {"tokens": body["tokens"]})  # model is optional with one model
     assert back.status_code == 200 and back.json() == {"prompt": PROMPTS[0]}
