@@ -326,3 +326,32 @@ def test_a_served_request_leaves_no_reference_cycle_for_the_gc(stream):
     assert all(a.startswith(b"HTTP/1.1 200") and b"AAA" in a for a in answers)
     assert [t for t in left if t in ("StrictJSONRequest", "RequestResponseCycle", "ScopeState")] == []
     assert len(left) < 50  # nothing a request (a timer's stray object aside)
+
+
+@pytest.mark.parametrize("gone", [True, False])
+async def test_a_body_cut_by_the_clients_disconnect_is_client_disconnected_not_a_server_error(gone):
+    from litestar.exceptions import InternalServerException
+
+    from gateway.strict_request import ClientDisconnected, StrictJSONRequest
+
+    events = [{"type": "http.request", "body": b'{"model": ', "more_body": True},
+              {"type": "http.disconnect"} if gone else {"type": "http.request", "body": b"1}", "more_body": False}]
+
+    async def receive():
+        return events.pop(0)
+
+    class Handler:  # what Litestar's body() asks of the route handler
+        def resolve_request_max_body_size(self) -> None:
+            return None
+
+    request = StrictJSONRequest({"type": "http", "method": "POST", "path": "/", "headers": [], "state": {},
+                                 "route_handler": Handler()}, receive)
+    assert request.client_left is False
+    if gone:
+        with pytest.raises(ClientDisconnected):
+            await request.body()
+        assert request.client_left is True
+    else:
+        assert await request.body() == b'{"model": 1}'
+        assert request.client_left is False
+    assert not isinstance(ClientDisconnected(), InternalServerException)
