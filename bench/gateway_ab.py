@@ -6,7 +6,10 @@ so both trees serve the same harness. Then, in alternating rounds so the shared 
     JSON chat completions on one keep-alive connection, for `gateway` (as `tandem serve` runs: no trace
     exporter), `traced` (every span handed to a BatchSpanProcessor), `untraced` (sampler always_off) and the
     bare uvicorn app `asgi`; added = gateway - asgi;
-  - open loop at --rate req/s (Poisson, streamed): p50/p99 latency of the gateway minus the bare socket server's;
+  - open loop at --rate req/s (Poisson, streamed; one client, the same arrivals for each server, gateway, asgi and
+    bare back to back in each round): p50/p99 latency of the gateway minus the bare socket server's, and minus
+    the bare uvicorn app's; each server's time per request on a CPU and runnable but waiting for one (schedstat:
+    on a shared machine the tail is the second; bench/gateway_tail.py shows it request by request);
   - with --real: one-token completions (max_tokens 1, greedy) on the tiny small checkpoint through the real
     server (`gateway.server.main`, one route, one engine) against the same generation through the offline API
     (`engines.LLM`), server/process CPU per request, OMP_NUM_THREADS=1 for both; added = served - offline.
@@ -41,6 +44,7 @@ from bench.results_meta import write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gateway_ab.json"
 KINDS = ("asgi", "gateway", "traced", "untraced")
+OPEN_LOOP = ("gateway", "asgi", "bare")  # the servers driven at --rate, in this order, one after the other
 SERVER_ENV = {"untraced": {"OTEL_TRACES_SAMPLER": "always_off"}}
 REAL_PROMPT = "Say hello to the benchmark."
 ROUND_LOADS: dict[str, list[float]] = {"instant": [], "real": []}  # 1-minute load average after each tree's turn
@@ -78,16 +82,22 @@ def start(tree: Path, kind: str) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU time of a process's threads so far in nanoseconds' resolution (/proc/<pid>/task/*/schedstat: time on
-    a CPU), not /proc/<pid>/stat's clock ticks (10 ms: 0.033 ms per request over 300 requests)."""
-    total = 0
+def _schedstat(pid: int) -> tuple[float, float]:
+    """Seconds a process's threads have spent so far on a CPU and runnable but waiting for one, in nanoseconds'
+    resolution (/proc/<pid>/task/*/schedstat), not /proc/<pid>/stat's clock ticks (10 ms: 0.033 ms per request
+    over 300 requests)."""
+    on_cpu = waiting = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            fields = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
         except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
-            pass
-    return total / 1e9
+            continue
+        on_cpu, waiting = on_cpu + int(fields[0]), waiting + int(fields[1])
+    return on_cpu / 1e9, waiting / 1e9
+
+
+def _cpu_seconds(pid: int) -> float:
+    return _schedstat(pid)[0]
 
 
 def sequential(proc: subprocess.Popen, port: int, payload: bytes, requests: int, warm: int = 200) -> float:
@@ -107,7 +117,11 @@ def instant(trees: dict[str, Path], requests: int, rounds: int, rate: float, dur
     bare = {t: start(path, "bare") for t, path in trees.items()}
     cpu: dict[str, dict[str, dict[str, list[float]]]] = {t: {k: {"stream": [], "json": []} for k in KINDS}
                                                          for t in trees}
-    lat: dict[str, dict[str, list[float]]] = {t: {"gateway": [], "bare": []} for t in trees}
+    lat: dict[str, dict[str, list[float]]] = {t: {w: [] for w in OPEN_LOOP} for t in trees}
+    # per open-loop server: [seconds on a CPU, seconds runnable but waiting for a CPU, requests]
+    sched: dict[str, dict[str, list[float]]] = {t: {w: [0.0, 0.0, 0] for w in OPEN_LOOP} for t in trees}
+    lags: dict[str, dict[str, list[float]]] = {t: {w: [] for w in OPEN_LOOP} for t in trees}  # the client's
+    p99s: dict[str, dict[str, list[float]]] = {t: {w: [] for w in OPEN_LOOP} for t in trees}  # each round's
     try:
         for r in range(rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
@@ -116,12 +130,19 @@ def instant(trees: dict[str, Path], requests: int, rounds: int, rate: float, dur
                     proc, port = servers[(t, k)]
                     for mode in ("stream", "json"):
                         cpu[t][k][mode].append(sequential(proc, port, _payload(mode), requests))
-                for which, (_, port) in (("gateway", servers[(t, "gateway")]), ("bare", bare[t])):
+                for which in OPEN_LOOP:
+                    proc, port = bare[t] if which == "bare" else servers[(t, which)]
                     asyncio.run(drive(port, "stream", 50, 0.5))  # warm the connections
+                    cpu0, wait0 = _schedstat(proc.pid)
                     row = asyncio.run(drive(port, "stream", rate, duration / rounds, seed=r))
+                    cpu1, wait1 = _schedstat(proc.pid)
+                    acc = sched[t][which]
+                    acc[0], acc[1], acc[2] = acc[0] + cpu1 - cpu0, acc[1] + wait1 - wait0, acc[2] + row["requests"]
                     if row["errors"]:
                         print(f"  {t} {which}: {row['errors']} errors at {rate:g} req/s {row['error_sample']}")
                     lat[t][which] += row["latencies_s"]
+                    lags[t][which].append(row["dispatch_lag_p99_ms"])
+                    p99s[t][which].append(float(np.percentile(np.asarray(row["latencies_s"]) * 1000, 99)))
                 ROUND_LOADS["instant"].append(os.getloadavg()[0])
                 print(f"  round {r + 1}/{rounds} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     finally:
@@ -138,6 +159,17 @@ def instant(trees: dict[str, Path], requests: int, rounds: int, rate: float, dur
         out[t] = {"cpu_ms_per_request": rows, "added_cpu_ms_over_asgi": added,
                   f"latency_ms_at_{rate:g}": pct,
                   f"added_latency_ms_at_{rate:g}": {f"p{p}": pct["gateway"][p] - pct["bare"][p] for p in (50, 99)},
+                  f"added_latency_ms_over_asgi_at_{rate:g}": {f"p{p}": pct["gateway"][p] - pct["asgi"][p]
+                                                              for p in (50, 99)},
+                  f"server_ms_per_request_at_{rate:g}": {
+                      w: {"on_cpu": 1000 * a[0] / max(1, a[2]), "runnable_waiting": 1000 * a[1] / max(1, a[2])}
+                      for w, a in sched[t].items()},
+                  "client_dispatch_lag_p99_ms_rounds": lags[t], "p99_ms_rounds": p99s[t],
+                  # the servers back to back in each round: their p99s paired by round, the median of the
+                  # differences, which one burst of the shared machine's load in one slice does not move
+                  f"added_p99_ms_at_{rate:g}_median_of_rounds": {
+                      over: float(np.median(np.subtract(p99s[t]["gateway"], p99s[t][over])))
+                      for over in ("bare", "asgi")},
                   "requests_at_rate": {w: len(v) for w, v in lat[t].items()}}
     return out
 
@@ -238,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=15.0, help="seconds at --rate per server, over the rounds")
     ap.add_argument("--real", action="store_true", help="also one-token completions on the tiny small model")
     ap.add_argument("--real-requests", type=int, default=1000)
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where the JSON goes")
     args = ap.parse_args(argv)
     old = Path(tempfile.mkdtemp(prefix="gateway_ab_old_"))
     try:
@@ -265,14 +298,21 @@ def main(argv: list[str] | None = None) -> int:
                                             f"{i['added_cpu_ms_over_asgi'][k]['json']:.3f}")
             print(f"  {k:<9}{cpu[k]['stream']['median']:7.3f} / {cpu[k]['json']['median']:.3f}{extra}")
         a = i[f"added_latency_ms_at_{args.rate:g}"]
+        u = i[f"added_latency_ms_over_asgi_at_{args.rate:g}"]
+        m = i[f"added_p99_ms_at_{args.rate:g}_median_of_rounds"]
         print(f"  added latency at {args.rate:g} req/s (stream, gateway - bare): p50 {a['p50']:.2f} ms, "
-              f"p99 {a['p99']:.2f} ms")
+              f"p99 {a['p99']:.2f} ms; gateway - asgi: p50 {u['p50']:.2f} ms, p99 {u['p99']:.2f} ms; p99 added, median "
+              f"of the rounds' differences: over bare {m['bare']:.2f} ms, over asgi {m['asgi']:.2f} ms")
+        for w, pct in i[f"latency_ms_at_{args.rate:g}"].items():
+            sv = i[f"server_ms_per_request_at_{args.rate:g}"][w]
+            print(f"    {w:<8} p50 {pct[50]:.2f} p99 {pct[99]:.2f} ms; server per request: on a CPU "
+                  f"{sv['on_cpu']:.3f} ms, runnable but waiting for one {sv['runnable_waiting']:.3f} ms")
         for mode, r in result.get("real", {}).get(t, {}).items():
             print(f"  one-token {mode}: served {r['served_cpu_ms']:.3f} ms, offline {r['offline_cpu_ms']:.3f} ms, "
                   f"added {r['added_cpu_ms']:.3f} ms")
     print(f"load average at the end {result['load_average_end'][0]:.1f}")
-    write_results(RESULTS, result, indent=1)
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    write_results(args.results, result, indent=1)
+    print(f"wrote {args.results}")
     return 0
 
 
