@@ -285,7 +285,7 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
         # (a one-column weight, a [H -> 1] gate, is column-major whatever its stride there)
         if w.dtype != torch.float32 or w.device.type != "cpu" or (w.stride(1) != 1 and w.shape[1] > 1):
             return None
-        w16 = cpu_kernels.bf16_copy(w)
+        w16 = cpu_kernels.bf16_copy(w.t())  # w is [K, N]: the copy packs the [N, K] weight
         keep.append(w)  # a later cpu_weight_layout of the same module (a second engine) may rebind it
         if w16 is not None:
             keep.append(w16)

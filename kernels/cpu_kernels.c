@@ -3,7 +3,8 @@
  *
  *   tk_linear_f32    y[M, N] = x[M, K] @ wt[K, N] (+ bias): the decode GEMV / skinny GEMM over a column-major
  *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous);
- *                    tk_linear_f32_w16 reads a bf16 copy of a bf16-exact weight instead (the same bits)
+ *                    tk_linear_f32_w16 reads a bf16 copy of a bf16-exact weight, packed in panels of 32
+ *                    columns, instead (the same bits)
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
  *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics;
  *                    AMX int8 tiles at 3+ rows where the CPU has them)
@@ -115,11 +116,11 @@ static int64_t block_max_kn = BLOCK_MAX_KN;
 #define STREAM_PF 4
 #endif
 
-/* Every float32 linear below also reads its weight as bfloat16 (uint16_t bits, the same [K, N] layout and row
- * stride) where the caller has a bf16 copy: a checkpoint stored in bf16 and upcast at load holds only
+/* The float32 linears also read their weight as bfloat16 (uint16_t bits, packed in panels: see "the bf16 copy
+ * in panels" below) where the caller has a bf16 copy: a checkpoint stored in bf16 and upcast at load holds only
  * bf16-exact values, and widening one back (its bits shifted up 16) gives the float32 exactly, so the same
- * FMAs in the same order give the same bits while reading half the bytes. Each kernel is defined once over
- * the weight's type WT, its loads (AT: one value; LD*: a vector) and SUF, the name's suffix. */
+ * FMAs in the same order give the same bits while reading half the bytes. The streams are defined over the
+ * weight's type WT, its loads (AT: one value; LD*: a vector) and SUF, the name's suffix. */
 static inline float bf16_to_f32(uint16_t h) {
     union {
         uint32_t u;
@@ -175,17 +176,14 @@ static inline float f16_to_f32(uint16_t h) {
         }                                                                                                      \
     }
 TK_DEF_STREAM_SCALAR(, float, AT_F32)
-TK_DEF_STREAM_SCALAR(_bf16, uint16_t, AT_BF16)
 
-/* the kernels' shape: x [rows, K] (row stride ldx), the weight (float or bf16 bits, by the table), y's columns
+/* the kernels' shape: x [rows, K] (row stride ldx), the weight (float32 [K, N], row stride ldw), y's columns
  * [n0, n1) (row stride ldy) */
 typedef void (*stream_fn)(const float *, int64_t, int64_t, const void *, int64_t, float *, int64_t, int64_t,
                           int64_t);
 
 #if TK_AVX2
 #define LD256_F32(p) _mm256_loadu_ps(p)
-#define LD256_BF16(p)                                                                                          \
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 /* y[MR rows, n0:n1] (+)= x[MR, K] @ w[K, n0:n1]: four weight rows per pass over y; a prefetch per cache line
  * (PFCOLS weights) of each */
 #define TK_DEF_STREAM(MR, SUF, WT, LD, PFCOLS)                                                                 \
@@ -234,21 +232,15 @@ typedef void (*stream_fn)(const float *, int64_t, int64_t, const void *, int64_t
     TK_DEF_STREAM(7, SUF, WT, LD, PFCOLS)                                                                      \
     TK_DEF_STREAM(8, SUF, WT, LD, PFCOLS)
 TK_DEF_STREAMS(, float, LD256_F32, 16)
-TK_DEF_STREAMS(_bf16, uint16_t, LD256_BF16, 32)
 static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, stream_5, stream_6, stream_7,
                                     stream_8};
-static const stream_fn STREAM_BF16[9] = {0, stream_1_bf16, stream_2_bf16, stream_3_bf16, stream_4_bf16,
-                                         stream_5_bf16, stream_6_bf16, stream_7_bf16, stream_8_bf16};
 #endif
 
 #if TK_AVX512
 #define LD512_F32(p) _mm512_loadu_ps(p)
 #define LD512M_F32(m, p) _mm512_maskz_loadu_ps(m, p)
-#define WIDEN_BF16(v) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16))
-#define LD512_BF16(p) WIDEN_BF16(_mm256_loadu_si256((const __m256i *)(p)))
-#define LD512M_BF16(m, p) WIDEN_BF16(_mm256_maskz_loadu_epi16(m, p))
-/* the same streams 16 columns wide (one cache line of each of the four float32 weight rows per step, half of
- * one in bf16; 8 of the last columns masked): each output column sums its products in the same order as the
+/* the same streams 16 columns wide (one cache line of each of the four float32 weight rows per step; 8 of the
+ * last columns masked): each output column sums its products in the same order as the
  * 8-wide ones */
 #define TK_DEF_STREAM512(MR, SUF, WT, LD, LDM, PFCOLS)                                                         \
     static void stream512_##MR##SUF(const float *x, int64_t ldx, int64_t K, const void *wv, int64_t ldw,      \
@@ -268,7 +260,7 @@ static const stream_fn STREAM_BF16[9] = {0, stream_1_bf16, stream_2_bf16, stream
             const WT *pf = w0 + STREAM_PF * ldw;                                                               \
             int64_t n = n0;                                                                                    \
             for (; n < nfull; n += 16) {                                                                       \
-                if (PFCOLS == 16 || !((n - n0) & 31)) { /* a line per step (float32), every other (bf16) */    \
+                if (PFCOLS == 16 || !((n - n0) & 31)) { /* a line per step at 16 float32 columns */    \
                     _mm_prefetch((const char *)(pf + n), _MM_HINT_T0);                                         \
                     _mm_prefetch((const char *)(pf + ldw + n), _MM_HINT_T0);                                   \
                     _mm_prefetch((const char *)(pf + 2 * ldw + n), _MM_HINT_T0);                               \
@@ -367,44 +359,195 @@ static const stream_fn STREAM_BF16[9] = {0, stream_1_bf16, stream_2_bf16, stream
     TK_DEF_BLOCK512(7, SUF, WT, LD)                                                                            \
     TK_DEF_BLOCK512(8, SUF, WT, LD)
 TK_DEF_TILES512(, float, LD512_F32, LD512M_F32, 16)
-TK_DEF_TILES512(_bf16, uint16_t, LD512_BF16, LD512M_BF16, 32)
 static const stream_fn STREAM512[9] = {0, stream512_1, stream512_2, stream512_3, stream512_4, stream512_5,
                                        stream512_6, stream512_7, stream512_8};
 static const stream_fn BLOCK512[9] = {0, stream512_1, block512_2, block512_3, block512_4, block512_5,
                                       block512_6, block512_7, block512_8};
-static const stream_fn STREAM512_BF16[9] = {0, stream512_1_bf16, stream512_2_bf16, stream512_3_bf16,
-                                            stream512_4_bf16, stream512_5_bf16, stream512_6_bf16,
-                                            stream512_7_bf16, stream512_8_bf16};
-static const stream_fn BLOCK512_BF16[9] = {0, stream512_1_bf16, block512_2_bf16, block512_3_bf16,
-                                           block512_4_bf16, block512_5_bf16, block512_6_bf16, block512_7_bf16,
-                                           block512_8_bf16};
 #endif
 
-/* columns [n0, n1) of rows [0, M), bias added, from the bf16 copy w16 where there is one: more rows than one
- * register block take the whole column range block after block (each reads the weight again; narrow column
- * strips kept in L2 for every block measured slower, their short strided bursts costing more than the rereads) */
+/* ---- the bf16 copy in panels ------------------------------------------------------------------------------
+ * The copy (kernels/cpu_kernels.py `bf16_copy`) is packed for the register tiles, not kept in the weight's
+ * [K, N] layout: panels of 32 output columns, each panel its K rows of 32 values back to back (64 bytes: one
+ * cache line a row), so a pass reads every panel in address order, one or two streams a core, and sums all of K
+ * in registers with no output traffic per step of k. Within a row, word 2i is column i and word 2i + 1 column
+ * 16 + i of the panel: one 64-byte load widens to the panel's two 16-column halves with a shift and a mask (not
+ * a cross-lane zero-extension). Columns past N are zero. Each output column's FMA chain runs over k in order
+ * from 0, as the streams' does, and the last N % 8 columns take the streams' scalar sums: the same bits as
+ * the float32 weight through the streams (tests/kernels/test_cpu_bf16_weights.py). */
+#define PANEL 32
+static inline int64_t panel_at(int64_t K, int64_t k, int64_t n) { /* the word of (k, n) in the packed copy */
+    const int64_t c = n % PANEL;
+    return (n / PANEL) * K * PANEL + k * PANEL + (c < 16 ? 2 * c : 2 * (c - 16) + 1);
+}
+/* the last columns [v1, n1) (fewer than 8, past the vector columns) as the streams' scalar pieces sum them */
+static void panel_tail(const float *x, int64_t ldx, int MR, int64_t K, const uint16_t *wp, float *y, int64_t ldy,
+                       int64_t v1, int64_t n1) {
+    for (int64_t n = v1; n < n1; n++)
+        for (int r = 0; r < MR; r++) {
+            const float *xr = x + r * ldx;
+            float acc = 0.f;
+            int64_t k = 0;
+            for (; k + 4 <= K; k += 4)
+                acc += xr[k] * bf16_to_f32(wp[panel_at(K, k, n)]) + xr[k + 1] * bf16_to_f32(wp[panel_at(K, k + 1, n)]) +
+                       xr[k + 2] * bf16_to_f32(wp[panel_at(K, k + 2, n)]) +
+                       xr[k + 3] * bf16_to_f32(wp[panel_at(K, k + 3, n)]);
+            for (; k < K; k++) acc += xr[k] * bf16_to_f32(wp[panel_at(K, k, n)]);
+            y[r * ldy + n] = acc;
+        }
+}
+#ifndef PANEL_PF /* software prefetch this many panel rows ahead (0: the hardware prefetcher alone) */
+#define PANEL_PF 16
+#endif
+/* a mask of the columns of [c0, c0 + 16) below v1 */
+static inline uint32_t cols_below(int64_t c0, int64_t v1) {
+    const int64_t n = v1 - c0;
+    return n >= 16 ? 0xffffu : n <= 0 ? 0u : (uint32_t)((1u << n) - 1);
+}
+#if TK_AVX512
+/* MR rows over NP panels side by side (NP * 2 * MR accumulators) */
+#define TK_DEF_PANEL512(MR, NP)                                                                                \
+    static void panel512_##MR##_##NP(const float *x, int64_t ldx, int64_t K, const uint16_t *wp, float *y,    \
+                                     int64_t ldy, int64_t c0, int64_t v1) {                                   \
+        const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);                                              \
+        __m512 acc[MR][NP][2];                                                                                 \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int p = 0; p < NP; p++) acc[r][p][0] = acc[r][p][1] = _mm512_setzero_ps();                  \
+        const uint16_t *w0 = wp + (c0 / PANEL) * K * PANEL;                                                    \
+        for (int64_t k = 0; k < K; k++) {                                                                      \
+            for (int p = 0; p < NP; p++) {                                                                     \
+                const uint16_t *wk = w0 + p * K * PANEL + k * PANEL;                                           \
+                if (PANEL_PF && k + PANEL_PF < K) _mm_prefetch((const char *)(wk + PANEL_PF * PANEL), _MM_HINT_T0);\
+                const __m512i v = _mm512_loadu_si512((const void *)wk);                                        \
+                const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                               \
+                const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));                              \
+                for (int r = 0; r < MR; r++) {                                                                 \
+                    const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);                                          \
+                    acc[r][p][0] = _mm512_fmadd_ps(xb, lo, acc[r][p][0]);                                      \
+                    acc[r][p][1] = _mm512_fmadd_ps(xb, hi, acc[r][p][1]);                                      \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int p = 0; p < NP; p++)                                                                           \
+            for (int h = 0; h < 2; h++) {                                                                      \
+                const int64_t c = c0 + p * PANEL + h * 16;                                                     \
+                const __mmask16 m = (__mmask16)cols_below(c, v1);                                              \
+                if (m)                                                                                         \
+                    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(y + r * ldy + c, m, acc[r][p][h]);      \
+            }                                                                                                  \
+    }
+#define TK_DEF_PANELS512(MR) TK_DEF_PANEL512(MR, 1) TK_DEF_PANEL512(MR, 2)
+TK_DEF_PANELS512(1)
+TK_DEF_PANELS512(2)
+TK_DEF_PANELS512(3)
+TK_DEF_PANELS512(4)
+TK_DEF_PANEL512(5, 1)
+TK_DEF_PANEL512(6, 1)
+TK_DEF_PANEL512(7, 1)
+TK_DEF_PANEL512(8, 1)
+typedef void (*panel_fn)(const float *, int64_t, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t);
+/* [rows][panels at once - 1]: two panels a pass up to 4 rows (4-16 independent FMA chains), one beyond */
+static const panel_fn PANEL512[9][2] = {{0, 0},
+                                        {panel512_1_1, panel512_1_2},
+                                        {panel512_2_1, panel512_2_2},
+                                        {panel512_3_1, panel512_3_2},
+                                        {panel512_4_1, panel512_4_2},
+                                        {panel512_5_1, 0},
+                                        {panel512_6_1, 0},
+                                        {panel512_7_1, 0},
+                                        {panel512_8_1, 0}};
+static void panel_rows(const float *x, int64_t ldx, int MR, int64_t K, const uint16_t *wp, float *y, int64_t ldy,
+                       int64_t n0, int64_t n1) {
+    const int64_t v1 = n0 + (n1 - n0) / 8 * 8;
+    int64_t c = n0;
+    if (MR <= 4)
+        for (; c + PANEL < v1; c += 2 * PANEL) /* the second panel has vector columns, so it exists */
+            PANEL512[MR][1](x, ldx, K, wp, y, ldy, c, v1);
+    for (; c < v1; c += PANEL) PANEL512[MR][0](x, ldx, K, wp, y, ldy, c, v1);
+    if (v1 < n1) panel_tail(x, ldx, MR, K, wp, y, ldy, v1, n1);
+}
+#elif TK_AVX2
+/* 8 wide: a panel row is two 32-byte loads, each widened to 8 columns of each half; MR <= 2 rows a pass (8
+ * accumulators a row pair), more rows in pairs (the panel again, from the caches) */
+#define TK_DEF_PANEL256(MR)                                                                                    \
+    static void panel256_##MR(const float *x, int64_t ldx, int64_t K, const uint16_t *wp, float *y,           \
+                              int64_t ldy, int64_t c0, int64_t v1) {                                          \
+        const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);                                              \
+        __m256 acc[MR][4]; /* columns 0-7, 16-23 (the first load), 8-15, 24-31 (the second) */                \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();                                      \
+        const uint16_t *wk = wp + (c0 / PANEL) * K * PANEL;                                                    \
+        for (int64_t k = 0; k < K; k++, wk += PANEL) {                                                         \
+            if (PANEL_PF && k + PANEL_PF < K) _mm_prefetch((const char *)(wk + PANEL_PF * PANEL), _MM_HINT_T0);\
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)wk);                                        \
+            const __m256i v1_ = _mm256_loadu_si256((const __m256i *)(wk + 16));                                \
+            const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));                                   \
+            const __m256 b = _mm256_castsi256_ps(_mm256_and_si256(v0, hi16));                                  \
+            const __m256 c = _mm256_castsi256_ps(_mm256_slli_epi32(v1_, 16));                                  \
+            const __m256 d = _mm256_castsi256_ps(_mm256_and_si256(v1_, hi16));                                 \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                        \
+                acc[r][0] = _mm256_fmadd_ps(xb, a, acc[r][0]);                                                 \
+                acc[r][1] = _mm256_fmadd_ps(xb, b, acc[r][1]);                                                 \
+                acc[r][2] = _mm256_fmadd_ps(xb, c, acc[r][2]);                                                 \
+                acc[r][3] = _mm256_fmadd_ps(xb, d, acc[r][3]);                                                 \
+            }                                                                                                  \
+        }                                                                                                      \
+        static const int off[4] = {0, 16, 8, 24};                                                              \
+        for (int j = 0; j < 4; j++) {                                                                          \
+            const int64_t c = c0 + off[j];                                                                     \
+            if (c + 8 <= v1)                                                                                   \
+                for (int r = 0; r < MR; r++) _mm256_storeu_ps(y + r * ldy + c, acc[r][j]);                   \
+        }                                                                                                      \
+    }
+TK_DEF_PANEL256(1)
+TK_DEF_PANEL256(2)
+static void panel_rows(const float *x, int64_t ldx, int MR, int64_t K, const uint16_t *wp, float *y, int64_t ldy,
+                       int64_t n0, int64_t n1) {
+    const int64_t v1 = n0 + (n1 - n0) / 8 * 8;
+    for (int r0 = 0; r0 < MR; r0 += 2) {
+        const int mr = MR - r0 < 2 ? MR - r0 : 2;
+        for (int64_t c = n0; c < v1; c += PANEL)
+            (mr == 2 ? panel256_2 : panel256_1)(x + r0 * ldx, ldx, K, wp, y + r0 * ldy, ldy, c, v1);
+    }
+    if (v1 < n1) panel_tail(x, ldx, MR, K, wp, y, ldy, v1, n1);
+}
+#else
+static void panel_rows(const float *x, int64_t ldx, int MR, int64_t K, const uint16_t *wp, float *y, int64_t ldy,
+                       int64_t n0, int64_t n1) {
+    for (int r = 0; r < MR; r++)
+        for (int64_t n = n0; n < n1; n++) {
+            float s = 0.f;
+            for (int64_t k = 0; k < K; k++) s += x[r * ldx + k] * bf16_to_f32(wp[panel_at(K, k, n)]);
+            y[r * ldy + n] = s;
+        }
+}
+#endif
+
+/* columns [n0, n1) of rows [0, M), bias added, from the packed bf16 copy w16 (the panels above) where there is
+ * one, else from wt: more rows than one register block take the whole column range block after block (each
+ * reads the weight again; narrow column strips kept in L2 for every block measured slower, their short strided
+ * bursts costing more than the rereads) */
 static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, const uint16_t *w16, int64_t ldw,
                         const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
-#if TK_AVX2
-    const void *w = w16 ? (const void *)w16 : (const void *)wt;
-#endif
     for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
         int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
+        if (w16) {
+            panel_rows(x + m0 * K, K, mr, K, w16, y + m0 * N, N, n0, n1);
+        } else {
 #if TK_AVX512
-        const int block = mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K && K * N <= block_max_kn;
-        const stream_fn *tiles = block ? (w16 ? BLOCK512_BF16 : BLOCK512) : (w16 ? STREAM512_BF16 : STREAM512);
-        tiles[mr](x + m0 * K, K, K, w, ldw, y + m0 * N, N, n0, n1);
+            const int block = mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K && K * N <= block_max_kn;
+            (block ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
 #elif TK_AVX2
-        (w16 ? STREAM_BF16 : STREAM)[mr](x + m0 * K, K, K, w, ldw, y + m0 * N, N, n0, n1);
+            STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
 #else
-        for (int r = 0; r < mr; r++)
-            for (int64_t n = n0; n < n1; n++) {
-                float s = 0.f;
-                for (int64_t k = 0; k < K; k++)
-                    s += x[(m0 + r) * K + k] * (w16 ? AT_BF16(w16 + k * ldw + n) : wt[k * ldw + n]);
-                y[(m0 + r) * N + n] = s;
-            }
+            for (int r = 0; r < mr; r++)
+                for (int64_t n = n0; n < n1; n++) {
+                    float s = 0.f;
+                    for (int64_t k = 0; k < K; k++) s += x[(m0 + r) * K + k] * wt[k * ldw + n];
+                    y[(m0 + r) * N + n] = s;
+                }
 #endif
+        }
         if (bias)
             for (int r = 0; r < mr; r++)
                 for (int64_t n = n0; n < n1; n++) y[(m0 + r) * N + n] += bias[n];
@@ -425,7 +568,8 @@ void tk_linear_f32_w16(const float *x, int64_t M, int64_t K, const float *wt, co
         return;
     }
 #define F32_COLS(a, b) linear_cols(x, M, K, wt, w16, ldw, bias, y, N, a, b)
-    TK_OVER_COLUMNS(N, nthreads, 16, F32_COLS);
+    if (w16) TK_OVER_COLUMNS(N, nthreads, PANEL, F32_COLS); /* a thread's columns start a panel */
+    else TK_OVER_COLUMNS(N, nthreads, 16, F32_COLS);
 #undef F32_COLS
 }
 
@@ -1859,7 +2003,7 @@ typedef struct {
     const uint8_t *zero; /* int4 (tk_linear_w4a8): zero points packed [N, ceil(K / group / 2)] or NULL; w is
                           * packed [N, K / 2], scale [N, K / group] of type skind */
     int64_t group;
-    const uint16_t *w16; /* float32: the same weight as bf16 bits (same layout and ld), which the register tiles
+    const uint16_t *w16; /* float32: the same weight as bf16 bits (packed in panels), which the register tiles
                           * read instead where it is not NULL (tk_linear_f32_w16) */
     int64_t int4;        /* 1: int4 weights (tk_linear_w4a8; zero may then be NULL, 8 everywhere) */
     int64_t zoff;        /* int4: added to each packed zero nibble */

@@ -315,27 +315,49 @@ def linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.device.type == "cpu" and weight.stride(0) == 1 and weight.dim() == 2)
 
 
+PANEL = 32  # output columns per panel of the packed bf16 copy (cpu_kernels.c, "the bf16 copy in panels")
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] (any strides) as bfloat16 packed for the register tiles: [ceil(N / 32), K, 32], panel p
+    holding columns 32p..32p+31 of every k in turn, word 2i of a row column 32p + i and word 2i + 1 column
+    32p + 16 + i; columns past N zero."""
+    n, k = weight.shape
+    panels = (n + PANEL - 1) // PANEL
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach()
+    # column 32p + 16h + i -> [p, k, i, h]
+    return padded.view(panels, 2, PANEL // 2, k).permute(0, 3, 2, 1).contiguous().view(panels, k, PANEL)
+
+
+def unpack_bf16(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`pack_bf16`'s inverse: the [N, K] bfloat16 weight."""
+    panels, k, _ = packed.shape
+    return packed.view(panels, k, PANEL // 2, 2).permute(0, 3, 2, 1).reshape(panels * PANEL, k)[:n]
+
+
 def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
-    """The float32 `weight` as bfloat16 in its own layout (the same strides), for `linear`'s register tiles to
-    read half the bytes with the same bits out, where every value is exactly a bfloat16 (a bf16 checkpoint
-    upcast at load); None where one is not, or with `TANDEM_CPU_BF16_WEIGHTS=0`."""
-    if os.environ.get("TANDEM_CPU_BF16_WEIGHTS", "1") == "0" or weight.dtype != torch.float32:
+    """The float32 `weight` [N, K] as bfloat16, packed in panels (`pack_bf16`), for `linear`'s register tiles to
+    read half the bytes in address order with the same bits out, where every value is exactly a bfloat16 (a bf16
+    checkpoint upcast at load); None where one is not, or with `TANDEM_CPU_BF16_WEIGHTS=0`."""
+    if os.environ.get("TANDEM_CPU_BF16_WEIGHTS", "1") == "0" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     weight = weight.detach()
-    w16 = torch.empty_strided(weight.shape, weight.stride(), dtype=torch.bfloat16).copy_(weight)
-    return w16 if torch.equal(w16.float(), weight) else None
+    if not torch.equal(weight.bfloat16().float(), weight):
+        return None
+    return pack_bf16(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight16: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 @ weight.T (+ bias): weight [N, K] column-major (weight.t() contiguous); `weight16` its
-    `bf16_copy`, which the register tiles read instead (the SGEMM reads `weight`)."""
+    `bf16_copy` (packed in panels), which the register tiles read instead (the SGEMM reads `weight`)."""
     lib = load()
     if lib is None:
         return F.linear(x, weight, bias)
-    if weight16 is not None and (weight16.dtype != torch.bfloat16 or weight16.shape != weight.shape
-                                 or weight16.stride() != weight.stride()):
-        raise ValueError("linear: weight16 must be a bfloat16 copy of weight with its strides (bf16_copy)")
+    if weight16 is not None and (weight16.dtype != torch.bfloat16 or not weight16.is_contiguous() or tuple(
+            weight16.shape) != ((weight.shape[0] + PANEL - 1) // PANEL, weight.shape[1], PANEL)):
+        raise ValueError("linear: weight16 must be weight's bfloat16 copy packed in panels (bf16_copy)")
     if not x.is_contiguous():
         x = x.contiguous()
     m, k = x.shape

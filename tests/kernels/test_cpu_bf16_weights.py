@@ -1,6 +1,7 @@
-"""The float32 linears reading a bfloat16 copy of a bf16-exact weight (`cpu_kernels.bf16_copy`): every path they
-take (the 1-8 row streams, the 5-8 row register blocks, 8-row blocks of many rows, column and K tails, bias, two
-threads, the AVX2 build) gives the float32 weight's bits, and so does the whole C decoder stack on tiny-l."""
+"""The float32 linears reading a bfloat16 copy of a bf16-exact weight packed in panels (`cpu_kernels.bf16_copy`):
+every path (1-8 rows, one or two panels a pass, 8-row blocks of many rows, column and K tails, bias, two
+threads, the AVX2 build) gives the bits of the float32 weight through the streams and register blocks, and so
+does the whole C decoder stack on tiny-l."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_the_bf16_copy_gives_the_float32_weights_bits(register_tiles, rows):
     for n, k in SHAPES:
         w = _bf16_exact(n, k, g)
         w16 = ck.bf16_copy(w)
-        assert w16.dtype == torch.bfloat16 and w16.stride() == w.stride() and torch.equal(w16.float(), w)
+        assert w16.dtype == torch.bfloat16 and torch.equal(ck.unpack_bf16(w16, n).float(), w)
         b = torch.randn(n, generator=g)
         for m in rows:
             x = torch.randn(m, k, generator=g)
@@ -52,6 +53,23 @@ def test_the_bf16_copy_gives_the_float32_weights_bits(register_tiles, rows):
         assert torch.equal(ck.linear(x, w, b, weight16=w16), ck.linear(x, w, b))
     finally:
         torch.set_num_threads(1)
+
+
+def test_the_packed_copy_puts_each_weight_where_the_kernels_read_it():
+    """pack_bf16's layout, element by element: panel p, row k, word 2i is column 32p + i, word 2i + 1 column
+    32p + 16 + i; the last panel's columns past N are zero."""
+    n, k = 70, 3
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k)  # small integers: exact in bf16
+    packed = ck.pack_bf16(w)
+    assert packed.shape == (3, k, 32) and packed.dtype == torch.bfloat16
+    for p in range(3):
+        for kk in range(k):
+            for i in range(16):
+                for h in range(2):
+                    col = 32 * p + 16 * h + i
+                    want = w[col, kk].item() if col < n else 0.0
+                    assert packed[p, kk, 2 * i + h].item() == want, (p, kk, i, h)
+    assert torch.equal(ck.unpack_bf16(packed, n).float(), w)
 
 
 def test_the_sgemm_rows_read_the_float32_weight():
@@ -79,7 +97,8 @@ def test_the_avx2_build_reads_the_bf16_copy_to_the_same_bits():
             x = torch.randn(m, k, generator=g)
             y, y16 = torch.empty(m, n), torch.empty(m, n)
             lib.tk_linear_f32(x.data_ptr(), m, k, w32.data_ptr(), n, n, None, y.data_ptr(), 1)
-            lib.tk_linear_f32_w16(x.data_ptr(), m, k, w32.data_ptr(), w16.data_ptr(), n, n, None, y16.data_ptr(), 1)
+            packed = ck.pack_bf16(w16.t())
+            lib.tk_linear_f32_w16(x.data_ptr(), m, k, w32.data_ptr(), packed.data_ptr(), n, n, None, y16.data_ptr(), 1)
             assert torch.equal(y16, y), (m, n, k)
 
 
@@ -90,11 +109,11 @@ def test_only_bf16_exact_weights_get_a_copy(monkeypatch):
     exact = w.bfloat16().float()
     exact_view = torch.randn(32, 80, generator=g).bfloat16().float()[:, :64].t()  # a row stride wider than N
     assert ck.bf16_copy(exact) is not None
-    assert ck.bf16_copy(exact_view).stride() == exact_view.stride()
+    assert torch.equal(ck.unpack_bf16(ck.bf16_copy(exact_view), 64).float(), exact_view)
     monkeypatch.setenv("TANDEM_CPU_BF16_WEIGHTS", "0")
     assert ck.bf16_copy(exact) is None
     with pytest.raises(ValueError, match="weight16"):
-        ck.linear(torch.randn(2, 32), exact, weight16=exact.bfloat16().contiguous())  # row-major, not its layout
+        ck.linear(torch.randn(2, 32), exact, weight16=exact.bfloat16().contiguous())  # [N, K], not packed
 
 
 def _w16_pointers(fwd) -> list[int | None]:
