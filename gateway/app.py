@@ -39,7 +39,7 @@ from gateway.config import TandemConfig
 from gateway.dashboard import HANDLERS as DASHBOARD_HANDLERS
 from gateway.embeddings_api import HANDLERS as EMBEDDINGS_HANDLERS
 from gateway.embeddings_api import EmbeddingRequest
-from gateway.engine_setup import engine_core_args
+from gateway.engine_setup import default_host_factory
 from gateway.errors import EXCEPTION_HANDLERS, APIError, handle_api_error, handle_http_exception
 from gateway.lifecycle import resolve_route, serve
 from gateway.openapi import amend, bound_parameter, error_responses, publish, streaming
@@ -65,19 +65,6 @@ from gateway.vllm_routes import model_card
 log = logging.getLogger("tandem.gateway")
 
 
-SERVER_RESERVED_CPUS = 1
-
-
-def default_host_factory(cfg: TandemConfig) -> Callable[[], EngineHost]:
-    def build() -> EngineHost:
-        from engines import EngineCore
-
-        specs, pool, device = engine_core_args(cfg)
-        # on the CPU, automatic threads leave one core to the event loop (HTTP, tokenising, streaming): with
-        # every core in the engine's kernels, the loop waits for them and TTFT/TPOT grow (docs/configuration.md)
-        return EngineCore(specs, pool, device=device, reserve_cpus=SERVER_RESERVED_CPUS,
-                          compile_limits=cfg.preparation)
-    return build
 
 
 # ------------------------------------------------------------------------------------------ handlers

@@ -307,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.getLogger().setLevel(cfg.server.log_level.upper())
 
-    # Imported only now: they load torch, and a bad config should fail in a blink.
+    # The engines begin to load now, on a thread, while the HTTP app is imported and built (it waits for them
+    # at start-up); imported only now: they load torch, and a bad config should fail in a blink.
+    from gateway.engine_setup import EarlyBuild, default_host_factory
+
+    early = EarlyBuild(default_host_factory(cfg))
     from gateway.app import create_app
     from gateway.auth import warn_if_open
 
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True  # a server whose engines cannot load should not pretend to be up
 
-    app = create_app(cfg, on_load_error=on_load_error)
+    app = create_app(cfg, host_factory=early, on_load_error=on_load_error)
     warn_if_open(app.state.gateway.keyring, cfg.server.host)
     server = build_server(cfg, app)
     server.exit_watchdog = True

@@ -335,9 +335,12 @@ class Featurizer:
         return [v.build_analyzer() for v in self.vectorizers]
 
     def warm(self) -> None:
-        """Import scikit-learn, build the analyzers and the C helper (the first request would pay otherwise)."""
-        self._analyzers  # noqa: B018
-        native.hash_block_fn()
+        """Build what the first request would otherwise pay for: the C helper, or where it cannot be built the
+        scikit-learn analyzers of the numpy path. With the helper, scikit-learn (1.2-1.5 s to import, most of a
+        server's start-up) is imported only for a text the helper refuses (a lone surrogate, which scikit-learn
+        refuses too, and which no JSON request body can carry)."""
+        if native.hash_block_fn() is None:
+            self._analyzers  # noqa: B018
 
     def __call__(self, x: Conversation, extras: Mapping[str, float] | None = None,
                  answer: str | None = None) -> PromptFeatures:

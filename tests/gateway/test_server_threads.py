@@ -12,7 +12,7 @@ def test_the_server_leaves_one_cpu_to_its_event_loop(monkeypatch):
     On 2 cores, 2 engine threads made the event loop wait for the kernels (docs/configuration.md)."""
     import engines
     from engines.core import cpu_threads
-    from gateway import app as gateway_app
+    from gateway import engine_setup as gateway_app
     from gateway.config import load_config
 
     seen = {}
