@@ -205,7 +205,7 @@ class ModelEngine:
 
     def _emit_many(self, reqs: list[Request], final: bool | None = None) -> None:
         """The requests' outputs now (`final`: None for each one's own finished state), handed to their
-        consumers; a finished request leaves the engine's books."""
+        consumers; a finished request leaves the engine's books, and its sequences let go of it."""
         outs = []
         for req in reqs:
             done = req.finished if final is None else final
@@ -215,6 +215,9 @@ class ModelEngine:
                 self._live_ids.discard(req.request_id)
             if req.emit is not None and (done or req.stream):
                 outs.append((req, self.output.build(req, done)))
+            if done:  # its sequences' way back to it goes with it: no Request <-> Sequence cycle left to the GC
+                for seq in req.seqs:
+                    seq.request = None
         self.output.deliver(outs)
 
     def stats(self) -> dict:

@@ -46,7 +46,7 @@ class Request:
 
 @dataclass(eq=False)
 class Sequence:
-    request: Request
+    request: Request  # None once the request has finished and left the engine (`ModelEngine._emit_many`)
     index: int  # which choice of the request (0..n-1)
     token_ids: list[int]  # prompt followed by the generated tokens
     prompt_len: int

@@ -107,6 +107,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        # the cycles' transports (`_HeadHeld`) point back here: let go of them, or every closed connection leaves
+        # a protocol <-> cycle loop to the GC (a cycle still answering keeps what it needs itself)
+        self.cycle = None  # type: ignore[assignment]
+        self.pipeline.clear()  # requests pipelined behind the lost one never run
 
     def data_received(self, data: bytes) -> None:
         if self._refused:  # lingering after a refusal: drop what the client still sends, up to a bound
