@@ -67,6 +67,18 @@ log = logging.getLogger("tandem.gateway")
 
 
 
+class GatewayApp(Litestar):
+    """The tandem app: Litestar without the pydantic and attrs plugins it adds whenever those packages import.
+    Every handler here takes and returns msgspec Structs, so they had nothing to do, and importing them (pydantic
+    itself) was 0.2-0.25 s of every start-up. tests/gateway/test_startup.py checks the hook is still Litestar's."""
+
+    @staticmethod
+    def _get_default_plugins(plugins: list[Any]) -> list[Any]:  # Litestar's own hook for its default plugins
+        from litestar.plugins.core import MsgspecDIPlugin
+
+        return [*plugins, MsgspecDIPlugin()]
+
+
 # ------------------------------------------------------------------------------------------ handlers
 
 
@@ -277,10 +289,15 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
         host = build()
         host.start()
         engines = {name: host.engine(name) for name in cfg.engines}
-        # torch and the models leave ~200k long-lived objects; a full GC pass over them stalls every request
-        # for ~200 ms: freeze them out of the collector's view.
-        gc.collect()
+        # torch and the models leave ~250k long-lived objects; a full GC pass over them stalls every request
+        # for ~200 ms: freeze them out of the collector's view. Where start-up ran with the collector off
+        # (`tandem serve`: its automatic passes over those objects cost ~0.1 s each), start-up's own garbage
+        # (~10k objects) is frozen with them rather than collected, a collection here being 0.13-0.19 s of
+        # the way to /ready.
+        if gc.isenabled():
+            gc.collect()
         gc.freeze()
+        gc.enable()
         vocab, context = engine_bounds(engines.values())  # token ids' bounds, published before /ready says so
         amend(app, lambda schemas: bound_tokens(schemas, vocab, context))
         state.host, state.engines = host, engines
@@ -317,7 +334,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
             await asyncio.to_thread(state.host.shutdown)
         gc.unfreeze()  # let interpreter shutdown collect them (extension types report leaks otherwise)
 
-    app = Litestar(
+    app = GatewayApp(
         route_handlers=with_options([health, ready, metrics, list_models, list_routes, autoscale, report_replicas,
                                      chat_completions, completions, *RESPONSES_HANDLERS, *ANTHROPIC_HANDLERS,
                                      *EMBEDDINGS_HANDLERS, *VLLM_HANDLERS, *DASHBOARD_HANDLERS]),

@@ -4,8 +4,6 @@ downloaded here, GGUF headers and pre-quantised schemes checked) before anything
 
 from __future__ import annotations
 
-import sysconfig
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,33 +105,3 @@ def default_host_factory(cfg: TandemConfig) -> Callable[[], Any]:
                           compile_limits=cfg.preparation)
     return build
 
-
-class EarlyBuild:
-    """A host factory's build begun at once on a thread of its own, while the caller goes on (`tandem serve`
-    imports and builds the HTTP app meanwhile: the weights' packing and the kernels' calibration run in C with
-    the GIL released). Calling it waits for the host, or raises what the build raised; the app's start-up load
-    calls it in place of the factory."""
-
-    def __init__(self, build: Callable[[], Any]):
-        self._done = threading.Event()
-        self._host: Any = None
-        self._error: BaseException | None = None
-        self._build = build
-        # sysconfig fills its variables on first use, and two threads doing so at once can see them half
-        # filled (CPython 3.11; triton's import on the build thread reads them): filled here, before the thread
-        sysconfig.get_config_vars()
-        threading.Thread(target=self._run, name="tandem-engine-build", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            self._host = self._build()
-        except BaseException as exc:  # handed to whoever waits: the app's load reports it as a start-up failure
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def __call__(self) -> Any:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._host

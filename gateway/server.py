@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import logging
 import os
 import signal
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ray_main([a for a in argv if a != "--ray"])
     args = build_parser().parse_args(argv)
+    gc.disable()  # until the engines are up: the app's start-up load freezes what start-up made and enables it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
@@ -307,11 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.getLogger().setLevel(cfg.server.log_level.upper())
 
-    # The engines begin to load now, on a thread, while the HTTP app is imported and built (it waits for them
-    # at start-up); imported only now: they load torch, and a bad config should fail in a blink.
-    from gateway.engine_setup import EarlyBuild, default_host_factory
-
-    early = EarlyBuild(default_host_factory(cfg))
+    # Imported only now: they load torch, and a bad config should fail in a blink.
     from gateway.app import create_app
     from gateway.auth import warn_if_open
 
@@ -323,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True  # a server whose engines cannot load should not pretend to be up
 
-    app = create_app(cfg, host_factory=early, on_load_error=on_load_error)
+    app = create_app(cfg, on_load_error=on_load_error)
     warn_if_open(app.state.gateway.keyring, cfg.server.host)
     server = build_server(cfg, app)
     server.exit_watchdog = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -16,15 +17,38 @@ from typing import Any
 
 import torch
 
-try:  # triton is absent on some CPU-only installs; the references still work there
+# triton is imported at a kernel's first launch, not here: a CPU server never launches one, and the import
+# (~0.15-0.2 s, with its backends' entry-point scan) was a tenth of `tandem serve`'s start-up. It is absent on
+# some CPU-only installs; the references still work there.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+class _Language:
+    """`triton.language` until it is imported: the kernel modules' `tl`. A kernel's first launch puts the real
+    module in their globals (`Kernel._bind`), so what triton's compiler and interpreter see is the module."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_triton().language, name)
+
+
+tl: Any = _Language()  # re-exported for kernel modules
+
+
+@functools.cache
+def _triton() -> Any:
+    """The triton package with its language, JIT and interpreter imported (ImportError where it is absent)."""
     import triton
-    import triton.language as tl  # noqa: F401  (re-exported for kernel modules)
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - the pinned environment has triton
-    triton = None
-    HAVE_TRITON = False
+    import triton.language  # noqa: F401
+    import triton.runtime.interpreter  # noqa: F401
+    import triton.runtime.jit  # noqa: F401
+
+    return triton
+
+
+def _jit_kinds() -> tuple[type, type]:
+    """(JITFunction, InterpretedFunction)."""
+    triton = _triton()
+    return triton.runtime.jit.JITFunction, triton.runtime.interpreter.InterpretedFunction
 
 
 class Kernel:
@@ -36,14 +60,22 @@ class Kernel:
         self._compiled = None
         self._interpreted = None
 
+    def _bind(self) -> None:
+        """The real triton.language in the kernel's module, in place of the placeholder `tl`."""
+        scope = self.fn.__globals__
+        if isinstance(scope.get("tl"), _Language):
+            scope["tl"] = _triton().language
+
     def compiled(self):
         if self._compiled is None:
-            self._compiled = JITFunction(self.fn)
+            self._bind()
+            self._compiled = _jit_kinds()[0](self.fn)
         return self._compiled
 
     def interpreted(self):
         if self._interpreted is None:
-            self._interpreted = InterpretedFunction(self.fn)
+            self._bind()
+            self._interpreted = _jit_kinds()[1](self.fn)
         return self._interpreted
 
     def __getitem__(self, grid):
@@ -51,7 +83,7 @@ class Kernel:
             impl = self.compiled() if on_cuda else self.interpreted()
             if on_cuda:  # launch options exist only for compiled kernels
                 kwargs.update({k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v})
-            with _stdlib_as(JITFunction if on_cuda else InterpretedFunction):
+            with _stdlib_as(_jit_kinds()[0] if on_cuda else _jit_kinds()[1]):
                 return impl[grid](*args, **kwargs)
         return launch
 
@@ -63,7 +95,8 @@ _NEEDS_SWAP: dict[type, bool] = {}
 
 def _stdlib_functions(kind: type) -> list[tuple[Any, str, Any]]:
     """(module, name, function) for triton.language's own @jit helpers that are NOT of `kind`."""
-    other = InterpretedFunction if kind is JITFunction else JITFunction
+    jit, interpreted = _jit_kinds()
+    other = interpreted if kind is jit else jit
     found = []
     for name, mod in list(sys.modules.items()):
         if mod is None or not name.startswith("triton.language"):
