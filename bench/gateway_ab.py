@@ -17,7 +17,7 @@ so both trees serve the same harness. Then, in alternating rounds so the shared 
     Both /v1/completions and /v1/chat/completions (one user message; offline: the chat template rendered by
     the tokenizer, then `generate` of that text, as an offline caller would).
 
-    .venv/bin/python bench/gateway_ab.py --old a9badfa [--requests 1000] [--rounds 3] [--real]
+    .venv/bin/python bench/gateway_ab.py --old a9badfa [--requests 1000] [--rounds 3] [--real | --real-only]
 """
 
 from __future__ import annotations
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=15.0, help="seconds at --rate per server, over the rounds")
     ap.add_argument("--real", action="store_true", help="also one-token completions on the tiny small model")
     ap.add_argument("--real-requests", type=int, default=1000)
+    ap.add_argument("--real-only", action="store_true", help="only the one-token completions (implies --real)")
     ap.add_argument("--results", type=Path, default=RESULTS, help="where the JSON goes")
     args = ap.parse_args(argv)
     old = Path(tempfile.mkdtemp(prefix="gateway_ab_old_"))
@@ -281,15 +282,23 @@ def main(argv: list[str] | None = None) -> int:
         load0 = os.getloadavg()
         print(f"old {args.old} vs this tree; load average {load0[0]:.1f} on {os.cpu_count()} cores", flush=True)
         result = {"bench": "gateway_ab", "old_commit": args.old, "requests": args.requests, "rounds": args.rounds,
-                  "rate": args.rate, "duration_s": args.duration, "load_average_start": load0,
-                  "instant": instant(trees, args.requests, args.rounds, args.rate, args.duration)}
-        if args.real:
+                  "rate": args.rate, "duration_s": args.duration, "load_average_start": load0}
+        if not args.real_only:
+            result["instant"] = instant(trees, args.requests, args.rounds, args.rate, args.duration)
+        if args.real or args.real_only:
             result["real"] = real(trees, args.real_requests, args.rounds)
         result["load_average_end"] = os.getloadavg()
         result["load_average_rounds"] = ROUND_LOADS
     finally:
         shutil.rmtree(old, ignore_errors=True)
     for t in ("old", "new"):
+        if "instant" not in result:
+            print(f"{t}:")
+        for mode, r in result.get("real", {}).get(t, {}).items() if "instant" not in result else ():
+            print(f"  one-token {mode}: served {r['served_cpu_ms']:.3f} ms, offline {r['offline_cpu_ms']:.3f} ms, "
+                  f"added {r['added_cpu_ms']:.3f} ms")
+        if "instant" not in result:
+            continue
         i = result["instant"][t]
         cpu = i["cpu_ms_per_request"]
         print(f"{t}: CPU ms/request (median of rounds), stream / json")

@@ -8,7 +8,10 @@ which neighbours on a shared machine move much less than wall-clock rates. Print
 bench/results/spec_server_wide.json.
 
     .venv/bin/python bench/spec_server.py [--streams 1 8 32] [--rounds 2] [--seconds 20] [--max-tokens 64]
-        [--threads 1] [--wide-factor 5] [--draft-quantization w8a8] [--k 4]
+        [--threads 1] [--wide-factor 5] [--draft-quantization w8a8] [--k 4] [--aa]
+
+`--aa` starts the second server without its draft: the same table then compares two identical plain servers,
+the spread a ratio of this harness has on this machine when nothing differs.
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wide-factor", type=int, default=DEFAULT_FACTOR)
     ap.add_argument("--draft-quantization", default="w8a8", choices=["none", "int8", "w8a8"])
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--aa", action="store_true", help="the 'speculative' server without its draft: two identical "
+                    "plain servers, the ratios this harness gives when nothing differs (the run's noise floor)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_server_wide.json"))
     args = ap.parse_args(argv)
     folder = cached_wide(args.wide_factor)
@@ -122,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     work = folder.parent
     load0 = os.getloadavg()
     servers = {"plain": start(folder, args.threads, ctx, work / "plain.log", None, "", 0),
-               "spec": start(folder, args.threads, ctx, work / "spec.log", SMALL, args.draft_quantization, args.k)}
+               "spec": start(folder, args.threads, ctx, work / "spec.log", None if args.aa else SMALL,
+                             args.draft_quantization, args.k)}
     cells = []
     try:
         texts = {name: [asyncio.run(greedy_text(url, p, 32)) for p in prompts[:2]]
@@ -151,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{res['tpot_p50_ms']:.1f}/{res['tpot_p99_ms']:.1f} ms, load {l0:.1f}", flush=True)
             ratios = [s["tok_s"] / p["tok_s"] for s, p in zip(runs["spec"], runs["plain"])]
             cpu_ratios = [s["tok_per_cpu_s"] / p["tok_per_cpu_s"] for s, p in zip(runs["spec"], runs["plain"])]
-            med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+            med = {k: {m: statistics.median(x[m] for x in v) for m in v[0] if isinstance(v[0][m], (int, float))}
+                   for k, v in runs.items()}  # the numbers (loadavg_1m is a pair)
             cells.append({"streams": streams, "temperature": temp, "runs": runs, "median": med,
                           "round_ratios": ratios, "ratio_tok_s": statistics.median(ratios),
                           "round_ratios_per_cpu_s": cpu_ratios, "ratio_tok_per_cpu_s": statistics.median(cpu_ratios),
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['ratio_tok_per_cpu_s']:.2f}x | "
               f"{p['tpot_p50_ms']:.1f} / {s['tpot_p50_ms']:.1f} | {p['tpot_p99_ms']:.1f} / {s['tpot_p99_ms']:.1f} |")
     out = {"config": {**vars(args), "target": f"tandem-tiny-l widened x{args.wide_factor} (training/widen.py)",
-                      "draft": "models/tandem-tiny-s"},
+                      "draft": None if args.aa else "models/tandem-tiny-s"},
            "greedy_agree": agree, "cells": cells, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
     write_results(Path(args.out), out, indent=1)
     print(f"wrote {args.out}")
