@@ -65,8 +65,6 @@ from gateway.vllm_routes import model_card
 log = logging.getLogger("tandem.gateway")
 
 
-
-
 class GatewayApp(Litestar):
     """The tandem app: Litestar without the pydantic and attrs plugins it adds whenever those packages import.
     Every handler here takes and returns msgspec Structs, so they had nothing to do, and importing them (pydantic
