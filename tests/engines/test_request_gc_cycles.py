@@ -7,18 +7,16 @@ on the EngineCore thread (streams, one cancelled) and through the gateway, on th
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from engines import LLM, EngineCore, EngineSpec, PoolSpec, SamplingParams
 from engines.async_engine import AsyncEngine
+from tests.gc_probe import http_roundtrip, left_for_the_collector
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
@@ -27,22 +25,6 @@ PROMPTS = ["def parse(line):", "import os", "class Node:", "for i in range(10):"
 # what the engine makes for each request (a Request fans out into Sequences, each with its detokenizer)
 PER_REQUEST = {"Request", "Sequence", "IncrementalDetokenizer", "RequestMetrics", "RequestOutput",
                "CompletionOutput", "Logprob", "SamplingParams", "EngineError"}
-
-
-@contextmanager
-def left_for_the_collector() -> Iterator[list[str]]:
-    """The type names of the objects made inside the block that only the cyclic GC could free."""
-    gc.collect()
-    gc.garbage.clear()
-    left: list[str] = []
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        yield left
-        gc.collect()
-        left.extend(type(o).__qualname__ for o in gc.garbage)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
 
 
 def serve_offline(llm: LLM) -> dict[str, object]:
@@ -143,18 +125,6 @@ def test_finished_async_streams_leave_no_reference_cycle_for_the_gc():
     assert len(left) < 8
 
 
-def _roundtrip(conn: socket.socket, path: bytes, body: dict) -> bytes:
-    data = json.dumps(body).encode()
-    conn.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                 % (path, len(data)) + data)
-    answer = b""
-    while not (answer.endswith(b"\r\n0\r\n\r\n") if b"chunked" in answer else answer.endswith(b"}")):
-        chunk = conn.recv(65536)
-        assert chunk, f"the server closed the connection after {answer[:200]!r}"
-        answer += chunk
-    return answer
-
-
 def test_requests_served_by_the_gateway_leave_no_reference_cycle_for_the_gc():
     from gateway.config import config_from_dict
     from gateway.server import ServerThread
@@ -169,9 +139,9 @@ def test_requests_served_by_the_gateway_leave_no_reference_cycle_for_the_gc():
     with ServerThread(cfg) as server, socket.create_connection(("127.0.0.1", server.port)) as conn:
         for _ in range(3):  # first requests fill caches
             for path, body in calls:
-                _roundtrip(conn, path, body)
+                http_roundtrip(conn, json.dumps(body).encode(), path)
         with left_for_the_collector() as left:
-            answers = [_roundtrip(conn, path, body) for _ in range(4) for path, body in calls]
+            answers = [http_roundtrip(conn, json.dumps(body).encode(), path) for _ in range(4) for path, body in calls]
     assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
     assert sorted(t for t in left if t in PER_REQUEST | {"StrictJSONRequest", "RequestResponseCycle"}) == []
     assert len(left) < 20  # nothing a request (a timer's stray object aside)

@@ -24,6 +24,7 @@ from gateway.prompts import INLINE_CHARS, Prompt, completion_prompt
 from gateway.protocol import CompletionRequest
 from gateway.routing import RoutingContext
 from gateway.server import ServerThread
+from tests.gc_probe import http_roundtrip, left_for_the_collector
 
 SLO = {"ttft_ms": 800, "tpot_ms": 40}
 
@@ -289,22 +290,10 @@ def test_start_up_freezes_the_long_lived_objects_out_of_the_gc_and_shutdown_unfr
     assert gc.get_freeze_count() == 0
 
 
-def _roundtrip(conn, body: bytes) -> bytes:
-    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n" % len(body) + body)
-    answer = b""
-    while not (answer.endswith(b"\r\n0\r\n\r\n") if b"chunked" in answer else answer.endswith(b"}")):
-        data = conn.recv(65536)
-        assert data, f"the server closed the connection after {answer[:200]!r}"
-        answer += data
-    return answer
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_served_request_leaves_no_reference_cycle_for_the_gc(stream):
     # Each request's objects (its Request, scope, uvicorn's cycle) go when their last reference does; a cycle
     # among them left ~24 objects a request to the cyclic GC, a collector pass every ~30 requests.
-    import gc
     import json
     import socket
 
@@ -313,16 +302,9 @@ def test_a_served_request_leaves_no_reference_cycle_for_the_gc(stream):
     with ServerThread(cfg, host_factory=lambda: SpyHost({"ok": SpyEngine("ok")})) as server, \
             socket.create_connection(("127.0.0.1", server.port)) as conn:
         for _ in range(20):  # first requests fill caches
-            _roundtrip(conn, body)
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            answers = [_roundtrip(conn, body) for _ in range(50)]
-            gc.collect()
-            left = [type(o).__qualname__ for o in gc.garbage]
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
+            http_roundtrip(conn, body)
+        with left_for_the_collector() as left:
+            answers = [http_roundtrip(conn, body) for _ in range(50)]
     assert all(a.startswith(b"HTTP/1.1 200") and b"AAA" in a for a in answers)
     assert [t for t in left if t in ("StrictJSONRequest", "RequestResponseCycle", "ScopeState")] == []
     assert len(left) < 50  # nothing a request (a timer's stray object aside)
@@ -332,7 +314,6 @@ def test_a_served_request_leaves_no_reference_cycle_for_the_gc(stream):
 def test_a_closed_connection_leaves_no_reference_cycle_for_the_gc(stream):
     # A cycle's transport (`_HeadHeld`) points back at its protocol, which holds the cycle: the protocol lets
     # go of its cycles when the connection is lost, or each closed connection left ~26 objects to the GC.
-    import gc
     import json
     import socket
 
@@ -341,7 +322,7 @@ def test_a_closed_connection_leaves_no_reference_cycle_for_the_gc(stream):
     with ServerThread(cfg, host_factory=lambda: SpyHost({"ok": SpyEngine("ok")})) as server:
         def one_connection() -> bytes:
             with socket.create_connection(("127.0.0.1", server.port)) as conn:
-                return _roundtrip(conn, body)
+                return http_roundtrip(conn, body)
 
         def all_closed() -> None:
             deadline = time.monotonic() + 5
@@ -351,16 +332,9 @@ def test_a_closed_connection_leaves_no_reference_cycle_for_the_gc(stream):
         for _ in range(5):  # first connections fill caches
             one_connection()
         all_closed()
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+        with left_for_the_collector() as left:
             answers = [one_connection() for _ in range(20)]
             all_closed()
-            gc.collect()
-            left = [type(o).__qualname__ for o in gc.garbage]
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
     assert all(a.startswith(b"HTTP/1.1 200") and b"AAA" in a for a in answers)
     assert [t for t in left if t in ("GuardedHttpToolsProtocol", "RequestResponseCycle", "ScopeState")] == []
     assert len(left) < 20  # nothing a connection
