@@ -8,7 +8,7 @@ which neighbours on a shared machine move much less than wall-clock rates. Print
 bench/results/spec_server_wide.json.
 
     .venv/bin/python bench/spec_server.py [--streams 1 8 32] [--rounds 2] [--seconds 20] [--max-tokens 64]
-        [--threads 1] [--wide-factor 5] [--draft-quantization w8a8] [--k 4] [--aa]
+        [--threads 1] [--wide-factor 5] [--draft-quantization w8a8] [--k 4] [--aa] [--swap-starts]
 
 `--aa` starts the second server without its draft: the same table then compares two identical plain servers,
 the spread a ratio of this harness has on this machine when nothing differs.
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--aa", action="store_true", help="the 'speculative' server without its draft: two identical "
                     "plain servers, the ratios this harness gives when nothing differs (the run's noise floor)")
+    ap.add_argument("--swap-starts", action="store_true", help="restart both servers every round, the one started "
+                    "first alternating (cancels a bias of start order between two server processes)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_server_wide.json"))
     args = ap.parse_args(argv)
     folder = cached_wide(args.wide_factor)
@@ -126,9 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     ctx = args.prompt_tokens + args.max_tokens + 16
     work = folder.parent
     load0 = os.getloadavg()
-    servers = {"plain": start(folder, args.threads, ctx, work / "plain.log", None, "", 0),
-               "spec": start(folder, args.threads, ctx, work / "spec.log", None if args.aa else SMALL,
-                             args.draft_quantization, args.k)}
+    def launch(name: str) -> tuple[subprocess.Popen, str]:
+        draft = None if name == "plain" or args.aa else SMALL
+        return start(folder, args.threads, ctx, work / f"{name}.log", draft, args.draft_quantization, args.k)
+
+    def relaunch(order: tuple[str, ...]) -> None:
+        """Both servers anew, started in `order`: of two identical servers the one started second ran ~4% slower
+        at 32 streams on one VM (`--aa`), so `--swap-starts` starts them in swapped order every round."""
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=60)
+        servers.update({name: launch(name) for name in order})
+
+    servers = {name: launch(name) for name in ("plain", "spec")}
     cells = []
     try:
         texts = {name: [asyncio.run(greedy_text(url, p, 32)) for p in prompts[:2]]
@@ -142,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                 if args.warmup_seconds > 0:
                     asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp, args.warmup_seconds))
             for r in range(args.rounds):
+                if args.swap_starts:  # each round on servers started anew, the first-started one alternating
+                    relaunch(("plain", "spec") if r % 2 == 0 else ("spec", "plain"))
+                    for _, url in servers.values():
+                        if args.warmup_seconds > 0:
+                            asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp,
+                                                    args.warmup_seconds))
                 for name in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
                     proc, url = servers[name]
                     c0, l0 = server_cpu_s(proc.pid), os.getloadavg()[0]
