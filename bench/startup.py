@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import http.client
 import os
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,15 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.results_meta import write_results  # noqa: E402
+from bench.vs_llamacpp import free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "startup.json"
 TANDEM = ROOT / ".venv" / "bin" / "tandem"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -51,14 +46,16 @@ def _ready(port: int) -> bool:
 
 
 def one(extra: list[str], timeout: float = 120.0) -> dict:
-    port = _port()
+    port = free_port()
+    log = tempfile.TemporaryFile("w+")  # the server's log: a pipe nobody reads could fill and stall it
     t0 = time.perf_counter()
     proc = subprocess.Popen([str(TANDEM), "serve", "--port", str(port), *extra], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
         while not _ready(port):
             if proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                log.seek(0)
+                raise RuntimeError(f"tandem serve exited with {proc.returncode}: {log.read()[-2000:]}")
             if time.perf_counter() - t0 > timeout:
                 raise TimeoutError(f"not ready within {timeout} s")
             time.sleep(0.01)
@@ -67,6 +64,7 @@ def one(extra: list[str], timeout: float = 120.0) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        log.close()
     return {"wall_s": wall, "cpu_s": cpu}
 
 
