@@ -60,8 +60,15 @@ def build_llama_server(jobs: int = 2) -> Path:
     base = CACHE / "llama.cpp"
     base.mkdir(parents=True, exist_ok=True)
     if not llama_source().exists():
+        # pip prepares the sdist's metadata even to download it; in an isolated build environment that means
+        # building scikit-build-core's own dependencies from source (--no-binary :all:), which took minutes and
+        # stalled on one VM: its wheel in a side folder and no isolation instead
+        tools = base / "build-tools"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(tools),
+                        "scikit-build-core>=0.9.2"], check=True)
         subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
-                        "--no-binary", ":all:", "--no-deps", "-d", str(base)], check=True)
+                        "--no-binary", ":all:", "--no-deps", "--no-build-isolation", "-d", str(base)], check=True,
+                       env=dict(os.environ, PYTHONPATH=str(tools)))
         with tarfile.open(base / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as tar:
             tar.extractall(base, filter="data")
     build = base / "build"

@@ -109,6 +109,17 @@ static int64_t sgemm_min_rows = SGEMM_MIN_ROWS; /* tk_sgemm_min_rows */
 /* the bound in force (tk_block_max_kn): where memory serves strided reads well, the blocks beat the streams on
  * weights from memory too, and kernels/cpu_kernels.py's `calibrate` lifts it */
 static int64_t block_max_kn = BLOCK_MAX_KN;
+/* the AVX-512 register blocks (below) take 5-8 rows (BLOCK_MIN_ROWS), over K up to BLOCK_MAX_K */
+#define BLOCK_MIN_ROWS 5
+#define BLOCK_MAX_K 1024
+/* Above those bounds (a weight from memory) the blocks are `calibrate`'s choice (kernels/cpu_kernels.py), per
+ * machine: it lifts tk_block_max_kn and tk_block_max_k where the blocks win at 8 rows, and lowers
+ * tk_block_min_rows (the rows from which they take such a weight) where they also win at 3 or 4. On a 2-core
+ * Zen 4 VM, over the widened tiny-l's weights (K 1280 and 3520, 463 MB): 5 rows 28.1 -> 20.4 ms a pass, 8 rows
+ * 30.8 -> 20.2, 3-4 rows 26-28 -> 21.5 (one row 20.7: the blocks are slower there, a one-row block is a
+ * latency-bound chain) */
+static int64_t block_max_k = BLOCK_MAX_K;       /* tk_block_max_k */
+static int64_t block_min_rows = BLOCK_MIN_ROWS; /* tk_block_min_rows: for weights above the built-in bounds */
 /* the streaming GEMV prefetches the weight rows this far ahead of the four it reads (four interleaved rows
  * defeat the hardware prefetcher: a 5-row pass over tiny-l's weights from memory 2.75 -> 2.05 ms, one row
  * 2.12 -> 1.93 ms; 8 and 16 rows ahead measured no better) */
@@ -304,9 +315,8 @@ static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, s
 /* where the blocks beat the streams (bench/gemv_cpu.py on a 2-core AVX-512 VM, docs/benchmarks.md): from 5 rows
  * (a verify window of 4 drafts), over K up to 1024 (a longer column, the 80M model's down projection, streams),
  * on weights up to BLOCK_MAX_KN floats (4 MiB, a core's L2 on that VM): a larger one comes from memory, where
- * the streams' address-order reads win */
-#define BLOCK_MIN_ROWS 5
-#define BLOCK_MAX_K 1024
+ * the streams' address-order reads won on that VM; above those bounds `calibrate` chooses per machine (see
+ * block_min_rows above) */
 #ifndef BLOCK_NEXT_PF /* the next 32 columns into L2 (bench/cpu_dram.py also builds without) */
 #define BLOCK_NEXT_PF 1
 #endif
@@ -535,7 +545,10 @@ static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, c
             panel_rows(x + m0 * K, K, mr, K, w16, y + m0 * N, N, n0, n1);
         } else {
 #if TK_AVX512
-            const int block = mr >= BLOCK_MIN_ROWS && K <= BLOCK_MAX_K && K * N <= block_max_kn;
+            /* within the built-in bounds from BLOCK_MIN_ROWS rows; above them as calibrated */
+            const int block = K * N <= block_max_kn && (K <= BLOCK_MAX_K && K * N <= BLOCK_MAX_KN
+                                                           ? mr >= BLOCK_MIN_ROWS
+                                                           : K <= block_max_k && mr >= block_min_rows);
             (block ? BLOCK512 : STREAM512)[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
 #elif TK_AVX2
             STREAM[mr](x + m0 * K, K, K, wt, ldw, y + m0 * N, N, n0, n1);
@@ -1135,6 +1148,17 @@ int64_t tk_sgemm_min_rows(int64_t v) {
 int64_t tk_block_max_kn(int64_t v) {
     if (v >= 0) block_max_kn = v;
     return block_max_kn;
+}
+
+/* the longest column (K) the register blocks take, and the fewest rows from which they take a weight above
+ * the built-in bounds: `v` >= 0 sets it, -1 only asks (the same bits either way) */
+int64_t tk_block_max_k(int64_t v) {
+    if (v >= 0) block_max_k = v;
+    return block_max_k;
+}
+int64_t tk_block_min_rows(int64_t v) {
+    if (v >= 0) block_min_rows = v;
+    return block_min_rows;
 }
 
 /* y[M, N] = (q8(x) . q) * scale (+ bias); returns 0, or 1 when the scratch allocation failed */

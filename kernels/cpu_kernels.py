@@ -55,6 +55,8 @@ _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 SGEMM_MIN_ROWS = 13  # kernels/cpu_kernels.c's built-in threshold
 SCALE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # tk_linear_w4a8's skind
 BLOCK_MAX_KN = 1 << 20  # and the register blocks' built-in bound (floats)
+BLOCK_MAX_K, BLOCK_MIN_ROWS = 1024, 5  # their built-in longest column, and the fewest rows they take
+CALIBRATION_BYTES = 256 << 20  # `calibrate` times passes over at most about this many bytes of weights
 
 
 def _cpu_flags() -> str:
@@ -114,6 +116,18 @@ def block_max_kn(value: int | None = None, lib: ctypes.CDLL | None = None) -> in
     return _knob("block_max_kn", value, lib)
 
 
+def block_max_k(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
+    """The longest column (K) the register blocks take a weight with (BLOCK_MAX_K unless `calibrate` lifted it);
+    `value` sets it. The same bits either way. 0 where the kernels are not loaded."""
+    return _knob("block_max_k", value, lib)
+
+
+def block_min_rows(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
+    """The fewest rows from which the register blocks take a float32 weight above their built-in bounds (a
+    weight from memory; within the bounds they take 5-8 rows); `value` sets it. The same bits either way."""
+    return _knob("block_min_rows", value, lib)
+
+
 def sgemm_min_rows(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
     """The fewest rows `linear` hands to the MKL SGEMM (fewer take the register tiles, 8 rows at a time);
     `value` sets it (`NEVER`: the tiles at every row count). 0 where the kernels are not loaded."""
@@ -126,16 +140,23 @@ _calibration: dict | None = None  # `calibrate`'s choices, once per process
 log = logging.getLogger("tandem.kernels")
 
 
-def _best_pass(lib: ctypes.CDLL, weights: list[torch.Tensor], rows: int, settings: dict[str, tuple[int, int]],
+KNOBS = ("block_max_kn", "block_max_k", "block_min_rows", "sgemm_min_rows")  # the C side's path settings
+
+
+def _knobs(lib: ctypes.CDLL) -> dict[str, int]:
+    return {k: int(getattr(lib, "tk_" + k)(-1)) for k in KNOBS}
+
+
+def _best_pass(lib: ctypes.CDLL, weights: list[torch.Tensor], rows: int, settings: dict[str, dict[str, int]],
                reps: int) -> dict[str, float]:
-    """Seconds of one pass of `linear` over `weights` at `rows` rows under each setting (block_max_kn,
-    sgemm_min_rows), alternated, best of `reps` rounds after one that warms up."""
+    """Seconds of one pass of `linear` over `weights` at `rows` rows under each setting (values of KNOBS),
+    alternated, best of `reps` rounds after one that warms up."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     best = dict.fromkeys(settings, float("inf"))
     for rnd in range(reps + 1):
-        for name, (kn, sgemm) in settings.items():
-            lib.tk_block_max_kn(kn)
-            lib.tk_sgemm_min_rows(sgemm)
+        for name, knobs in settings.items():
+            for k, v in knobs.items():
+                getattr(lib, "tk_" + k)(v)
             t = time.perf_counter()
             for w in weights:
                 linear(xs[w.shape[1]], w)
@@ -145,18 +166,21 @@ def _best_pass(lib: ctypes.CDLL, weights: list[torch.Tensor], rows: int, setting
 
 
 def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
-    """Two choices of `linear`'s path that give the same answers and whose speed depends on the machine, made
-    by timing them on `weights` (a model's own float32 weights, column-major [N, K]), once per process:
+    """Choices of `linear`'s path that give the same answers and whose speed depends on the machine, made by
+    timing them on `weights` (a model's own float32 weights, column-major [N, K]), once per process:
 
-    - 5-8 rows on weights above the blocks' built-in bound (4 MiB): the register blocks or the streams. The
-      blocks' strided reads from memory lose to address-order reads on some machines and win on others
-      (docs/benchmark_log.md); one pass over those weights at 8 rows each way. The same bits either way.
+    - few rows on weights above the blocks' built-in bounds (4 MiB, or K > 1024: weights from memory): the
+      register blocks or the streams. The blocks' strided reads from memory lose to address-order reads on some
+      machines and win on others (docs/benchmark_log.md; on a Zen 4 VM 1.4-1.5x at 5-8 rows over 463 MB of
+      weights with K 1280-3520); one pass over those weights (up to CALIBRATION_BYTES of them) at 8 rows each
+      way, and where the blocks win there, at 3 and then 4 rows, the fewest rows from which they take such
+      weights (5 unless they win at 3 or 4). The same bits either way.
     - Many rows: the MKL SGEMM from 13 rows, or the register tiles 8 rows at a time. MKL takes its fast
       paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape, the SGEMM keeps the
       row counts from the first where it is faster.
 
     Each choice is made once per process, by the first model whose weights can make it. A choice changes only
-    for a clear 3% gain. Returns the choices ({"blocks": "blocks" | "streams" | None,
+    for a clear 3% gain. Returns the choices ({"blocks": "blocks" | "streams" | None, "block_min_rows": n,
     "sgemm_min_rows": n, and the milliseconds measured}), None where the kernels are not loaded or
     `TANDEM_CPU_CALIBRATE=0` keeps the built-in choices."""
     global _calibration
@@ -164,29 +188,45 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
     if lib is None or os.environ.get("TANDEM_CPU_CALIBRATE", "1") == "0":
         return _calibration
     with _lock:
-        out = _calibration or {"blocks": None, "sgemm_min_rows": None, "ms": {}}
+        out = _calibration or {"blocks": None, "block_min_rows": None, "sgemm_min_rows": None, "ms": {}}
         f32 = [w for w in weights if w.dim() == 2 and linear_fits(torch.empty(1, 1), w)]
         bound = BLOCK_MAX_KN
         # each choice once per process, on the first model that can make it (a draft built first has no
-        # weight above the bound: the blocks' choice waits for a model that has)
-        big = [w for w in f32 if w.numel() > bound and w.shape[1] <= 1024]  # the blocks' K bound (BLOCK_MAX_K)
-        rows_now = lib.tk_sgemm_min_rows(-1)
+        # weight above the bounds: the blocks' choice waits for a model that has)
+        big, size = [], 0
+        for w in f32:
+            if (w.numel() > bound or w.shape[1] > BLOCK_MAX_K) and size < CALIBRATION_BYTES:
+                big.append(w)
+                size += 4 * w.numel()
         made = False
         if out["blocks"] is None and big:
             made = True
-            t = _best_pass(lib, big, 8, {"streams": (bound, rows_now), "blocks": (NEVER, rows_now)}, reps)
+            streams = {"block_max_kn": bound, "block_max_k": BLOCK_MAX_K, "block_min_rows": BLOCK_MIN_ROWS}
+            blocks = {"block_max_kn": NEVER, "block_max_k": NEVER, "block_min_rows": BLOCK_MIN_ROWS}
+            t = _best_pass(lib, big, 8, {"streams": streams, "blocks": blocks}, reps)
             out["blocks"] = "blocks" if t["blocks"] < 0.97 * t["streams"] else "streams"
             out["ms"]["8 rows above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
-            lib.tk_block_max_kn(NEVER if out["blocks"] == "blocks" else bound)
-        kn = lib.tk_block_max_kn(-1)
+            out["block_min_rows"] = BLOCK_MIN_ROWS
+            if out["blocks"] == "blocks":
+                for rows in (3, 4):  # fewer rows: the blocks where they win there too
+                    t = _best_pass(lib, big, rows, {"streams": blocks, "blocks": {**blocks, "block_min_rows": rows}},
+                                   reps)
+                    out["ms"][f"{rows} rows above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+                    if t["blocks"] < 0.97 * t["streams"]:
+                        out["block_min_rows"] = rows
+                        break
+            for k, v in (blocks if out["blocks"] == "blocks" else streams).items():
+                getattr(lib, "tk_" + k)(v)
+            lib.tk_block_min_rows(out["block_min_rows"])
         one = list({tuple(w.shape): w for w in f32 if w.numel() <= 1 << 24}.values())  # one weight per shape
         if out["sgemm_min_rows"] is None and one:
             made = True
-            out["sgemm_min_rows"] = rows_now
+            out["sgemm_min_rows"] = lib.tk_sgemm_min_rows(-1)
             if sgemm_address() is not None:
                 out["sgemm_min_rows"] = NEVER
                 for rows in CALIBRATION_ROWS:
-                    t = _best_pass(lib, one, rows, {"tiles": (kn, NEVER), "sgemm": (kn, 1)}, reps)
+                    t = _best_pass(lib, one, rows, {"tiles": {"sgemm_min_rows": NEVER},
+                                                    "sgemm": {"sgemm_min_rows": 1}}, reps)
                     out["ms"][f"{rows} rows"] = {k: round(v * 1e3, 3) for k, v in t.items()}
                     if t["sgemm"] < 0.97 * t["tiles"]:
                         out["sgemm_min_rows"] = SGEMM_MIN_ROWS if rows == CALIBRATION_ROWS[0] else rows
@@ -194,9 +234,10 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
             lib.tk_sgemm_min_rows(out["sgemm_min_rows"])
         _calibration = out
     if made:
-        log.info("cpu kernels calibrated: 8-row passes over weights above %d MiB on the %s; the MKL SGEMM %s "
-                 "(ms: %s)", bound * 4 >> 20, out["blocks"] or "(none measured yet)",
-                 "never" if out["sgemm_min_rows"] == NEVER else f"from {out['sgemm_min_rows']} rows", out["ms"])
+        log.info("cpu kernels calibrated: passes over weights above %d MiB or K %d on the %s (from %s rows); the "
+                 "MKL SGEMM %s (ms: %s)", bound * 4 >> 20, BLOCK_MAX_K, out["blocks"] or "(none measured yet)",
+                 out["block_min_rows"], "never" if out["sgemm_min_rows"] == NEVER
+                 else f"from {out['sgemm_min_rows']} rows", out["ms"])
     return out
 
 
@@ -230,7 +271,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_write_kv_f32.restype = None
     lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_rope_f32.restype = None
-    for fn in (lib.tk_block_max_kn, lib.tk_sgemm_min_rows):
+    for fn in (lib.tk_block_max_kn, lib.tk_block_max_k, lib.tk_block_min_rows, lib.tk_sgemm_min_rows):
         fn.argtypes = [_I64]
         fn.restype = _I64
     lib.tk_set_amx.argtypes = [_INT]

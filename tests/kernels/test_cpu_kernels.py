@@ -129,15 +129,18 @@ def test_the_avx512_paths_give_the_avx2_paths_bits():
 
 @needs_kernels
 def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_process(monkeypatch):
-    """`calibrate` picks two things by timing them on the weights it is given: whether 5-8 rows over a float32
-    weight above 4 MiB take the register blocks or the streams (the same bits either way: the same FMA chain
-    per output), and from how many rows the MKL SGEMM takes over from the register tiles (8 rows at a time)
+    """`calibrate` picks two things by timing them on the weights it is given: whether few rows over a float32
+    weight above 4 MiB or with K above 1024 take the register blocks or the streams, and from how many rows (the
+    same bits either way: the same FMA chain per output), and from how many rows the MKL SGEMM takes over from the register tiles (8 rows at a time)
     (the same values to float rounding). Either choice leaves the answers right; the result is kept for the
     process and set in the kernels."""
     lib = ck.load()
     default_kn, default_rows = ck.block_max_kn(), ck.sgemm_min_rows()
+    default_k, default_min = ck.block_max_k(), ck.block_min_rows()
+    assert (default_k, default_min) == (ck.BLOCK_MAX_K, ck.BLOCK_MIN_ROWS)
     g = torch.Generator().manual_seed(3)
     big = torch.randn(1100, 1024, generator=g).t().contiguous().t()  # [N, K] column-major, 4.3 MiB
+    long = torch.randn(300, 1100, generator=g).t().contiguous().t()  # K above the blocks' built-in 1024
     try:
         for m in (5, 6, 8):
             x = torch.randn(m, 1024, generator=g)
@@ -146,6 +149,17 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
             ck.block_max_kn(ck.NEVER)
             assert torch.equal(ck.linear(x, big), streams)
             torch.testing.assert_close(streams, x @ big.t(), rtol=1e-4, atol=1e-4)
+        for m in (3, 4, 5, 8):  # a longer K, from 3 rows: the blocks where the knobs let them, the same bits
+            x = torch.randn(m, 1100, generator=g)
+            ck.block_max_kn(default_kn)
+            streams = ck.linear(x, long)
+            ck.block_max_kn(ck.NEVER)
+            ck.block_max_k(ck.NEVER)
+            ck.block_min_rows(3)
+            assert torch.equal(ck.linear(x, long), streams)
+            torch.testing.assert_close(streams, x @ long.t(), rtol=1e-4, atol=1e-4)
+            ck.block_max_k(default_k)
+            ck.block_min_rows(default_min)
         for m in (9, 16, 40):  # many rows: every row and column against torch, the SGEMM on and off
             x = torch.randn(m, 1024, generator=g)
             b = torch.randn(1100, generator=g)
@@ -159,6 +173,9 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
         out = ck.calibrate([big, small], reps=1)
         assert out["blocks"] in ("blocks", "streams") and "8 rows above the bound" in out["ms"]
         assert ck.block_max_kn() == (ck.NEVER if out["blocks"] == "blocks" else default_kn)
+        assert ck.block_max_k() == (ck.NEVER if out["blocks"] == "blocks" else default_k)
+        assert ck.block_min_rows() == out["block_min_rows"] and out["block_min_rows"] in (3, 4, 5)
+        assert out["blocks"] == "blocks" or out["block_min_rows"] == 5
         if ck.sgemm_address() is not None:
             assert out["sgemm_min_rows"] in (ck.SGEMM_MIN_ROWS, *ck.CALIBRATION_ROWS[1:], ck.NEVER)
             assert "16 rows" in out["ms"]
@@ -170,6 +187,8 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
         assert ck.calibrate([big], reps=1)["blocks"] in ("blocks", "streams")  # made by the next model that can
     finally:
         ck.block_max_kn(default_kn)
+        ck.block_max_k(default_k)
+        ck.block_min_rows(default_min)
         ck.sgemm_min_rows(default_rows)
 
 
