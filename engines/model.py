@@ -18,6 +18,7 @@ from torch import nn
 from engines.attention import AttentionContext, DenseCausal
 from engines.model_config import ModelConfig
 from engines.moe import MoE
+from kernels import hugepages
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -85,8 +86,8 @@ def cpu_weight_layout(model: nn.Module) -> nn.Module:
     """On the CPU, store each float32 `nn.Linear` weight column-major (an [in, out] contiguous tensor seen as
     [out, in]): `F.linear` then takes the GEMM's no-transpose path, 1.26-1.86x faster per op at the tiny
     models' shapes except the one-row logits head (0.95x); plain decoding 0.97x at batch 1, 1.06-1.12x at
-    batch 8-32 (bench/cpu_layout.py). Values, shapes and tied parameters stay as they are; only strides
-    change."""
+    batch 8-32 (bench/cpu_layout.py), on transparent huge pages where the kernel grants them
+    (kernels/hugepages.py). Values, shapes and tied parameters stay as they are; only strides change."""
     seen: set[int] = set()
     with torch.no_grad():
         for m in model.modules():
@@ -94,7 +95,7 @@ def cpu_weight_layout(model: nn.Module) -> nn.Module:
             if (type(m) is nn.Linear and w is not None and w.device.type == "cpu" and w.dtype == torch.float32
                     and id(w) not in seen and w.is_contiguous()):
                 seen.add(id(w))
-                w.data = w.data.t().contiguous().t()
+                w.data = hugepages.copy(w.data.t()).t()
         for m in model.modules():
             if isinstance(m, Attention):
                 m.fused = _fuse_columns([m.q_proj, m.k_proj, m.v_proj])
@@ -118,7 +119,8 @@ def _fuse_columns(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor 
         return None
     if len({lin.bias is None for lin in linears}) != 1:
         return None
-    fused = torch.cat([w.t() for w in ws], dim=1).contiguous()  # [in, sum(out)]
+    fused = hugepages.empty((ws[0].shape[1], sum(w.shape[0] for w in ws)), torch.float32)  # [in, sum(out)]
+    torch.cat([w.t() for w in ws], dim=1, out=fused)
     sizes = [w.shape[0] for w in ws]
     start = 0
     for lin, n in zip(linears, sizes):

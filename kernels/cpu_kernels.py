@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import thread_governor
+from kernels import hugepages, thread_governor
 from kernels.cbuild import NoCompiler, build_library
 from kernels.quant_formats import dequantize_int4, dequantize_int8, quantize_act_q8, unpack_zero
 
@@ -368,7 +368,7 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
     padded[:n] = weight.detach()
     # column 32p + 16h + i -> [p, k, i, h]
-    return padded.view(panels, 2, PANEL // 2, k).permute(0, 3, 2, 1).contiguous().view(panels, k, PANEL)
+    return hugepages.copy(padded.view(panels, 2, PANEL // 2, k).permute(0, 3, 2, 1)).view(panels, k, PANEL)
 
 
 def unpack_bf16(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,0 +1,66 @@
+"""kernels/hugepages.py: the decoder's weights on transparent huge pages where the kernel grants them, with the
+same values, and torch's ordinary allocation where it does not or the caller turned them off."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import hugepages
+from engines.model import cpu_weight_layout
+
+
+def _anon_huge_kb(addr: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `addr` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_a_large_tensor_sits_on_huge_pages_where_the_kernel_grants_them():
+    t = hugepages.empty((3, 1 << 20), torch.float32)  # 12 MiB
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.is_contiguous()
+    t.fill_(1.5)  # first touch: the pages are faulted in now
+    assert float(t.sum()) == 1.5 * 3 * (1 << 20)
+    if hugepages.enabled():
+        assert t.data_ptr() % hugepages.HUGE == 0
+        assert _anon_huge_kb(t.data_ptr()) >= 4096  # at least two of the six 2 MiB pages
+    else:  # THP off here (mode never, or not Linux): torch's own allocation
+        assert hugepages.mode() not in ("always", "madvise") or not hugepages.enabled()
+
+
+def test_small_tensors_and_the_switch_keep_torchs_allocation(monkeypatch):
+    small = hugepages.empty((100, 100), torch.float32)
+    assert small.nbytes < hugepages.MIN_BYTES and small.shape == (100, 100)
+    monkeypatch.setenv("TANDEM_HUGEPAGES", "0")
+    assert not hugepages.enabled()
+    big = hugepages.empty((1 << 22,), torch.float32)
+    big.fill_(2.0)
+    assert _anon_huge_kb(big.data_ptr()) == 0 or hugepages.mode() == "always"  # `always` gives them to anyone
+
+
+def test_copy_keeps_values_and_strides_of_any_source():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 1024, generator=g)
+    for src in (w, w.t(), w[:, ::2]):
+        out = hugepages.copy(src)
+        assert out.is_contiguous() and torch.equal(out, src)
+    w.add_(1)  # the copy owns its memory
+    assert not torch.equal(hugepages.copy(w[:8]), w[:8] - 1)
+
+
+def test_the_model_layout_keeps_every_value_and_outlives_its_source():
+    lin = torch.nn.Linear(1024, 1536, bias=False)
+    before = lin.weight.detach().clone()
+    model = torch.nn.Sequential(lin)
+    cpu_weight_layout(model)
+    assert lin.weight.stride() == (1, 1536) and torch.equal(lin.weight, before)
+    if hugepages.enabled():
+        assert lin.weight.data_ptr() % hugepages.HUGE == 0
+    x = torch.randn(3, 1024)
+    torch.testing.assert_close(lin(x), x @ before.t())
