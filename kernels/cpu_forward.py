@@ -29,7 +29,7 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import nn
 
-from kernels import cpu_kernels
+from kernels import cpu_kernels, hugepages
 from kernels.thread_governor import ThreadGovernor, rows_key
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -304,9 +304,11 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
             # per channel float32; per 32 weights float16 (GGUF Q8_0's, as stored: tk_linear_i8g reads that)
             sdt = torch.float16 if linears[0].int8_group else torch.float32
             if len(linears) == 1:
-                q, s = linears[0].weight.contiguous(), linears[0].scale.to(sdt).contiguous()
+                q, s = hugepages.copy(linears[0].weight.detach()), linears[0].scale.to(sdt).contiguous()
+                if q.data_ptr() != linears[0].weight.data_ptr():  # a copy on huge pages: the module views it
+                    linears[0].weight.data = q
             else:
-                q = torch.cat([lin.weight for lin in linears]).contiguous()
+                q = hugepages.cat([lin.weight for lin in linears])
                 s = torch.cat([lin.scale.to(sdt) for lin in linears]).contiguous()
                 start = 0
                 for lin in linears:
@@ -345,7 +347,7 @@ def _int4_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | No
                                           dtype=torch.uint8)
                     lin.zero_offset = off
         names = ("weight", "scale") + (("zero",) if packed else ())
-        stacked = [torch.cat([getattr(lin, a) for lin in linears]).contiguous() for a in names]
+        stacked = [hugepages.cat([getattr(lin, a) for lin in linears]) for a in names]
         start = 0
         for lin in linears:
             n = lin.out_features

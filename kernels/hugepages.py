@@ -80,3 +80,11 @@ def copy(t: torch.Tensor) -> torch.Tensor:
     out = empty(t.shape, t.dtype)
     out.copy_(t)
     return out
+
+
+def cat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """`torch.cat(tensors, dim)` into a tensor from `empty`."""
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    out = empty(tuple(shape), tensors[0].dtype)
+    return torch.cat(tensors, dim=dim, out=out)
