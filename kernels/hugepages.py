@@ -61,13 +61,15 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or not enabled():
         return torch.empty(shape, dtype=dtype)
-    size = -(-nbytes // HUGE) * HUGE + HUGE  # room to start on a huge-page boundary
-    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # room to start on a huge-page boundary (address space only: pages never touched take no memory)
+    m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = ctypes.c_char.from_buffer(m)
     base = ctypes.addressof(view)
     del view  # (an exported buffer would pin the mapping's size, nothing else)
     off = (-base) % HUGE
-    if not _madvise(base + off, size - off):  # refused: ordinary pages, as torch's would be
+    # whole huge pages only: the tail past the last one stays on base pages, so no tensor holds more memory
+    # than torch's allocation would
+    if not _madvise(base + off, nbytes // HUGE * HUGE):  # refused: ordinary pages, as torch's would be
         off = 0
     flat = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off)  # holds `m`
     return flat.view(dtype).view(shape)

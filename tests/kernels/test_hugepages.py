@@ -23,15 +23,23 @@ def _anon_huge_kb(addr: int) -> int:
 
 
 def test_a_large_tensor_sits_on_huge_pages_where_the_kernel_grants_them():
-    t = hugepages.empty((3, 1 << 20), torch.float32)  # 12 MiB
+    t = hugepages.empty((3, 1 << 20), torch.float32)  # 12 MiB: six huge pages
     assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.is_contiguous()
     t.fill_(1.5)  # first touch: the pages are faulted in now
     assert float(t.sum()) == 1.5 * 3 * (1 << 20)
     if hugepages.enabled():
         assert t.data_ptr() % hugepages.HUGE == 0
-        assert _anon_huge_kb(t.data_ptr()) >= 4096  # at least two of the six 2 MiB pages
+        huge = _anon_huge_kb(t.data_ptr())
+        assert 4096 <= huge <= 12 * 1024  # at least two of its six 2 MiB pages, and none past its end
     else:  # THP off here (mode never, or not Linux): torch's own allocation
         assert hugepages.mode() not in ("always", "madvise") or not hugepages.enabled()
+
+
+def test_the_tail_past_the_last_whole_huge_page_stays_on_base_pages():
+    t = hugepages.empty(((5 << 20) // 4,), torch.float32)  # 5 MiB: two huge pages and a 1 MiB tail
+    t.fill_(1.0)
+    if hugepages.enabled():
+        assert _anon_huge_kb(t.data_ptr()) == 4096
 
 
 def test_small_tensors_and_the_switch_keep_torchs_allocation(monkeypatch):
