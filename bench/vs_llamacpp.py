@@ -14,11 +14,15 @@ and 8-bit: by default q8_0 for every matrix for
 llama.cpp (the tied embedding / output head too, as `convert_hf_to_gguf.py --outtype q8_0` writes it) against
 tandem's `w8a8` (int8 weights and head, activations quantised per 32 as q8_0's dots do); with
 `--tandem-8bit int8`, tandem's weight-only int8 against q8_0 layers with an f32 head (both heads f32).
+`--cells spec` runs speculation on both servers: the widened pair (training/widen.py's tandem-tiny-l x5, f32,
+with tandem-tiny-s drafting: w8a8 in tandem, Q8_0 in llama-server's `-md`), each server with and without its
+draft, on held-out code.
 
     .venv/bin/python bench/vs_llamacpp.py --build              # once: build llama-server
     .venv/bin/python bench/vs_llamacpp.py [--models tiny-l,llama80m] [--quant f32,8bit] [--streams 1 8 32]
         [--threads 1] [--rounds 2] [--max-tokens 64] [--prompt-tokens 64] [--seconds 12] [--warmup-seconds 4]
         [--tandem-8bit w8a8]
+    .venv/bin/python bench/vs_llamacpp.py --cells spec [--spec-streams 1] [--threads 1] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -269,20 +273,22 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
     raise TimeoutError(url)
 
 
-def start_llama(server: Path, gguf_path: Path, threads: int, slots: int, ctx: int, log: Path):
+def start_llama(server: Path, gguf_path: Path, threads: int, slots: int, ctx: int, log: Path,
+                extra: tuple[str, ...] = ()):
     port = free_port()
     cmd = [str(server), "-m", str(gguf_path), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
            "-c", str(ctx * slots), "--port", str(port), "--host", "127.0.0.1", "-ngl", "0", "--no-webui",
-           "--threads-http", str(slots + 4)]  # one HTTP thread per stream: its default is the core count
+           "--threads-http", str(slots + 4), *extra]  # one HTTP thread per stream: its default is the core count
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     wait_ready(f"http://127.0.0.1:{port}/health", proc)
     return proc, f"http://127.0.0.1:{port}", "llama"
 
 
-def start_tandem(folder: Path, threads: int, eight_bit: str | None, ctx: int, log: Path, bf16_reads: bool = True):
+def start_tandem(folder: Path, threads: int, eight_bit: str | None, ctx: int, log: Path, bf16_reads: bool = True,
+                 extra: tuple[str, ...] = ()):
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", str(folder), "--served-model-name", "tandem",
-           "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning"]
+           "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning", *extra]
     if eight_bit:
         cmd += ["--quantization", eight_bit]
     env = dict(os.environ, TANDEM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
@@ -566,6 +572,67 @@ def run_prefill(server, cell, args, name, quant, threads, work) -> dict:
             "ratio": {str(n): med["tandem"][str(n)] / med["llama"][str(n)] for n in args.prefill_lengths}}
 
 
+def run_spec(server, args, threads, work, gguf) -> list[dict]:
+    """Speculation on both servers: the widened pair (training/widen.py's tandem-tiny-l x5, memory-bound, and
+    tandem-tiny-s drafting for it: k_max 4, tandem's draft w8a8, llama.cpp's Q8_0) on held-out code prompts,
+    each server with and without its draft, all four up at once and measured in a rotating order by the same
+    closed-loop greedy client at each of --spec-streams: tok/s, each server's speculative / plain, and tandem /
+    llama.cpp with speculation on."""
+    from bench.speculative import SMALL, prompts_from_heldout
+    from engines.tokenizer import Tokenizer
+    from training.widen import DEFAULT_FACTOR, cached_wide
+
+    wide = cached_wide(DEFAULT_FACTOR)
+    prompts = prompts_from_heldout(Tokenizer.from_pretrained(wide), 48, args.prompt_tokens, seed=7)
+    target = to_gguf(gguf, wide, work / f"{wide.name}-f32.gguf", False)
+    draft = to_gguf(gguf, SMALL, work / "tandem-tiny-s-q8_0-all.gguf", True, True)
+    ctx = args.prompt_tokens + args.max_tokens + 16
+    out = []
+    for streams in args.spec_streams:
+        starts = {
+            "tandem": lambda: start_tandem(wide, threads, None, ctx, work / "tandem.log"),
+            "tandem+draft": lambda: start_tandem(wide, threads, None, ctx, work / "tandem-draft.log", extra=(
+                "--draft", str(SMALL), "--draft-quantization", "w8a8", "--num-speculative-tokens", "4")),
+            "llama": lambda: start_llama(server, target, threads, streams, ctx, work / "llama.log"),
+            "llama+draft": lambda: start_llama(server, target, threads, streams, ctx, work / "llama-draft.log", extra=(
+                "-md", str(draft), "--spec-draft-n-max", "4", "-td", str(threads), "-ngld", "0"))}
+        procs: dict[str, tuple] = {}
+        runs: dict[str, list[dict]] = {k: [] for k in starts}
+        try:
+            for name, fn in starts.items():
+                procs[name] = fn()
+            texts = {name: asyncio.run(greedy_text(url, model_of(kind), prompts[0], 32))
+                     for name, (_, url, kind) in procs.items()}
+            agree = {"tandem": texts["tandem"] == texts["tandem+draft"], "llama": texts["llama"] == texts["llama+draft"]}
+            print(f"  spec t{threads} streams={streams}: greedy 32 tokens, speculative == plain: {agree}", flush=True)
+            names = list(starts)
+            for name in names:  # warm-up, not measured
+                _, url, kind = procs[name]
+                asyncio.run(closed_loop(url, model_of(kind), prompts, streams, args.max_tokens, args.warmup_seconds))
+            for r in range(args.rounds):
+                for name in names[r % 4:] + names[:r % 4]:  # the order rotated every round
+                    proc, url, kind = procs[name]
+                    c0 = server_cpu_s(proc.pid)
+                    res = asyncio.run(closed_loop(url, model_of(kind), prompts, streams, args.max_tokens,
+                                                  args.seconds))
+                    res["server_cpu_s"] = server_cpu_s(proc.pid) - c0
+                    res["loadavg"] = os.getloadavg()[0]
+                    runs[name].append(res)
+                    print(f"  spec t{threads} streams={streams} round {r} {name}: {res['tok_s']:.1f} tok/s TPOT p50/p99 "
+                          f"{res['tpot_p50_ms']:.1f}/{res['tpot_p99_ms']:.1f} ms load {res['loadavg']:.1f}", flush=True)
+        finally:
+            stop_all(list(procs.values()))
+        med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+        tok = {k: v["tok_s"] for k, v in med.items()}
+        out.append({"cell": "spec", "model": f"{wide.name} + tandem-tiny-s", "threads": threads, "streams": streams,
+                    "runs": runs, "median": med, "greedy_agree": agree,
+                    "tandem_spec_over_plain": tok["tandem+draft"] / tok["tandem"],
+                    "llama_spec_over_plain": tok["llama+draft"] / tok["llama"],
+                    "ratio_spec_tok_s": tok["tandem+draft"] / tok["llama+draft"],
+                    "ratio_plain_tok_s": tok["tandem"] / tok["llama"]})
+    return out
+
+
 def print_tables(cells: list[dict]) -> None:
     rows = [c for c in cells if c["cell"] == "streams"]
     if rows:
@@ -588,6 +655,16 @@ def print_tables(cells: list[dict]) -> None:
         print(f"| {c['model']} | {c['quant']} | {c['threads']} | {t['tok_s']:.2f} | {t['gb_s']:.1f} | "
               f"{c['tandem_of_bandwidth']:.2f} | {ll['tok_s']:.2f} | {ll['gb_s']:.1f} | {c['llama_of_bandwidth']:.2f} | "
               f"{c['ratio_tok_s']:.2f}x | {c['stream_gb_s']:.1f} |")
+    rows = [c for c in cells if c["cell"] == "spec"]
+    if rows:
+        print("| pair | threads | streams | tandem tok/s plain / spec | spec / plain | llama.cpp tok/s plain / spec "
+              "| spec / plain | tandem / llama.cpp, spec |")
+        print("|" + "---|" * 8)
+    for c in rows:
+        t = {k: v["tok_s"] for k, v in c["median"].items()}
+        print(f"| {c['model']} | {c['threads']} | {c['streams']} | {t['tandem']:.1f} / {t['tandem+draft']:.1f} | "
+              f"{c['tandem_spec_over_plain']:.2f}x | {t['llama']:.1f} / {t['llama+draft']:.1f} | "
+              f"{c['llama_spec_over_plain']:.2f}x | {c['ratio_spec_tok_s']:.2f}x |")
     rows = [c for c in cells if c["cell"] == "prefill"]
     if rows:
         print("| model | weights | threads | prompt tokens | tandem prompt tok/s | llama.cpp prompt tok/s | ratio |")
@@ -604,7 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default=None, help="the llama-server binary (else $LLAMA_SERVER, the cache, "
                     "PATH)")
     ap.add_argument("--cells", default="streams", help="comma list: streams (1/8/32-stream matrix), decode "
-                    "(one-stream roofline: GB/s over the streaming bandwidth), prefill (cold prompt tok/s)")
+                    "(one-stream roofline: GB/s over the streaming bandwidth), prefill (cold prompt tok/s), spec "
+                    "(the widened pair with and without its draft on both servers; --models does not apply)")
+    ap.add_argument("--spec-streams", type=int, nargs="+", default=[1], help="spec cells: closed-loop streams")
     ap.add_argument("--models", default="tiny-l", help="comma list: tiny-l, " + ", ".join(RANDOM_LLAMAS))
     ap.add_argument("--quant", default="f32,8bit", help="comma list: f32, bf16, 8bit, int4")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
@@ -639,7 +718,10 @@ def main(argv: list[str] | None = None) -> int:
         print("  streaming read bandwidth: " + ", ".join(f"{t} thread(s) {b:.1f} GB/s" for t, b in bw.items()))
     cells = []
     load0 = os.getloadavg()
-    for name in args.models.split(","):
+    if "spec" in kinds:
+        for threads in args.threads:
+            cells += run_spec(server, args, threads, work, gguf)
+    for name in (args.models.split(",") if kinds != ["spec"] else []):
         for quant in args.quant.split(","):
             cell = prepare(gguf, work, name, quant, args.tandem_8bit)
             for threads in args.threads:
