@@ -595,7 +595,8 @@ def run_spec(server, args, threads, work, gguf) -> list[dict]:
                 "--draft", str(SMALL), "--draft-quantization", "w8a8", "--num-speculative-tokens", "4")),
             "llama": lambda: start_llama(server, target, threads, streams, ctx, work / "llama.log"),
             "llama+draft": lambda: start_llama(server, target, threads, streams, ctx, work / "llama-draft.log", extra=(
-                "-md", str(draft), "--spec-draft-n-max", "4", "-td", str(threads), "-ngld", "0"))}
+                "-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "-td", str(threads),
+                "-ngld", "0"))}
         procs: dict[str, tuple] = {}
         runs: dict[str, list[dict]] = {k: [] for k in starts}
         try:
