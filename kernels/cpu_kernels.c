@@ -122,10 +122,14 @@ static int64_t block_max_k = BLOCK_MAX_K;       /* tk_block_max_k */
 static int64_t block_min_rows = BLOCK_MIN_ROWS; /* tk_block_min_rows: for weights above the built-in bounds */
 /* the streaming GEMV prefetches the weight rows this far ahead of the four it reads (four interleaved rows
  * defeat the hardware prefetcher: a 5-row pass over tiny-l's weights from memory 2.75 -> 2.05 ms, one row
- * 2.12 -> 1.93 ms; 8 and 16 rows ahead measured no better) */
+ * 2.12 -> 1.93 ms; 8 and 16 rows ahead measured no better, on an AVX2 EPYC VM). Per machine `calibrate` may
+ * change it (tk_stream_pf; 0: no prefetch instructions): on a Zen 4 VM with the weights on huge pages, a one-row
+ * pass over the widened tiny-l's weights took 21.7 ms at 4 rows ahead, 19.3 at 2, 20.3 at none; over a ~200M
+ * Llama's 35.7 / 34.0 / 32.4 ms */
 #ifndef STREAM_PF
 #define STREAM_PF 4
 #endif
+static int64_t stream_pf = STREAM_PF;
 
 /* The float32 linears also read their weight as bfloat16 (uint16_t bits, packed in panels: see "the bf16 copy
  * in panels" below) where the caller has a bf16 copy: a checkpoint stored in bf16 and upcast at load holds only
@@ -209,9 +213,9 @@ typedef void (*stream_fn)(const float *, int64_t, int64_t, const void *, int64_t
             for (int r = 0; r < MR; r++)                                                                       \
                 for (int j = 0; j < 4; j++) xb[r][j] = _mm256_broadcast_ss(x + r * ldx + k + j);              \
             int64_t n = n0;                                                                                    \
-            const WT *pf = w0 + STREAM_PF * ldw; /* rows further down, as in the int8 GEMVs */               \
+            const WT *pf = w0 + stream_pf * ldw; /* rows further down, as in the int8 GEMVs */               \
             for (; n + 8 <= n1; n += 8) {                                                                      \
-                if (!((n - n0) & (PFCOLS - 1))) {                                                              \
+                if (stream_pf && !((n - n0) & (PFCOLS - 1))) {                                                 \
                     _mm_prefetch((const char *)(pf + n), _MM_HINT_T0);                                         \
                     _mm_prefetch((const char *)(pf + ldw + n), _MM_HINT_T0);                                   \
                     _mm_prefetch((const char *)(pf + 2 * ldw + n), _MM_HINT_T0);                               \
@@ -268,10 +272,10 @@ static const stream_fn STREAM[9] = {0, stream_1, stream_2, stream_3, stream_4, s
             __m512 xb[MR][4];                                                                                  \
             for (int r = 0; r < MR; r++)                                                                       \
                 for (int j = 0; j < 4; j++) xb[r][j] = _mm512_set1_ps(x[r * ldx + k + j]);                    \
-            const WT *pf = w0 + STREAM_PF * ldw;                                                               \
+            const WT *pf = w0 + stream_pf * ldw;                                                               \
             int64_t n = n0;                                                                                    \
             for (; n < nfull; n += 16) {                                                                       \
-                if (PFCOLS == 16 || !((n - n0) & 31)) { /* a line per step at 16 float32 columns */    \
+                if (stream_pf && (PFCOLS == 16 || !((n - n0) & 31))) { /* a line per step at 16 columns */ \
                     _mm_prefetch((const char *)(pf + n), _MM_HINT_T0);                                         \
                     _mm_prefetch((const char *)(pf + ldw + n), _MM_HINT_T0);                                   \
                     _mm_prefetch((const char *)(pf + 2 * ldw + n), _MM_HINT_T0);                               \
@@ -1152,6 +1156,11 @@ int64_t tk_block_max_kn(int64_t v) {
 
 /* the longest column (K) the register blocks take, and the fewest rows from which they take a weight above
  * the built-in bounds: `v` >= 0 sets it, -1 only asks (the same bits either way) */
+/* rows of k the float32 streams prefetch ahead (0: none): `v` >= 0 sets it, -1 only asks (the same bits) */
+int64_t tk_stream_pf(int64_t v) {
+    if (v >= 0) stream_pf = v;
+    return stream_pf;
+}
 int64_t tk_block_max_k(int64_t v) {
     if (v >= 0) block_max_k = v;
     return block_max_k;

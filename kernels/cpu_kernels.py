@@ -128,6 +128,12 @@ def block_min_rows(value: int | None = None, lib: ctypes.CDLL | None = None) -> 
     return _knob("block_min_rows", value, lib)
 
 
+def stream_pf(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
+    """How many rows of k ahead the float32 streams prefetch (0: no prefetch instructions); `value` sets it.
+    The same bits either way. 0 where the kernels are not loaded."""
+    return _knob("stream_pf", value, lib)
+
+
 def sgemm_min_rows(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
     """The fewest rows `linear` hands to the MKL SGEMM (fewer take the register tiles, 8 rows at a time);
     `value` sets it (`NEVER`: the tiles at every row count). 0 where the kernels are not loaded."""
@@ -140,11 +146,9 @@ _calibration: dict | None = None  # `calibrate`'s choices, once per process
 log = logging.getLogger("tandem.kernels")
 
 
-KNOBS = ("block_max_kn", "block_max_k", "block_min_rows", "sgemm_min_rows")  # the C side's path settings
-
-
-def _knobs(lib: ctypes.CDLL) -> dict[str, int]:
-    return {k: int(getattr(lib, "tk_" + k)(-1)) for k in KNOBS}
+KNOBS = ("block_max_kn", "block_max_k", "block_min_rows", "sgemm_min_rows", "stream_pf")  # the C side's paths
+STREAM_PF = 4  # the streams' built-in prefetch distance (rows of k); `calibrate` weighs STREAM_PF_CHOICES
+STREAM_PF_CHOICES = (4, 2, 0)
 
 
 def _best_pass(lib: ctypes.CDLL, weights: list[torch.Tensor], rows: int, settings: dict[str, dict[str, int]],
@@ -174,21 +178,23 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
       machines and win on others (docs/benchmark_log.md; on a Zen 4 VM 1.4-1.5x at 5-8 rows over 463 MB of
       weights with K 1280-3520); one pass over those weights (up to CALIBRATION_BYTES of them) at 8 rows each
       way, and where the blocks win there, at 3 and then 4 rows, the fewest rows from which they take such
-      weights (5 unless they win at 3 or 4). The same bits either way.
+      weights (5 unless they win at 3 or 4); and at one row, how far ahead the streams prefetch (4, 2 or 0
+      rows of k: 4 unless another is 3% faster). The same bits either way.
     - Many rows: the MKL SGEMM from 13 rows, or the register tiles 8 rows at a time. MKL takes its fast
       paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape, the SGEMM keeps the
       row counts from the first where it is faster.
 
     Each choice is made once per process, by the first model whose weights can make it. A choice changes only
     for a clear 3% gain. Returns the choices ({"blocks": "blocks" | "streams" | None, "block_min_rows": n,
-    "sgemm_min_rows": n, and the milliseconds measured}), None where the kernels are not loaded or
+    "stream_pf": n, "sgemm_min_rows": n, and the milliseconds measured}), None where the kernels are not loaded or
     `TANDEM_CPU_CALIBRATE=0` keeps the built-in choices."""
     global _calibration
     lib = load()
     if lib is None or os.environ.get("TANDEM_CPU_CALIBRATE", "1") == "0":
         return _calibration
     with _lock:
-        out = _calibration or {"blocks": None, "block_min_rows": None, "sgemm_min_rows": None, "ms": {}}
+        out = _calibration or {"blocks": None, "block_min_rows": None, "stream_pf": None, "sgemm_min_rows": None,
+                               "ms": {}}
         f32 = [w for w in weights if w.dim() == 2 and linear_fits(torch.empty(1, 1), w)]
         bound = BLOCK_MAX_KN
         # each choice once per process, on the first model that can make it (a draft built first has no
@@ -218,6 +224,12 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
             for k, v in (blocks if out["blocks"] == "blocks" else streams).items():
                 getattr(lib, "tk_" + k)(v)
             lib.tk_block_min_rows(out["block_min_rows"])
+            # one row (the streams whatever the blocks' choice): how far ahead they prefetch
+            t = _best_pass(lib, big, 1, {f"{d} ahead": {"stream_pf": d} for d in STREAM_PF_CHOICES}, reps)
+            out["ms"]["1 row above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+            best = min(STREAM_PF_CHOICES, key=lambda d: t[f"{d} ahead"])
+            out["stream_pf"] = best if t[f"{best} ahead"] < 0.97 * t[f"{STREAM_PF} ahead"] else STREAM_PF
+            lib.tk_stream_pf(out["stream_pf"])
         one = list({tuple(w.shape): w for w in f32 if w.numel() <= 1 << 24}.values())  # one weight per shape
         if out["sgemm_min_rows"] is None and one:
             made = True
@@ -271,7 +283,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_write_kv_f32.restype = None
     lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_rope_f32.restype = None
-    for fn in (lib.tk_block_max_kn, lib.tk_block_max_k, lib.tk_block_min_rows, lib.tk_sgemm_min_rows):
+    for fn in (lib.tk_block_max_kn, lib.tk_block_max_k, lib.tk_block_min_rows, lib.tk_sgemm_min_rows,
+               lib.tk_stream_pf):
         fn.argtypes = [_I64]
         fn.restype = _I64
     lib.tk_set_amx.argtypes = [_INT]

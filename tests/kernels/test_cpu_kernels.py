@@ -136,8 +136,8 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
     process and set in the kernels."""
     lib = ck.load()
     default_kn, default_rows = ck.block_max_kn(), ck.sgemm_min_rows()
-    default_k, default_min = ck.block_max_k(), ck.block_min_rows()
-    assert (default_k, default_min) == (ck.BLOCK_MAX_K, ck.BLOCK_MIN_ROWS)
+    default_k, default_min, default_pf = ck.block_max_k(), ck.block_min_rows(), ck.stream_pf()
+    assert (default_k, default_min, default_pf) == (ck.BLOCK_MAX_K, ck.BLOCK_MIN_ROWS, ck.STREAM_PF)
     g = torch.Generator().manual_seed(3)
     big = torch.randn(1100, 1024, generator=g).t().contiguous().t()  # [N, K] column-major, 4.3 MiB
     long = torch.randn(300, 1100, generator=g).t().contiguous().t()  # K above the blocks' built-in 1024
@@ -149,6 +149,14 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
             ck.block_max_kn(ck.NEVER)
             assert torch.equal(ck.linear(x, big), streams)
             torch.testing.assert_close(streams, x @ big.t(), rtol=1e-4, atol=1e-4)
+        for m in (1, 2):  # the streams at any prefetch distance: the same bits
+            x = torch.randn(m, 1100, generator=g)
+            ref = ck.linear(x, long)
+            for d in ck.STREAM_PF_CHOICES:
+                ck.stream_pf(d)
+                assert torch.equal(ck.linear(x, long), ref)
+            ck.stream_pf(default_pf)
+            torch.testing.assert_close(ref, x @ long.t(), rtol=1e-4, atol=1e-4)
         for m in (3, 4, 5, 8):  # a longer K, from 3 rows: the blocks where the knobs let them, the same bits
             x = torch.randn(m, 1100, generator=g)
             ck.block_max_kn(default_kn)
@@ -176,6 +184,8 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
         assert ck.block_max_k() == (ck.NEVER if out["blocks"] == "blocks" else default_k)
         assert ck.block_min_rows() == out["block_min_rows"] and out["block_min_rows"] in (3, 4, 5)
         assert out["blocks"] == "blocks" or out["block_min_rows"] == 5
+        assert out["stream_pf"] in ck.STREAM_PF_CHOICES and ck.stream_pf() == out["stream_pf"]
+        assert "1 row above the bound" in out["ms"]
         if ck.sgemm_address() is not None:
             assert out["sgemm_min_rows"] in (ck.SGEMM_MIN_ROWS, *ck.CALIBRATION_ROWS[1:], ck.NEVER)
             assert "16 rows" in out["ms"]
@@ -189,6 +199,7 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
         ck.block_max_kn(default_kn)
         ck.block_max_k(default_k)
         ck.block_min_rows(default_min)
+        ck.stream_pf(default_pf)
         ck.sgemm_min_rows(default_rows)
 
 
