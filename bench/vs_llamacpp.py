@@ -593,8 +593,8 @@ def run_spec(server, args, threads, work, gguf) -> list[dict]:
             "tandem": lambda: start_tandem(wide, threads, None, ctx, work / "tandem.log"),
             "tandem+draft": lambda: start_tandem(wide, threads, None, ctx, work / "tandem-draft.log", extra=(
                 "--draft", str(SMALL), "--draft-quantization", "w8a8", "--num-speculative-tokens", "4")),
-            "llama": lambda: start_llama(server, target, threads, streams, ctx, work / "llama.log"),
-            "llama+draft": lambda: start_llama(server, target, threads, streams, ctx, work / "llama-draft.log", extra=(
+            "llama": lambda s=streams: start_llama(server, target, threads, s, ctx, work / "llama.log"),
+            "llama+draft": lambda s=streams: start_llama(server, target, threads, s, ctx, work / "llama-draft.log", extra=(
                 "-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "-td", str(threads),
                 "-ngld", "0"))}
         procs: dict[str, tuple] = {}

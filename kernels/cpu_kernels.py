@@ -146,15 +146,14 @@ _calibration: dict | None = None  # `calibrate`'s choices, once per process
 log = logging.getLogger("tandem.kernels")
 
 
-KNOBS = ("block_max_kn", "block_max_k", "block_min_rows", "sgemm_min_rows", "stream_pf")  # the C side's paths
 STREAM_PF = 4  # the streams' built-in prefetch distance (rows of k); `calibrate` weighs STREAM_PF_CHOICES
 STREAM_PF_CHOICES = (4, 2, 0)
 
 
 def _best_pass(lib: ctypes.CDLL, weights: list[torch.Tensor], rows: int, settings: dict[str, dict[str, int]],
                reps: int) -> dict[str, float]:
-    """Seconds of one pass of `linear` over `weights` at `rows` rows under each setting (values of KNOBS),
-    alternated, best of `reps` rounds after one that warms up."""
+    """Seconds of one pass of `linear` over `weights` at `rows` rows under each setting (the C side's
+    knobs by name: `tk_<name>(value)`), alternated, best of `reps` rounds after one that warms up."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     best = dict.fromkeys(settings, float("inf"))
     for rnd in range(reps + 1):
@@ -186,8 +185,8 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
 
     Each choice is made once per process, by the first model whose weights can make it. A choice changes only
     for a clear 3% gain. Returns the choices ({"blocks": "blocks" | "streams" | None, "block_min_rows": n,
-    "stream_pf": n, "sgemm_min_rows": n, and the milliseconds measured}), None where the kernels are not loaded or
-    `TANDEM_CPU_CALIBRATE=0` keeps the built-in choices."""
+    "stream_pf": n, "sgemm_min_rows": n, and the milliseconds measured}), None where the kernels are not loaded
+    or `TANDEM_CPU_CALIBRATE=0` keeps the built-in choices."""
     global _calibration
     lib = load()
     if lib is None or os.environ.get("TANDEM_CPU_CALIBRATE", "1") == "0":

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import hugepages
 from engines.model import cpu_weight_layout
+from kernels import hugepages
 
 
 def _anon_huge_kb(addr: int) -> int:
