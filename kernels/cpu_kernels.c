@@ -1140,35 +1140,24 @@ int tk_set_amx(int on) {
 #endif
 }
 
-/* the fewest rows the float32 linear hands to the external SGEMM: `v` >= 0 sets it, -1 only asks (below it, the
- * register tiles, 8 rows at a time) */
-int64_t tk_sgemm_min_rows(int64_t v) {
-    if (v >= 0) sgemm_min_rows = v;
-    return sgemm_min_rows;
-}
-
-/* the largest float32 weight (K * N floats) the 5-8-row register blocks take: `v` >= 0 sets it, -1 only asks
- * (the same bits either way: only the speed differs) */
-int64_t tk_block_max_kn(int64_t v) {
-    if (v >= 0) block_max_kn = v;
-    return block_max_kn;
-}
-
-/* the longest column (K) the register blocks take, and the fewest rows from which they take a weight above
- * the built-in bounds: `v` >= 0 sets it, -1 only asks (the same bits either way) */
-/* rows of k the float32 streams prefetch ahead (0: none): `v` >= 0 sets it, -1 only asks (the same bits) */
-int64_t tk_stream_pf(int64_t v) {
-    if (v >= 0) stream_pf = v;
-    return stream_pf;
-}
-int64_t tk_block_max_k(int64_t v) {
-    if (v >= 0) block_max_k = v;
-    return block_max_k;
-}
-int64_t tk_block_min_rows(int64_t v) {
-    if (v >= 0) block_min_rows = v;
-    return block_min_rows;
-}
+/* The path settings, `tk_<name>(v)`: v >= 0 sets it, -1 only asks. The same bits whatever they say; only the
+ * speed differs (kernels/cpu_kernels.py `calibrate` sets them per machine):
+ * - sgemm_min_rows: the fewest rows the float32 linear hands to the external SGEMM (below it, the register
+ *   tiles, 8 rows at a time);
+ * - block_max_kn: the largest float32 weight (K * N floats) the register blocks take;
+ * - block_max_k, block_min_rows: the longest column (K) they take, and the fewest rows from which they take a
+ *   weight above the built-in bounds;
+ * - stream_pf: rows of k the float32 streams prefetch ahead (0: none). */
+#define TK_KNOB(name)                                                                                          \
+    int64_t tk_##name(int64_t v) {                                                                             \
+        if (v >= 0) name = v;                                                                                  \
+        return name;                                                                                           \
+    }
+TK_KNOB(sgemm_min_rows)
+TK_KNOB(block_max_kn)
+TK_KNOB(block_max_k)
+TK_KNOB(block_min_rows)
+TK_KNOB(stream_pf)
 
 /* y[M, N] = (q8(x) . q) * scale (+ bias); returns 0, or 1 when the scratch allocation failed */
 int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
