@@ -119,8 +119,7 @@ def _fuse_columns(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor 
         return None
     if len({lin.bias is None for lin in linears}) != 1:
         return None
-    fused = hugepages.empty((ws[0].shape[1], sum(w.shape[0] for w in ws)), torch.float32)  # [in, sum(out)]
-    torch.cat([w.t() for w in ws], dim=1, out=fused)
+    fused = hugepages.cat([w.t() for w in ws], dim=1)  # [in, sum(out)]
     sizes = [w.shape[0] for w in ws]
     start = 0
     for lin, n in zip(linears, sizes):
