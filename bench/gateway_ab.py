@@ -1,6 +1,6 @@
 """Gateway CPU per request before and after a change, the two trees measured in turn in one run (issue 41).
 
-`--old COMMIT` is unpacked (git archive) into a temporary folder and given this tree's bench/gateway_overhead.py,
+`--old COMMIT` is unpacked (git archive) into a temporary folder and given this tree's bench/gateway_overhead.py and loadgen,
 so both trees serve the same harness. Then, in alternating rounds so the shared machine's load lands on both:
   - instant engine (bench/gateway_overhead.py's servers): server CPU per request of N sequential streamed and
     JSON chat completions on one keep-alive connection, for `gateway` (as `tandem serve` runs: no trace
@@ -23,7 +23,6 @@ so both trees serve the same harness. Then, in alternating rounds so the shared 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -132,9 +131,9 @@ def instant(trees: dict[str, Path], requests: int, rounds: int, rate: float, dur
                         cpu[t][k][mode].append(sequential(proc, port, _payload(mode), requests))
                 for which in OPEN_LOOP:
                     proc, port = bare[t] if which == "bare" else servers[(t, which)]
-                    asyncio.run(drive(port, "stream", 50, 0.5))  # warm the connections
+                    drive(port, "stream", 50, 0.5)  # warm the connections
                     cpu0, wait0 = _schedstat(proc.pid)
-                    row = asyncio.run(drive(port, "stream", rate, duration / rounds, seed=r))
+                    row = drive(port, "stream", rate, duration / rounds, seed=r)
                     cpu1, wait1 = _schedstat(proc.pid)
                     acc = sched[t][which]
                     acc[0], acc[1], acc[2] = acc[0] + cpu1 - cpu0, acc[1] + wait1 - wait0, acc[2] + row["requests"]
@@ -277,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         archive = subprocess.run(["git", "archive", args.old], cwd=ROOT, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-        shutil.copy(ROOT / "bench" / "gateway_overhead.py", old / "bench" / "gateway_overhead.py")
+        for harness in ("gateway_overhead.py", "loadgen.py", "loadgen.c"):
+            shutil.copy(ROOT / "bench" / harness, old / "bench" / harness)
         trees = {"old": old, "new": ROOT}
         load0 = os.getloadavg()
         print(f"old {args.old} vs this tree; load average {load0[0]:.1f} on {os.cpu_count()} cores", flush=True)

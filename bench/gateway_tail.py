@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--out", out], cwd=ROOT)
     try:
         _wait(proc, port, b"/ready", "the probed gateway")
-        asyncio.run(drive(port, "stream", 50, 1.0))  # warm-up: connections, first-request paths
+        drive(port, "stream", 50, 1.0)  # warm-up: connections, first-request paths
         load0, t_from = os.getloadavg()[0], time.perf_counter()  # CLOCK_MONOTONIC: the server's clock too
-        row = asyncio.run(drive(port, "stream", args.rate, args.duration))
+        row = drive(port, "stream", args.rate, args.duration)
         load1 = os.getloadavg()[0]
         proc.send_signal(signal.SIGUSR1)
         proc.wait(30)
