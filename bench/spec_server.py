@@ -4,7 +4,8 @@ closed-loop streaming client, on windows of held-out standard-library modules (b
 client-measured output tokens/s and TPOT p50 / p99 at 1, 8 and 32 streams (greedy) and at 1 stream with
 temperature 0.8. The ratio per cell is the median over rounds of speculative / plain (each round runs both,
 the order swapped every round); beside it the same ratio of tokens per second of each server's own CPU time,
-which neighbours on a shared machine move much less than wall-clock rates. Prints a table, writes
+which neighbours on a shared machine move much less than wall-clock rates, and the TPOT p99 over all rounds'
+requests pooled per server with a bootstrap interval of its ratio. Prints a table, writes
 bench/results/spec_server_wide.json.
 
     .venv/bin/python bench/spec_server.py [--streams 1 8 32] [--rounds 2] [--seconds 20] [--max-tokens 64]
@@ -90,7 +91,21 @@ async def closed_loop(url: str, prompts: list[list[int]], streams: int, max_toke
         wall = time.perf_counter() - t0
     pct = {q: lambda key, q=q: 1e3 * float(np.percentile([r[key] for r in results], q)) for q in (50, 99)}
     return {"requests": len(results), "tok_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
-            "ttft_p50_ms": pct[50]("ttft"), "tpot_p50_ms": pct[50]("tpot"), "tpot_p99_ms": pct[99]("tpot")}
+            "ttft_p50_ms": pct[50]("ttft"), "tpot_p50_ms": pct[50]("tpot"), "tpot_p99_ms": pct[99]("tpot"),
+            "tpots_ms": [1e3 * r["tpot"] for r in results]}
+
+
+def pooled_p99(runs: dict[str, list[dict]], resamples: int = 2000, seed: int = 0) -> dict:
+    """TPOT p99 over every round's requests of each server (a round's p99 is its slowest one or two requests at
+    32 streams), their ratio speculative / plain, and its 95% bootstrap interval (requests resampled per server)."""
+    tpots = {name: np.asarray([t for run in v for t in run["tpots_ms"]]) for name, v in runs.items()}
+    p99 = {name: float(np.percentile(t, 99)) for name, t in tpots.items()}
+    rng = np.random.default_rng(seed)
+    boot = [np.percentile(rng.choice(tpots["spec"], tpots["spec"].size), 99)
+            / np.percentile(rng.choice(tpots["plain"], tpots["plain"].size), 99) for _ in range(resamples)]
+    return {"requests": {k: int(t.size) for k, t in tpots.items()}, "tpot_p99_ms": p99,
+            "ratio": p99["spec"] / p99["plain"], "ratio_ci95": [float(np.percentile(boot, 2.5)),
+                                                               float(np.percentile(boot, 97.5))]}
 
 
 async def greedy_text(url: str, prompt: list[int], n: int) -> str:
@@ -180,20 +195,23 @@ def main(argv: list[str] | None = None) -> int:
             cells.append({"streams": streams, "temperature": temp, "runs": runs, "median": med,
                           "round_ratios": ratios, "ratio_tok_s": statistics.median(ratios),
                           "round_ratios_per_cpu_s": cpu_ratios, "ratio_tok_per_cpu_s": statistics.median(cpu_ratios),
-                          "ratio_tpot_p99": med["spec"]["tpot_p99_ms"] / med["plain"]["tpot_p99_ms"]})
+                          "ratio_tpot_p99": med["spec"]["tpot_p99_ms"] / med["plain"]["tpot_p99_ms"],
+                          "pooled_tpot_p99": pooled_p99(runs)})
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
     print("\n| streams | temperature | plain tok/s | speculative tok/s | ratio (rounds) | per server CPU-s "
-          "| TPOT p50 ms p / s | TPOT p99 ms p / s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| TPOT p50 ms p / s | TPOT p99 ms p / s | pooled TPOT p99 ms p / s, ratio (95% CI) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for c in cells:
-        p, s = c["median"]["plain"], c["median"]["spec"]
+        p, s, q = c["median"]["plain"], c["median"]["spec"], c["pooled_tpot_p99"]
         print(f"| {c['streams']} | {c['temperature']} | {p['tok_s']:.1f} | {s['tok_s']:.1f} | "
               f"{c['ratio_tok_s']:.2f}x ({', '.join(f'{x:.2f}' for x in c['round_ratios'])}) | "
               f"{c['ratio_tok_per_cpu_s']:.2f}x | "
-              f"{p['tpot_p50_ms']:.1f} / {s['tpot_p50_ms']:.1f} | {p['tpot_p99_ms']:.1f} / {s['tpot_p99_ms']:.1f} |")
+              f"{p['tpot_p50_ms']:.1f} / {s['tpot_p50_ms']:.1f} | {p['tpot_p99_ms']:.1f} / {s['tpot_p99_ms']:.1f} | "
+              f"{q['tpot_p99_ms']['plain']:.1f} / {q['tpot_p99_ms']['spec']:.1f}, {q['ratio']:.2f} "
+              f"({q['ratio_ci95'][0]:.2f}-{q['ratio_ci95'][1]:.2f}) |")
     out = {"config": {**vars(args), "target": f"tandem-tiny-l widened x{args.wide_factor} (training/widen.py)",
                       "draft": None if args.aa else "models/tandem-tiny-s"},
            "greedy_agree": agree, "cells": cells, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
