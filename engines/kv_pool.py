@@ -100,6 +100,7 @@ class KVPool:
         # zeros: a masked-out slot must never hold NaN bits (0 * NaN poisons attention in the reference path)
         self.buffer = _zeros(self.num_pages * self.page_bytes, torch.device(device))
         self._views = [self._make_view(g) for g in self.geometries]
+        self._reads = [g.page_bytes(block_size) for g in self.geometries]  # bytes of a page each model reads
         self._scales = [self._make_scales(g) for g in self.geometries]
         self.ref_count = [0] * self.num_pages
         self.page_hash: list[int | None] = [None] * self.num_pages
@@ -320,8 +321,9 @@ class KVPool:
             self.ref_count[p] = 1
             pages.append(p)
         if foreign and len(self.geometries) > 1:
-            # another model's bytes could read as NaN in this model's dtype: clear them once
-            self.buffer.view(self.num_pages, self.page_bytes)[foreign] = 0
+            # another model's bytes could read as NaN in this model's dtype: clear the ones it reads (a page's
+            # first page_bytes(model) bytes) once; whoever takes the page next clears its own part in turn
+            self.buffer.view(self.num_pages, self.page_bytes)[foreign, :self._reads[model_id]] = 0
         return pages
 
     def release(self, pages: list[int]) -> None:

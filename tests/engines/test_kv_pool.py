@@ -102,6 +102,22 @@ def test_a_page_moving_to_another_model_is_zeroed():
     assert not torch.isnan(pool.view(0)[p]).any() and (pool.view(0)[p] == 0).all()
 
 
+def test_a_page_changing_owner_is_cleared_only_where_the_new_owner_reads_it():
+    pool = KVPool([SMALL, LARGE], memory_bytes=2 * LARGE.page_bytes(4), block_size=4)
+    small, large = SMALL.page_bytes(4), LARGE.page_bytes(4)
+    assert small < large
+    (p,) = pool.allocate(1, 1)
+    pool.view(1)[p].fill_(float("nan"))
+    pool.release([p])
+    assert p in pool.allocate(0, 2)
+    page = pool.buffer.view(pool.num_pages, pool.page_bytes)[p]
+    assert (page[:small] == 0).all() and (page[small:large] != 0).any()  # the large model's bytes past it stay
+    pool.view(0)[p].fill_(float("nan"))
+    pool.release([q for q in range(pool.num_pages) if pool.ref_count[q]])
+    assert p in pool.allocate(1, 2)  # and back: the large model reads zeros in all of its part
+    assert not torch.isnan(pool.view(1)[p]).any() and (page[:large] == 0).all()
+
+
 def test_disabled_prefix_caching_never_hits():
     pool = KVPool([SMALL], memory_bytes=4 * SMALL.page_bytes(4), block_size=4, enable_prefix_caching=False)
     pages = pool.allocate(0, 2)
