@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
@@ -141,12 +142,20 @@ class CpuForward:
             return None
         if not cpu_kernels.attention_fits(torch.empty(1, 1, 1), k_caches[0]):
             return None
+        # the float32 linears' machine-dependent choices (register blocks on large weights, the SGEMM's rows),
+        # timed on this model's weights once per process (before they are packed in panels)
+        cpu_kernels.calibrate([m.weight for m in model.modules() if type(m) is nn.Linear])
         keep: list = []
         layers = []
         for i, lay in enumerate(model.model.layers):
             att, mlp = lay.self_attn, lay.mlp
             if type(lay.input_layernorm.weight) is not nn.Parameter:
                 return None
+            _pack_panels(att, ("q_proj", "k_proj", "v_proj"))
+            _pack_panels(att, ("o_proj",))
+            if getattr(mlp, "experts", None) is None:
+                _pack_panels(mlp, ("gate_proj", "up_proj"))
+                _pack_panels(mlp, ("down_proj",))
             qkv = _lin_group([att.q_proj, att.k_proj, att.v_proj], att.fused, keep)
             o = _lin_group([att.o_proj], None, keep)
             moe = None
@@ -172,9 +181,6 @@ class CpuForward:
                                  q_norm=qk[0].data_ptr() if qk else None, k_norm=qk[1].data_ptr() if qk else None))
         if model.model.norm.weight.dtype != torch.float32:
             return None
-        # the float32 linears' machine-dependent choices (register blocks on large weights, the SGEMM's rows),
-        # timed on this model's weights once per process
-        cpu_kernels.calibrate([m.weight for m in model.modules() if type(m) is nn.Linear])
         return cls(model, layers, keep, k_caches[0])
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
@@ -265,6 +271,32 @@ def _moe_block(moe: nn.Module, keep: list) -> _Moe | None:
     return block
 
 
+def _pack_panels(owner: nn.Module, names: tuple[str, ...]) -> None:
+    """Swap `owner`'s float32 Linears `names` (one, or a group over the same input that cpu_weight_layout fused
+    into `owner.fused`) for `cpu_kernels.PackedLinear`s over one tensor of panels (`pack_f32`: a one-row pass
+    reads it in address order, ~1.25x the [K, N] weight's speed from memory), each viewing its own panels, and
+    `owner.fused` for the panels: the [K, N] weight is then held by nothing and freed, so the weight is in memory
+    once. Left as it is where a group member's width is not a whole number of panels, or TANDEM_CPU_PANELS=0."""
+    linears = [getattr(owner, name) for name in names]
+    fused = getattr(owner, "fused", None) if len(names) > 1 else None
+    sizes = [lin.out_features for lin in linears]
+    if (os.environ.get("TANDEM_CPU_PANELS", "1") == "0" or any(type(lin) is not nn.Linear for lin in linears)
+            or not all(cpu_kernels.linear_fits(torch.empty(1, 1), lin.weight) for lin in linears)
+            or (len(names) > 1 and (fused is None or fused[0].dim() != 2))
+            or any(n % cpu_kernels.PANEL for n in sizes[:-1])):
+        return
+    with torch.no_grad():
+        packed = cpu_kernels.pack_f32(fused[0].t() if fused is not None else linears[0].weight)
+        start = 0
+        for name, lin, n in zip(names, linears, sizes):
+            p0 = start // cpu_kernels.PANEL
+            setattr(owner, name, cpu_kernels.PackedLinear(packed[p0:p0 + (n + cpu_kernels.PANEL - 1)
+                                                                 // cpu_kernels.PANEL], n, lin.bias))
+            start += n
+    if fused is not None:
+        owner.fused = (packed, fused[1], fused[2])
+
+
 def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Lin | None:
     """One projection over the same input: float32 (the fused [K, sum N] weight of cpu_weight_layout, or one
     column-major weight; with its bf16 copy where that is exact) or int8 / w8a8 QuantLinears of one mode (their
@@ -275,6 +307,15 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
         # act-order weights gather their input first, per-token int8 activations are quantised first:
         # QuantLinear.forward does, the C stack does not
         return None
+    if all(type(lin) is cpu_kernels.PackedLinear for lin in linears):
+        if len(linears) > 1 and (fused is None or fused[0].dim() != 3):
+            return None
+        packed, b = (fused[0], fused[1]) if len(linears) > 1 else (linears[0].packed.detach(), linears[0].bias)
+        n = sum(lin.out_features for lin in linears)
+        w16 = cpu_kernels.bf16_copy(cpu_kernels.unpack_f32(packed, n))
+        b = None if b is None else b.detach().float().contiguous()
+        keep.extend(t for t in (packed, w16, b) if t is not None)
+        return _Lin(w=packed.data_ptr(), scale=None, bias=_ptr(b), ld=0, w8a8=0, w16=_ptr(w16), panels=1)
     if all(type(lin) is nn.Linear for lin in linears):
         if fused is not None:
             w, b, _ = fused

@@ -395,7 +395,7 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_f32(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """`pack_f32`'s inverse: the [N, K] weight (a strided view of `packed`)."""
+    """`pack_f32`'s inverse: the [N, K] weight (a copy)."""
     panels, k, _ = packed.shape
     return packed.permute(0, 2, 1).reshape(panels * PANEL, k)[:n]
 
@@ -472,6 +472,27 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+class PackedLinear(torch.nn.Module):
+    """A float32 `nn.Linear` whose weight is kept only packed in panels (`pack_f32`; kernels/cpu_forward.py swaps
+    the decoder's projections for these): `forward` is `linear_packed`, `weight` an unpacked copy for whatever
+    reads the [N, K] weight (the lean draft runner, tests)."""
+
+    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.packed = torch.nn.Parameter(packed, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.in_features, self.out_features = packed.shape[1], out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unpack_f32(self.packed.detach(), self.out_features).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear_packed(x.reshape(-1, self.in_features).float(), self.packed.detach(), self.out_features,
+                          None if self.bias is None else self.bias.detach())
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
