@@ -3,9 +3,10 @@ CPU steps whose every sequence runs a few queries (decodes, verify windows, shor
 
 A tiny model's decode step through PyTorch is ~100 framework ops (norms, matmuls, RoPE, residuals), each
 ~5-20 us of dispatch: more than the arithmetic. Here Python builds the step's index arrays once and C runs
-every layer: the projections stream each weight once (float32 `wt [K, N]`, the column-major layout
-`engines.model.cpu_weight_layout` stores, read from a bfloat16 copy where its values are all bf16 (a bf16
-checkpoint: half the bytes, the same bits; `cpu_kernels.bf16_copy`), or int8 `[N, K]` with per-row scales or a
+every layer: the projections stream each weight once (float32 packed in panels of 32 columns, read in address
+order: `build` repacks the column-major `wt [K, N]` `engines.model.cpu_weight_layout` stores and swaps the
+modules for `cpu_kernels.PackedLinear`s, so the weight is kept once; read from a bfloat16 copy where its values
+are all bf16 (a bf16 checkpoint: half the bytes, the same bits; `cpu_kernels.bf16_copy`), or int8 `[N, K]` with per-row scales or a
 scale per 32 weights (GGUF Q8_0), weight-only or w8a8), many-row steps take the register tiles 8 rows at a time or the MKL SGEMM torch ships
 (`cpu_kernels.calibrate` picks by timing both on the model's weights when it is built), K/V go into their pages
 and attention reads the pages in place.

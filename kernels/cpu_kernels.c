@@ -3,8 +3,10 @@
  *
  *   tk_linear_f32    y[M, N] = x[M, K] @ wt[K, N] (+ bias): the decode GEMV / skinny GEMM over a column-major
  *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous);
- *                    tk_linear_f32_w16 reads a bf16 copy of a bf16-exact weight, packed in panels of 32
- *                    columns, instead (the same bits)
+ *                    tk_linear_f32_panels over the same weight packed in panels of 32 columns (what the C
+ *                    decoder stack's projections are stored as: one address-order stream a panel, ~1.25x the
+ *                    [K, N] streams' speed at one row from memory), tk_linear_f32_w16 / its w16 over a bf16 copy
+ *                    of a bf16-exact weight packed the same way; all the same bits
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
  *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics;
  *                    AMX int8 tiles at 3+ rows where the CPU has them)
@@ -96,8 +98,8 @@ typedef void (*tk_sgemm_fn)(const char *, const char *, const int *, const int *
 static tk_sgemm_fn tk_sgemm = 0;
 void tk_set_sgemm(void *fn) { tk_sgemm = (tk_sgemm_fn)fn; }
 
-/* up to this many rows stream the weight (each byte read once, in address order; the rows' outputs stay in
- * L1); more rows in blocks of STREAM_ROWS, or the external SGEMM from sgemm_min_rows rows
+/* over wt [K, N], up to this many rows stream the weight (each byte read once, four rows of k at a time; the
+ * rows' outputs stay in L1); more rows in blocks of STREAM_ROWS, or the external SGEMM from sgemm_min_rows rows
  * (SGEMM_MIN_ROWS until calibrated; the int8 weight-only path keeps SGEMM_MIN_ROWS) */
 #define STREAM_ROWS 8
 #define SGEMM_MIN_ROWS 13

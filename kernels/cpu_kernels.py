@@ -13,6 +13,10 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
   `calibrate` decides by timing both on the model's weights (it depends on the CPU). `weight16`, a
   `bf16_copy` of a weight whose values are all bfloat16 (a bf16 checkpoint upcast at load), is what the
   register tiles read then: half the bytes, the same bits.
+- `linear_packed(x, packed, n, bias)`: the same over the weight packed in panels of 32 columns (`pack_f32`),
+  which a pass reads in address order (~1.25x the column-major streams' speed at one row from memory on a Zen 4
+  VM): the same bits. `PackedLinear` is the module that keeps a weight only so (kernels/cpu_forward.py swaps the
+  decoder's projections for them).
 - `linear_int8(x, q, scale, bias)`: weight-only int8 (q [N, K], per-row scale, or a scale per 32 weights as GGUF
   Q8_0 stores them) with float32 activations; many rows widen the weight to float32 once and take the SGEMM too.
 - `linear_w8a8(x, q, scale, bias)`: the same weights with the activations quantised per 32 values
