@@ -119,3 +119,67 @@ def test_linear_packed_refuses_what_is_not_packed():
         ck.linear_packed(torch.randn(2, 32), w, 64)
     with pytest.raises(ValueError, match="bf16_copy"):
         ck.linear_packed(torch.randn(2, 32), ck.pack_f32(w), 64, weight16=w.bfloat16())
+
+
+def test_packing_a_group_frees_its_kn_weight_and_keeps_the_modules_working():
+    import gc
+    import weakref
+
+    from engines.attention import DenseCausal
+    from engines.model import Transformer, cpu_weight_layout
+    from engines.model_config import ModelConfig
+    from kernels.cpu_forward import _pack_panels
+
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+                                 "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "max_position_embeddings": 64})
+    torch.manual_seed(0)
+    model = cpu_weight_layout(Transformer(cfg).eval())
+    att, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = torch.randn(3, 64)
+    want_qkv = torch.cat([att.q_proj(x), att.k_proj(x), att.v_proj(x)], dim=1)
+    want_down = mlp.down_proj(torch.randn(3, 96, generator=torch.Generator().manual_seed(1)))
+    q_weight = att.q_proj.weight.detach().clone()
+    gone = weakref.ref(att.fused[0])
+    _pack_panels(att, ("q_proj", "k_proj", "v_proj"))
+    _pack_panels(mlp, ("down_proj",))
+    gc.collect()
+    assert gone() is None  # nothing holds the [K, N] weight any more
+    assert type(att.q_proj) is ck.PackedLinear and att.fused[0].dim() == 3
+    assert att.q_proj.packed.data_ptr() == att.fused[0].data_ptr()  # the members view the group's panels
+    assert torch.equal(att.q_proj.weight, q_weight)
+    got_qkv = torch.cat([att.q_proj(x), att.k_proj(x), att.v_proj(x)], dim=1)
+    torch.testing.assert_close(got_qkv, want_qkv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mlp.down_proj(torch.randn(3, 96, generator=torch.Generator().manual_seed(1))),
+                               want_down, rtol=1e-5, atol=1e-5)
+    assert model.forward(torch.arange(5), torch.arange(5), DenseCausal(1, 5)).isfinite().all()  # the torch forward
+
+
+def test_the_decoder_stack_gives_the_same_logprobs_over_panels(tmp_path, monkeypatch):
+    from tiny_checkpoints import build_checkpoint
+
+    from engines import LLM, SamplingParams
+
+    path = build_checkpoint(tmp_path / "llama", "llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate_size=96, seed=9)
+    rows = ck.sgemm_min_rows()
+    engines = {}
+    try:
+        for flag in ("0", "1"):
+            monkeypatch.setenv("TANDEM_CPU_PANELS", flag)
+            engines[flag] = LLM(path, max_model_len=256)
+            assert engines[flag].engine.runner.cpu_forward is not None
+        ck.sgemm_min_rows(ck.NEVER)  # many-row prefill through the register tiles both ways (the same bits)
+        layer = engines["1"].engine.model.model.layers[0]
+        assert {type(m) for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
+                                  layer.mlp.down_proj)} == {ck.PackedLinear}
+        assert type(engines["0"].engine.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+        prompts = [[5, 9, 17, 33, 2, 8] * 5, [7] * 3]
+        kn, packed = (engines[f].generate(prompts, params) for f in ("0", "1"))
+        for a, b in zip(kn, packed):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert [{t: p.logprob for t, p in d.items()} for d in a.outputs[0].logprobs] == [
+                {t: p.logprob for t, p in d.items()} for d in b.outputs[0].logprobs]
+    finally:
+        ck.sgemm_min_rows(rows)
