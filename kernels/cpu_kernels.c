@@ -4,9 +4,9 @@
  *   tk_linear_f32    y[M, N] = x[M, K] @ wt[K, N] (+ bias): the decode GEMV / skinny GEMM over a column-major
  *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous);
  *                    tk_linear_f32_panels over the same weight packed in panels of 32 columns (what the C
- *                    decoder stack's projections are stored as: one address-order stream a panel, ~1.25x the
- *                    [K, N] streams' speed at one row from memory), tk_linear_f32_w16 / its w16 over a bf16 copy
- *                    of a bf16-exact weight packed the same way; all the same bits
+ *                    decoder stack's projections are stored as: one address-order stream a panel, which memory
+ *                    serves faster than [K, N]'s four interleaved rows), tk_linear_f32_w16 / its w16 over a bf16
+ *                    copy of a bf16-exact weight packed the same way; all the same bits
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
  *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics;
  *                    AMX int8 tiles at 3+ rows where the CPU has them)
@@ -384,8 +384,8 @@ static const stream_fn BLOCK512[9] = {0, stream512_1, block512_2, block512_3, bl
 /* ---- the weight in panels ------------------------------------------------------------------------------------
  * The float32 weight (kernels/cpu_kernels.py `pack_f32`) and the bf16 copy (`bf16_copy`) are packed for the
  * register tiles, not kept in the [K, N] layout: panels of 32 output columns, each panel its K rows of 32 values
- * back to back, so a pass reads every panel in address order (one stream a panel: a row of four interleaved ones
- * measured ~25% slower from memory) and sums all of K in registers with no output traffic per step of k.
+ * back to back, so a pass reads every panel in address order (one stream a panel, which memory serves faster than
+ * four interleaved rows of [K, N]) and sums all of K in registers with no output traffic per step of k.
  * float32: value i of a panel row is column i (128 bytes, two cache lines). bf16 (64 bytes, one line): word 2i
  * is column i and word 2i + 1 column 16 + i of the panel, so one 64-byte load widens to the panel's two 16-column
  * halves with a shift and a mask (not a cross-lane zero-extension). Columns past N are zero. Each output column's
