@@ -109,15 +109,20 @@ class CpuForward:
             final_norm=model.model.norm.weight.data_ptr(), inv_freq=self._inv_freq.data_ptr(), layers=self._layers)
         self._mref = ctypes.byref(self._model)
         head = model.lm_head
-        self._head = head.weight if (type(head) is nn.Linear and head.bias is None
-                                     and cpu_kernels.linear_fits(torch.empty(1, 1), head.weight)) else None
-        # the head as the C side's projection: a column-major float32 Linear (and its bf16 copy) or an int8 /
-        # w8a8 QuantLinear
-        self._head_lin, self._head16 = None, None
-        if self._head is not None:
-            self._head16 = cpu_kernels.bf16_copy(self._head)
-            self._head_lin = _Lin(w=self._head.data_ptr(), scale=None, bias=None, ld=self._head.stride(1), w8a8=0,
-                                  w16=_ptr(self._head16))
+        # the head as the C side's projection: a float32 Linear in panels (`build` packs an untied one) or
+        # column-major (tied: the embedding lookup reads its rows), with its bf16 copy; or an int8 / w8a8
+        # QuantLinear. `_head`: (the float32 weight, its bf16 copy) for `logits`
+        self._head_lin, self._head = None, None
+        if type(head) is cpu_kernels.PackedLinear and head.bias is None:
+            packed = head.packed.detach()
+            self._head = (packed, cpu_kernels.bf16_copy(cpu_kernels.unpack_f32(packed, head.out_features)))
+            self._head_lin = _Lin(w=packed.data_ptr(), scale=None, bias=None, ld=0, w8a8=0,
+                                  w16=_ptr(self._head[1]), panels=1)
+        elif (type(head) is nn.Linear and head.bias is None
+              and cpu_kernels.linear_fits(torch.empty(1, 1), head.weight)):
+            self._head = (head.weight, cpu_kernels.bf16_copy(head.weight))
+            self._head_lin = _Lin(w=head.weight.data_ptr(), scale=None, bias=None, ld=head.weight.stride(1), w8a8=0,
+                                  w16=_ptr(self._head[1]))
         elif getattr(head, "bias", None) is None:
             self._head_lin = _lin_group([head], None, self._keep)
         self._head_ref = None if self._head_lin is None else ctypes.byref(self._head_lin)
@@ -182,6 +187,9 @@ class CpuForward:
                                  q_norm=qk[0].data_ptr() if qk else None, k_norm=qk[1].data_ptr() if qk else None))
         if model.model.norm.weight.dtype != torch.float32:
             return None
+        head = model.lm_head
+        if type(head) is nn.Linear and head.weight.untyped_storage().data_ptr() != emb.untyped_storage().data_ptr():
+            _pack_panels(model, ("lm_head",))  # (a tied head stays column-major: the embedding reads its rows)
         return cls(model, layers, keep, k_caches[0])
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
@@ -238,10 +246,13 @@ class CpuForward:
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of hidden rows [N, H]: the head through the streaming GEMV / SGEMM where it is a plain
-        column-major float32 Linear, else the model's own `compute_logits`."""
+        """fp32 logits of hidden rows [N, H]: the head through the kernels' float32 linear where it is a plain
+        float32 Linear (in panels or column-major), else the model's own `compute_logits`."""
         if self._head is not None:
-            return cpu_kernels.linear(hidden, self._head, weight16=self._head16)
+            w, w16 = self._head
+            if w.dim() == 3:
+                return cpu_kernels.linear_packed(hidden, w, self.vocab, weight16=w16)
+            return cpu_kernels.linear(hidden, w, weight16=w16)
         return self._model_ref.compute_logits(hidden)
 
 

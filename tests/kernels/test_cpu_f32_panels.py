@@ -155,13 +155,13 @@ def test_packing_a_group_frees_its_kn_weight_and_keeps_the_modules_working():
     assert model.forward(torch.arange(5), torch.arange(5), DenseCausal(1, 5)).isfinite().all()  # the torch forward
 
 
-def test_the_decoder_stack_gives_the_same_logprobs_over_panels(tmp_path, monkeypatch):
+def test_the_decoder_stack_and_an_untied_head_give_the_same_logprobs_over_panels(tmp_path, monkeypatch):
     from tiny_checkpoints import build_checkpoint
 
     from engines import LLM, SamplingParams
 
     path = build_checkpoint(tmp_path / "llama", "llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                            intermediate_size=96, seed=9)
+                            intermediate_size=96, seed=9, tie_word_embeddings=False)
     rows = ck.sgemm_min_rows()
     engines = {}
     try:
@@ -173,7 +173,11 @@ def test_the_decoder_stack_gives_the_same_logprobs_over_panels(tmp_path, monkeyp
         layer = engines["1"].engine.model.model.layers[0]
         assert {type(m) for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
                                   layer.mlp.down_proj)} == {ck.PackedLinear}
+        assert type(engines["1"].engine.model.lm_head) is ck.PackedLinear  # untied: packed too
         assert type(engines["0"].engine.model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+        hidden = torch.randn(3, 64)
+        fast = [e.engine.runner.cpu_forward for e in (engines["0"], engines["1"])]
+        assert torch.equal(fast[0].logits(hidden), fast[1].logits(hidden))
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
         prompts = [[5, 9, 17, 33, 2, 8] * 5, [7] * 3]
         kn, packed = (engines[f].generate(prompts, params) for f in ("0", "1"))
