@@ -542,12 +542,10 @@ static const int OFF_F32[4] = {0, 8, 16, 24}, OFF_BF16[4] = {0, 16, 8, 24};
     static void panel_rows##SUF(const float *x, int64_t ldx, int MR, int64_t K, const WT *wp, float *y,       \
                                 int64_t ldy, int64_t n0, int64_t n1) {                                        \
         const int64_t v1 = n0 + (n1 - n0) / 8 * 8;                                                             \
-        for (int r0 = 0; r0 < MR; r0 += 2) {                                                                   \
-            const int mr = MR - r0 < 2 ? MR - r0 : 2;                                                          \
-            for (int64_t c = n0; c < v1; c += PANEL)                                                           \
-                (mr == 2 ? panel256##SUF##_2 : panel256##SUF##_1)(x + r0 * ldx, ldx, K, wp, y + r0 * ldy, ldy, \
-                                                                   c, v1);                                     \
-        }                                                                                                      \
+        for (int64_t c = n0; c < v1; c += PANEL) /* a panel's row pairs back to back: its rereads from L2 */   \
+            for (int r0 = 0; r0 < MR; r0 += 2)                                                                 \
+                (MR - r0 >= 2 ? panel256##SUF##_2 : panel256##SUF##_1)(x + r0 * ldx, ldx, K, wp, y + r0 * ldy, \
+                                                                        ldy, c, v1);                           \
         if (v1 < n1) panel_tail##SUF(x, ldx, MR, K, wp, y, ldy, v1, n1);                                       \
     }
 TK_DEF_PANELS256(_F32, float, ROW256_F32)
