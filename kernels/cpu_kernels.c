@@ -496,8 +496,9 @@ typedef void (*panel_fn)(const float *, int64_t, int64_t, const void *, float *,
 TK_DEF_PANELS512(_F32, float, ROW512_F32)
 TK_DEF_PANELS512(_BF16, uint16_t, ROW512_BF16)
 #elif TK_AVX2
-/* 8 wide: a panel row as four 8-column vectors, at columns OFF_* of the panel; MR <= 2 rows a pass (8
- * accumulators a row pair), more rows in pairs (the panel again, from the caches) */
+/* 8 wide: a panel row as four 8-column vectors, at columns OFF_* of the panel; up to 2 rows a pass over whole
+ * rows (8 accumulators a row pair), more rows over half a row at a time, 4 rows a pass (8 accumulators, fewer
+ * loads per FMA), each panel's passes back to back so that their rereads come from L2 */
 #define ROW256_F32(wk, a, b, c, d)                                                                             \
     const __m256 a = _mm256_loadu_ps(wk), b = _mm256_loadu_ps((wk) + 8), c = _mm256_loadu_ps((wk) + 16),       \
                  d = _mm256_loadu_ps((wk) + 24)
@@ -536,20 +537,63 @@ static const int OFF_F32[4] = {0, 8, 16, 24}, OFF_BF16[4] = {0, 16, 8, 24};
                 for (int r = 0; r < MR; r++) _mm256_storeu_ps(y + r * ldy + c, acc[r][j]);                   \
         }                                                                                                      \
     }
-#define TK_DEF_PANELS256(SUF, WT, ROW)                                                                         \
+/* half j of a panel row as two 8-column vectors, at columns HALF_COLS_*[j] of the panel */
+#define HALF256_F32(wk, j, a, b)                                                                               \
+    const __m256 a = _mm256_loadu_ps((wk) + 16 * (j)), b = _mm256_loadu_ps((wk) + 16 * (j) + 8)
+#define HALF256_BF16(wk, j, a, b)                                                                              \
+    const __m256i v_ = _mm256_loadu_si256((const __m256i *)((wk) + 16 * (j)));                                 \
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(v_, 16));                                           \
+    const __m256 b = _mm256_castsi256_ps(_mm256_and_si256(v_, _mm256_set1_epi32((int)0xffff0000u)))
+static const int HALF_COLS_F32[2][2] = {{0, 8}, {16, 24}}, HALF_COLS_BF16[2][2] = {{0, 16}, {8, 24}};
+#define TK_DEF_HALF256(SUF, WT, HALF, MR)                                                                      \
+    static void half256##SUF##_##MR(const float *x, int64_t ldx, int64_t K, const WT *wp, float *y,           \
+                                    int64_t ldy, int64_t c0, int64_t v1, int j) {                             \
+        __m256 acc[MR][2];                                                                                     \
+        for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                             \
+        const WT *wk = wp + (c0 / PANEL) * K * PANEL;                                                          \
+        for (int64_t k = 0; k < K; k++, wk += PANEL) {                                                         \
+            if (PANEL_PF && k + PANEL_PF < K)                                                                  \
+                for (int b = 0; b < (int)(PANEL * sizeof(WT)); b += 64)                                        \
+                    _mm_prefetch((const char *)(wk + PANEL_PF * PANEL) + b, _MM_HINT_T0);                      \
+            HALF(wk, j, a, b);                                                                                 \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                        \
+                acc[r][0] = _mm256_fmadd_ps(xb, a, acc[r][0]);                                                 \
+                acc[r][1] = _mm256_fmadd_ps(xb, b, acc[r][1]);                                                 \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int h = 0; h < 2; h++) {                                                                          \
+            const int64_t c = c0 + HALF_COLS##SUF[j][h];                                                       \
+            if (c + 8 <= v1)                                                                                   \
+                for (int r = 0; r < MR; r++) _mm256_storeu_ps(y + r * ldy + c, acc[r][h]);                   \
+        }                                                                                                      \
+    }
+#define TK_DEF_PANELS256(SUF, WT, ROW, HALF)                                                                   \
     TK_DEF_PANEL256(SUF, WT, ROW, 1)                                                                           \
     TK_DEF_PANEL256(SUF, WT, ROW, 2)                                                                           \
+    TK_DEF_HALF256(SUF, WT, HALF, 1)                                                                           \
+    TK_DEF_HALF256(SUF, WT, HALF, 2)                                                                           \
+    TK_DEF_HALF256(SUF, WT, HALF, 3)                                                                           \
+    TK_DEF_HALF256(SUF, WT, HALF, 4)                                                                           \
     static void panel_rows##SUF(const float *x, int64_t ldx, int MR, int64_t K, const WT *wp, float *y,       \
                                 int64_t ldy, int64_t n0, int64_t n1) {                                        \
+        static void (*const half[5])(const float *, int64_t, int64_t, const WT *, float *, int64_t, int64_t,   \
+                                     int64_t, int) = {0, half256##SUF##_1, half256##SUF##_2, half256##SUF##_3,  \
+                                                      half256##SUF##_4};                                       \
         const int64_t v1 = n0 + (n1 - n0) / 8 * 8;                                                             \
-        for (int64_t c = n0; c < v1; c += PANEL) /* a panel's row pairs back to back: its rereads from L2 */   \
-            for (int r0 = 0; r0 < MR; r0 += 2)                                                                 \
-                (MR - r0 >= 2 ? panel256##SUF##_2 : panel256##SUF##_1)(x + r0 * ldx, ldx, K, wp, y + r0 * ldy, \
-                                                                        ldy, c, v1);                           \
+        for (int64_t c = n0; c < v1; c += PANEL) {                                                             \
+            if (MR <= 2) {                                                                                     \
+                (MR == 2 ? panel256##SUF##_2 : panel256##SUF##_1)(x, ldx, K, wp, y, ldy, c, v1);               \
+                continue;                                                                                      \
+            }                                                                                                  \
+            for (int j = 0; j < 2; j++)                                                                        \
+                for (int r0 = 0; r0 < MR; r0 += 4)                                                             \
+                    half[MR - r0 < 4 ? MR - r0 : 4](x + r0 * ldx, ldx, K, wp, y + r0 * ldy, ldy, c, v1, j);  \
+        }                                                                                                      \
         if (v1 < n1) panel_tail##SUF(x, ldx, MR, K, wp, y, ldy, v1, n1);                                       \
     }
-TK_DEF_PANELS256(_F32, float, ROW256_F32)
-TK_DEF_PANELS256(_BF16, uint16_t, ROW256_BF16)
+TK_DEF_PANELS256(_F32, float, ROW256_F32, HALF256_F32)
+TK_DEF_PANELS256(_BF16, uint16_t, ROW256_BF16, HALF256_BF16)
 #else
 #define TK_DEF_PANELS_C(SUF, WT, AT)                                                                           \
     static void panel_rows##SUF(const float *x, int64_t ldx, int MR, int64_t K, const WT *wp, float *y,       \

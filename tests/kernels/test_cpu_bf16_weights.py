@@ -93,7 +93,7 @@ def test_the_avx2_build_reads_the_bf16_copy_to_the_same_bits():
     for n, k in SHAPES:
         w16 = torch.randn(k, n, generator=g).bfloat16()  # wt [K, N]
         w32 = w16.float()
-        for m in (1, 3, 8, 11):
+        for m in (1, 2, 3, 6, 8, 11):
             x = torch.randn(m, k, generator=g)
             y, y16 = torch.empty(m, n), torch.empty(m, n)
             lib.tk_linear_f32(x.data_ptr(), m, k, w32.data_ptr(), n, n, None, y.data_ptr(), 1)
