@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TANDEM_CPU_BF16_WEIGHTS"] = env
         llms[name] = LLM(args.model, max_model_len=512)
     os.environ.pop("TANDEM_CPU_BF16_WEIGHTS")
-    if llms["bf16"].engine.runner.cpu_forward._head16 is None:
+    if llms["bf16"].engine.runner.cpu_forward._head[1] is None:
         raise SystemExit("no bf16 copies: the checkpoint's weights are not bf16-exact (or there is no C forward)")
     rows = {}
     for b in (1, 8):

@@ -98,13 +98,13 @@ def cpu_weight_layout(model: nn.Module) -> nn.Module:
                 w.data = hugepages.copy(w.data.t()).t()
         for m in model.modules():
             if isinstance(m, Attention):
-                m.fused = _fuse_columns([m.q_proj, m.k_proj, m.v_proj])
+                m.fused = _fuse_columns([m.q_proj, m.k_proj, m.v_proj]) or m.fused  # (or packed already)
                 if m.fused is not None:
                     from kernels.cpu_kernels import available, rope_
 
                     m.rope_kernel = rope_ if available() else None
             elif isinstance(m, MLP):
-                m.fused = _fuse_columns([m.gate_proj, m.up_proj])
+                m.fused = _fuse_columns([m.gate_proj, m.up_proj]) or m.fused
     return model
 
 
@@ -127,6 +127,17 @@ def _fuse_columns(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor 
         start += n
     bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
     return fused, bias, sizes
+
+
+def _fused_matmul(x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None, list[int]]) -> torch.Tensor:
+    """x @ the fused weight (+ bias): [in, sum(out)], or packed in panels where the C decoder stack took the model
+    (kernels/cpu_forward.py `_pack_panels`)."""
+    w, b, sizes = fused
+    if w.dim() == 3:
+        from kernels.cpu_kernels import linear_packed
+
+        return linear_packed(x, w, sum(sizes), b)
+    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
 
 
 class RMSNorm(nn.Module):
@@ -177,8 +188,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attn: AttentionContext):
         t = x.shape[0]
         if self.fused is not None and x.dim() == 2:
-            w, b, sizes = self.fused
-            qkv = torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+            qkv = _fused_matmul(x, self.fused)
+            sizes = self.fused[2]
             if (self.q_norm is None and self.rope_kernel is not None and cos.dtype == torch.float32
                     and cos.shape[-1] == self.head_dim):
                 # RoPE on q and k in place in the fused output: one call instead of ~16 ops (bit-identical)
@@ -225,8 +236,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.fused is not None and x.dim() == 2:
-            w, b, sizes = self.fused
-            gate, up = (torch.mm(x, w) if b is None else torch.addmm(b, x, w)).split(sizes, dim=1)
+            gate, up = _fused_matmul(x, self.fused).split(self.fused[2], dim=1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 

@@ -3,9 +3,10 @@ CPU steps whose every sequence runs a few queries (decodes, verify windows, shor
 
 A tiny model's decode step through PyTorch is ~100 framework ops (norms, matmuls, RoPE, residuals), each
 ~5-20 us of dispatch: more than the arithmetic. Here Python builds the step's index arrays once and C runs
-every layer: the projections stream each weight once (float32 `wt [K, N]`, the column-major layout
-`engines.model.cpu_weight_layout` stores, read from a bfloat16 copy where its values are all bf16 (a bf16
-checkpoint: half the bytes, the same bits; `cpu_kernels.bf16_copy`), or int8 `[N, K]` with per-row scales or a
+every layer: the projections stream each weight once (float32 packed in panels of 32 columns, read in address
+order: `build` repacks the column-major `wt [K, N]` `engines.model.cpu_weight_layout` stores and swaps the
+modules for `cpu_kernels.PackedLinear`s, so the weight is kept once; read from a bfloat16 copy where its values
+are all bf16 (a bf16 checkpoint: half the bytes, the same bits; `cpu_kernels.bf16_copy`), or int8 `[N, K]` with per-row scales or a
 scale per 32 weights (GGUF Q8_0), weight-only or w8a8), many-row steps take the register tiles 8 rows at a time or the MKL SGEMM torch ships
 (`cpu_kernels.calibrate` picks by timing both on the model's weights when it is built), K/V go into their pages
 and attention reads the pages in place.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
@@ -37,7 +39,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _Lin(ctypes.Structure):
     _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64), ("w8a8", _I64), ("zero", _PTR),
-                ("group", _I64), ("w16", _PTR), ("int4", _I64), ("zoff", _I64), ("skind", _I64)]
+                ("group", _I64), ("w16", _PTR), ("int4", _I64), ("zoff", _I64), ("skind", _I64), ("panels", _I64)]
 
 
 class _Moe(ctypes.Structure):
@@ -107,15 +109,20 @@ class CpuForward:
             final_norm=model.model.norm.weight.data_ptr(), inv_freq=self._inv_freq.data_ptr(), layers=self._layers)
         self._mref = ctypes.byref(self._model)
         head = model.lm_head
-        self._head = head.weight if (type(head) is nn.Linear and head.bias is None
-                                     and cpu_kernels.linear_fits(torch.empty(1, 1), head.weight)) else None
-        # the head as the C side's projection: a column-major float32 Linear (and its bf16 copy) or an int8 /
-        # w8a8 QuantLinear
-        self._head_lin, self._head16 = None, None
-        if self._head is not None:
-            self._head16 = cpu_kernels.bf16_copy(self._head)
-            self._head_lin = _Lin(w=self._head.data_ptr(), scale=None, bias=None, ld=self._head.stride(1), w8a8=0,
-                                  w16=_ptr(self._head16))
+        # the head as the C side's projection: a float32 Linear in panels (`build` packs an untied one) or
+        # column-major (tied: the embedding lookup reads its rows), with its bf16 copy; or an int8 / w8a8
+        # QuantLinear. `_head`: (the float32 weight, its bf16 copy) for `logits`
+        self._head_lin, self._head = None, None
+        if type(head) is cpu_kernels.PackedLinear and head.bias is None:
+            packed = head.packed.detach()
+            self._head = (packed, cpu_kernels.bf16_copy(cpu_kernels.unpack_f32(packed, head.out_features)))
+            self._head_lin = _Lin(w=packed.data_ptr(), scale=None, bias=None, ld=0, w8a8=0,
+                                  w16=_ptr(self._head[1]), panels=1)
+        elif (type(head) is nn.Linear and head.bias is None
+              and cpu_kernels.linear_fits(torch.empty(1, 1), head.weight)):
+            self._head = (head.weight, cpu_kernels.bf16_copy(head.weight))
+            self._head_lin = _Lin(w=head.weight.data_ptr(), scale=None, bias=None, ld=head.weight.stride(1), w8a8=0,
+                                  w16=_ptr(self._head[1]))
         elif getattr(head, "bias", None) is None:
             self._head_lin = _lin_group([head], None, self._keep)
         self._head_ref = None if self._head_lin is None else ctypes.byref(self._head_lin)
@@ -141,12 +148,20 @@ class CpuForward:
             return None
         if not cpu_kernels.attention_fits(torch.empty(1, 1, 1), k_caches[0]):
             return None
+        # the float32 linears' machine-dependent choices (register blocks on large weights, the SGEMM's rows),
+        # timed on this model's weights once per process (before they are packed in panels)
+        cpu_kernels.calibrate([m.weight for m in model.modules() if type(m) is nn.Linear])
         keep: list = []
         layers = []
         for i, lay in enumerate(model.model.layers):
             att, mlp = lay.self_attn, lay.mlp
             if type(lay.input_layernorm.weight) is not nn.Parameter:
                 return None
+            _pack_panels(att, ("q_proj", "k_proj", "v_proj"))
+            _pack_panels(att, ("o_proj",))
+            if getattr(mlp, "experts", None) is None:
+                _pack_panels(mlp, ("gate_proj", "up_proj"))
+                _pack_panels(mlp, ("down_proj",))
             qkv = _lin_group([att.q_proj, att.k_proj, att.v_proj], att.fused, keep)
             o = _lin_group([att.o_proj], None, keep)
             moe = None
@@ -172,9 +187,9 @@ class CpuForward:
                                  q_norm=qk[0].data_ptr() if qk else None, k_norm=qk[1].data_ptr() if qk else None))
         if model.model.norm.weight.dtype != torch.float32:
             return None
-        # the float32 linears' machine-dependent choices (register blocks on large weights, the SGEMM's rows),
-        # timed on this model's weights once per process
-        cpu_kernels.calibrate([m.weight for m in model.modules() if type(m) is nn.Linear])
+        head = model.lm_head
+        if type(head) is nn.Linear and head.weight.untyped_storage().data_ptr() != emb.untyped_storage().data_ptr():
+            _pack_panels(model, ("lm_head",))  # (a tied head stays column-major: the embedding reads its rows)
         return cls(model, layers, keep, k_caches[0])
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, seqs: torch.Tensor,
@@ -231,10 +246,13 @@ class CpuForward:
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of hidden rows [N, H]: the head through the streaming GEMV / SGEMM where it is a plain
-        column-major float32 Linear, else the model's own `compute_logits`."""
+        """fp32 logits of hidden rows [N, H]: the head through the kernels' float32 linear where it is a plain
+        float32 Linear (in panels or column-major), else the model's own `compute_logits`."""
         if self._head is not None:
-            return cpu_kernels.linear(hidden, self._head, weight16=self._head16)
+            w, w16 = self._head
+            if w.dim() == 3:
+                return cpu_kernels.linear_packed(hidden, w, self.vocab, weight16=w16)
+            return cpu_kernels.linear(hidden, w, weight16=w16)
         return self._model_ref.compute_logits(hidden)
 
 
@@ -265,6 +283,32 @@ def _moe_block(moe: nn.Module, keep: list) -> _Moe | None:
     return block
 
 
+def _pack_panels(owner: nn.Module, names: tuple[str, ...]) -> None:
+    """Swap `owner`'s float32 Linears `names` (one, or a group over the same input that cpu_weight_layout fused
+    into `owner.fused`) for `cpu_kernels.PackedLinear`s over one tensor of panels (`pack_f32`: a one-row pass
+    reads it in address order, ~1.25x the [K, N] weight's speed from memory), each viewing its own panels, and
+    `owner.fused` for the panels: the [K, N] weight is then held by nothing and freed, so the weight is in memory
+    once. Left as it is where a group member's width is not a whole number of panels, or TANDEM_CPU_PANELS=0."""
+    linears = [getattr(owner, name) for name in names]
+    fused = getattr(owner, "fused", None) if len(names) > 1 else None
+    sizes = [lin.out_features for lin in linears]
+    if (os.environ.get("TANDEM_CPU_PANELS", "1") == "0" or any(type(lin) is not nn.Linear for lin in linears)
+            or not all(cpu_kernels.linear_fits(torch.empty(1, 1), lin.weight) for lin in linears)
+            or (len(names) > 1 and (fused is None or fused[0].dim() != 2))
+            or any(n % cpu_kernels.PANEL for n in sizes[:-1])):
+        return
+    with torch.no_grad():
+        packed = cpu_kernels.pack_f32(fused[0].t() if fused is not None else linears[0].weight)
+        start = 0
+        for name, lin, n in zip(names, linears, sizes):
+            p0 = start // cpu_kernels.PANEL
+            setattr(owner, name, cpu_kernels.PackedLinear(packed[p0:p0 + (n + cpu_kernels.PANEL - 1)
+                                                                 // cpu_kernels.PANEL], n, lin.bias))
+            start += n
+    if fused is not None:
+        owner.fused = (packed, fused[1], fused[2])
+
+
 def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Lin | None:
     """One projection over the same input: float32 (the fused [K, sum N] weight of cpu_weight_layout, or one
     column-major weight; with its bf16 copy where that is exact) or int8 / w8a8 QuantLinears of one mode (their
@@ -275,6 +319,15 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
         # act-order weights gather their input first, per-token int8 activations are quantised first:
         # QuantLinear.forward does, the C stack does not
         return None
+    if all(type(lin) is cpu_kernels.PackedLinear for lin in linears):
+        if len(linears) > 1 and (fused is None or fused[0].dim() != 3):
+            return None
+        packed, b = (fused[0], fused[1]) if len(linears) > 1 else (linears[0].packed.detach(), linears[0].bias)
+        n = sum(lin.out_features for lin in linears)
+        w16 = cpu_kernels.bf16_copy(cpu_kernels.unpack_f32(packed, n))
+        b = None if b is None else b.detach().float().contiguous()
+        keep.extend(t for t in (packed, w16, b) if t is not None)
+        return _Lin(w=packed.data_ptr(), scale=None, bias=_ptr(b), ld=0, w8a8=0, w16=_ptr(w16), panels=1)
     if all(type(lin) is nn.Linear for lin in linears):
         if fused is not None:
             w, b, _ = fused

@@ -3,8 +3,10 @@
  *
  *   tk_linear_f32    y[M, N] = x[M, K] @ wt[K, N] (+ bias): the decode GEMV / skinny GEMM over a column-major
  *                    nn.Linear weight (engines.model.cpu_weight_layout stores weight.t() contiguous);
- *                    tk_linear_f32_w16 reads a bf16 copy of a bf16-exact weight, packed in panels of 32
- *                    columns, instead (the same bits)
+ *                    tk_linear_f32_panels over the same weight packed in panels of 32 columns (what the C
+ *                    decoder stack's projections are stored as: one address-order stream a panel, which memory
+ *                    serves faster than [K, N]'s four interleaved rows), tk_linear_f32_w16 / its w16 over a bf16
+ *                    copy of a bf16-exact weight packed the same way; all the same bits
  *   tk_linear_i8     y[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] (+ bias): weight-only int8, fp32 activations
  *   tk_linear_w8a8   the same weights with the activations quantised per 32 (int8 dots, q8_0's numerics;
  *                    AMX int8 tiles at 3+ rows where the CPU has them)
@@ -96,8 +98,8 @@ typedef void (*tk_sgemm_fn)(const char *, const char *, const int *, const int *
 static tk_sgemm_fn tk_sgemm = 0;
 void tk_set_sgemm(void *fn) { tk_sgemm = (tk_sgemm_fn)fn; }
 
-/* up to this many rows stream the weight (each byte read once, in address order; the rows' outputs stay in
- * L1); more rows in blocks of STREAM_ROWS, or the external SGEMM from sgemm_min_rows rows
+/* over wt [K, N], up to this many rows stream the weight (each byte read once, four rows of k at a time; the
+ * rows' outputs stay in L1); more rows in blocks of STREAM_ROWS, or the external SGEMM from sgemm_min_rows rows
  * (SGEMM_MIN_ROWS until calibrated; the int8 weight-only path keeps SGEMM_MIN_ROWS) */
 #define STREAM_ROWS 8
 #define SGEMM_MIN_ROWS 13
@@ -379,36 +381,44 @@ static const stream_fn BLOCK512[9] = {0, stream512_1, block512_2, block512_3, bl
                                       block512_6, block512_7, block512_8};
 #endif
 
-/* ---- the bf16 copy in panels ------------------------------------------------------------------------------
- * The copy (kernels/cpu_kernels.py `bf16_copy`) is packed for the register tiles, not kept in the weight's
- * [K, N] layout: panels of 32 output columns, each panel its K rows of 32 values back to back (64 bytes: one
- * cache line a row), so a pass reads every panel in address order, one or two streams a core, and sums all of K
- * in registers with no output traffic per step of k. Within a row, word 2i is column i and word 2i + 1 column
- * 16 + i of the panel: one 64-byte load widens to the panel's two 16-column halves with a shift and a mask (not
- * a cross-lane zero-extension). Columns past N are zero. Each output column's FMA chain runs over k in order
- * from 0, as the streams' does, and the last N % 8 columns take the streams' scalar sums: the same bits as
- * the float32 weight through the streams (tests/kernels/test_cpu_bf16_weights.py). */
+/* ---- the weight in panels ------------------------------------------------------------------------------------
+ * The float32 weight (kernels/cpu_kernels.py `pack_f32`) and the bf16 copy (`bf16_copy`) are packed for the
+ * register tiles, not kept in the [K, N] layout: panels of 32 output columns, each panel its K rows of 32 values
+ * back to back, so a pass reads every panel in address order (one stream a panel, which memory serves faster than
+ * four interleaved rows of [K, N]) and sums all of K in registers with no output traffic per step of k.
+ * float32: value i of a panel row is column i (128 bytes, two cache lines). bf16 (64 bytes, one line): word 2i
+ * is column i and word 2i + 1 column 16 + i of the panel, so one 64-byte load widens to the panel's two 16-column
+ * halves with a shift and a mask (not a cross-lane zero-extension). Columns past N are zero. Each output column's
+ * FMA chain runs over k in order from 0, as the streams' does, and the last N % 8 columns take the streams'
+ * scalar sums: the same bits as the [K, N] weight through the streams (tests/kernels/test_cpu_kernels.py,
+ * tests/kernels/test_cpu_bf16_weights.py). */
 #define PANEL 32
-static inline int64_t panel_at(int64_t K, int64_t k, int64_t n) { /* the word of (k, n) in the packed copy */
+static inline int64_t panel_at_F32(int64_t K, int64_t k, int64_t n) { /* the value of (k, n) in the panels */
+    return (n / PANEL) * K * PANEL + k * PANEL + n % PANEL;
+}
+static inline int64_t panel_at_BF16(int64_t K, int64_t k, int64_t n) {
     const int64_t c = n % PANEL;
     return (n / PANEL) * K * PANEL + k * PANEL + (c < 16 ? 2 * c : 2 * (c - 16) + 1);
 }
 /* the last columns [v1, n1) (fewer than 8, past the vector columns) as the streams' scalar pieces sum them */
-static void panel_tail(const float *x, int64_t ldx, int MR, int64_t K, const uint16_t *wp, float *y, int64_t ldy,
-                       int64_t v1, int64_t n1) {
-    for (int64_t n = v1; n < n1; n++)
-        for (int r = 0; r < MR; r++) {
-            const float *xr = x + r * ldx;
-            float acc = 0.f;
-            int64_t k = 0;
-            for (; k + 4 <= K; k += 4)
-                acc += xr[k] * bf16_to_f32(wp[panel_at(K, k, n)]) + xr[k + 1] * bf16_to_f32(wp[panel_at(K, k + 1, n)]) +
-                       xr[k + 2] * bf16_to_f32(wp[panel_at(K, k + 2, n)]) +
-                       xr[k + 3] * bf16_to_f32(wp[panel_at(K, k + 3, n)]);
-            for (; k < K; k++) acc += xr[k] * bf16_to_f32(wp[panel_at(K, k, n)]);
-            y[r * ldy + n] = acc;
-        }
-}
+#define TK_DEF_PANEL_TAIL(SUF, WT, AT)                                                                         \
+    static void panel_tail##SUF(const float *x, int64_t ldx, int MR, int64_t K, const WT *wp, float *y,       \
+                                int64_t ldy, int64_t v1, int64_t n1) {                                        \
+        for (int64_t n = v1; n < n1; n++)                                                                      \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                const float *xr = x + r * ldx;                                                                 \
+                float acc = 0.f;                                                                               \
+                int64_t k = 0;                                                                                 \
+                for (; k + 4 <= K; k += 4)                                                                     \
+                    acc += xr[k] * AT(wp + panel_at##SUF(K, k, n)) + xr[k + 1] * AT(wp + panel_at##SUF(K, k + 1, n)) + \
+                           xr[k + 2] * AT(wp + panel_at##SUF(K, k + 2, n)) +                                   \
+                           xr[k + 3] * AT(wp + panel_at##SUF(K, k + 3, n));                                    \
+                for (; k < K; k++) acc += xr[k] * AT(wp + panel_at##SUF(K, k, n));                             \
+                y[r * ldy + n] = acc;                                                                          \
+            }                                                                                                  \
+    }
+TK_DEF_PANEL_TAIL(_F32, float, AT_F32)
+TK_DEF_PANEL_TAIL(_BF16, uint16_t, AT_BF16)
 #ifndef PANEL_PF /* software prefetch this many panel rows ahead (0: the hardware prefetcher alone) */
 #define PANEL_PF 16
 #endif
@@ -417,23 +427,32 @@ static inline uint32_t cols_below(int64_t c0, int64_t v1) {
     const int64_t n = v1 - c0;
     return n >= 16 ? 0xffffu : n <= 0 ? 0u : (uint32_t)((1u << n) - 1);
 }
+/* the kernels' shape: x [rows, K] (row stride ldx), the panels, y (row stride ldy), the vector columns from c0
+ * (a panel's first) up to v1 */
+typedef void (*panel_fn)(const float *, int64_t, int64_t, const void *, float *, int64_t, int64_t, int64_t);
 #if TK_AVX512
-/* MR rows over NP panels side by side (NP * 2 * MR accumulators) */
-#define TK_DEF_PANEL512(MR, NP)                                                                                \
-    static void panel512_##MR##_##NP(const float *x, int64_t ldx, int64_t K, const uint16_t *wp, float *y,    \
-                                     int64_t ldy, int64_t c0, int64_t v1) {                                   \
-        const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);                                              \
+/* a panel row as its two 16-column halves */
+#define ROW512_F32(wk, lo, hi)                                                                                 \
+    const __m512 lo = _mm512_loadu_ps(wk), hi = _mm512_loadu_ps((wk) + 16)
+#define ROW512_BF16(wk, lo, hi)                                                                                \
+    const __m512i v_ = _mm512_loadu_si512((const void *)(wk));                                                 \
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v_, 16));                                          \
+    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v_, _mm512_set1_epi32((int)0xffff0000u)))
+/* MR rows over NP panels side by side (NP * 2 * MR accumulators); a prefetch per cache line of a row */
+#define TK_DEF_PANEL512(SUF, WT, ROW, MR, NP)                                                                  \
+    static void panel512##SUF##_##MR##_##NP(const float *x, int64_t ldx, int64_t K, const void *wv, float *y, \
+                                            int64_t ldy, int64_t c0, int64_t v1) {                            \
         __m512 acc[MR][NP][2];                                                                                 \
         for (int r = 0; r < MR; r++)                                                                           \
             for (int p = 0; p < NP; p++) acc[r][p][0] = acc[r][p][1] = _mm512_setzero_ps();                  \
-        const uint16_t *w0 = wp + (c0 / PANEL) * K * PANEL;                                                    \
+        const WT *w0 = (const WT *)wv + (c0 / PANEL) * K * PANEL;                                              \
         for (int64_t k = 0; k < K; k++) {                                                                      \
             for (int p = 0; p < NP; p++) {                                                                     \
-                const uint16_t *wk = w0 + p * K * PANEL + k * PANEL;                                           \
-                if (PANEL_PF && k + PANEL_PF < K) _mm_prefetch((const char *)(wk + PANEL_PF * PANEL), _MM_HINT_T0);\
-                const __m512i v = _mm512_loadu_si512((const void *)wk);                                        \
-                const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                               \
-                const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));                              \
+                const WT *wk = w0 + p * K * PANEL + k * PANEL;                                                 \
+                if (PANEL_PF && k + PANEL_PF < K)                                                              \
+                    for (int b = 0; b < (int)(PANEL * sizeof(WT)); b += 64)                                    \
+                        _mm_prefetch((const char *)(wk + PANEL_PF * PANEL) + b, _MM_HINT_T0);                  \
+                ROW(wk, lo, hi);                                                                               \
                 for (int r = 0; r < MR; r++) {                                                                 \
                     const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);                                          \
                     acc[r][p][0] = _mm512_fmadd_ps(xb, lo, acc[r][p][0]);                                      \
@@ -449,55 +468,61 @@ static inline uint32_t cols_below(int64_t c0, int64_t v1) {
                     for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(y + r * ldy + c, m, acc[r][p][h]);      \
             }                                                                                                  \
     }
-#define TK_DEF_PANELS512(MR) TK_DEF_PANEL512(MR, 1) TK_DEF_PANEL512(MR, 2)
-TK_DEF_PANELS512(1)
-TK_DEF_PANELS512(2)
-TK_DEF_PANELS512(3)
-TK_DEF_PANELS512(4)
-TK_DEF_PANEL512(5, 1)
-TK_DEF_PANEL512(6, 1)
-TK_DEF_PANEL512(7, 1)
-TK_DEF_PANEL512(8, 1)
-typedef void (*panel_fn)(const float *, int64_t, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t);
 /* [rows][panels at once - 1]: two panels a pass up to 4 rows (4-16 independent FMA chains), one beyond */
-static const panel_fn PANEL512[9][2] = {{0, 0},
-                                        {panel512_1_1, panel512_1_2},
-                                        {panel512_2_1, panel512_2_2},
-                                        {panel512_3_1, panel512_3_2},
-                                        {panel512_4_1, panel512_4_2},
-                                        {panel512_5_1, 0},
-                                        {panel512_6_1, 0},
-                                        {panel512_7_1, 0},
-                                        {panel512_8_1, 0}};
-static void panel_rows(const float *x, int64_t ldx, int MR, int64_t K, const uint16_t *wp, float *y, int64_t ldy,
-                       int64_t n0, int64_t n1) {
-    const int64_t v1 = n0 + (n1 - n0) / 8 * 8;
-    int64_t c = n0;
-    if (MR <= 4)
-        for (; c + PANEL < v1; c += 2 * PANEL) /* the second panel has vector columns, so it exists */
-            PANEL512[MR][1](x, ldx, K, wp, y, ldy, c, v1);
-    for (; c < v1; c += PANEL) PANEL512[MR][0](x, ldx, K, wp, y, ldy, c, v1);
-    if (v1 < n1) panel_tail(x, ldx, MR, K, wp, y, ldy, v1, n1);
-}
+#define TK_DEF_PANELS512(SUF, WT, ROW)                                                                         \
+    TK_DEF_PANEL512(SUF, WT, ROW, 1, 1) TK_DEF_PANEL512(SUF, WT, ROW, 1, 2) TK_DEF_PANEL512(SUF, WT, ROW, 2, 1)  \
+    TK_DEF_PANEL512(SUF, WT, ROW, 2, 2) TK_DEF_PANEL512(SUF, WT, ROW, 3, 1) TK_DEF_PANEL512(SUF, WT, ROW, 3, 2)  \
+    TK_DEF_PANEL512(SUF, WT, ROW, 4, 1) TK_DEF_PANEL512(SUF, WT, ROW, 4, 2) TK_DEF_PANEL512(SUF, WT, ROW, 5, 1)  \
+    TK_DEF_PANEL512(SUF, WT, ROW, 6, 1) TK_DEF_PANEL512(SUF, WT, ROW, 7, 1) TK_DEF_PANEL512(SUF, WT, ROW, 8, 1)  \
+    static const panel_fn PANEL512##SUF[9][2] = {{0, 0},                                                       \
+                                                 {panel512##SUF##_1_1, panel512##SUF##_1_2},                   \
+                                                 {panel512##SUF##_2_1, panel512##SUF##_2_2},                   \
+                                                 {panel512##SUF##_3_1, panel512##SUF##_3_2},                   \
+                                                 {panel512##SUF##_4_1, panel512##SUF##_4_2},                   \
+                                                 {panel512##SUF##_5_1, 0},                                     \
+                                                 {panel512##SUF##_6_1, 0},                                     \
+                                                 {panel512##SUF##_7_1, 0},                                     \
+                                                 {panel512##SUF##_8_1, 0}};                                    \
+    static void panel_rows##SUF(const float *x, int64_t ldx, int MR, int64_t K, const WT *wp, float *y,       \
+                                int64_t ldy, int64_t n0, int64_t n1) {                                        \
+        const int64_t v1 = n0 + (n1 - n0) / 8 * 8;                                                             \
+        int64_t c = n0;                                                                                        \
+        if (MR <= 4)                                                                                           \
+            for (; c + PANEL < v1; c += 2 * PANEL) /* the second panel has vector columns, so it exists */     \
+                PANEL512##SUF[MR][1](x, ldx, K, wp, y, ldy, c, v1);                                            \
+        for (; c < v1; c += PANEL) PANEL512##SUF[MR][0](x, ldx, K, wp, y, ldy, c, v1);                         \
+        if (v1 < n1) panel_tail##SUF(x, ldx, MR, K, wp, y, ldy, v1, n1);                                       \
+    }
+TK_DEF_PANELS512(_F32, float, ROW512_F32)
+TK_DEF_PANELS512(_BF16, uint16_t, ROW512_BF16)
 #elif TK_AVX2
-/* 8 wide: a panel row is two 32-byte loads, each widened to 8 columns of each half; MR <= 2 rows a pass (8
- * accumulators a row pair), more rows in pairs (the panel again, from the caches) */
-#define TK_DEF_PANEL256(MR)                                                                                    \
-    static void panel256_##MR(const float *x, int64_t ldx, int64_t K, const uint16_t *wp, float *y,           \
-                              int64_t ldy, int64_t c0, int64_t v1) {                                          \
-        const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);                                              \
-        __m256 acc[MR][4]; /* columns 0-7, 16-23 (the first load), 8-15, 24-31 (the second) */                \
+/* 8 wide: a panel row as four 8-column vectors, at columns OFF_* of the panel; up to 2 rows a pass over whole
+ * rows (8 accumulators a row pair), more rows over half a row at a time, 4 rows a pass (8 accumulators, fewer
+ * loads per FMA), each panel's passes back to back so that their rereads come from L2 */
+#define ROW256_F32(wk, a, b, c, d)                                                                             \
+    const __m256 a = _mm256_loadu_ps(wk), b = _mm256_loadu_ps((wk) + 8), c = _mm256_loadu_ps((wk) + 16),       \
+                 d = _mm256_loadu_ps((wk) + 24)
+#define ROW256_BF16(wk, a, b, c, d)                                                                            \
+    const __m256i hi16_ = _mm256_set1_epi32((int)0xffff0000u);                                                 \
+    const __m256i v0_ = _mm256_loadu_si256((const __m256i *)(wk));                                             \
+    const __m256i v1_ = _mm256_loadu_si256((const __m256i *)((wk) + 16));                                      \
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(v0_, 16));                                          \
+    const __m256 b = _mm256_castsi256_ps(_mm256_and_si256(v0_, hi16_));                                        \
+    const __m256 c = _mm256_castsi256_ps(_mm256_slli_epi32(v1_, 16));                                          \
+    const __m256 d = _mm256_castsi256_ps(_mm256_and_si256(v1_, hi16_))
+static const int OFF_F32[4] = {0, 8, 16, 24}, OFF_BF16[4] = {0, 16, 8, 24};
+#define TK_DEF_PANEL256(SUF, WT, ROW, MR)                                                                      \
+    static void panel256##SUF##_##MR(const float *x, int64_t ldx, int64_t K, const WT *wp, float *y,          \
+                                     int64_t ldy, int64_t c0, int64_t v1) {                                   \
+        __m256 acc[MR][4];                                                                                     \
         for (int r = 0; r < MR; r++)                                                                           \
             for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();                                      \
-        const uint16_t *wk = wp + (c0 / PANEL) * K * PANEL;                                                    \
+        const WT *wk = wp + (c0 / PANEL) * K * PANEL;                                                          \
         for (int64_t k = 0; k < K; k++, wk += PANEL) {                                                         \
-            if (PANEL_PF && k + PANEL_PF < K) _mm_prefetch((const char *)(wk + PANEL_PF * PANEL), _MM_HINT_T0);\
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)wk);                                        \
-            const __m256i v1_ = _mm256_loadu_si256((const __m256i *)(wk + 16));                                \
-            const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));                                   \
-            const __m256 b = _mm256_castsi256_ps(_mm256_and_si256(v0, hi16));                                  \
-            const __m256 c = _mm256_castsi256_ps(_mm256_slli_epi32(v1_, 16));                                  \
-            const __m256 d = _mm256_castsi256_ps(_mm256_and_si256(v1_, hi16));                                 \
+            if (PANEL_PF && k + PANEL_PF < K)                                                                  \
+                for (int b = 0; b < (int)(PANEL * sizeof(WT)); b += 64)                                        \
+                    _mm_prefetch((const char *)(wk + PANEL_PF * PANEL) + b, _MM_HINT_T0);                      \
+            ROW(wk, a, b, c, d);                                                                               \
             for (int r = 0; r < MR; r++) {                                                                     \
                 const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                        \
                 acc[r][0] = _mm256_fmadd_ps(xb, a, acc[r][0]);                                                 \
@@ -506,48 +531,107 @@ static void panel_rows(const float *x, int64_t ldx, int MR, int64_t K, const uin
                 acc[r][3] = _mm256_fmadd_ps(xb, d, acc[r][3]);                                                 \
             }                                                                                                  \
         }                                                                                                      \
-        static const int off[4] = {0, 16, 8, 24};                                                              \
         for (int j = 0; j < 4; j++) {                                                                          \
-            const int64_t c = c0 + off[j];                                                                     \
+            const int64_t c = c0 + OFF##SUF[j];                                                                \
             if (c + 8 <= v1)                                                                                   \
                 for (int r = 0; r < MR; r++) _mm256_storeu_ps(y + r * ldy + c, acc[r][j]);                   \
         }                                                                                                      \
     }
-TK_DEF_PANEL256(1)
-TK_DEF_PANEL256(2)
-static void panel_rows(const float *x, int64_t ldx, int MR, int64_t K, const uint16_t *wp, float *y, int64_t ldy,
-                       int64_t n0, int64_t n1) {
-    const int64_t v1 = n0 + (n1 - n0) / 8 * 8;
-    for (int r0 = 0; r0 < MR; r0 += 2) {
-        const int mr = MR - r0 < 2 ? MR - r0 : 2;
-        for (int64_t c = n0; c < v1; c += PANEL)
-            (mr == 2 ? panel256_2 : panel256_1)(x + r0 * ldx, ldx, K, wp, y + r0 * ldy, ldy, c, v1);
+/* half j of a panel row as two 8-column vectors, at columns HALF_COLS_*[j] of the panel */
+#define HALF256_F32(wk, j, a, b)                                                                               \
+    const __m256 a = _mm256_loadu_ps((wk) + 16 * (j)), b = _mm256_loadu_ps((wk) + 16 * (j) + 8)
+#define HALF256_BF16(wk, j, a, b)                                                                              \
+    const __m256i v_ = _mm256_loadu_si256((const __m256i *)((wk) + 16 * (j)));                                 \
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(v_, 16));                                           \
+    const __m256 b = _mm256_castsi256_ps(_mm256_and_si256(v_, _mm256_set1_epi32((int)0xffff0000u)))
+static const int HALF_COLS_F32[2][2] = {{0, 8}, {16, 24}}, HALF_COLS_BF16[2][2] = {{0, 16}, {8, 24}};
+#define TK_DEF_HALF256(SUF, WT, HALF, MR)                                                                      \
+    static void half256##SUF##_##MR(const float *x, int64_t ldx, int64_t K, const WT *wp, float *y,           \
+                                    int64_t ldy, int64_t c0, int64_t v1, int j) {                             \
+        __m256 acc[MR][2];                                                                                     \
+        for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                             \
+        const WT *wk = wp + (c0 / PANEL) * K * PANEL;                                                          \
+        for (int64_t k = 0; k < K; k++, wk += PANEL) {                                                         \
+            if (PANEL_PF && k + PANEL_PF < K)                                                                  \
+                for (int b = 0; b < (int)(PANEL * sizeof(WT)); b += 64)                                        \
+                    _mm_prefetch((const char *)(wk + PANEL_PF * PANEL) + b, _MM_HINT_T0);                      \
+            HALF(wk, j, a, b);                                                                                 \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                        \
+                acc[r][0] = _mm256_fmadd_ps(xb, a, acc[r][0]);                                                 \
+                acc[r][1] = _mm256_fmadd_ps(xb, b, acc[r][1]);                                                 \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int h = 0; h < 2; h++) {                                                                          \
+            const int64_t c = c0 + HALF_COLS##SUF[j][h];                                                       \
+            if (c + 8 <= v1)                                                                                   \
+                for (int r = 0; r < MR; r++) _mm256_storeu_ps(y + r * ldy + c, acc[r][h]);                   \
+        }                                                                                                      \
     }
-    if (v1 < n1) panel_tail(x, ldx, MR, K, wp, y, ldy, v1, n1);
-}
+#define TK_DEF_PANELS256(SUF, WT, ROW, HALF)                                                                   \
+    TK_DEF_PANEL256(SUF, WT, ROW, 1)                                                                           \
+    TK_DEF_PANEL256(SUF, WT, ROW, 2)                                                                           \
+    TK_DEF_HALF256(SUF, WT, HALF, 1)                                                                           \
+    TK_DEF_HALF256(SUF, WT, HALF, 2)                                                                           \
+    TK_DEF_HALF256(SUF, WT, HALF, 3)                                                                           \
+    TK_DEF_HALF256(SUF, WT, HALF, 4)                                                                           \
+    static void panel_rows##SUF(const float *x, int64_t ldx, int MR, int64_t K, const WT *wp, float *y,       \
+                                int64_t ldy, int64_t n0, int64_t n1) {                                        \
+        static void (*const half[5])(const float *, int64_t, int64_t, const WT *, float *, int64_t, int64_t,   \
+                                     int64_t, int) = {0, half256##SUF##_1, half256##SUF##_2, half256##SUF##_3,  \
+                                                      half256##SUF##_4};                                       \
+        const int64_t v1 = n0 + (n1 - n0) / 8 * 8;                                                             \
+        for (int64_t c = n0; c < v1; c += PANEL) {                                                             \
+            if (MR <= 2) {                                                                                     \
+                (MR == 2 ? panel256##SUF##_2 : panel256##SUF##_1)(x, ldx, K, wp, y, ldy, c, v1);               \
+                continue;                                                                                      \
+            }                                                                                                  \
+            for (int j = 0; j < 2; j++)                                                                        \
+                for (int r0 = 0; r0 < MR; r0 += 4)                                                             \
+                    half[MR - r0 < 4 ? MR - r0 : 4](x + r0 * ldx, ldx, K, wp, y + r0 * ldy, ldy, c, v1, j);  \
+        }                                                                                                      \
+        if (v1 < n1) panel_tail##SUF(x, ldx, MR, K, wp, y, ldy, v1, n1);                                       \
+    }
+TK_DEF_PANELS256(_F32, float, ROW256_F32, HALF256_F32)
+TK_DEF_PANELS256(_BF16, uint16_t, ROW256_BF16, HALF256_BF16)
 #else
-static void panel_rows(const float *x, int64_t ldx, int MR, int64_t K, const uint16_t *wp, float *y, int64_t ldy,
-                       int64_t n0, int64_t n1) {
-    for (int r = 0; r < MR; r++)
-        for (int64_t n = n0; n < n1; n++) {
-            float s = 0.f;
-            for (int64_t k = 0; k < K; k++) s += x[r * ldx + k] * bf16_to_f32(wp[panel_at(K, k, n)]);
-            y[r * ldy + n] = s;
-        }
-}
+#define TK_DEF_PANELS_C(SUF, WT, AT)                                                                           \
+    static void panel_rows##SUF(const float *x, int64_t ldx, int MR, int64_t K, const WT *wp, float *y,       \
+                                int64_t ldy, int64_t n0, int64_t n1) {                                        \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int64_t n = n0; n < n1; n++) {                                                                \
+                float s = 0.f;                                                                                 \
+                for (int64_t k = 0; k < K; k++) s += x[r * ldx + k] * AT(wp + panel_at##SUF(K, k, n));        \
+                y[r * ldy + n] = s;                                                                            \
+            }                                                                                                  \
+    }
+TK_DEF_PANELS_C(_F32, float, AT_F32)
+TK_DEF_PANELS_C(_BF16, uint16_t, AT_BF16)
 #endif
 
-/* columns [n0, n1) of rows [0, M), bias added, from the packed bf16 copy w16 (the panels above) where there is
- * one, else from wt: more rows than one register block take the whole column range block after block (each
- * reads the weight again; narrow column strips kept in L2 for every block measured slower, their short strided
- * bursts costing more than the rereads) */
-static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, const uint16_t *w16, int64_t ldw,
-                        const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
+/* The float32 weight as the linears take it: wt [K, N] (row stride ldw), or packed in panels (wp, `pack_f32`;
+ * then wt is NULL), and its bf16 copy w16 (or NULL) in panels, which the register tiles read instead of either */
+typedef struct {
+    const float *wt, *wp;
+    const uint16_t *w16;
+    int64_t ldw;
+} f32_weight;
+
+/* columns [n0, n1) of rows [0, M), bias added, from the panels where there are some, else from wt: more rows
+ * than one register block take the whole column range block after block (each reads the weight again; narrow
+ * column strips kept in L2 for every block measured slower, their short strided bursts costing more than the
+ * rereads) */
+static void linear_cols(const float *x, int64_t M, int64_t K, const f32_weight *w, const float *bias, float *y,
+                        int64_t N, int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += STREAM_ROWS) {
         int mr = (int)(M - m0 < STREAM_ROWS ? M - m0 : STREAM_ROWS);
-        if (w16) {
-            panel_rows(x + m0 * K, K, mr, K, w16, y + m0 * N, N, n0, n1);
+        if (w->w16) {
+            panel_rows_BF16(x + m0 * K, K, mr, K, w->w16, y + m0 * N, N, n0, n1);
+        } else if (w->wp) {
+            panel_rows_F32(x + m0 * K, K, mr, K, w->wp, y + m0 * N, N, n0, n1);
         } else {
+            const float *wt = w->wt;
+            const int64_t ldw = w->ldw;
 #if TK_AVX512
             /* within the built-in bounds from BLOCK_MIN_ROWS rows; above them as calibrated */
             const int block = K * N <= block_max_kn && (K <= BLOCK_MAX_K && K * N <= BLOCK_MAX_KN
@@ -571,28 +655,69 @@ static void linear_cols(const float *x, int64_t M, int64_t K, const float *wt, c
     }
 }
 
-/* tk_linear_f32 with the weight's bf16 copy w16 (or NULL) for the register tiles; the SGEMM reads wt */
-void tk_linear_f32_w16(const float *x, int64_t M, int64_t K, const float *wt, const uint16_t *w16, int64_t ldw,
-                       int64_t N, const float *bias, float *y, int nthreads) {
-    if (tk_sgemm && M >= sgemm_min_rows && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)) {
-        /* row-major y[M,N] = x[M,K] wt[K,N] is column-major y^T = wt^T x^T */
-        int n = (int)N, m = (int)M, k = (int)K, lw = (int)ldw;
+/* the external SGEMM over panels: strips of SGEMM_STRIP columns unpacked to [K, strip] in a scratch buffer (a
+ * bounded copy of the weight's bytes, small beside the 2 M K N flops of the rows that take the SGEMM) */
+#define SGEMM_STRIP 256
+static void *sgemm_scratch;
+static size_t sgemm_scratch_cap;
+static int sgemm_panels(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y) {
+    if (grow_scratch(&sgemm_scratch, &sgemm_scratch_cap, sizeof(float) * (size_t)K * SGEMM_STRIP)) return 1;
+    float *s = (float *)sgemm_scratch;
+    for (int64_t c0 = 0; c0 < N; c0 += SGEMM_STRIP) {
+        const int64_t nb = N - c0 < SGEMM_STRIP ? N - c0 : SGEMM_STRIP; /* c0 starts a panel */
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t c = 0; c < nb; c += PANEL)
+                memcpy(s + k * nb + c, wp + ((c0 + c) / PANEL) * K * PANEL + k * PANEL,
+                       sizeof(float) * (size_t)(nb - c < PANEL ? nb - c : PANEL));
+        int n = (int)nb, m = (int)M, k = (int)K, ld = (int)N;
         float one = 1.f, zero = 0.f;
-        tk_sgemm("N", "N", &n, &m, &k, &one, wt, &lw, x, &k, &zero, y, &n);
+        tk_sgemm("N", "N", &n, &m, &k, &one, s, &n, x, &k, &zero, y + c0, &ld);
+    }
+    return 0;
+}
+
+/* y[M, N] = x @ w (+ bias); 0, or 1 when the SGEMM's scratch allocation failed */
+static int linear_f32(const float *x, int64_t M, int64_t K, const f32_weight *w, int64_t N, const float *bias,
+                      float *y, int nthreads) {
+    if (tk_sgemm && M >= sgemm_min_rows && M < (1 << 30) && K < (1 << 30) && N < (1 << 30)) {
+        if (w->wt) {
+            /* row-major y[M,N] = x[M,K] wt[K,N] is column-major y^T = wt^T x^T */
+            int n = (int)N, m = (int)M, k = (int)K, lw = (int)w->ldw;
+            float one = 1.f, zero = 0.f;
+            tk_sgemm("N", "N", &n, &m, &k, &one, w->wt, &lw, x, &k, &zero, y, &n);
+        } else if (sgemm_panels(x, M, K, w->wp, N, y)) {
+            return 1;
+        }
         if (bias)
             for (int64_t r = 0; r < M; r++)
                 for (int64_t c = 0; c < N; c++) y[r * N + c] += bias[c];
-        return;
+        return 0;
     }
-#define F32_COLS(a, b) linear_cols(x, M, K, wt, w16, ldw, bias, y, N, a, b)
-    if (w16) TK_OVER_COLUMNS(N, nthreads, PANEL, F32_COLS); /* a thread's columns start a panel */
+#define F32_COLS(a, b) linear_cols(x, M, K, w, bias, y, N, a, b)
+    if (w->w16 || w->wp) TK_OVER_COLUMNS(N, nthreads, PANEL, F32_COLS); /* a thread's columns start a panel */
     else TK_OVER_COLUMNS(N, nthreads, 16, F32_COLS);
 #undef F32_COLS
+    return 0;
+}
+
+/* tk_linear_f32 with the weight's bf16 copy w16 (or NULL) for the register tiles; the SGEMM reads wt */
+void tk_linear_f32_w16(const float *x, int64_t M, int64_t K, const float *wt, const uint16_t *w16, int64_t ldw,
+                       int64_t N, const float *bias, float *y, int nthreads) {
+    const f32_weight w = {wt, 0, w16, ldw};
+    linear_f32(x, M, K, &w, N, bias, y, nthreads); /* (wt: no scratch) */
 }
 
 void tk_linear_f32(const float *x, int64_t M, int64_t K, const float *wt, int64_t ldw, int64_t N,
                    const float *bias, float *y, int nthreads) {
     tk_linear_f32_w16(x, M, K, wt, 0, ldw, N, bias, y, nthreads);
+}
+
+/* the same over the weight packed in panels (wp, `pack_f32`) and its bf16 copy w16 or NULL; 0, or 1 when a
+ * scratch allocation failed */
+int tk_linear_f32_panels(const float *x, int64_t M, int64_t K, const float *wp, const uint16_t *w16, int64_t N,
+                         const float *bias, float *y, int nthreads) {
+    const f32_weight w = {0, wp, w16, 0};
+    return linear_f32(x, M, K, &w, N, bias, y, nthreads);
 }
 
 /* ---- weight-only int8 linear: q [N, K] row-major, per-row scale -------------------------------------------- */
@@ -2017,7 +2142,7 @@ void tk_rope_f32(float *x, int64_t T, int64_t ldx, int64_t h0, int64_t h1, int64
  * int8 `q [N, K]` with per-row scales (weight-only, or w8a8), or int4 with per-group scales and zeros (w4a8). */
 
 typedef struct {
-    const void *w; /* float32 wt [K, N] (row stride ld) or int8 q [N, K] */
+    const void *w; /* float32 wt [K, N] (row stride ld) or packed in panels (`panels`), or int8 q [N, K] */
     const float *scale; /* int8: float32 [N], or float16 bits [N, K / 32] where group is 32; NULL for float32 */
     const float *bias;  /* [N] or NULL */
     int64_t ld;
@@ -2030,6 +2155,7 @@ typedef struct {
     int64_t int4;        /* 1: int4 weights (tk_linear_w4a8; zero may then be NULL, 8 everywhere) */
     int64_t zoff;        /* int4: added to each packed zero nibble */
     int64_t skind;       /* int4: the scales' type as stored (0 float32, 1 float16, 2 bfloat16) */
+    int64_t panels;      /* float32: 1 where w is packed in panels (tk_linear_f32_panels), not wt [K, N] */
 } tk_lin;
 
 /* A mixture-of-experts block in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router's softmax
@@ -2072,6 +2198,8 @@ static int lin_apply(const tk_lin *l, const float *x, int64_t M, int64_t K, int6
     if (l->scale && l->w8a8) return tk_linear_w8a8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);
     if (l->scale)
         tk_linear_i8(x, M, K, (const int8_t *)l->w, l->scale, N, l->bias, y, nthreads);
+    else if (l->panels)
+        return tk_linear_f32_panels(x, M, K, (const float *)l->w, l->w16, N, l->bias, y, nthreads);
     else
         tk_linear_f32_w16(x, M, K, (const float *)l->w, l->w16, l->ld, N, l->bias, y, nthreads);
     return 0;

@@ -86,8 +86,12 @@ class LeanDraftRunner:
                 or cfg.qk_norm or getattr(cfg, "hidden_act", "silu") != "silu" or not cfg.traits.plain):
             return False
         dtype = next(model.parameters()).dtype
+        from kernels.cpu_kernels import PackedLinear
+
         linears = [m for m in model.modules() if m.__class__.__name__.endswith("Linear")]
-        if any(type(m) is not torch.nn.Linear for m in linears) or dtype not in (torch.float32, torch.bfloat16):
+        # (a PackedLinear is float32 in panels, read here through its unpacked `weight`)
+        if (any(type(m) not in (torch.nn.Linear, PackedLinear) for m in linears)
+                or dtype not in (torch.float32, torch.bfloat16)):
             return False  # quantised layers or an unusual dtype: the model's own forward knows them
         table = cfg.max_position_embeddings * cfg.head_dim * cfg.head_dim * torch.finfo(dtype).bits // 8
         weights = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -93,7 +93,7 @@ def test_the_avx2_build_reads_the_bf16_copy_to_the_same_bits():
     for n, k in SHAPES:
         w16 = torch.randn(k, n, generator=g).bfloat16()  # wt [K, N]
         w32 = w16.float()
-        for m in (1, 3, 8, 11):
+        for m in (1, 2, 3, 6, 8, 11):
             x = torch.randn(m, k, generator=g)
             y, y16 = torch.empty(m, n), torch.empty(m, n)
             lib.tk_linear_f32(x.data_ptr(), m, k, w32.data_ptr(), n, n, None, y.data_ptr(), 1)
@@ -134,8 +134,8 @@ def test_the_decoder_stack_and_draft_are_bit_identical_with_bf16_weights(monkeyp
     fast16 = CpuForward.build(model, runner.k_caches, runner.v_caches)
     monkeypatch.setenv("TANDEM_CPU_BF16_WEIGHTS", "0")
     fast32 = CpuForward.build(model, runner.k_caches, runner.v_caches)
-    assert all(_w16_pointers(fast16)) and fast16._head16 is not None and fast16._head_lin.w16
-    assert not any(_w16_pointers(fast32)) and fast32._head16 is None and not fast32._head_lin.w16
+    assert all(_w16_pointers(fast16)) and fast16._head[1] is not None and fast16._head_lin.w16
+    assert not any(_w16_pointers(fast32)) and fast32._head[1] is None and not fast32._head_lin.w16
 
     g = torch.Generator().manual_seed(0)
     kv.copy_(torch.randn(kv.shape, generator=g))  # contexts of random K/V: both paths read the same bytes
