@@ -33,12 +33,15 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import logging
 import os
 import platform
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -187,10 +190,12 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
       paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape, the SGEMM keeps the
       row counts from the first where it is faster.
 
-    Each choice is made once per process, by the first model whose weights can make it. A choice changes only
-    for a clear 3% gain. Returns the choices ({"blocks": "blocks" | "streams" | None, "block_min_rows": n,
-    "stream_pf": n, "sgemm_min_rows": n, and the milliseconds measured}), None where the kernels are not loaded
-    or `TANDEM_CPU_CALIBRATE=0` keeps the built-in choices."""
+    Each choice is made once per process, by the first model whose weights can make it, and remembered on disk
+    for this kernel build, CPU and those weights' shapes (`cache_dir()`; a later process, a restart of the same
+    server, reads it instead of timing again: ~55 ms of start-up on the tiny pair; `TANDEM_CPU_CALIBRATE=fresh`
+    times again and rewrites it). A choice changes only for a clear 3% gain. Returns the choices ({"blocks":
+    "blocks" | "streams" | None, "block_min_rows": n, "stream_pf": n, "sgemm_min_rows": n, and the milliseconds
+    measured}), None where the kernels are not loaded or `TANDEM_CPU_CALIBRATE=0` keeps the built-in choices."""
     global _calibration
     lib = load()
     if lib is None or os.environ.get("TANDEM_CPU_CALIBRATE", "1") == "0":
@@ -199,61 +204,116 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
         out = _calibration or {"blocks": None, "block_min_rows": None, "stream_pf": None, "sgemm_min_rows": None,
                                "ms": {}}
         f32 = [w for w in weights if w.dim() == 2 and linear_fits(torch.empty(1, 1), w)]
-        bound = BLOCK_MAX_KN
         # each choice once per process, on the first model that can make it (a draft built first has no
         # weight above the bounds: the blocks' choice waits for a model that has)
         big, size = [], 0
         for w in f32:
-            if (w.numel() > bound or w.shape[1] > BLOCK_MAX_K) and size < CALIBRATION_BYTES:
+            if (w.numel() > BLOCK_MAX_KN or w.shape[1] > BLOCK_MAX_K) and size < CALIBRATION_BYTES:
                 big.append(w)
                 size += 4 * w.numel()
-        made = False
+        made = []
         if out["blocks"] is None and big:
-            made = True
-            streams = {"block_max_kn": bound, "block_max_k": BLOCK_MAX_K, "block_min_rows": BLOCK_MIN_ROWS}
-            blocks = {"block_max_kn": NEVER, "block_max_k": NEVER, "block_min_rows": BLOCK_MIN_ROWS}
-            t = _best_pass(lib, big, 8, {"streams": streams, "blocks": blocks}, reps)
-            out["blocks"] = "blocks" if t["blocks"] < 0.97 * t["streams"] else "streams"
-            out["ms"]["8 rows above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
-            out["block_min_rows"] = BLOCK_MIN_ROWS
-            if out["blocks"] == "blocks":
-                for rows in (3, 4):  # fewer rows: the blocks where they win there too
-                    t = _best_pass(lib, big, rows, {"streams": blocks, "blocks": {**blocks, "block_min_rows": rows}},
-                                   reps)
-                    out["ms"][f"{rows} rows above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
-                    if t["blocks"] < 0.97 * t["streams"]:
-                        out["block_min_rows"] = rows
-                        break
-            for k, v in (blocks if out["blocks"] == "blocks" else streams).items():
-                getattr(lib, "tk_" + k)(v)
-            lib.tk_block_min_rows(out["block_min_rows"])
-            # one row (the streams whatever the blocks' choice): how far ahead they prefetch
-            t = _best_pass(lib, big, 1, {f"{d} ahead": {"stream_pf": d} for d in STREAM_PF_CHOICES}, reps)
-            out["ms"]["1 row above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
-            best = min(STREAM_PF_CHOICES, key=lambda d: t[f"{d} ahead"])
-            out["stream_pf"] = best if t[f"{best} ahead"] < 0.97 * t[f"{STREAM_PF} ahead"] else STREAM_PF
-            lib.tk_stream_pf(out["stream_pf"])
+            made.append(_remembered(lib, "blocks", big, lambda: _time_blocks(lib, big, reps)))
         one = list({tuple(w.shape): w for w in f32 if w.numel() <= 1 << 24}.values())  # one weight per shape
         if out["sgemm_min_rows"] is None and one:
-            made = True
-            out["sgemm_min_rows"] = lib.tk_sgemm_min_rows(-1)
-            if sgemm_address() is not None:
-                out["sgemm_min_rows"] = NEVER
-                for rows in CALIBRATION_ROWS:
-                    t = _best_pass(lib, one, rows, {"tiles": {"sgemm_min_rows": NEVER},
-                                                    "sgemm": {"sgemm_min_rows": 1}}, reps)
-                    out["ms"][f"{rows} rows"] = {k: round(v * 1e3, 3) for k, v in t.items()}
-                    if t["sgemm"] < 0.97 * t["tiles"]:
-                        out["sgemm_min_rows"] = SGEMM_MIN_ROWS if rows == CALIBRATION_ROWS[0] else rows
-                        break
+            made.append(_remembered(lib, "sgemm", one, lambda: _time_sgemm(lib, one, reps)))
+        for choice in made:
+            out["ms"].update(choice.pop("ms"))
+            out.update(choice)
+        if out["blocks"] is not None:
+            blocks = out["blocks"] == "blocks"
+            lib.tk_block_max_kn(NEVER if blocks else BLOCK_MAX_KN)
+            lib.tk_block_max_k(NEVER if blocks else BLOCK_MAX_K)
+            lib.tk_block_min_rows(out["block_min_rows"])
+            lib.tk_stream_pf(out["stream_pf"])
+        if out["sgemm_min_rows"] is not None:
             lib.tk_sgemm_min_rows(out["sgemm_min_rows"])
         _calibration = out
     if made:
         log.info("cpu kernels calibrated: passes over weights above %d MiB or K %d on the %s (from %s rows); the "
-                 "MKL SGEMM %s (ms: %s)", bound * 4 >> 20, BLOCK_MAX_K, out["blocks"] or "(none measured yet)",
+                 "MKL SGEMM %s (ms: %s)", BLOCK_MAX_KN * 4 >> 20, BLOCK_MAX_K, out["blocks"] or "(none measured yet)",
                  out["block_min_rows"], "never" if out["sgemm_min_rows"] == NEVER
                  else f"from {out['sgemm_min_rows']} rows", out["ms"])
     return out
+
+
+def _time_blocks(lib: ctypes.CDLL, big: list[torch.Tensor], reps: int) -> dict:
+    """The blocks' choice over weights from memory: blocks or streams at 8 rows, the fewest rows the blocks take,
+    the streams' prefetch distance at one row."""
+    ms: dict[str, dict[str, float]] = {}
+    streams = {"block_max_kn": BLOCK_MAX_KN, "block_max_k": BLOCK_MAX_K, "block_min_rows": BLOCK_MIN_ROWS}
+    blocks = {"block_max_kn": NEVER, "block_max_k": NEVER, "block_min_rows": BLOCK_MIN_ROWS}
+    t = _best_pass(lib, big, 8, {"streams": streams, "blocks": blocks}, reps)
+    choice = "blocks" if t["blocks"] < 0.97 * t["streams"] else "streams"
+    ms["8 rows above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+    min_rows = BLOCK_MIN_ROWS
+    if choice == "blocks":
+        for rows in (3, 4):  # fewer rows: the blocks where they win there too
+            t = _best_pass(lib, big, rows, {"streams": blocks, "blocks": {**blocks, "block_min_rows": rows}}, reps)
+            ms[f"{rows} rows above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+            if t["blocks"] < 0.97 * t["streams"]:
+                min_rows = rows
+                break
+    for k, v in (blocks if choice == "blocks" else streams).items():
+        getattr(lib, "tk_" + k)(v)
+    lib.tk_block_min_rows(min_rows)
+    # one row (the streams whatever the blocks' choice): how far ahead they prefetch
+    t = _best_pass(lib, big, 1, {f"{d} ahead": {"stream_pf": d} for d in STREAM_PF_CHOICES}, reps)
+    ms["1 row above the bound"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+    best = min(STREAM_PF_CHOICES, key=lambda d: t[f"{d} ahead"])
+    pf = best if t[f"{best} ahead"] < 0.97 * t[f"{STREAM_PF} ahead"] else STREAM_PF
+    return {"blocks": choice, "block_min_rows": min_rows, "stream_pf": pf, "ms": ms}
+
+
+def _time_sgemm(lib: ctypes.CDLL, one: list[torch.Tensor], reps: int) -> dict:
+    """From how many rows the MKL SGEMM takes over from the register tiles (NEVER: it never wins)."""
+    ms: dict[str, dict[str, float]] = {}
+    rows_from = lib.tk_sgemm_min_rows(-1)
+    if sgemm_address() is not None:
+        rows_from = NEVER
+        for rows in CALIBRATION_ROWS:
+            t = _best_pass(lib, one, rows, {"tiles": {"sgemm_min_rows": NEVER}, "sgemm": {"sgemm_min_rows": 1}},
+                           reps)
+            ms[f"{rows} rows"] = {k: round(v * 1e3, 3) for k, v in t.items()}
+            if t["sgemm"] < 0.97 * t["tiles"]:
+                rows_from = SGEMM_MIN_ROWS if rows == CALIBRATION_ROWS[0] else rows
+                break
+    return {"sgemm_min_rows": rows_from, "ms": ms}
+
+
+def _remembered(lib: ctypes.CDLL, choice: str, weights: list[torch.Tensor], measure: Callable[[], dict]) -> dict:
+    """`measure()`'s result for `choice` on this kernel build (its file name holds the source, flags and CPU
+    flags' hash), this machine's CPU model and memory, and these weight shapes: read from the file an earlier
+    process wrote, else measured now and written (TANDEM_CPU_CALIBRATE=fresh: always measured)."""
+    machine = (platform.processor(), _cpu_model(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+               os.cpu_count())
+    shapes = sorted(tuple(w.shape) for w in weights)
+    key = hashlib.sha256(repr((choice, Path(lib._name).name, machine, shapes)).encode()).hexdigest()[:20]
+    path = cache_dir() / f"calibration-{choice}-{key}.json"
+    if os.environ.get("TANDEM_CPU_CALIBRATE") != "fresh":
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    result = measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return result
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line
+    except OSError:
+        pass
+    return ""
 
 
 def calibration() -> dict | None:

@@ -128,7 +128,7 @@ def test_the_avx512_paths_give_the_avx2_paths_bits():
 
 
 @needs_kernels
-def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_process(monkeypatch):
+def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_process(monkeypatch, tmp_path):
     """`calibrate` picks two things by timing them on the weights it is given: whether few rows over a float32
     weight above 4 MiB or with K above 1024 take the register blocks or the streams, and from how many rows (the
     same bits either way: the same FMA chain per output), and from how many rows the MKL SGEMM takes over from the register tiles (8 rows at a time)
@@ -176,6 +176,7 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
                 torch.testing.assert_close(ck.linear(x, big, b), x @ big.t() + b, rtol=1e-4, atol=1e-4)
         ck.block_max_kn(default_kn)
         ck.sgemm_min_rows(default_rows)
+        monkeypatch.setenv("TANDEM_CPU_KERNELS_DIR", str(tmp_path))  # nothing remembered from earlier runs
         monkeypatch.setattr(ck, "_calibration", None)
         small = torch.randn(256, 512, generator=g).t().contiguous().t()
         out = ck.calibrate([big, small], reps=1)
@@ -201,6 +202,53 @@ def test_the_calibrated_choices_change_only_the_path_and_are_kept_for_the_proces
         ck.block_min_rows(default_min)
         ck.stream_pf(default_pf)
         ck.sgemm_min_rows(default_rows)
+
+
+def test_a_later_process_reads_the_calibrated_choices_instead_of_timing_again(monkeypatch, tmp_path):
+    """Each choice is remembered on disk per kernel build, machine and weight shapes: a new process (here the
+    per-process result reset) sets the same knobs without a timed pass; other shapes, or
+    TANDEM_CPU_CALIBRATE=fresh, are timed again."""
+    ck.load()
+    defaults = (ck.block_max_kn(), ck.block_max_k(), ck.block_min_rows(), ck.stream_pf(), ck.sgemm_min_rows())
+    monkeypatch.setenv("TANDEM_CPU_KERNELS_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(1100, 1024, generator=g).t().contiguous().t()  # above the blocks' bound
+    small = torch.randn(256, 512, generator=g).t().contiguous().t()
+    timed: list[int] = []
+    real = ck._best_pass
+
+    def counting(*args, **kwargs):
+        timed.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ck, "_best_pass", counting)
+    try:
+        monkeypatch.setattr(ck, "_calibration", None)
+        first = dict(ck.calibrate([big, small], reps=1))
+        assert timed and len(list(tmp_path.glob("calibration-*.json"))) == 2  # the blocks' and the SGEMM's
+        knobs = (ck.block_max_kn(), ck.block_max_k(), ck.block_min_rows(), ck.stream_pf(), ck.sgemm_min_rows())
+        ck.block_max_kn(defaults[0]), ck.block_max_k(defaults[1]), ck.block_min_rows(defaults[2])
+        ck.stream_pf(defaults[3]), ck.sgemm_min_rows(defaults[4])
+        timed.clear()
+        monkeypatch.setattr(ck, "_calibration", None)
+        again = ck.calibrate([big, small], reps=1)
+        assert timed == [] and {k: again[k] for k in first if k != "ms"} == {k: first[k] for k in first if k != "ms"}
+        assert (ck.block_max_kn(), ck.block_max_k(), ck.block_min_rows(), ck.stream_pf(),
+                ck.sgemm_min_rows()) == knobs
+        monkeypatch.setattr(ck, "_calibration", None)
+        ck.calibrate([torch.randn(128, 384, generator=g).t().contiguous().t()], reps=1)  # a shape not seen
+        assert timed or ck.sgemm_address() is None
+        timed.clear()
+        monkeypatch.setenv("TANDEM_CPU_CALIBRATE", "fresh")
+        monkeypatch.setattr(ck, "_calibration", None)
+        ck.calibrate([big, small], reps=1)
+        assert 8 in timed  # the blocks timed again (and the file rewritten)
+    finally:
+        ck.block_max_kn(defaults[0])
+        ck.block_max_k(defaults[1])
+        ck.block_min_rows(defaults[2])
+        ck.stream_pf(defaults[3])
+        ck.sgemm_min_rows(defaults[4])
 
 
 @needs_kernels
