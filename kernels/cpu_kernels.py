@@ -301,8 +301,8 @@ def _remembered(lib: ctypes.CDLL, choice: str, weights: list[torch.Tensor], meas
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(result))
         os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache: measured again next time
+    except OSError as exc:  # a read-only cache: measured again next time
+        log.debug("calibration not remembered in %s: %s", path, exc)
     return result
 
 

@@ -19,16 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(256, 256), (37, 19), (40, 63), (1409, 96), (3, 5), (200, 1030), (2048, 640)]  # (N, K)
 
 
-@pytest.fixture
-def register_tiles():
-    """The register tiles at every row count (no SGEMM), restored afterwards."""
-    kn, rows = ck.block_max_kn(), ck.sgemm_min_rows()
-    ck.sgemm_min_rows(ck.NEVER)
-    yield
-    ck.block_max_kn(kn)
-    ck.sgemm_min_rows(rows)
-
-
 def _bf16_exact(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(n, k, generator=g).bfloat16().float().t().contiguous().t()  # [N, K] column-major
 
