@@ -62,17 +62,23 @@ class LLGTemplate:
 class LLGMatcher:
     """An llguidance matcher with xgrammar's GrammarMatcher methods that Grammar uses: a refused token leaves
     the state unchanged, and it terminates when a stop token is accepted (llguidance itself stops as soon as
-    the grammar cannot continue; that stop token is then kept here, not in llguidance)."""
+    the grammar cannot continue; that stop token is then kept here, not in llguidance). No `rollback`: looking
+    ahead past drafts happens on a `fork`. llguidance 1.9.1's own rollback, after masks were computed past the
+    rolled-back tokens, can leave a state whose next masks allow tokens that state then refuses (found by a
+    random walk of speculative windows; tests/engines/test_structured.py pins it)."""
 
-    __slots__ = ("m", "stop_ids", "_history", "_done")
+    __slots__ = ("m", "stop_ids", "_done")
 
-    def __init__(self, m, stop_ids: frozenset[int]):
+    def __init__(self, m, stop_ids: frozenset[int], done: bool = False):
         self.m, self.stop_ids = m, stop_ids
-        self._history: list[bool] = []  # per accepted token: whether only this wrapper holds it
-        self._done = False
+        self._done = done
 
     def is_terminated(self) -> bool:
         return self._done
+
+    def fork(self) -> LLGMatcher:
+        """An independent copy at this state (llguidance's deep copy, ~2 us), to look ahead on."""
+        return LLGMatcher(self.m.deep_copy(), self.stop_ids, self._done)
 
     def accept_token(self, token: int) -> bool:
         if self._done:
@@ -80,10 +86,7 @@ class LLGMatcher:
         if self.m.is_stopped():
             if token not in self.stop_ids:
                 return False
-            self._history.append(True)
-        elif self.m.try_consume_tokens([token]) == 1:
-            self._history.append(False)
-        else:
+        elif self.m.try_consume_tokens([token]) != 1:
             return False
         self._done = token in self.stop_ids
         return True
@@ -99,13 +102,6 @@ class LLGMatcher:
         self.m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         if self.m.is_error():
             raise ValueError(f"the output constraint failed: {clean_message(self.m.get_error())}")
-
-    def rollback(self, num_tokens: int) -> None:
-        popped = [self._history.pop() for _ in range(num_tokens)]
-        real = popped.count(False)
-        if real:
-            self.m.rollback(real)
-        self._done = False
 
 
 def _bit(i: int) -> int:

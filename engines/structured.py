@@ -299,16 +299,25 @@ class Grammar:
 
     def next_mask(self) -> torch.Tensor:
         """The packed mask [W] (int32, one bit per token) of what may come next; all allowed once terminated."""
-        if self.matcher.is_terminated():
+        return self._mask_of(self.matcher)
+
+    def _mask_of(self, m) -> torch.Tensor:
+        if m.is_terminated():
             return torch.full((self._buf.shape[1],), -1, dtype=torch.int32)
-        self.matcher.fill_next_token_bitmask(self._buf, 0)
+        m.fill_next_token_bitmask(self._buf, 0)
         return self._buf[0].clone() if self.allowed is None else self._buf[0] & self.allowed
+
+    def _lookahead(self):
+        """The matcher to take drafts on and whether it must roll them back: xgrammar's own (its rollback is
+        exact), an llguidance fork (its rollback is not after masks were computed: llguidance_backend.py)."""
+        fork = getattr(self.matcher, "fork", None)
+        return (fork(), False) if fork is not None else (self.matcher, True)
 
     def window_masks(self, drafts: Seq[int]) -> torch.Tensor:
         """Masks [k + 1, W] for the positions of a speculative window: position j after drafts[:j]. A position
         after a draft the grammar forbids allows everything (verification never gets past that draft)."""
         out = torch.full((len(drafts) + 1, self._buf.shape[1]), -1, dtype=torch.int32)
-        m = self.matcher
+        m, roll_back = self._lookahead()
         taken = 0
         for j in range(len(drafts) + 1):
             if m.is_terminated():
@@ -317,7 +326,7 @@ class Grammar:
             if j == len(drafts) or drafts[j] in self.forbidden or not m.accept_token(drafts[j]):
                 break
             taken += 1
-        if taken:
+        if taken and roll_back:
             m.rollback(taken)
         if self.allowed is not None:  # rows past a refused draft stay "all" but for the forbidden tokens
             out.bitwise_and_(self.allowed)
@@ -325,16 +334,18 @@ class Grammar:
 
     def draft_mask(self, token_ids_since: Seq[int]) -> torch.Tensor:
         """The mask after the drafts so far (`token_ids_since`), leaving the state as it was."""
-        m = self.matcher
+        if not token_ids_since:
+            return self.next_mask()
+        m, roll_back = self._lookahead()
         taken = 0
         for t in token_ids_since:
             if m.is_terminated() or t in self.forbidden or not m.accept_token(t):
                 break
             taken += 1
         try:
-            return self.next_mask()
+            return self._mask_of(m)
         finally:
-            if taken:
+            if taken and roll_back:
                 m.rollback(taken)
 
 

@@ -67,7 +67,8 @@ def rejection_sample_one(draft_ids: torch.Tensor, q: torch.Tensor | None, p: tor
     cdf = r.cumsum(0)
     token = int(torch.searchsorted(cdf, cdf[-1:] * u_l[k], right=True))
     if token >= r.shape[0] or not r[token] > 0:  # rounding at the top end: the last live token
-        token = int(torch.nonzero(r)[-1]) if bool((r > 0).any()) else 0
+        live = (r > 0).nonzero()  # not torch.nonzero(r): a NaN is nonzero, and may sit where p is 0
+        token = int(live[-1]) if len(live) else 0
     return drafts[:acc] + [token], acc
 
 

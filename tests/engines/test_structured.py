@@ -271,3 +271,68 @@ def test_the_async_engine_compiles_a_new_schema_off_the_event_loop(plain, monkey
     last, loop_thread = asyncio.run(run())
     assert json.loads(last.outputs[0].text).keys() == {"k"}
     assert threads and threads[0] is not loop_thread  # the first (uncached) compile ran on a worker thread
+
+
+def _allowed(mask: torch.Tensor, vocab: int) -> list[int]:
+    bits = (mask[:, None].to(torch.int64) >> torch.arange(32)) & 1
+    return bits.flatten()[:vocab].nonzero()[:, 0].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llguidance tool calls or a JSON answer", "xgrammar json_object"])
+def test_speculative_windows_on_a_grammar_keep_masks_and_state_agreeing(plain, kind):
+    """A random walk the way speculation drives a grammar: drafts taken under `draft_mask`, a window's masks
+    from `window_masks`, some of the drafts accepted plus a token from the mask after them, over and over.
+    Every mask must equal a fresh matcher's at the same tokens, and every token a mask allows must be accepted.
+    llguidance's own rollback broke this after ~30 windows (a mask allowed `"]` inside a key, the state then
+    refused it: a 500 in schemathesis on route `best`); its lookahead now runs on a fork."""
+    import random
+
+    from engines import tool_grammar
+
+    vocab = plain.engine.config.vocab_size
+    comp = GrammarCompiler(plain.tokenizer, vocab, plain.engine.eos_token_ids)
+    if kind.startswith("llguidance"):  # response_format json_object with tool_choice auto: the Lark form
+        so = StructuredOutput("tool_calls", tool_grammar.spec([("0", True)], True, {"type": "object"}),
+                              "tool_choice")
+    else:
+        so = StructuredOutput("json_object", "")
+    compiled = comp.compile(so)
+    decode = plain.tokenizer.backend.decode
+    # JSON punctuation and no closing brace, so the answers nest and run long
+    nesting = {i for i in range(vocab) if any(c in decode([i]) for c in '[":,{') and "}" not in decode([i])}
+    ends = set(plain.engine.eos_token_ids)
+
+    def choose(rng: random.Random, ids: list[int], p: float) -> int:
+        pick = [i for i in ids if i in nesting] if rng.random() < p else [i for i in ids if i not in ends]
+        return rng.choice(pick or ids)
+
+    def fresh(tokens: list[int]) -> torch.Tensor | None:
+        """The mask after `tokens` from a matcher that only ever went forward (None once it has ended)."""
+        g = comp.matcher(compiled)
+        for t in tokens:
+            g.accept(t)
+        return None if g.matcher.is_terminated() else g.next_mask()
+
+    lengths = []
+    for seed in (1100028, 1200081, 7, 8):  # the first two broke llguidance's rollback at windows 32 and 20
+        rng = random.Random(seed)
+        g = comp.matcher(compiled)
+        out: list[int] = []
+        for _ in range(40):
+            drafts: list[int] = []
+            for _ in range(rng.randint(0, 4)):
+                drafts.append(choose(rng, _allowed(g.draft_mask(drafts), vocab), 0.7))
+            masks = g.window_masks(drafts)
+            for j in range(len(drafts) + 1):
+                want = fresh(out + drafts[:j])
+                assert want is None or torch.equal(masks[j], want), (seed, len(out), j)
+            acc = rng.randint(0, len(drafts))
+            for t in drafts[:acc] + [choose(rng, _allowed(masks[acc], vocab), 0.8)]:
+                g.accept(t)  # raises where the state refuses what its mask allowed
+                out.append(t)
+                if g.matcher.is_terminated():
+                    break
+            if g.matcher.is_terminated():
+                break
+        lengths.append(len(out))
+    assert max(lengths) > 20, lengths  # long enough to have crossed nested brackets
