@@ -278,7 +278,13 @@ def _allowed(mask: torch.Tensor, vocab: int) -> list[int]:
     return bits.flatten()[:vocab].nonzero()[:, 0].tolist()
 
 
-@pytest.mark.parametrize("kind", ["llguidance tool calls or a JSON answer", "xgrammar json_object"])
+WALK_SCHEMA = {"type": "object", "required": ["tags"], "properties": {  # date-time: llguidance's
+    "when": {"type": "string", "format": "date-time"},
+    "tags": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "array"}}}}}
+
+
+@pytest.mark.parametrize("kind", ["llguidance tool calls or a JSON answer", "llguidance JSON schema",
+                                  "xgrammar json_object", "xgrammar tool calls"])
 def test_speculative_windows_on_a_grammar_keep_masks_and_state_agreeing(plain, kind):
     """A random walk the way speculation drives a grammar: drafts taken under `draft_mask`, a window's masks
     from `window_masks`, some of the drafts accepted plus a token from the mask after them, over and over.
@@ -291,12 +297,19 @@ def test_speculative_windows_on_a_grammar_keep_masks_and_state_agreeing(plain, k
 
     vocab = plain.engine.config.vocab_size
     comp = GrammarCompiler(plain.tokenizer, vocab, plain.engine.eos_token_ids)
-    if kind.startswith("llguidance"):  # response_format json_object with tool_choice auto: the Lark form
+    if kind == "llguidance tool calls or a JSON answer":  # response_format json_object, tool_choice auto
         so = StructuredOutput("tool_calls", tool_grammar.spec([("0", True)], True, {"type": "object"}),
                               "tool_choice")
+    elif kind == "llguidance JSON schema":
+        so = StructuredOutput.json_schema(WALK_SCHEMA)
+    elif kind == "xgrammar tool calls":  # tool_choice auto: xgrammar's structural tag
+        so = StructuredOutput("tool_calls", tool_grammar.spec(
+            [("f", {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "object"}}}})]),
+            "tool_choice")
     else:
         so = StructuredOutput("json_object", "")
     compiled = comp.compile(so)
+    assert kind.startswith("llguidance") == (type(compiled).__name__ == "LLGTemplate"), type(compiled)
     decode = plain.tokenizer.backend.decode
     # JSON punctuation and no closing brace, so the answers nest and run long
     nesting = {i for i in range(vocab) if any(c in decode([i]) for c in '[":,{') and "}" not in decode([i])}
