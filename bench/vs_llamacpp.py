@@ -14,6 +14,8 @@ and 8-bit: by default q8_0 for every matrix for
 llama.cpp (the tied embedding / output head too, as `convert_hf_to_gguf.py --outtype q8_0` writes it) against
 tandem's `w8a8` (int8 weights and head, activations quantised per 32 as q8_0's dots do); with
 `--tandem-8bit int8`, tandem's weight-only int8 against q8_0 layers with an f32 head (both heads f32).
+`--adaptive-threads` makes --threads tandem's maximum (each kind of kernel call takes the fastest count up to it,
+as by default where no count is given), not its fixed count; llama-server keeps `-t` either way.
 `--cells spec` runs speculation on both servers: the widened pair (training/widen.py's tandem-tiny-l x5, f32,
 with tandem-tiny-s drafting: w8a8 in tandem, Q8_0 in llama-server's `-md`), each server with and without its
 draft, on held-out code.
@@ -21,7 +23,7 @@ draft, on held-out code.
     .venv/bin/python bench/vs_llamacpp.py --build              # once: build llama-server
     .venv/bin/python bench/vs_llamacpp.py [--models tiny-l,llama80m] [--quant f32,8bit] [--streams 1 8 32]
         [--threads 1] [--rounds 2] [--max-tokens 64] [--prompt-tokens 64] [--seconds 12] [--warmup-seconds 4]
-        [--tandem-8bit w8a8]
+        [--tandem-8bit w8a8] [--adaptive-threads]
     .venv/bin/python bench/vs_llamacpp.py --cells spec [--spec-streams 1] [--threads 1] [--rounds 2]
 """
 
@@ -700,8 +702,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-repeats", type=int, default=2)
     ap.add_argument("--tandem-8bit", choices=["w8a8", "int8"], default="w8a8",
                     help="tandem's 8-bit mode (w8a8: against q8_0 everywhere; int8: against q8_0 with an f32 head)")
+    ap.add_argument("--adaptive-threads", action="store_true",
+                    help="tandem's --threads is the most a kernel call takes (TANDEM_ADAPTIVE_THREADS=1: "
+                    "kernels/thread_governor.py times each count up to it per kind of call and takes the "
+                    "fastest); default: exactly --threads, as llama-server's -t")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_llamacpp.json"))
     args = ap.parse_args(argv)
+    if args.adaptive_threads:  # start_tandem's environment is this process's
+        os.environ["TANDEM_ADAPTIVE_THREADS"] = "1"
     if args.build:
         print(build_llama_server())
         return 0

@@ -20,9 +20,15 @@ _hint = 0  # the count the latest `pick` gave (0: none yet)
 
 def enable(on: bool) -> None:
     """Turn the timing on or off process-wide (off: every call takes torch's thread count). engines/core.py
-    turns it off where the thread count was set explicitly."""
+    turns it off where the thread count was set explicitly, unless $TANDEM_ADAPTIVE_THREADS is "1": then an
+    explicit count is the most a call takes (`forced`); "0" turns it off everywhere."""
     global _enabled
-    _enabled = bool(on) and os.environ.get("TANDEM_ADAPTIVE_THREADS", "1") != "0"
+    _enabled = (bool(on) or forced()) and os.environ.get("TANDEM_ADAPTIVE_THREADS", "1") != "0"
+
+
+def forced() -> bool:
+    """$TANDEM_ADAPTIVE_THREADS=1: the timing stays on with an explicit thread count, as its maximum."""
+    return os.environ.get("TANDEM_ADAPTIVE_THREADS") == "1"
 
 
 def enabled() -> bool:

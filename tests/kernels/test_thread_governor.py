@@ -3,6 +3,8 @@ fastest wins, a slowed count is dropped and taken again once it is fast, an expl
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kernels import thread_governor
@@ -91,12 +93,37 @@ def test_explicit_threads_turn_it_off(monkeypatch):
 
     before = torch.get_num_threads()
     try:
+        monkeypatch.delenv("TANDEM_ADAPTIVE_THREADS", raising=False)
         monkeypatch.delenv("TANDEM_THREADS", raising=False)
         apply_cpu_threads(1)
         assert not thread_governor.enabled()
         apply_cpu_threads(0)
         assert thread_governor.enabled() == (thread_governor.os.environ.get("TANDEM_ADAPTIVE_THREADS") != "0")
         monkeypatch.setenv("TANDEM_THREADS", "1")
+        apply_cpu_threads(0)
+        assert not thread_governor.enabled()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_adaptive_threads_1_keeps_the_timing_under_an_explicit_count(monkeypatch):
+    """TANDEM_ADAPTIVE_THREADS=1: an explicit count (TANDEM_THREADS, `threads`) is the most a call takes, the
+    governor still picks the fastest count up to it; "0" keeps it off whatever the count."""
+    import torch
+
+    from engines.core import apply_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(thread_governor, "_enabled", thread_governor._enabled)  # as it was, after the test
+    try:
+        monkeypatch.setenv("TANDEM_ADAPTIVE_THREADS", "1")
+        monkeypatch.setenv("TANDEM_THREADS", "2")
+        assert apply_cpu_threads(0) == min(2, len(os.sched_getaffinity(0)))
+        assert thread_governor.enabled()
+        monkeypatch.delenv("TANDEM_THREADS")
+        apply_cpu_threads(1)
+        assert thread_governor.enabled()
+        monkeypatch.setenv("TANDEM_ADAPTIVE_THREADS", "0")
         apply_cpu_threads(0)
         assert not thread_governor.enabled()
     finally:
