@@ -13,6 +13,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from grammar_masks import allowed_ids
 
 from engines import LLM, SamplingParams
 from engines.errors import RequestRejected
@@ -273,11 +274,6 @@ def test_the_async_engine_compiles_a_new_schema_off_the_event_loop(plain, monkey
     assert threads and threads[0] is not loop_thread  # the first (uncached) compile ran on a worker thread
 
 
-def _allowed(mask: torch.Tensor, vocab: int) -> list[int]:
-    bits = (mask[:, None].to(torch.int64) >> torch.arange(32)) & 1
-    return bits.flatten()[:vocab].nonzero()[:, 0].tolist()
-
-
 WALK_SCHEMA = {"type": "object", "required": ["tags"], "properties": {  # date-time: llguidance's
     "when": {"type": "string", "format": "date-time"},
     "tags": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "array"}}}}}
@@ -334,13 +330,13 @@ def test_speculative_windows_on_a_grammar_keep_masks_and_state_agreeing(plain, k
         for _ in range(40):
             drafts: list[int] = []
             for _ in range(rng.randint(0, 4)):
-                drafts.append(choose(rng, _allowed(g.draft_mask(drafts), vocab), 0.7))
+                drafts.append(choose(rng, allowed_ids(g.draft_mask(drafts), vocab), 0.7))
             masks = g.window_masks(drafts)
             for j in range(len(drafts) + 1):
                 want = fresh(out + drafts[:j])
                 assert want is None or torch.equal(masks[j], want), (seed, len(out), j)
             acc = rng.randint(0, len(drafts))
-            for t in drafts[:acc] + [choose(rng, _allowed(masks[acc], vocab), 0.8)]:
+            for t in drafts[:acc] + [choose(rng, allowed_ids(masks[acc], vocab), 0.8)]:
                 g.accept(t)  # raises where the state refuses what its mask allowed
                 out.append(t)
                 if g.matcher.is_terminated():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import torch
+from grammar_masks import allowed_ids
 
 from engines import tool_grammar
 from engines.llguidance_backend import LLGTemplate, LLGuidanceBackend
@@ -126,17 +126,12 @@ def test_the_lark_form_accepts_exactly_what_the_structural_tag_accepts(compiler,
     assert _accepts(tok, comp, lark, text) == _accepts(tok, comp, xgr, text)
 
 
-def _allowed(mask: torch.Tensor, vocab: int) -> list[int]:
-    bits = (mask.to(torch.int64)[:, None] >> torch.arange(32)) & 1
-    return [i for i in bits.flatten().nonzero().flatten().tolist() if i < vocab]
-
-
 def _walk_call(tok, grammar, rng: random.Random, ids: list[int], steps: int = 400) -> bool:
     """Sample tokens from the grammar's own masks until the call closes (leaning towards closing tokens so
     that strings end); True when it closed within `steps` (the closing tag may end inside a token)."""
     start = len(ids)
     for _ in range(steps):
-        allowed = _allowed(grammar.next_mask(), grammar.vocab_size)
+        allowed = allowed_ids(grammar.next_mask(), grammar.vocab_size)
         closing = [i for i in allowed if tok.backend.id_to_token(i) in ('"', '}', ']', '"}', '}}', '",', 'Ċ', '</')]
         t = rng.choice(closing if closing and rng.random() < 0.7 else allowed)
         grammar.accept(t)
