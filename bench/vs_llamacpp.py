@@ -9,7 +9,8 @@ target built with `-j2` into `~/.cache/tandem/llama.cpp` (outside the repository
 about 20-40 minutes on 2 cores). The models are converted to GGUF here (this file's own converter, through the
 `gguf` package vendored in that llama.cpp tree): tandem-tiny-l and, with `--models tiny-l,llama80m`, a random
 ~80M-parameter Llama built with the same tokenizer; f32 (tandem told to read float32, TANDEM_CPU_BF16_WEIGHTS=0),
-bf16 (both models rounded to bfloat16: a BF16 GGUF against tandem's float32 math over its bf16 weight copies),
+bf16 (both models rounded to bfloat16: a BF16 GGUF against tandem's `quantization = "bf16"`, bfloat16 weights and
+activations as llama.cpp computes BF16; `--tandem-bf16 f32`: tandem's float32 math over its bf16 weight copies),
 and 8-bit: by default q8_0 for every matrix for
 llama.cpp (the tied embedding / output head too, as `convert_hf_to_gguf.py --outtype q8_0` writes it) against
 tandem's `w8a8` (int8 weights and head, activations quantised per 32 as q8_0's dots do); with
@@ -23,7 +24,7 @@ draft, on held-out code.
     .venv/bin/python bench/vs_llamacpp.py --build              # once: build llama-server
     .venv/bin/python bench/vs_llamacpp.py [--models tiny-l,llama80m] [--quant f32,8bit] [--streams 1 8 32]
         [--threads 1] [--rounds 2] [--max-tokens 64] [--prompt-tokens 64] [--seconds 12] [--warmup-seconds 4]
-        [--tandem-8bit w8a8] [--adaptive-threads]
+        [--tandem-8bit w8a8] [--tandem-bf16 bf16] [--adaptive-threads]
     .venv/bin/python bench/vs_llamacpp.py --cells spec [--spec-streams 1] [--threads 1] [--rounds 2]
 """
 
@@ -433,7 +434,7 @@ def weight_bytes(folder: Path, quant: str, gguf_path: Path, gguf) -> dict:
     return {"tandem_bytes": tb, "llama_bytes": float(ll), "params": per_layer * n_layers + head}
 
 
-def prepare(gguf, work: Path, name: str, quant: str, tandem_8bit: str) -> dict:
+def prepare(gguf, work: Path, name: str, quant: str, tandem_8bit: str, tandem_bf16: str = "bf16") -> dict:
     """The checkpoint folder, GGUF and tandem options of one (model, weights) cell."""
     base = ROOT / "models" / "tandem-tiny-l" if name == "tiny-l" else random_llama(work / name, name)
     eight, four, bf16 = quant == "8bit", quant == "int4", quant == "bf16"
@@ -442,7 +443,8 @@ def prepare(gguf, work: Path, name: str, quant: str, tandem_8bit: str) -> dict:
     folder = bf16_variant(base, work / f"{name}-bf16") if bf16 else base
     path = to_gguf(gguf, folder, work / f"{name}-{gguf_kind}.gguf", eight, head8, bf16, four_bit=four)
     return {"folder": folder, "gguf": path, "gguf_kind": gguf_kind, "bf16_reads": quant != "f32",
-            "tandem_quant": tandem_8bit if eight else "int4" if four else None}
+            "tandem_quant": tandem_8bit if eight else "int4" if four else "bf16" if bf16 and tandem_bf16 == "bf16"
+            else None}
 
 
 def model_of(kind: str) -> str:
@@ -702,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-repeats", type=int, default=2)
     ap.add_argument("--tandem-8bit", choices=["w8a8", "int8"], default="w8a8",
                     help="tandem's 8-bit mode (w8a8: against q8_0 everywhere; int8: against q8_0 with an f32 head)")
+    ap.add_argument("--tandem-bf16", choices=["bf16", "f32"], default="bf16",
+                    help="tandem's mode on the bf16 cells (bf16: quantization bf16, bfloat16 weights and "
+                    "activations, llama.cpp's BF16 numerics; f32: float32 activations over the bf16 weight copy)")
     ap.add_argument("--adaptive-threads", action="store_true",
                     help="tandem's --threads is the most a kernel call takes (TANDEM_ADAPTIVE_THREADS=1: "
                     "kernels/thread_governor.py times each count up to it per kind of call and takes the "
@@ -732,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
             cells += run_spec(server, args, threads, work, gguf)
     for name in (args.models.split(",") if kinds != ["spec"] else []):
         for quant in args.quant.split(","):
-            cell = prepare(gguf, work, name, quant, args.tandem_8bit)
+            cell = prepare(gguf, work, name, quant, args.tandem_8bit, args.tandem_bf16)
             for threads in args.threads:
                 if "decode" in kinds:
                     cells.append(run_decode(server, cell, args, name, quant, threads, prompts, work, ctx,

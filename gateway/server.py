@@ -151,7 +151,7 @@ def build_server(cfg: TandemConfig, app: Any, *, sock: socket.socket | None = No
 ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--max-model-len", int, "engines.*.max_model_len", "context length in tokens (prompt + output)"),
     ("--dtype", ["auto", "float32", "bfloat16", "float16"], "engines.*.dtype", "the weights' dtype"),
-    ("--quantization", ["none", "int8", "int4", "w8a8"], "engines.*.quantization",
+    ("--quantization", ["none", "int8", "int4", "w8a8", "bf16"], "engines.*.quantization",
      "weight quantization (int8/int4 weight-only; w8a8: int8 weights and activations, CPU)"),
     ("--max-num-seqs", int, "engines.*.max_num_seqs", "sequences in one step at most"),
     ("--max-num-batched-tokens", int, "engines.*.max_num_batched_tokens", "tokens in one step at most"),
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-revision", default=None, metavar="REV",
                         help="with a Hub id --draft: its branch, tag or commit (config: "
                              "engines.NAME-draft.revision)")
-    parser.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "w8a8"],
+    parser.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "w8a8", "bf16"],
                         help="with --draft: the draft engine's own quantization, after --quantization (a draft "
                              "changes only how many tokens are accepted, never the output; w8a8 makes a CPU "
                              "draft's passes about 2x cheaper) (config: engines.NAME-draft.quantization)")

@@ -39,7 +39,8 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _Lin(ctypes.Structure):
     _fields_ = [("w", _PTR), ("scale", _PTR), ("bias", _PTR), ("ld", _I64), ("w8a8", _I64), ("zero", _PTR),
-                ("group", _I64), ("w16", _PTR), ("int4", _I64), ("zoff", _I64), ("skind", _I64), ("panels", _I64)]
+                ("group", _I64), ("w16", _PTR), ("int4", _I64), ("zoff", _I64), ("skind", _I64), ("panels", _I64),
+                ("bf16", _I64)]
 
 
 class _Moe(ctypes.Structure):
@@ -349,6 +350,8 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
     modes = {getattr(lin, "mode", None) for lin in linears}
     if modes == {"int4"}:
         return _int4_group(linears, keep)
+    if modes == {"bf16"}:
+        return _bf16_group(linears, keep)
     if len(modes) == 1 and modes <= {"int8", "w8a8"} and all(
             isinstance(lin, QuantLinear) and lin.weight.device.type == "cpu" for lin in linears):
         if len({lin.bias is None for lin in linears}) != 1 or len({lin.int8_group for lin in linears}) != 1:
@@ -375,6 +378,35 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
         return _Lin(w=q.data_ptr(), scale=s.data_ptr(), bias=_ptr(b), ld=q.shape[1], w8a8=int(modes == {"w8a8"}),
                     group=linears[0].int8_group)  # group 32: int8 with a scale per 32 weights (GGUF Q8_0)
     return None
+
+
+def _bf16_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | None:
+    """Bf16Linears (bfloat16 weights and activations) over the same input: their pair panels stacked and the
+    modules viewing them, nothing kept twice, where each width but the last is a whole number of 16-column
+    panels (the stack is then the stacked weight's packing); else the stacked weight packed anew beside them."""
+    from kernels.quant_matmul import Bf16Linear
+
+    if (not all(isinstance(lin, Bf16Linear) and lin.packed.device.type == "cpu" for lin in linears)
+            or len({lin.bias is None for lin in linears}) != 1):
+        return None
+    with torch.no_grad():
+        if len(linears) == 1:
+            w = linears[0].packed  # (packed on huge pages already, by pack_bf16_pairs)
+        elif any(lin.out_features % cpu_kernels.PAIR_PANEL for lin in linears[:-1]):
+            w = cpu_kernels.pack_bf16_pairs(torch.cat([cpu_kernels.unpack_bf16_pairs(
+                lin.packed, lin.out_features, lin.in_features) for lin in linears]))
+        else:
+            w = hugepages.cat([lin.packed for lin in linears])
+            start = 0
+            for lin in linears:
+                n = lin.packed.shape[0]
+                lin.packed = w[start:start + n]
+                start += n
+        b = None
+        if linears[0].bias is not None:
+            b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
+    keep.extend([w] + ([b] if b is not None else []))
+    return _Lin(w=w.data_ptr(), bias=_ptr(b), bf16=1)
 
 
 def _int4_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | None:

@@ -25,6 +25,10 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
 - `linear_w4a8(x, packed, scale, zero, group, bias)`: int4 weights (kernels.quant_matmul's format, the scales
   as float32) with the activations quantised as for w8a8: one vpmaddubsw per 32 weights, the zero points
   subtracted through each block's sum.
+- `linear_bf16(x, packed, n, bias)`: bfloat16 weights (`pack_bf16_pairs`: panels of 16 columns of (k, k + 1)
+  pairs) with the activations rounded to bfloat16 (llama.cpp's BF16 numerics; `quantization = "bf16"`): the
+  products exact, the sums float32; vdpbf16ps where the CPU has AVX512-BF16 (`has_bf16_dots()`), float32 FMAs
+  elsewhere.
 - `paged_attention(...)`: attention over float32 KV pages read in place, for decode, verify windows and
   prefill chunks alike (the queries of a sequence are the last q_len of its context, causal); `write_kv`.
 - `rope_(...)`: RoPE in place on the q/k columns of a fused projection, bit-identical to torch's ops.
@@ -341,6 +345,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_linear_w4a8.restype = _INT
     lib.tk_quant_act_q8.argtypes = [_PTR, _I64, _I64, _PTR, _PTR]
     lib.tk_quant_act_q8.restype = None
+    lib.tk_linear_bf16.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT]
+    lib.tk_linear_bf16.restype = _INT
+    lib.tk_round_bf16.argtypes = [_PTR, _I64, _I64, _PTR]
+    lib.tk_round_bf16.restype = None
+    lib.tk_has_bf16_dots.restype = _INT
     lib.tk_paged_attention_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64,
                                            _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _PTR, _INT]
     lib.tk_paged_attention_f32.restype = _INT
@@ -651,6 +660,74 @@ def linear_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias:
 def linear_int8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
                     ) -> torch.Tensor:
     return F.linear(x.float(), dequantize_int8(q, scale), None if bias is None else bias.float())
+
+
+# ---- bfloat16 weights, bfloat16 activations -------------------------------------------------------------------
+
+PAIR_PANEL = 16  # output columns per pair panel (cpu_kernels.c, "bfloat16 weights with bfloat16 activations")
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] (any strides, any float dtype) rounded to bfloat16 and packed for `linear_bf16`:
+    [ceil(N / 16), ceil(K / 2), 32] on huge pages, word 2c + h of row j in panel p the weight of column 16p + c
+    at k = 2j + h; zeros past N and past K. Stacking whole panels (N a multiple of 16) along the first dimension
+    packs the stacked weight."""
+    n, k = weight.shape
+    panels, kh = (n + PAIR_PANEL - 1) // PAIR_PANEL, (k + 1) // 2
+    padded = torch.zeros(panels * PAIR_PANEL, kh * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight.detach()
+    return hugepages.copy(padded.view(panels, PAIR_PANEL, kh, 2).permute(0, 2, 1, 3)).view(panels, kh, 2 * PAIR_PANEL)
+
+
+def unpack_bf16_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`pack_bf16_pairs`' inverse: the [N, K] bfloat16 weight (a copy)."""
+    panels, kh, _ = packed.shape
+    return packed.view(panels, kh, PAIR_PANEL, 2).permute(0, 2, 1, 3).reshape(panels * PAIR_PANEL, kh * 2)[:n, :k]
+
+
+def has_bf16_dots() -> bool:
+    """Whether `linear_bf16` runs on vdpbf16ps here (else float32 FMAs over the same products)."""
+    lib = load()
+    return lib is not None and bool(lib.tk_has_bf16_dots())
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16 as `linear_bf16` rounds its activations: to nearest even, a subnormal to a signed
+    zero (vcvtneps2bf16's)."""
+    x = x.float()
+    return torch.where(x.abs() < torch.finfo(torch.float32).tiny, x * 0, x).bfloat16()
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 rounded to bfloat16 @ the bfloat16 weight (`pack_bf16_pairs`, n output columns).T
+    (+ bias float32): every product exact, the sums float32."""
+    lib = load()
+    k = x.shape[1]
+    if packed.dtype != torch.bfloat16 or not packed.is_contiguous() or packed.dim() != 3 or tuple(packed.shape) != (
+            (n + PAIR_PANEL - 1) // PAIR_PANEL, (k + 1) // 2, 2 * PAIR_PANEL):
+        raise ValueError("linear_bf16: packed must be the weight packed by pack_bf16_pairs for this x and n")
+    if lib is None:
+        return linear_bf16_ref(x, packed, n, bias)
+    x = x.contiguous().float()
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()
+    if lib.tk_linear_bf16(x.data_ptr(), m, k, packed.data_ptr(), n, _ptr(b), y.data_ptr(), _threads()):
+        raise MemoryError("linear_bf16: scratch allocation failed")
+    return y
+
+
+def linear_bf16_ref(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    w = unpack_bf16_pairs(packed, n, x.shape[1]).float()
+    return F.linear(round_bf16(x).float(), w, None if bias is None else bias.float())
+
+
+def round_bf16_kernel(x: torch.Tensor) -> torch.Tensor:
+    """The C kernels' activation rounding (for the tests): x [M, K] float32 -> bfloat16 [M, K]."""
+    x = x.contiguous().float()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    load().tk_round_bf16(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
 
 
 # ---- paged attention -----------------------------------------------------------------------------------------

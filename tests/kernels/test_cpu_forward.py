@@ -78,11 +78,13 @@ def _compare(a, b, logprob_tol=2e-4):
 
 @pytest.mark.parametrize("name,quant", [("llama-gqa", "none"), ("qwen2-bias", "none"), ("qwen3-qk-norm", "none"),
                                         ("qwen3-qk-norm", "int8"), ("llama-gqa", "int8"),
-                                        ("llama-gqa", "w8a8"), ("qwen2-bias", "w8a8"), ("llama-gqa", "int4")])
+                                        ("llama-gqa", "w8a8"), ("qwen2-bias", "w8a8"), ("llama-gqa", "int4"),
+                                        ("llama-gqa", "bf16"), ("qwen2-bias", "bf16")])
 def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant):
     llm = _engine(checkpoints[name], quantization=quant, max_num_batched_tokens=96)
     assert llm.engine.runner.cpu_forward is not None
-    # w8a8 (and int4, whose CPU kernel quantises the activations the same way) rounds every activation to 8 bits: the two paths' float-rounding differences (summation order) can
+    # w8a8 (and int4, whose CPU kernel quantises the activations the same way) rounds every activation to 8 bits
+    # (bf16: to bfloat16's 8 significant bits): the two paths' float-rounding differences (summation order) can
     # move an activation that sits on a rounding edge by one step (one step of the two paths agrees to 1e-6),
     # ~1e-2 in a logprob of these random 64-wide models; the tokens stay equal and nearly every output agrees
     # to float rounding
@@ -90,7 +92,7 @@ def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant):
     for seed in range(3):
         prompts, params = _requests(seed, 12, 384)
         fast, slow = _run(llm, prompts, params, fast=True), _run(llm, prompts, params, fast=False)
-        _compare(fast, slow, logprob_tol=5e-2 if quant in ("w8a8", "int4") else 2e-4)
+        _compare(fast, slow, logprob_tol=5e-2 if quant in ("w8a8", "int4", "bf16") else 2e-4)
         worst += [max((abs(la[t].logprob - lb[t].logprob) for la, lb, t in zip(ca.logprobs, cb.logprobs,
                                                                                  ca.token_ids)), default=0.0)
                   for ra, rb in zip(fast, slow) for ca, cb in zip(ra.outputs, rb.outputs)]
@@ -205,12 +207,13 @@ def test_models_it_does_not_cover_keep_the_torch_forward(tmp_path):
     assert _engine(ROOT / "models" / "tandem-tiny-s", quantization="int4").engine.runner.cpu_forward is not None
 
 
-@pytest.mark.parametrize("quant", ["none", "w8a8"])
+@pytest.mark.parametrize("quant", ["none", "w8a8", "bf16"])
 def test_multi_step_greedy_equals_single_steps(monkeypatch, quant):
     """Greedy batches take 4 tokens per step in one C call (a multi-token `StepPlan`): the same tokens, finish
     reasons and texts as one token per step, with EOS, stop ids, stop strings and max lengths ending sequences
-    inside a step, staggered arrivals (a newcomer turns it off until it decodes) and n = 2; float32, and w8a8
-    (its head in int8: the C call's head goes through the same int8 dots)."""
+    inside a step, staggered arrivals (a newcomer turns it off until it decodes) and n = 2; float32, w8a8 (its
+    head in int8: the C call's head goes through the same int8 dots) and bf16 (bfloat16 weights, head included,
+    and activations)."""
     import engines.step_plan
     from engines import SamplingParams
 
