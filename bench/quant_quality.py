@@ -1,7 +1,8 @@
 """Quantisation quality on the default large model's held-out set, measured through the engine: perplexity
 of teacher-forced chunks run by the engine's own runner over its paged KV pool (the model quantised on load
 by `EngineSpec.quantization`, K/V written to and read back from an int8 / fp8 pool by `kv_cache_dtype`), for
-float32, int8, int4 and w8a8 weights (w8a8: int8 activations too, and the head) and int8 / fp8 KV; plus the weights-only effect (dequantised weights, float32
+float32, int8, int4, w8a8 and bf16 weights (w8a8: int8 activations too, and the head; bf16: bfloat16 activations
+and head) and int8 / fp8 KV; plus the weights-only effect (dequantised weights, float32
 activations) outside the engine. Prints a table and writes bench/results/quant_quality.json.
 
     .venv/bin/python bench/quant_quality.py [--model models/tandem-tiny-l] [--chunks 64] [--seq-len 256]
@@ -35,8 +36,8 @@ from engines.tokenizer import Tokenizer  # noqa: E402
 from kernels.quant_matmul import QuantLinear, quantize_model  # noqa: E402
 from training.corpus import load_corpus_split  # noqa: E402
 
-# allowed perplexity increase: issue 8's, and for w8a8 (issue 22) int8's
-LIMITS = {"int8": 0.01, "int4 g64": 0.05, "int8 KV": 0.01, "w8a8": 0.01}
+# allowed perplexity increase: issue 8's, and for w8a8 (issue 22) and bf16 int8's
+LIMITS = {"int8": 0.01, "int4 g64": 0.05, "int8 KV": 0.01, "w8a8": 0.01, "bf16": 0.01}
 
 
 def heldout_chunks(tokenizer: Tokenizer, seq_len: int, limit: int) -> list[list[int]]:
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         ("int8", engine(quantization="int8")),
         ("int8 weights only (fp32 activations)", lambda: perplexity(weights_only(model, "int8", g), chunks)),
         ("w8a8", engine(quantization="w8a8")),
+        ("bf16", engine(quantization="bf16")),
         (f"int4 g{g}", engine(quantization="int4", quantization_group_size=g)),
         (f"int4 g{g} weights only (fp32 activations)", lambda: perplexity(weights_only(model, "int4", g), chunks)),
         ("int8 KV", engine(kv_cache_dtype="int8")),

@@ -24,7 +24,8 @@ class EngineOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     draft: str | None = None  # name of another engine used as this engine's speculative drafter
     num_speculative_tokens: Annotated[int, Meta(ge=0, le=16)] = 0  # max k; 0 with a draft: the default 4
     # applied at load: int8/int4 weight-only (head and embeddings stay float); w8a8 (CPU only) int8 weights and
-    # head with activations quantised per 32 values at run time (llama.cpp q8_0's rounding)
+    # head with activations quantised per 32 values at run time (llama.cpp q8_0's rounding); bf16: bfloat16
+    # weights and head with each linear's input rounded to bfloat16 (llama.cpp's BF16 numerics)
     quantization: Literal["none", "int8", "int4", "w8a8", "bf16"] = "none"
     quantization_group_size: Literal[32, 64, 128] = 64  # int4 only: weights per scale/zero-point group
     attention_backend: Literal["auto", "torch", "triton"] = "auto"

@@ -90,6 +90,8 @@ class EngineCore:
         self.device = torch.device(device)
         if self.device.type != "cpu" and any(s.quantization == "w8a8" for s in specs):
             raise ValueError("quantization 'w8a8' runs on the CPU only; use 'int8' on CUDA")
+        if self.device.type != "cpu" and any(s.quantization == "bf16" for s in specs):
+            raise ValueError("quantization 'bf16' runs on the CPU only; on CUDA use dtype 'bfloat16'")
         if self.device.type == "cpu":
             # reserve_cpus: CPUs the automatic thread count leaves to the caller's other threads (`cpu_threads`)
             self.threads = apply_cpu_threads(max(s.threads for s in specs), reserve_cpus)

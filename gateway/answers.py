@@ -124,7 +124,7 @@ class LoadedWeights(Struct, kw_only=True):
     engine: str
     source: str  # a path, or a Hub id with its resolved revision (ORG/NAME@sha)
     format: str  # safetensors | gguf | torch (an in-memory model)
-    quantization: str  # none, int8, int4, w8a8 (applied at load), or the file's own (gguf q8_0, gptq-int4...)
+    quantization: str  # none, int8, int4, w8a8, bf16 (applied at load), or the file's own (gguf q8_0, gptq-int4...)
     weight_bytes: int
     context_length: int  # the model's own; max_model_len is what the engine serves
 

@@ -152,7 +152,8 @@ ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--max-model-len", int, "engines.*.max_model_len", "context length in tokens (prompt + output)"),
     ("--dtype", ["auto", "float32", "bfloat16", "float16"], "engines.*.dtype", "the weights' dtype"),
     ("--quantization", ["none", "int8", "int4", "w8a8", "bf16"], "engines.*.quantization",
-     "weight quantization (int8/int4 weight-only; w8a8: int8 weights and activations, CPU)"),
+     "weight quantization (int8/int4 weight-only; w8a8: int8 weights and activations, CPU; "
+     "bf16: bfloat16 weights and activations)"),
     ("--max-num-seqs", int, "engines.*.max_num_seqs", "sequences in one step at most"),
     ("--max-num-batched-tokens", int, "engines.*.max_num_batched_tokens", "tokens in one step at most"),
     ("--num-speculative-tokens", int, "engines.*.num_speculative_tokens",

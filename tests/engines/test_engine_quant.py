@@ -272,6 +272,7 @@ def test_two_models_share_an_int8_pool_each_with_its_own_scale_offsets(llama, ti
         assert compare([want], [got], 1e-5) == 12
 
 
-def test_w8a8_is_refused_on_cuda_before_anything_loads(tiny_checkpoint):
-    with pytest.raises(ValueError, match="w8a8.*CPU only"):
-        EngineCore([EngineSpec(name="x", model=tiny_checkpoint(), quantization="w8a8")], device="cuda")
+@pytest.mark.parametrize("mode", ["w8a8", "bf16"])
+def test_cpu_only_modes_are_refused_on_cuda_before_anything_loads(tiny_checkpoint, mode):
+    with pytest.raises(ValueError, match=f"{mode}.*CPU only"):
+        EngineCore([EngineSpec(name="x", model=tiny_checkpoint(), quantization=mode)], device="cuda")
