@@ -358,7 +358,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_rope_f32.restype = None
     for fn in (lib.tk_block_max_kn, lib.tk_block_max_k, lib.tk_block_min_rows, lib.tk_sgemm_min_rows,
-               lib.tk_stream_pf):
+               lib.tk_stream_pf, lib.tk_split_per_thread):
         fn.argtypes = [_I64]
         fn.restype = _I64
     lib.tk_set_amx.argtypes = [_INT]
@@ -366,6 +366,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_set_sgemm.argtypes = [_PTR]
     lib.tk_set_sgemm.restype = None
     lib.tk_set_sgemm(sgemm_address())  # many-row linears: the MKL SGEMM torch ships, where it exports one
+    if os.environ.get("TANDEM_CPU_SPLIT"):  # chunks a thread of the quantised / bf16 linears (cpu_kernels.c)
+        lib.tk_split_per_thread(int(os.environ["TANDEM_CPU_SPLIT"]))
     return lib
 
 

@@ -136,3 +136,32 @@ def test_quantize_model_swaps_every_linear_but_the_embeddings():
     mid = ck.round_bf16(h).float() @ ref["proj.weight"].bfloat16().float().t() + ref["proj.bias"]
     out = ck.round_bf16(mid).float() @ ref["lm_head.weight"].bfloat16().float().t()
     torch.testing.assert_close(model(ids)[0], out, rtol=1e-5, atol=1e-5)
+
+
+def test_the_chunks_a_thread_takes_change_no_bits():
+    """Two threads take the quantised and bf16 linears' columns in `split_per_thread` chunks each, in turn as they
+    finish one (so a preempted thread holds up one chunk): 1, 4 or 16 chunks a thread, the same bits."""
+    from kernels.quant_formats import quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(8)
+    lib = ck.load()
+    w = torch.randn(1000, 256, generator=g)
+    q, s = quantize_int8(w)
+    q4, s4, z4 = quantize_int4(w, 64)
+    packed = ck.pack_bf16_pairs(w)
+    x = torch.randn(3, 256, generator=g)
+    calls = {"bf16": lambda: ck.linear_bf16(x, packed, 1000), "w8a8": lambda: ck.linear_w8a8(x, q, s),
+             "int8": lambda: ck.linear_int8(x, q, s),
+             "w4a8": lambda: ck.linear_w4a8(x, q4, s4.float(), None, 64)}
+    before = lib.tk_split_per_thread(-1)
+    torch.set_num_threads(2)
+    try:
+        for name, call in calls.items():
+            outs = []
+            for split in (1, 4, 16):
+                lib.tk_split_per_thread(split)
+                outs.append(call())
+            assert all(torch.equal(o, outs[0]) for o in outs), name
+    finally:
+        lib.tk_split_per_thread(before)
+        torch.set_num_threads(1)
