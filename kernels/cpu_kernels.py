@@ -9,7 +9,8 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
 - `linear(x, weight, bias)`: y = x @ weight.T for a float32 nn.Linear weight stored column-major
   (`engines.model.cpu_weight_layout`): up to 8 rows the weight is streamed once in address order (the decode
   GEMV at the memory's speed), or summed in registers 32 columns at a time (5-8 rows); more rows take those
-  tiles 8 rows at a time, or the MKL `SGEMM` torch ships. Which, on large weights and at many rows,
+  tiles 8 rows at a time (over panels: 6 rows x 64 columns, each column pair through every row block while it
+  is in L2), or the MKL `SGEMM` torch ships. Which, on large weights and at many rows,
   `calibrate` decides by timing both on the model's weights (it depends on the CPU). `weight16`, a
   `bf16_copy` of a weight whose values are all bfloat16 (a bf16 checkpoint upcast at load), is what the
   register tiles read then: half the bytes, the same bits.
@@ -163,9 +164,11 @@ STREAM_PF_CHOICES = (4, 2, 0)
 
 def _best_pass(lib: ctypes.CDLL, weights: list[torch.Tensor], rows: int, settings: dict[str, dict[str, int]],
                reps: int) -> dict[str, float]:
-    """Seconds of one pass of `linear` over `weights` at `rows` rows under each setting (the C side's
-    knobs by name: `tk_<name>(value)`), alternated, best of `reps` rounds after one that warms up."""
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    """Seconds of one pass of `linear` over `weights` (or `linear_packed`, over weights packed in panels) at
+    `rows` rows under each setting (the C side's knobs by name: `tk_<name>(value)`), alternated, best of `reps`
+    rounds after one that warms up."""
+    xs = {w.shape[-2 if w.dim() == 3 else 1]: torch.randn(rows, w.shape[-2 if w.dim() == 3 else 1])
+          for w in weights}
     best = dict.fromkeys(settings, float("inf"))
     for rnd in range(reps + 1):
         for name, knobs in settings.items():
@@ -173,7 +176,10 @@ def _best_pass(lib: ctypes.CDLL, weights: list[torch.Tensor], rows: int, setting
                 getattr(lib, "tk_" + k)(v)
             t = time.perf_counter()
             for w in weights:
-                linear(xs[w.shape[1]], w)
+                if w.dim() == 3:  # packed in panels (`pack_f32`): `linear_packed`
+                    linear_packed(xs[w.shape[1]], w, w.shape[0] * PANEL)
+                else:
+                    linear(xs[w.shape[1]], w)
             if rnd:
                 best[name] = min(best[name], time.perf_counter() - t)
     return best
@@ -190,9 +196,10 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
       way, and where the blocks win there, at 3 and then 4 rows, the fewest rows from which they take such
       weights (5 unless they win at 3 or 4); and at one row, how far ahead the streams prefetch (4, 2 or 0
       rows of k: 4 unless another is 3% faster). The same bits either way.
-    - Many rows: the MKL SGEMM from 13 rows, or the register tiles 8 rows at a time. MKL takes its fast
-      paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape, the SGEMM keeps the
-      row counts from the first where it is faster.
+    - Many rows: the MKL SGEMM from 13 rows, or the register tiles (over panels: 6 rows x 64 columns). MKL
+      takes its fast paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape packed
+      in panels, the SGEMM keeps the row counts from the first where it is faster (on a Zen 4 VM it never is:
+      the tiles 93 / 107 / 112 GFLOP/s at 16 / 64 / 256 rows on one core, the SGEMM 51 / 83 / 96).
 
     Each choice is made once per process, by the first model whose weights can make it, and remembered on disk
     for this kernel build, CPU and those weights' shapes (`cache_dir()`; a later process, a restart of the same
@@ -270,10 +277,13 @@ def _time_blocks(lib: ctypes.CDLL, big: list[torch.Tensor], reps: int) -> dict:
 
 
 def _time_sgemm(lib: ctypes.CDLL, one: list[torch.Tensor], reps: int) -> dict:
-    """From how many rows the MKL SGEMM takes over from the register tiles (NEVER: it never wins)."""
+    """From how many rows the MKL SGEMM takes over from the register tiles (NEVER: it never wins), timed on the
+    weights packed in panels as the C decoder stack holds them (there more than 8 rows take the 6-row x 64-column
+    tiles, every row block over a column pair while it is in L2)."""
     ms: dict[str, dict[str, float]] = {}
     rows_from = lib.tk_sgemm_min_rows(-1)
     if sgemm_address() is not None:
+        one = [pack_f32(w) for w in one if w.shape[0] % PANEL == 0] or one
         rows_from = NEVER
         for rows in CALIBRATION_ROWS:
             t = _best_pass(lib, one, rows, {"tiles": {"sgemm_min_rows": NEVER}, "sgemm": {"sgemm_min_rows": 1}},

@@ -1,5 +1,5 @@
 """The float32 linears over the weight packed in panels (`cpu_kernels.pack_f32`, read in address order): every
-path (1-8 rows, one or two panels a pass, 8-row blocks of many rows, column tails past the last panel, K past
+path (1-8 rows, one or two panels a pass, more rows in 6-row blocks over two panels at a time, column tails past the last panel, K past
 1024 and not a multiple of 4, bias, two threads, with its bf16 copy, the AVX2 build) gives the bits of the
 [K, N] weight through the streams and register blocks; the SGEMM rows read strips unpacked from the panels."""
 
@@ -21,7 +21,7 @@ def _column_major(n: int, k: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(n, k, generator=g).t().contiguous().t()  # [N, K], as cpu_weight_layout stores it
 
 
-@pytest.mark.parametrize("rows", [range(1, 9), range(9, 20)])
+@pytest.mark.parametrize("rows", [range(1, 9), range(9, 20), range(32, 65, 9)])
 def test_the_panels_give_the_kn_weights_bits(register_tiles, rows):
     g = torch.Generator().manual_seed(rows.start)
     for n, k in SHAPES:
