@@ -368,7 +368,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_rope_f32.restype = None
     for fn in (lib.tk_block_max_kn, lib.tk_block_max_k, lib.tk_block_min_rows, lib.tk_sgemm_min_rows,
-               lib.tk_stream_pf, lib.tk_split_per_thread):
+               lib.tk_stream_pf, lib.tk_split_per_thread, lib.tk_w8_many_rows):
         fn.argtypes = [_I64]
         fn.restype = _I64
     lib.tk_set_amx.argtypes = [_INT]
