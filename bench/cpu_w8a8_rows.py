@@ -1,5 +1,6 @@
 """w8a8 at many rows: the weight-stationary VNNI tiles (`tk_w8_many_rows`, from 8 rows) against the row-pair
-tiles they replace there, beside the bf16 and float32 linears on the same shapes, one thread, GOP/s of one pass
+tiles they replace there, beside the bf16 and float32 linears (the register tiles and the MKL SGEMM torch
+ships) on the same shapes, one thread, GOP/s of one pass
 over a ~200M Llama layer's projections (weights from memory: 8 layers' worth cycled). Prints a table and writes
 bench/results/cpu_w8a8_rows.json.
 
@@ -35,7 +36,19 @@ def _passes(lib, many: int, q8: list, bf: list, f32: list, ws: list, xs: dict) -
 
     return {"w8a8 weight-stationary": lambda: w8(True), "w8a8 row pairs": lambda: w8(False),
             "bf16 (bf16 activations)": lambda: [ck.linear_bf16(xs[w.shape[1]], p, w.shape[0]) for p, w in zip(bf, ws)],
-            "float32 panels": lambda: [ck.linear_packed(xs[w.shape[1]], p, w.shape[0]) for p, w in zip(f32, ws)]}
+            "float32 panels": lambda: _f32(ck.NEVER, f32, ws, xs),
+            "float32 MKL SGEMM": lambda: _f32(1, f32, ws, xs)}
+
+
+def _f32(sgemm_from: int, f32: list, ws: list, xs: dict) -> None:
+    """The float32 linears over panels: the register tiles (`sgemm_from` NEVER), or the MKL SGEMM from that row."""
+    before = ck.sgemm_min_rows()
+    ck.sgemm_min_rows(sgemm_from)
+    try:
+        for p, w in zip(f32, ws):
+            ck.linear_packed(xs[w.shape[1]], p, w.shape[0])
+    finally:
+        ck.sgemm_min_rows(before)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     q8 = [quantize_int8(w) for w in ws]
     bf = [ck.pack_bf16_pairs(w) for w in ws]
     f32 = [ck.pack_f32(w) for w in ws]
-    ck.sgemm_min_rows(ck.NEVER)
     many = lib.tk_w8_many_rows(-1)
     rows_out = []
     for m in args.rows:
