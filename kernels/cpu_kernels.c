@@ -495,8 +495,8 @@ typedef void (*panel_fn)(const float *, int64_t, int64_t, const void *, float *,
                                                  {panel512##SUF##_7_1, 0},                                     \
                                                  {panel512##SUF##_8_1, 0}};                                    \
     /* more than 8 rows: two panels at a time (64 columns, 128 or 256 bytes a k), every 6-row block over them    \
-     * while they are in L2 (4 x 6 accumulators: ~110 GFLOP/s on a Zen 4 core against MKL's SGEMM's ~75 at 32    \
-     * rows), then the tail columns; the same sums as the 8-row blocks */                                       \
+     * while they are in L2 (4 x 6 accumulators: ~100 GFLOP/s on a Zen 4 core at 32 rows, MKL's SGEMM 71;     \
+     * bench/cpu_w8a8_rows.py), then the tail columns; the same sums as the 8-row blocks */                    \
     static void panel_many##SUF(const float *x, int64_t ldx, int64_t M, int64_t K, const WT *wp, float *y,      \
                                 int64_t ldy, int64_t n0, int64_t n1) {                                        \
         const int64_t v1 = n0 + (n1 - n0) / 8 * 8;                                                             \
@@ -1300,7 +1300,8 @@ static int64_t w8_many_rows = 8; /* tk_w8_many_rows */
  * into 16-column int32 sums. vpdpbusd multiplies unsigned by signed bytes: the activations go in as q + 128 and
  * each block's sums start from -128 x the weights' block sums, so every block's integer dot is exact (as in the
  * tiles above); then one convert and one FMA by the row's block scale per 32 products, the channel scale and
- * bias at the end. ~2.5x the row-pair tiles' 116 GOP/s at 32 rows on a Zen 4 core (bench/cpu_w8a8_rows.py). */
+ * bias at the end. ~2x the row-pair tiles at 32 rows on a Zen 4 core: 233 against 118 GOP/s
+ * (bench/cpu_w8a8_rows.py). */
 #define W8M_STRIP 32
 static __thread void *w8m_scratch = 0;
 static __thread size_t w8m_scratch_cap = 0;
@@ -1858,7 +1859,8 @@ void tk_quant_act_q8(const float *x, int64_t M, int64_t K, int8_t *xq, float *d)
  * ceil(K / 2) rows of 16 (k, k + 1) pairs back to back, word 2c + h of row j the weight of column c at k = 2j + h
  * (zero past K and past N), which is what one vdpbf16ps takes: a 64-byte line against a broadcast activation
  * pair, 32 products into 16 sums. With AVX512-BF16 that is twice the products an FMA gives per instruction, and
- * half the weight bytes of float32: at 32 rows on a Zen 4 core ~225 GFLOP/s against MKL's float32 SGEMM's ~75.
+ * half the weight bytes of float32: at 32 rows on a Zen 4 core ~200 GFLOP/s, MKL's float32 SGEMM 71
+ * (bench/cpu_w8a8_rows.py).
  * Elsewhere the same sums widened to float32 FMAs (the pair's two products in turn). The 16 columns of 4 panels
  * stay in registers across all of K for up to 6 rows (24 sums); a thread takes 64 columns at a time and every
  * row block over them, so those panels are read from memory once and from L2 after. */

@@ -199,7 +199,8 @@ def calibrate(weights: list[torch.Tensor], reps: int = 3) -> dict | None:
     - Many rows: the MKL SGEMM from 13 rows, or the register tiles (over panels: 6 rows x 64 columns). MKL
       takes its fast paths on some CPUs only; at each of CALIBRATION_ROWS, over one weight of each shape packed
       in panels, the SGEMM keeps the row counts from the first where it is faster (on a Zen 4 VM it never is:
-      the tiles 93 / 107 / 112 GFLOP/s at 16 / 64 / 256 rows on one core, the SGEMM 51 / 83 / 96).
+      at 16 / 32 / 64 rows the tiles 91 / 102 / 107 GFLOP/s on one core, the SGEMM 54 / 71 / 85,
+      bench/cpu_w8a8_rows.py).
 
     Each choice is made once per process, by the first model whose weights can make it, and remembered on disk
     for this kernel build, CPU and those weights' shapes (`cache_dir()`; a later process, a restart of the same
