@@ -380,6 +380,19 @@ def _lin_group(linears: list[nn.Module], fused: tuple | None, keep: list) -> _Li
     return None
 
 
+def _stack_rows(linears: list[nn.Module], names: tuple[str, ...]) -> list[torch.Tensor]:
+    """Each tensor attribute `names` of `linears` stacked along its first dimension into one tensor (on huge pages)
+    and each module's rebound to a view of its rows, so nothing is kept twice; the stacked tensors, in order."""
+    stacked = [hugepages.cat([getattr(lin, a) for lin in linears]) for a in names]
+    for a, t in zip(names, stacked):
+        start = 0
+        for lin in linears:
+            n = getattr(lin, a).shape[0]
+            getattr(lin, a).data = t[start:start + n]
+            start += n
+    return stacked
+
+
 def _bf16_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | None:
     """Bf16Linears (bfloat16 weights and activations) over the same input: their pair panels stacked and the
     modules viewing them, nothing kept twice, where each width but the last is a whole number of 16-column
@@ -396,12 +409,7 @@ def _bf16_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | No
             w = cpu_kernels.pack_bf16_pairs(torch.cat([cpu_kernels.unpack_bf16_pairs(
                 lin.packed, lin.out_features, lin.in_features) for lin in linears]))
         else:
-            w = hugepages.cat([lin.packed for lin in linears])
-            start = 0
-            for lin in linears:
-                n = lin.packed.shape[0]
-                lin.packed = w[start:start + n]
-                start += n
+            w = _stack_rows(linears, ("packed",))[0]
         b = None
         if linears[0].bias is not None:
             b = torch.cat([lin.bias.detach().float() for lin in linears]).contiguous()
@@ -432,13 +440,7 @@ def _int4_group(linears: list[nn.Module], keep: list[torch.Tensor]) -> _Lin | No
                                           dtype=torch.uint8)
                     lin.zero_offset = off
         names = ("weight", "scale") + (("zero",) if packed else ())
-        stacked = [hugepages.cat([getattr(lin, a) for lin in linears]) for a in names]
-        start = 0
-        for lin in linears:
-            n = lin.out_features
-            for a, t in zip(names, stacked):
-                getattr(lin, a).data = t[start:start + n]
-            start += n
+        stacked = _stack_rows(linears, names)
         q, s = stacked[0], stacked[1]
         z = stacked[2] if len(stacked) > 2 else None
         if s.dtype not in cpu_kernels.SCALE_KINDS:
