@@ -12,6 +12,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 PositiveInt = Annotated[int, Meta(ge=1)]
+Quantization = Literal["none", "int8", "int4", "w8a8", "bf16"]  # EngineOptions.quantization; the CLI's choices
 Fraction = Annotated[float, Meta(gt=0, le=1)]
 
 
@@ -26,7 +27,7 @@ class EngineOptions(Struct, kw_only=True, forbid_unknown_fields=True):
     # applied at load: int8/int4 weight-only (head and embeddings stay float); w8a8 (CPU only) int8 weights and
     # head with activations quantised per 32 values at run time (llama.cpp q8_0's rounding); bf16: bfloat16
     # weights and head with each linear's input rounded to bfloat16 (llama.cpp's BF16 numerics)
-    quantization: Literal["none", "int8", "int4", "w8a8", "bf16"] = "none"
+    quantization: Quantization = "none"
     quantization_group_size: Literal[32, 64, 128] = 64  # int4 only: weights per scale/zero-point group
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # CUDA + Triton attention: decode steps replay graphs captured per batch bucket

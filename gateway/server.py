@@ -21,11 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 import uvicorn
 
+from engines.config import Quantization
 from gateway.config import ConfigError, TandemConfig, apply_env_overrides, config_from_dict, read_config_file
 from gateway.engine_setup import check_checkpoints
 from gateway.http_guard import GuardedHttpToolsProtocol, HTTPLimits, error_body, free_port  # noqa: F401 (tests, bench)
@@ -151,7 +152,7 @@ def build_server(cfg: TandemConfig, app: Any, *, sock: socket.socket | None = No
 ENGINE_FLAGS: list[tuple[str, Any, str, str]] = [
     ("--max-model-len", int, "engines.*.max_model_len", "context length in tokens (prompt + output)"),
     ("--dtype", ["auto", "float32", "bfloat16", "float16"], "engines.*.dtype", "the weights' dtype"),
-    ("--quantization", ["none", "int8", "int4", "w8a8", "bf16"], "engines.*.quantization",
+    ("--quantization", list(get_args(Quantization)), "engines.*.quantization",
      "weight quantization (int8/int4 weight-only; w8a8: int8 weights and activations, CPU; "
      "bf16: bfloat16 weights and activations)"),
     ("--max-num-seqs", int, "engines.*.max_num_seqs", "sequences in one step at most"),
@@ -199,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-revision", default=None, metavar="REV",
                         help="with a Hub id --draft: its branch, tag or commit (config: "
                              "engines.NAME-draft.revision)")
-    parser.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4", "w8a8", "bf16"],
+    parser.add_argument("--draft-quantization", default=None, choices=list(get_args(Quantization)),
                         help="with --draft: the draft engine's own quantization, after --quantization (a draft "
                              "changes only how many tokens are accepted, never the output; w8a8 makes a CPU "
                              "draft's passes about 2x cheaper) (config: engines.NAME-draft.quantization)")

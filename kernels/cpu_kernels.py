@@ -28,7 +28,7 @@ AVX-512 the float32 streams run 16 wide and, with VNNI, the int8 dots take vpdpb
   subtracted through each block's sum.
 - `linear_bf16(x, packed, n, bias)`: bfloat16 weights (`pack_bf16_pairs`: panels of 16 columns of (k, k + 1)
   pairs) with the activations rounded to bfloat16 (llama.cpp's BF16 numerics; `quantization = "bf16"`): the
-  products exact, the sums float32; vdpbf16ps where the CPU has AVX512-BF16 (`has_bf16_dots()`), float32 FMAs
+  products exact, the sums float32; vdpbf16ps where the CPU has AVX512-BF16 (`tk_has_bf16_dots`), float32 FMAs
   elsewhere.
 - `paged_attention(...)`: attention over float32 KV pages read in place, for decode, verify windows and
   prefill chunks alike (the queries of a sequence are the last q_len of its context, causal); `write_kv`.
@@ -167,8 +167,7 @@ def _best_pass(lib: ctypes.CDLL, weights: list[torch.Tensor], rows: int, setting
     """Seconds of one pass of `linear` over `weights` (or `linear_packed`, over weights packed in panels) at
     `rows` rows under each setting (the C side's knobs by name: `tk_<name>(value)`), alternated, best of `reps`
     rounds after one that warms up."""
-    xs = {w.shape[-2 if w.dim() == 3 else 1]: torch.randn(rows, w.shape[-2 if w.dim() == 3 else 1])
-          for w in weights}
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}  # K: [N, K] or panels [P, K, 32]
     best = dict.fromkeys(settings, float("inf"))
     for rnd in range(reps + 1):
         for name, knobs in settings.items():
@@ -696,12 +695,6 @@ def unpack_bf16_pairs(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """`pack_bf16_pairs`' inverse: the [N, K] bfloat16 weight (a copy)."""
     panels, kh, _ = packed.shape
     return packed.view(panels, kh, PAIR_PANEL, 2).permute(0, 2, 1, 3).reshape(panels * PAIR_PANEL, kh * 2)[:n, :k]
-
-
-def has_bf16_dots() -> bool:
-    """Whether `linear_bf16` runs on vdpbf16ps here (else float32 FMAs over the same products)."""
-    lib = load()
-    return lib is not None and bool(lib.tk_has_bf16_dots())
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
