@@ -68,6 +68,10 @@ class PrefixHit:
     pages: list[int]
     hashes: list[int]
     group_pages: list[list[int]] = field(default_factory=list)
+    # `match(.., whole=True)` of a prompt that ends on a block boundary with every block cached: the last block's
+    # page. `pages` then stops one block short; the caller copies this page into one of its own (`copy_page`)
+    # and computes only the prompt's last token (its logits), not the whole block again.
+    last: int = -1
 
     @property
     def num_blocks(self) -> int:
@@ -167,17 +171,18 @@ class KVPool:
                 "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits}
 
     # ---- prefix cache -----------------------------------------------------------------------------------
-    def match_prefix(self, model_id: int, token_ids: list[int], extra_keys: tuple = ()
+    def match_prefix(self, model_id: int, token_ids: list[int], extra_keys: tuple = (), *, whole: bool = False
                      ) -> tuple[list[int], list[int]]:
         """Cached pages for the longest run of full blocks of `token_ids`, capped so at least one token is
-        left to compute. Returns (pages, their hashes); takes no reference (call `acquire`)."""
+        left to compute (`whole`: every full block). Returns (pages, their hashes); takes no reference (call
+        `acquire`)."""
         pages: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching:
             return pages, hashes
         bs = self.block_size
         parent: int | None = None
-        for i in range((len(token_ids) - 1) // bs):
+        for i in range((len(token_ids) if whole else len(token_ids) - 1) // bs):
             key = (model_id, parent, tuple(token_ids[i * bs:(i + 1) * bs]), extra_keys)
             page = self._cached.get(key)
             if page is None:
@@ -187,12 +192,23 @@ class KVPool:
             hashes.append(parent)
         return pages, hashes
 
-    def match(self, model_id: int, token_ids: list[int], extra_keys: tuple = ()) -> PrefixHit:
+    def match(self, model_id: int, token_ids: list[int], extra_keys: tuple = (), *, whole: bool = False
+              ) -> PrefixHit:
         """`match_prefix` for every page group: the longest run of blocks whose group-0 pages are cached and
         whose window groups have the pages the next token's window reaches (the exact rule: a window page
-        freed and since reused is never served; older window pages are not needed)."""
-        pages, hashes = self.match_prefix(model_id, token_ids, extra_keys)
+        freed and since reused is never served; older window pages are not needed).
+
+        `whole`: where the blocks end exactly at the last token and every one is cached (one page group), the
+        hit names the last block's page in `last` (see `PrefixHit`), so only the last token is computed again
+        (a block-aligned prompt otherwise recomputes its whole last block for that one token's logits)."""
         windows = self.geometries[model_id].group_windows[1:]
+        n = len(token_ids)
+        whole = whole and not windows and n > 0 and n % self.block_size == 0
+        pages, hashes = self.match_prefix(model_id, token_ids, extra_keys, whole=whole)
+        if whole and len(pages) == n // self.block_size:
+            return PrefixHit(pages[:-1], hashes[:-1], last=pages[-1])
+        if whole:  # not every block: the capped hit (a prefix of this one)
+            del pages[(n - 1) // self.block_size:], hashes[(n - 1) // self.block_size:]
         if not windows:
             return PrefixHit(pages, hashes)
         for n in range(len(pages), 0, -1):
@@ -291,6 +307,11 @@ class KVPool:
     def holder_pages(self, holder) -> list[int]:
         """Every page `holder` holds now."""
         return holder.pages + [p for lst in holder.group_pages for p in lst if p >= 0]
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page `dst` gets `src`'s bytes (K, V and their scales, every layer)."""
+        pages = self.buffer.view(self.num_pages, self.page_bytes)
+        pages[dst] = pages[src]
 
     # ---- allocation -------------------------------------------------------------------------------------
     def acquire(self, pages: list[int]) -> None:

@@ -227,9 +227,14 @@ class Scheduler:
                 continue
             # an embedding under mean pooling needs every prompt token's hidden state: it takes no cache hit
             # (the match of an empty prefix: no blocks, in every page group)
-            hit = self.pool.match(self.model_id, [] if seq.pooling == "mean" else seq.token_ids, extra_keys(seq))
+            hit = self.pool.match(self.model_id, [] if seq.pooling == "mean" else seq.token_ids, extra_keys(seq),
+                                  whole=True)
             held = hit.held()
-            num_cached = hit.num_blocks * self.block_size
+            # every block cached: the last one is copied into a page of the sequence's own (the cached page stays
+            # as it is for whoever shares it) and only the last token is computed, for its logits
+            if hit.last >= 0:
+                held.append(hit.last)
+            num_cached = hit.num_blocks * self.block_size + (self.block_size - 1 if hit.last >= 0 else 0)
             room = min(budget, prefill_budget)
             fit = self._fit_drafts(seq, seq.num_tokens - num_cached, room, drafts)
             num_new = min(seq.num_tokens - num_cached + len(fit), room)
@@ -241,9 +246,13 @@ class Scheduler:
             self.pool.record_query(seq.num_tokens, num_cached)
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_cached
-            self.pool.acquire(held)
+            self.pool.acquire(held)  # the last block's page too, until copied: growing must not evict it
+            shared = hit.num_blocks  # (seq.pages is hit.pages: growing it grows the hit)
             seq.pages, seq.group_pages, seq.block_hashes = hit.pages, hit.group_pages, hit.hashes
             self.pool.grow(self.model_id, seq, new_blocks)
+            if hit.last >= 0:
+                self.pool.copy_page(hit.last, seq.pages[shared])
+                self.pool.release([hit.last])
             seq.num_computed = num_cached
             seq.num_cached_tokens = num_cached
             seq.status = SeqStatus.RUNNING

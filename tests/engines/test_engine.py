@@ -127,6 +127,25 @@ def test_prefix_cache_hits_give_identical_outputs_and_show_in_stats(llama):
     assert stats["used_pages"] == 0 and stats["cached_pages"] > 0
 
 
+def test_a_repeated_block_aligned_prompt_computes_one_token_and_answers_as_alone(llama):
+    """Every block of the prompt cached: the last block's page is copied and only the last token computed
+    (its logits); the answers, sampled or greedy, equal the oracle's, alone and beside the first request."""
+    prompts = [p[:len(p) // BLOCK * BLOCK] for p in random_prompts(4, 8, 30, seed=11)]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    llm = LLM(llama, block_size=BLOCK, memory_bytes=300 * page_bytes())
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts], params)  # twice in one batch too
+    for p, o in zip(prompts + prompts + prompts, first + again):
+        assert o.outputs[0].token_ids == greedy_alone(llm.engine.model, p, 9)
+    assert [o.metrics.num_cached_tokens for o in again] == [len(p) - 1 for p in prompts + prompts]
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=9, ignore_eos=True)
+    cold = LLM(llama, block_size=BLOCK, memory_bytes=300 * page_bytes(), enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in cold.generate([{"prompt_token_ids": p} for p in prompts], sampled)]
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sampled)]
+    assert got == want
+    assert llm.stats()["used_pages"] == 0
+
+
 def test_aborts_while_queued_mid_prefill_and_mid_decode_free_every_page(llama):
     llm = LLM(llama, max_num_batched_tokens=8, max_num_seqs=2, block_size=BLOCK, memory_bytes=64 * page_bytes())
     eng = llm.engine

@@ -99,6 +99,59 @@ def test_a_recomputed_sequence_reuses_its_own_cached_blocks():
     assert s.num_cached_tokens == 8
 
 
+def test_a_block_aligned_prompt_wholly_cached_computes_only_its_last_token_on_a_copy_of_its_last_page():
+    sched = make(num_pages=16, budget=100)
+    first = seq(8)
+    sched.add(first)
+    run_step(sched)  # 8 prompt tokens computed: both blocks hashed
+    view = sched.pool.view(0)
+    view[first.pages] = torch.randn_like(view[first.pages])  # the K/V the model would have written
+    before = view[first.pages].clone()
+    again = seq(8)
+    sched.add(again)
+    out = sched.schedule()
+    assert out.as_dict() == {first.seq_id: 1, again.seq_id: 1}  # its last token alone, not its last block
+    assert again.num_computed == 7 and again.num_cached_tokens == 7
+    assert again.pages[0] == first.pages[0]  # the first block shared
+    assert again.pages[1] != first.pages[1]  # the last one a page of its own, holding the cached K/V
+    assert torch.equal(view[again.pages[1]], before[1])
+    assert sched.pool.ref_count[first.pages[1]] == 1 and sched.pool.ref_count[again.pages[1]] == 1
+    view[again.pages[1]] = 0.0  # what its step writes there reaches nobody else
+    assert torch.equal(view[first.pages[:2]], before)
+
+
+def test_a_wholly_cached_last_block_that_would_be_evicted_is_copied_before_its_page_is_reused():
+    sched = make(num_pages=3, budget=100)  # exactly enough pages: the cached last page is the only free one
+    first = seq(8)
+    sched.add(first)
+    run_step(sched)
+    view = sched.pool.view(0)
+    view[first.pages] = torch.randn_like(view[first.pages])
+    cached = view[first.pages].clone()
+    sched.finish(first)
+    again = seq(8)
+    sched.add(again)
+    out = sched.schedule()
+    assert out.as_dict() == {again.seq_id: 1}
+    assert torch.equal(view[again.pages[0]], cached[0]) and torch.equal(view[again.pages[1]], cached[1])
+
+
+def test_a_prompt_not_wholly_cached_or_not_block_aligned_keeps_the_capped_hit():
+    sched = make(num_pages=32, budget=100)
+    first = seq(8)
+    sched.add(first)
+    run_step(sched)
+    longer = seq(12)  # the first 8 tokens cached, the third block new
+    aligned_short = seq(4)  # one block, cached: its last token alone
+    unaligned = seq(6)  # one block cached, 2 tokens after it
+    for s in (longer, aligned_short, unaligned):
+        sched.add(s)
+    out = sched.schedule().as_dict()
+    assert out[longer.seq_id] == 4 and longer.num_cached_tokens == 8
+    assert out[aligned_short.seq_id] == 1 and aligned_short.num_cached_tokens == 3
+    assert out[unaligned.seq_id] == 2 and unaligned.num_cached_tokens == 4
+
+
 def test_aborted_waiting_sequences_are_dropped_and_free_nothing_twice():
     sched = make(budget=4)
     a, b = seq(4, arrival=1), seq(4, arrival=2)
