@@ -181,6 +181,7 @@ class EngineCore:
         """Step every engine that has work once (the loop body; `LLM` calls it directly, without a thread)."""
         done = 0
         self.step_started = time.monotonic()
+        thread_governor.claim()  # the stepping thread's kernel calls take the threads (kernels/thread_governor.py)
         for e in self.engines.values():
             if e.has_work():
                 try:

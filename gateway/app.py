@@ -10,6 +10,7 @@ import asyncio
 import gc
 import logging
 import re
+import threading
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -63,6 +64,31 @@ from gateway.vllm_routes import SCHEMAS as VLLM_SCHEMAS
 from gateway.vllm_routes import model_card
 
 log = logging.getLogger("tandem.gateway")
+
+
+async def in_own_thread(fn: Callable[[], Any], name: str = "tandem-start-up") -> Any:
+    """fn() on a thread started for it that ends with it, not the default executor's (which outlives it): a thread
+    that ran the kernels' multi-threaded start-up timing keeps an OpenMP pool while it lives, and a second pool
+    beside the step loop's turns that one's spin-waits down (kernels/thread_governor.py)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(exc) if exc is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as e:  # handed to the awaiting task as it is
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop closed meanwhile (shutdown during start-up): nobody waits
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await done
 
 
 class GatewayApp(Litestar):
@@ -303,7 +329,7 @@ def create_app(cfg: TandemConfig, *, host_factory: Callable[[], EngineHost] | No
     async def start_loading(app: Litestar) -> None:
         async def run() -> None:
             try:
-                await asyncio.to_thread(load)
+                await in_own_thread(load)
                 log.info("engines ready: %s", ", ".join(state.engines))
             except Exception as exc:
                 state.load_error = f"engine start-up failed: {type(exc).__name__}: {exc}"

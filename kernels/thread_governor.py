@@ -3,11 +3,18 @@ its halvings (2 -> 1 on two cores), by timing. A busy neighbour on one core make
 thread it preempts at every barrier (on two cores: 28 -> 77-214 ms a token, where one thread stays at 28), so
 each kind of call (its rows, bucketed by powers of two) keeps a running time per count, takes the fastest, and
 re-times the others now and then (every 32 calls, backing off to 256 while they keep losing). Splits are over
-output columns and (sequence, head) pairs, so every count computes the same bits."""
+output columns and (sequence, head) pairs, so every count computes the same bits.
+
+Only one thread's calls take several threads: the one that last called `claim` (the engine's step loop), or any
+while none has. Every live thread that has run a multi-threaded OpenMP region keeps its own pool of workers, and
+libgomp counts them all: once they outnumber the CPUs it cuts every pool's spin at a join to ~100 iterations, so
+each linear of a step ends on a futex wake-up (on two cores, ~80M w8a8 decode at two threads: 325 -> 257 tok/s
+once a second live thread had run one generate). A scoring thread or a start-up thread then takes one thread."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Hashable
 
@@ -16,6 +23,22 @@ import torch
 PROBE_EVERY, PROBE_MAX = 32, 256
 _enabled = os.environ.get("TANDEM_ADAPTIVE_THREADS", "1") != "0"
 _hint = 0  # the count the latest `pick` gave (0: none yet)
+_owner: tuple[int, threading.Thread] | None = None  # the thread whose calls may take several threads
+
+
+def claim() -> None:
+    """The calling thread's kernel calls take several threads from now on (until it ends); every other thread's
+    take one."""
+    global _owner
+    if _owner is None or _owner[0] != threading.get_ident():
+        _owner = threading.get_ident(), threading.current_thread()
+
+
+def owns() -> bool:
+    """Whether the calling thread's kernel calls may take several threads: it claimed them, or no live thread
+    has."""
+    owner = _owner
+    return owner is None or owner[0] == threading.get_ident() or not owner[1].is_alive()
 
 
 def enable(on: bool) -> None:
@@ -38,6 +61,8 @@ def enabled() -> bool:
 def threads() -> int:
     """The count for a kernel call outside a governor (the head's GEMV, the PyTorch forward's C linears and
     attention): the latest pick, else torch's thread count."""
+    if not owns():
+        return 1
     n = torch.get_num_threads()
     return _hint if _enabled and 0 < _hint <= n else n
 
@@ -70,10 +95,14 @@ class ThreadGovernor:
 
     def pick(self, key: Hashable) -> int:
         global _hint
-        _hint = self._pick(key)
-        return _hint
+        n = self._pick(key)
+        if owns():  # (another thread's one says nothing of the step loop's calls)
+            _hint = n
+        return n
 
     def _pick(self, key: Hashable) -> int:
+        if not owns():
+            return 1
         n = self.max_threads()
         if n <= 1 or not _enabled:
             return n
@@ -92,7 +121,7 @@ class ThreadGovernor:
 
     def record(self, key: Hashable, n: int, seconds: float) -> None:
         kind = self._kinds.get((key, self.max_threads()))
-        if kind is None:
+        if kind is None or not owns():  # another thread's one-thread call says nothing of the step loop's
             return
         old = kind.secs.get(n)
         kind.secs[n] = seconds if old is None else old + self.alpha * (seconds - old)

@@ -128,3 +128,49 @@ def test_adaptive_threads_1_keeps_the_timing_under_an_explicit_count(monkeypatch
         assert not thread_governor.enabled()
     finally:
         torch.set_num_threads(before)
+
+
+def _on_thread(fn):
+    """fn() on a new thread that stays alive until the returned release() is called; (result, release)."""
+    import threading
+
+    out, ready, release = [], threading.Event(), threading.Event()
+
+    def run():
+        out.append(fn())
+        ready.set()
+        release.wait()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    ready.wait()
+    return out[0], lambda: (release.set(), t.join())
+
+
+def test_only_the_claiming_thread_takes_several_threads_while_it_lives(monkeypatch):
+    """One OpenMP pool with workers in the process: a thread other than the step loop's (scoring, start-up) takes
+    one thread, its timing is not recorded and it does not move the step loop's hint; when the claiming thread
+    ends, any thread may take them again."""
+    monkeypatch.setattr(thread_governor, "_owner", None)
+    monkeypatch.setattr(thread_governor, "_hint", 0)
+    monkeypatch.setattr(thread_governor.torch, "get_num_threads", lambda: 2)
+    gov = ThreadGovernor(max_threads=lambda: 2)
+    assert thread_governor.owns() and thread_governor.threads() == 2  # nobody has claimed: any thread
+
+    def loop_thread():
+        thread_governor.claim()
+        return thread_governor.owns(), thread_governor.threads(), gov.pick(("step", 1))
+
+    (owns, threads, picked), release = _on_thread(loop_thread)
+    assert owns and threads == 2 and picked in (1, 2)
+    hint = thread_governor._hint
+    assert not thread_governor.owns()  # this (pytest's) thread now takes one
+    assert thread_governor.threads() == 1 and gov.pick(("other", 1)) == 1
+    assert thread_governor._hint == hint  # another thread's pick leaves the loop's hint alone
+    before = gov.current()
+    gov.record(("step", 1), 1, 123.0)
+    assert gov.current() == before  # and its timing is not the loop's
+    release()  # the claiming thread ends: its claim with it
+    assert thread_governor.owns() and thread_governor.threads() == 2
+    thread_governor.claim()
+    assert thread_governor.owns()
