@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--out", default=None, help="results file (default bench/results/server_probe_<probe>.json)")
     ap.add_argument("env", nargs="*", help="ENV=VALUE for the server")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     os.environ.update(dict(a.split("=", 1) for a in args.env))
     prompts = v.make_prompts(64, 64, 0)
     proc, url, _ = v.start_tandem(CACHE / args.model, args.threads, args.quant, 64 + 64 + 16,
