@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import vs_llamacpp as v  # noqa: E402
 from bench.results_meta import write_results  # noqa: E402
@@ -28,32 +26,14 @@ CACHE = Path.home() / ".cache" / "tandem" / "vs_llamacpp"
 
 
 async def closed(url: str, prompts: list[list[int]], streams: int, seconds: float, tag: str) -> dict:
-    import httpx
-
     res: list[dict] = []
-    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(limits=limits) as client:
-        await v.one_request(client, url, "tandem", prompts[0], 4)
-        t0 = time.perf_counter()
-
-        async def worker(w: int) -> None:
-            i = w
-            while time.perf_counter() < t0 + seconds:
-                s = time.perf_counter()
-                r = await v.one_request(client, url, "tandem", prompts[i % len(prompts)], 64)
-                r["start"] = s - t0
-                res.append(r)
-                i += streams
-
-        await asyncio.gather(*(worker(w) for w in range(streams)))
-        wall = time.perf_counter() - t0
+    summary = await v.closed_loop(url, "tandem", prompts, streams, 64, seconds, keep=res)
     starts = sorted(r["start"] for r in res)
     ttfts = sorted(r["ttft"] for r in res)
-    print(f"{tag}: {len(res)} requests, wall {wall:.2f} s, {sum(r['tokens'] for r in res) / wall:.1f} tok/s, "
-          f"TPOT p50 {1e3 * np.median([r['tpot'] for r in res]):.0f} ms\n  starts {[round(x, 2) for x in starts[::4]]}"
+    print(f"{tag}: {len(res)} requests, wall {summary['wall_s']:.2f} s, {summary['tok_s']:.1f} tok/s, "
+          f"TPOT p50 {summary['tpot_p50_ms']:.0f} ms\n  starts {[round(x, 2) for x in starts[::4]]}"
           f"\n  first tokens {[round(x, 2) for x in ttfts[::4]]}", flush=True)
-    return {"run": tag, "requests": len(res), "wall_s": wall, "tok_s": sum(r["tokens"] for r in res) / wall,
-            "starts_s": starts, "first_token_s": ttfts}
+    return {"run": tag, **summary, "starts_s": starts, "first_token_s": ttfts}
 
 
 def threads_cpu(pid: int) -> dict[str, tuple[str, float]]:

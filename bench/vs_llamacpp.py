@@ -329,7 +329,7 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
         raise RuntimeError(f"{url}: no tokens streamed")
     ttft = times[0] - t0
     tpot = (times[-1] - times[0]) / (max_tokens - 1) if max_tokens > 1 else 0.0
-    return {"ttft": ttft, "tpot": tpot, "tokens": max_tokens, "end": times[-1]}
+    return {"ttft": ttft, "tpot": tpot, "tokens": max_tokens, "start": t0, "end": times[-1]}
 
 
 async def greedy_text(url: str, model: str, prompt: list[int], n: int) -> str:
@@ -343,7 +343,9 @@ async def greedy_text(url: str, model: str, prompt: list[int], n: int) -> str:
 
 
 async def closed_loop(url: str, model: str, prompts: list[list[int]], streams: int, max_tokens: int,
-                      seconds: float) -> dict:
+                      seconds: float, keep: list[dict] | None = None) -> dict:
+    """`streams` clients, each sending its next request when its last ends, for `seconds`; the summary (and each
+    request's own figures appended to `keep`, when given: bench/server_probe.py)."""
     import httpx
 
     results: list[dict] = []
@@ -365,6 +367,8 @@ async def closed_loop(url: str, model: str, prompts: list[list[int]], streams: i
 
         await asyncio.gather(*(worker(w) for w in range(streams)))
         wall = time.perf_counter() - t0
+    if keep is not None:
+        keep.extend(dict(r, start=r["start"] - t0) for r in results)
     return {"requests": len(results), "tok_s": sum(r["tokens"] for r in results) / wall,
             "ttft_p50_ms": 1e3 * float(np.percentile([r["ttft"] for r in results], 50)),
             "ttft_p99_ms": 1e3 * float(np.percentile([r["ttft"] for r in results], 99)),
