@@ -43,7 +43,7 @@ async def serve_completion(request: Request, state: GatewayState, data: Completi
         if isinstance(sent, str):
             return await serve(request, state, route, data, "text_completion", prompt, prompt_text=sent)
         return await serve(request, state, route, data, "text_completion", prompt, prompt_token_ids=sent)
-    watch = ClientWatch(request.receive)
+    watch = ClientWatch(request.receive, request.scope)
     try:
         parts = await asyncio.gather(*(
             serve(request, state, route, data, "text_completion", prompt, part=i, watch_client=False,

@@ -1,7 +1,8 @@
 """The HTTP edge under uvicorn: `GuardedHttpToolsProtocol` answers what never reaches the app (an oversized head
 431, a head or body that does not arrive in time 408, bytes that are not HTTP 400) with OpenAI's error body,
-within `HTTPLimits` ([server] in the config), and sends a response's head in the same write as its first body
-bytes; `free_port` finds a port to listen on."""
+within `HTTPLimits` ([server] in the config), sends a response's head in the same write as its first body
+bytes, and tells a request's watchers when its client has gone (`ClientGone`); `free_port` finds a port to
+listen on."""
 
 from __future__ import annotations
 
@@ -84,6 +85,89 @@ class _HeadHeld:
         return getattr(self._transport, name)
 
 
+CLIENT_GONE = "tandem.client_gone"  # the ASGI scope's extensions key of a request's `ClientGone`
+
+
+class ClientGone:
+    """One request's "the client has gone", told by its connection's protocol when the connection is lost (or
+    refused) before the response completes: what `gateway.streaming.ClientWatch` and `send_events` otherwise
+    learn from a task that awaits `receive()` for the `http.disconnect` message, without that task (one made,
+    run, cancelled and collected for every request). In the scope's extensions under `CLIENT_GONE`; `watch()`
+    gives each watcher its own `GoneWatch`."""
+
+    __slots__ = ("loop", "_flow", "_watches", "gone")
+
+    def __init__(self, loop: Any, flow: Any):
+        self.loop, self._flow = loop, flow
+        self._watches: list[GoneWatch] = []
+        self.gone = False
+
+    def watch(self) -> GoneWatch:
+        if not self._watches and self._flow is not None:
+            self._flow.resume_reading()  # as uvicorn's receive() does: a lost connection must be read to be seen
+        watch = GoneWatch(self)
+        if self.gone:
+            watch.state = GoneWatch.GONE
+        else:
+            self._watches.append(watch)
+        return watch
+
+    def fire(self) -> None:
+        """The client has gone: every watch's callbacks run soon (the loop's next turn, as a task's would)."""
+        if self.gone:
+            return
+        self.gone = True
+        watches, self._watches = self._watches, []
+        for watch in watches:
+            watch.fire()
+
+
+class GoneWatch:
+    """One watcher's view of a `ClientGone`, with the part of `asyncio.Task`'s interface that the watchers use
+    in place of a task awaiting the disconnect: `add_done_callback` (called soon, with this object, once the
+    client has gone), `cancel` (stop watching: the callbacks are dropped), `done`, `cancelled`, `exception`."""
+
+    __slots__ = ("_source", "_callbacks", "state")
+
+    WATCHING, GONE, CANCELLED = 0, 1, 2
+
+    def __init__(self, source: ClientGone):
+        self._source = source
+        self._callbacks: list[Callable[[GoneWatch], None]] = []
+        self.state = self.WATCHING
+
+    def add_done_callback(self, fn: Callable[[GoneWatch], None]) -> None:
+        if self.state == self.GONE:
+            self._source.loop.call_soon(fn, self)
+        elif self.state == self.WATCHING:
+            self._callbacks.append(fn)
+
+    def cancel(self) -> bool:
+        if self.state != self.WATCHING:
+            return False
+        self.state, self._callbacks = self.CANCELLED, []
+        watches = self._source._watches
+        if self in watches:
+            watches.remove(self)
+        return True
+
+    def done(self) -> bool:
+        return self.state != self.WATCHING
+
+    def cancelled(self) -> bool:
+        return self.state == self.CANCELLED
+
+    def exception(self) -> None:
+        return None
+
+    def fire(self) -> None:
+        if self.state == self.WATCHING:
+            self.state = self.GONE
+            callbacks, self._callbacks = self._callbacks, []
+            for fn in callbacks:
+                self._source.loop.call_soon(fn, self)
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with HTTPLimits: an oversized head is a 431 before the app sees it, a head or
     body that does not arrive in time is a 408 (a connection that sent nothing is just closed). The parser
@@ -106,6 +190,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._client_gone()
         super().connection_lost(exc)
         # the cycles' transports (`_HeadHeld`) point back here: let go of them, or every closed connection leaves
         # a protocol <-> cycle loop to the GC (a cycle still answering keeps what it needs itself)
@@ -140,9 +225,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse_head(f"{size} bytes, at most {self.limits.max_header_bytes}")
             return
         before = self.cycle
+        scope = self.scope
         super().on_headers_complete()
         if self.cycle is not before:  # a new request cycle (not an upgrade): its head goes out with its body
             self.cycle.transport = _HeadHeld(self.transport, self)
+            gone = self.cycle.client_gone = ClientGone(self.loop, self.flow)  # type: ignore[attr-defined]
+            extensions = scope.get("extensions")
+            if extensions is None:
+                scope["extensions"] = {CLIENT_GONE: gone}
+            else:
+                extensions[CLIENT_GONE] = gone
         self._arm(self.limits.body_timeout_s, self._body_timed_out)
 
     def on_body(self, body: bytes) -> None:
@@ -177,6 +269,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(_error_bytes(400, f"The request is not valid HTTP/1.1: {msg.rstrip('.')}",
                                           "invalid_http_request", self.server_state.default_headers))
         self.transport.close()
+
+    def _client_gone(self) -> None:
+        """The request being answered has lost its client: its watchers are told (`ClientGone`)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            gone = getattr(cycle, "client_gone", None)
+            if gone is not None:
+                gone.fire()
 
     # ---- deadlines and refusals
     def _arm(self, delay: float, callback: Callable[[], None]) -> None:
@@ -224,6 +324,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True
             cycle.message_event.set()
+            self._client_gone()
         if self.transport.is_closing():
             return
         if answer is not None:

@@ -119,7 +119,7 @@ async def serve(request: Request, state: GatewayState, route: Route,
     decode(job)
     if not watch_client:
         return await _stages(job)
-    watch = ClientWatch(request.receive)  # the body is read: from here a client that leaves cancels the request
+    watch = ClientWatch(request.receive, request.scope)  # the body is read: from here a client that leaves cancels the request
     try:
         answered = await _stages(job)
         if isinstance(answered, EventStream):

@@ -15,6 +15,16 @@ from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
 from gateway.answers import SSE_DONE
+from gateway.http_guard import CLIENT_GONE
+
+
+def disconnect_watcher(scope: Any, receive: Receive) -> Any:
+    """What tells a request's watcher that its client has gone: the server's own notice where it gives one
+    (`gateway.http_guard.ClientGone`, under the scope's extensions), else a task awaiting `receive()`'s
+    `http.disconnect`. Either has the done-callback interface of an `asyncio.Task`."""
+    extensions = scope.get("extensions")
+    gone = extensions.get(CLIENT_GONE) if extensions else None
+    return gone.watch() if gone is not None else asyncio.create_task(until_disconnect(receive))
 
 
 async def until_disconnect(receive: Receive) -> None:
@@ -28,12 +38,12 @@ class ClientWatch:
     cascade's buffered small answer, a JSON body): when the client leaves, the task is cancelled where it
     waits, and `left` tells that cancellation from any other. `stop` before the response takes over."""
 
-    def __init__(self, receive: Receive):
+    def __init__(self, receive: Receive, scope: Any = None):
         self.left = False
         self._watching = True
         self._task = asyncio.current_task()
         assert self._task is not None, "ClientWatch is made inside the request's task"
-        self._watcher = asyncio.create_task(until_disconnect(receive))
+        self._watcher = disconnect_watcher(scope or {}, receive)
         self._watcher.add_done_callback(self._client_left)
 
     def _client_left(self, watcher: asyncio.Task) -> None:
@@ -53,7 +63,7 @@ class ClientWatch:
         if self._watcher is not None:
             self._watcher.cancel()
 
-    def hand_over(self) -> asyncio.Task:
+    def hand_over(self) -> Any:
         """Stop watching for the request's task and give the watcher, still waiting, to the SSE stream that
         answers (`send_events`): one watcher task a streamed request instead of one cancelled and another made."""
         self._watching = False
@@ -65,20 +75,20 @@ class _EventStreamResponse(ASGIStreamingResponse):
     """Litestar's streaming response without its anyio task group, which cost about 0.05 ms a request: the
     body is written from this task while one watcher task waits for the client to leave and cancels it."""
 
-    watcher: asyncio.Task | None = None  # the request's ClientWatch's, handed over
+    watcher: Any = None  # the request's ClientWatch's (a task or a GoneWatch), handed over
 
     async def send_body(self, send: Send, receive: Receive) -> None:
         await send_events(self.iterator, send, receive, self.watcher)
 
 
-async def send_events(iterator: Any, send: Send, receive: Receive, watcher: asyncio.Task | None = None) -> None:
+async def send_events(iterator: Any, send: Send, receive: Receive, watcher: Any = None) -> None:
     """The SSE body: each chunk of `iterator` written from this task, the last in the same write that ends the
     body, while one watcher task (`watcher`: one handed over by the request's ClientWatch, else a new one) waits
     for the client to leave and cancels it (the engine request is then aborted by the stream's `finally`)."""
     task = asyncio.current_task()
     streaming = True
 
-    def client_left(watcher: asyncio.Task) -> None:
+    def client_left(watcher: Any) -> None:
         if streaming and not watcher.cancelled() and watcher.exception() is None:
             task.cancel()
 
