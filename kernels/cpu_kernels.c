@@ -491,9 +491,8 @@ typedef void (*panel_fn)(const float *, int64_t, int64_t, const void *, float *,
     TK_DEF_PANEL512_AS(panel512##SUF##_##MR##_##NP, WT, ROW, MR, NP, PANEL_PF)
 /* [rows][panels at once - 1]: two panels a pass up to 4 rows (4-16 independent FMA chains), one beyond. At the
  * fewest rows, where a pass is bound by memory, one panel a pass with no prefetch instructions instead
- * (`PANEL_HW_ROWS`): the weight read as one address-order stream that the hardware prefetcher alone serves
- * (a one-row pass over 805 MB of float32 panels on a Zen 4 core: 29.4 -> 32.3 GB/s, torch.sum's read 33.9; bf16
- * 27.6 -> 32.1; the same bits, each column's chain unchanged) */
+ * (`PANEL_HW_ROWS`): the weight read as one address-order stream that the hardware prefetcher alone serves,
+ * which measured faster at those rows (bench/cpu_panel_stream.py); the same bits, each column's chain unchanged */
 #define TK_DEF_PANELS512(SUF, WT, ROW)                                                                         \
     TK_DEF_PANEL512_AS(panel512##SUF##_hw_1, WT, ROW, 1, 1, 0)                                                 \
     TK_DEF_PANEL512_AS(panel512##SUF##_hw_2, WT, ROW, 2, 1, 0)                                                 \
