@@ -46,7 +46,7 @@ class ClientWatch:
         self._watcher = disconnect_watcher(scope or {}, receive)
         self._watcher.add_done_callback(self._client_left)
 
-    def _client_left(self, watcher: asyncio.Task) -> None:
+    def _client_left(self, watcher: Any) -> None:
         # A callback runs only while the task waits, so the cancellation lands at that very await.
         if self._watching and not watcher.cancelled() and watcher.exception() is None:
             self.left = True
@@ -73,7 +73,7 @@ class ClientWatch:
 
 class _EventStreamResponse(ASGIStreamingResponse):
     """Litestar's streaming response without its anyio task group, which cost about 0.05 ms a request: the
-    body is written from this task while one watcher task waits for the client to leave and cancels it."""
+    body is written from this task while the request's watcher waits for the client to leave and cancels it."""
 
     watcher: Any = None  # the request's ClientWatch's (a task or a GoneWatch), handed over
 
@@ -83,8 +83,9 @@ class _EventStreamResponse(ASGIStreamingResponse):
 
 async def send_events(iterator: Any, send: Send, receive: Receive, watcher: Any = None) -> None:
     """The SSE body: each chunk of `iterator` written from this task, the last in the same write that ends the
-    body, while one watcher task (`watcher`: one handed over by the request's ClientWatch, else a new one) waits
-    for the client to leave and cancels it (the engine request is then aborted by the stream's `finally`)."""
+    body, while one watcher (`watcher`: the one handed over by the request's ClientWatch, else a new one from
+    `disconnect_watcher`'s task) tells when the client has left and this task is cancelled (the engine request
+    is then aborted by the stream's `finally`)."""
     task = asyncio.current_task()
     streaming = True
 
