@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts_from_heldout(Tokenizer.from_pretrained(folder), 48, args.prompt_tokens, seed=7)
     ctx = args.prompt_tokens + args.max_tokens + 16
     runs = []
-    for i in range(2 * args.pairs):
-        name = ("plain", "spec")[i % 2] if (i // 2) % 2 == 0 else ("spec", "plain")[i % 2]
+    order = [name for pair in range(args.pairs) for name in (("plain", "spec"), ("spec", "plain"))[pair % 2]]
+    for name in order:
         proc, url = start(folder, 1, ctx, folder.parent / f"metrics_{name}.log", SMALL if name == "spec" else None,
                           "w8a8", args.k)
         try:
