@@ -124,8 +124,13 @@ def test_shared_prefixes_land_on_one_replica_and_hit_its_cache(endpoint):
           f"(replicas per prefix {[len(s) for s in affinity_seen.values()]}), power of two {pow2_rate:.3f} "
           f"(replicas per prefix {[len(s) for s in pow2_seen.values()]})")
     assert all(len(s) == 1 for s in affinity_seen.values())  # every request of a prefix on one replica
-    assert any(len(s) == 2 for s in pow2_seen.values())  # the baseline spreads them
-    assert affinity_rate > pow2_rate
+    # each prefix's first request misses and its other 5 hit every full block of the ~300-token prefix: ~0.82
+    assert affinity_rate >= 0.75
+    if any(len(s) == 2 for s in pow2_seen.values()):  # the baseline split a prefix: a second cold prefill
+        assert affinity_rate > pow2_rate
+    else:  # sequential requests can all meet one replica under power of two (the other's cost is higher: an
+        # SLO missed by its first, cold requests, or KV in use when it reported), so the placement is the same
+        assert pow2_rate == pytest.approx(affinity_rate, abs=0.02)
 
 
 def _stream_until_error(url: str, prompt: str, started: threading.Event, replica: list[str],
