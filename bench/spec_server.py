@@ -9,7 +9,13 @@ requests pooled per server with a bootstrap interval of its ratio. Prints a tabl
 bench/results/spec_server_wide.json.
 
     .venv/bin/python bench/spec_server.py [--streams 1 8 32] [--rounds 2] [--seconds 20] [--max-tokens 64]
-        [--threads 1] [--wide-factor 5] [--draft-quantization w8a8] [--k 4] [--aa] [--swap-starts]
+        [--threads 1] [--wide-factor 5] [--draft-quantization w8a8] [--k 4] [--aa] [--swap-starts] [--rates 3 5]
+
+`--rates`: open-loop cells, requests arriving at Poisson times (the same times for both servers in a round).
+A closed loop of equal requests keeps plain decoding's requests in lockstep (they start, prefill and end
+together, so none decodes while another prefills); speculation's accepted drafts break the lockstep and its
+requests then share steps with others' prefills, which raises its TPOT tail for a reason traffic that does not
+arrive in lockstep does not have (bench/spec_tail.py --trace shows it step by step).
 
 `--aa` starts the second server without its draft: the same table then compares two identical plain servers,
 the spread a ratio of this harness has on this machine when nothing differs.
@@ -95,6 +101,32 @@ async def closed_loop(url: str, prompts: list[list[int]], streams: int, max_toke
             "tpots_ms": [1e3 * r["tpot"] for r in results]}
 
 
+async def open_loop(url: str, prompts: list[list[int]], rate: float, max_tokens: int, temperature: float,
+                    seconds: float, seed: int) -> dict:
+    """Requests arriving at Poisson times of `rate` per second for `seconds` (the same times for a given
+    `seed`), whatever the server's pace; the results of `closed_loop`, the wall time running until the last
+    request ends."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1.0 / rate, int(seconds * rate * 2) + 10))
+    times = times[times < seconds]
+    results: list[dict] = []
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as client:
+        t0 = time.perf_counter()
+
+        async def arrive(i: int, at: float) -> None:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            results.append(await one_request(client, url, prompts[i % len(prompts)], max_tokens, temperature))
+
+        await asyncio.gather(*(arrive(i, float(at)) for i, at in enumerate(times)))
+        wall = time.perf_counter() - t0
+    pct = {q: lambda key, q=q: 1e3 * float(np.percentile([r[key] for r in results], q)) for q in (50, 99)}
+    return {"requests": len(results), "tok_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
+            "ttft_p50_ms": pct[50]("ttft"), "tpot_p50_ms": pct[50]("tpot"), "tpot_p99_ms": pct[99]("tpot"),
+            "tpots_ms": [1e3 * r["tpot"] for r in results]}
+
+
 def pooled_p99(runs: dict[str, list[dict]], resamples: int = 2000, seed: int = 0) -> dict:
     """TPOT p99 over every round's requests of each server (a round's p99 is its slowest one or two requests at
     32 streams), their ratio speculative / plain, and its 95% bootstrap interval (requests resampled per server)."""
@@ -120,8 +152,11 @@ async def greedy_text(url: str, prompt: list[int], n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--streams", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--sampled-streams", type=int, nargs="*", default=[1], help="stream counts also run at T=0.8")
+    ap.add_argument("--rates", type=float, nargs="*", default=[],
+                    help="open-loop cells: requests per second at Poisson times, the same times for both servers "
+                         "in a round (closed loops of equal requests keep them in lockstep, see docs/benchmarks.md)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0, help="closed-loop seconds per run")
     ap.add_argument("--warmup-seconds", type=float, default=6.0)
@@ -162,37 +197,43 @@ def main(argv: list[str] | None = None) -> int:
                  for name, (_, url) in servers.items()}
         agree = texts["plain"] == texts["spec"]
         print(f"greedy 32 tokens, 2 prompts, speculative == plain: {agree}", flush=True)
-        plan = [(s, 0.0) for s in args.streams] + [(s, 0.8) for s in args.sampled_streams]
-        for streams, temp in plan:
+        plan = ([(s, 0.0, None) for s in args.streams] + [(s, 0.8, None) for s in args.sampled_streams]
+                + [(0, 0.0, rate) for rate in args.rates])
+
+        def drive(url: str, streams: int, temp: float, rate: float | None, seconds: float, seed: int) -> dict:
+            if rate is None:
+                return asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp, seconds))
+            return asyncio.run(open_loop(url, prompts, rate, args.max_tokens, temp, seconds, seed))
+
+        for streams, temp, rate in plan:
             runs: dict[str, list[dict]] = {"plain": [], "spec": []}
             for _, url in servers.values():
                 if args.warmup_seconds > 0:
-                    asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp, args.warmup_seconds))
+                    drive(url, streams, temp, rate, args.warmup_seconds, 1000)
             for r in range(args.rounds):
                 if args.swap_starts:  # each round on servers started anew, the first-started one alternating
                     relaunch(("plain", "spec") if r % 2 == 0 else ("spec", "plain"))
                     for _, url in servers.values():
                         if args.warmup_seconds > 0:
-                            asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp,
-                                                    args.warmup_seconds))
+                            drive(url, streams, temp, rate, args.warmup_seconds, 1000)
                 for name in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
                     proc, url = servers[name]
                     c0, l0 = server_cpu_s(proc.pid), os.getloadavg()[0]
-                    res = asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp, args.seconds))
+                    res = drive(url, streams, temp, rate, args.seconds, r)
                     res["server_cpu_s"] = server_cpu_s(proc.pid) - c0
                     # tokens per second of the server's own CPU time: what a neighbour's share of the cores
                     # cannot move (a loaded 2-core VM gave the 1-stream server 0.23-0.34 of a core)
                     res["tok_per_cpu_s"] = res["tok_s"] * res["wall_s"] / res["server_cpu_s"]
                     res["loadavg_1m"] = (l0, os.getloadavg()[0])
                     runs[name].append(res)
-                    print(f"  streams={streams} T={temp} round {r} {name}: {res['tok_s']:.1f} tok/s "
+                    print(f"  {f'rate={rate}/s' if rate else f'streams={streams}'} T={temp} round {r} {name}: {res['tok_s']:.1f} tok/s "
                           f"({res['tok_per_cpu_s']:.1f} per server CPU-s) TPOT p50/p99 "
                           f"{res['tpot_p50_ms']:.1f}/{res['tpot_p99_ms']:.1f} ms, load {l0:.1f}", flush=True)
             ratios = [s["tok_s"] / p["tok_s"] for s, p in zip(runs["spec"], runs["plain"])]
             cpu_ratios = [s["tok_per_cpu_s"] / p["tok_per_cpu_s"] for s, p in zip(runs["spec"], runs["plain"])]
             med = {k: {m: statistics.median(x[m] for x in v) for m in v[0] if isinstance(v[0][m], (int, float))}
                    for k, v in runs.items()}  # the numbers (loadavg_1m is a pair)
-            cells.append({"streams": streams, "temperature": temp, "runs": runs, "median": med,
+            cells.append({"streams": streams, "rate": rate, "temperature": temp, "runs": runs, "median": med,
                           "round_ratios": ratios, "ratio_tok_s": statistics.median(ratios),
                           "round_ratios_per_cpu_s": cpu_ratios, "ratio_tok_per_cpu_s": statistics.median(cpu_ratios),
                           "ratio_tpot_p99": med["spec"]["tpot_p99_ms"] / med["plain"]["tpot_p99_ms"],
@@ -206,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for c in cells:
         p, s, q = c["median"]["plain"], c["median"]["spec"], c["pooled_tpot_p99"]
-        print(f"| {c['streams']} | {c['temperature']} | {p['tok_s']:.1f} | {s['tok_s']:.1f} | "
+        load = f"{c['rate']}/s" if c.get("rate") else c["streams"]
+        print(f"| {load} | {c['temperature']} | {p['tok_s']:.1f} | {s['tok_s']:.1f} | "
               f"{c['ratio_tok_s']:.2f}x ({', '.join(f'{x:.2f}' for x in c['round_ratios'])}) | "
               f"{c['ratio_tok_per_cpu_s']:.2f}x | "
               f"{p['tpot_p50_ms']:.1f} / {s['tpot_p50_ms']:.1f} | {p['tpot_p99_ms']:.1f} / {s['tpot_p99_ms']:.1f} | "
