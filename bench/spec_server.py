@@ -95,6 +95,11 @@ async def closed_loop(url: str, prompts: list[list[int]], streams: int, max_toke
 
         await asyncio.gather(*(worker(w) for w in range(streams)))
         wall = time.perf_counter() - t0
+    return summary(results, wall)
+
+
+def summary(results: list[dict], wall: float) -> dict:
+    """A run's requests (`one_request`'s results) over `wall` seconds: tok/s, TTFT p50, TPOT p50 / p99."""
     pct = {q: lambda key, q=q: 1e3 * float(np.percentile([r[key] for r in results], q)) for q in (50, 99)}
     return {"requests": len(results), "tok_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
             "ttft_p50_ms": pct[50]("ttft"), "tpot_p50_ms": pct[50]("tpot"), "tpot_p99_ms": pct[99]("tpot"),
@@ -121,10 +126,7 @@ async def open_loop(url: str, prompts: list[list[int]], rate: float, max_tokens:
 
         await asyncio.gather(*(arrive(i, float(at)) for i, at in enumerate(times)))
         wall = time.perf_counter() - t0
-    pct = {q: lambda key, q=q: 1e3 * float(np.percentile([r[key] for r in results], q)) for q in (50, 99)}
-    return {"requests": len(results), "tok_s": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
-            "ttft_p50_ms": pct[50]("ttft"), "tpot_p50_ms": pct[50]("tpot"), "tpot_p99_ms": pct[99]("tpot"),
-            "tpots_ms": [1e3 * r["tpot"] for r in results]}
+    return summary(results, wall)
 
 
 def pooled_p99(runs: dict[str, list[dict]], resamples: int = 2000, seed: int = 0) -> dict:
