@@ -38,12 +38,12 @@ class ClientWatch:
     cascade's buffered small answer, a JSON body): when the client leaves, the task is cancelled where it
     waits, and `left` tells that cancellation from any other. `stop` before the response takes over."""
 
-    def __init__(self, receive: Receive, scope: Any = None):
+    def __init__(self, receive: Receive, scope: Any):
         self.left = False
         self._watching = True
         self._task = asyncio.current_task()
         assert self._task is not None, "ClientWatch is made inside the request's task"
-        self._watcher = disconnect_watcher(scope or {}, receive)
+        self._watcher = disconnect_watcher(scope, receive)
         self._watcher.add_done_callback(self._client_left)
 
     def _client_left(self, watcher: Any) -> None:
@@ -83,8 +83,8 @@ class _EventStreamResponse(ASGIStreamingResponse):
 
 async def send_events(iterator: Any, send: Send, receive: Receive, watcher: Any = None) -> None:
     """The SSE body: each chunk of `iterator` written from this task, the last in the same write that ends the
-    body, while one watcher (`watcher`: the one handed over by the request's ClientWatch, else a new one from
-    `disconnect_watcher`'s task) tells when the client has left and this task is cancelled (the engine request
+    body, while one watcher (`watcher`: the one handed over by the request's ClientWatch, else a new task
+    awaiting `until_disconnect`) tells when the client has left and this task is cancelled (the engine request
     is then aborted by the stream's `finally`)."""
     task = asyncio.current_task()
     streaming = True
@@ -115,7 +115,7 @@ async def send_events(iterator: Any, send: Send, receive: Receive, watcher: Any 
 class EventStream(Stream):
     """A `text/event-stream` response whose body is an async iterator of SSE bytes ending with [DONE]."""
 
-    watcher: asyncio.Task | None = None  # set by the pipeline: its ClientWatch's watcher, for `send_events`
+    watcher: Any = None  # set by the pipeline: its ClientWatch's watcher (a task or a GoneWatch), for `send_events`
 
     def to_asgi_response(self, app: Any, request: Request, *, background: Any = None, cookies: Any = None,
                          headers: dict[str, str] | None = None, is_head_response: bool = False,
