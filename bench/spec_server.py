@@ -10,12 +10,17 @@ bench/results/spec_server_wide.json.
 
     .venv/bin/python bench/spec_server.py [--streams 1 8 32] [--rounds 2] [--seconds 20] [--max-tokens 64]
         [--threads 1] [--wide-factor 5] [--draft-quantization w8a8] [--k 4] [--aa] [--swap-starts] [--rates 3 5]
+        [--concurrent]
 
 `--rates`: open-loop cells, requests arriving at Poisson times (the same times for both servers in a round).
 A closed loop of equal requests keeps plain decoding's requests in lockstep (they start, prefill and end
 together, so none decodes while another prefills); speculation's accepted drafts break the lockstep and its
 requests then share steps with others' prefills, which raises its TPOT tail for a reason traffic that does not
 arrive in lockstep does not have (bench/spec_tail.py --trace shows it step by step).
+
+`--concurrent` runs both servers at once under the same load, each pinned to one core of two (swapped every
+round): the slow spells of a shared VM (compute 40-70% slower for seconds, on both cores at once) then fall on
+both servers alike instead of on whichever ran at the time.
 
 `--aa` starts the second server without its draft: the same table then compares two identical plain servers,
 the spread a ratio of this harness has on this machine when nothing differs.
@@ -129,6 +134,30 @@ async def open_loop(url: str, prompts: list[list[int]], rate: float, max_tokens:
     return summary(results, wall)
 
 
+def round_ratio(runs: dict[str, list[dict]], key: str) -> dict:
+    """Speculative / plain of `key` per round, their geometric mean and its 95% t-interval over rounds: rounds,
+    not requests, are the independent draws (a round's requests share its minute of the machine)."""
+    logs = np.log([s[key] / p[key] for s, p in zip(runs["spec"], runs["plain"])])
+    n = logs.size
+    half = 0.0
+    if n > 1:
+        from scipy import stats
+
+        half = float(stats.t.ppf(0.975, n - 1) * logs.std(ddof=1) / np.sqrt(n))
+    m = float(logs.mean())
+    return {"rounds": [float(x) for x in np.exp(logs)], "geomean": float(np.exp(m)),
+            "ci95": [float(np.exp(m - half)), float(np.exp(m + half))]}
+
+
+def pin(pid: int, core: int) -> None:
+    """Every thread of process `pid` onto `core` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+
+
 def pooled_p99(runs: dict[str, list[dict]], resamples: int = 2000, seed: int = 0) -> dict:
     """TPOT p99 over every round's requests of each server (a round's p99 is its slowest one or two requests at
     32 streams), their ratio speculative / plain, and its 95% bootstrap interval (requests resampled per server)."""
@@ -172,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                     "plain servers, the ratios this harness gives when nothing differs (the run's noise floor)")
     ap.add_argument("--swap-starts", action="store_true", help="restart both servers every round, the one started "
                     "first alternating (cancels a bias of start order between two server processes)")
+    ap.add_argument("--concurrent", action="store_true", help="run both servers at once, each pinned to its own "
+                    "core (swapped every round), under the same load: this VM's slow spells, which take both cores "
+                    "at once, then fall on both servers instead of on whichever ran at the time")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "spec_server_wide.json"))
     args = ap.parse_args(argv)
+    if args.concurrent and (os.cpu_count() or 1) < 2:
+        ap.error("--concurrent needs two cores")
     folder = cached_wide(args.wide_factor)
     tok = Tokenizer.from_pretrained(folder)
     prompts = prompts_from_heldout(tok, 48, args.prompt_tokens, seed=7)
@@ -202,10 +236,36 @@ def main(argv: list[str] | None = None) -> int:
         plan = ([(s, 0.0, None) for s in args.streams] + [(s, 0.8, None) for s in args.sampled_streams]
                 + [(0, 0.0, rate) for rate in args.rates])
 
-        def drive(url: str, streams: int, temp: float, rate: float | None, seconds: float, seed: int) -> dict:
+        def load(url: str, streams: int, temp: float, rate: float | None, seconds: float, seed: int):
             if rate is None:
-                return asyncio.run(closed_loop(url, prompts, streams, args.max_tokens, temp, seconds))
-            return asyncio.run(open_loop(url, prompts, rate, args.max_tokens, temp, seconds, seed))
+                return closed_loop(url, prompts, streams, args.max_tokens, temp, seconds)
+            return open_loop(url, prompts, rate, args.max_tokens, temp, seconds, seed)
+
+        def drive(url: str, streams: int, temp: float, rate: float | None, seconds: float, seed: int) -> dict:
+            return asyncio.run(load(url, streams, temp, rate, seconds, seed))
+
+        def measure(names: tuple[str, ...], streams: int, temp: float, rate: float | None, r: int) -> dict:
+            """One round's runs of `names`: one after another, or all at once (--concurrent)."""
+            before = {name: (server_cpu_s(servers[name][0].pid), os.getloadavg()[0]) for name in names}
+            if args.concurrent:
+                async def both() -> list[dict]:
+                    return await asyncio.gather(*(load(servers[n][1], streams, temp, rate, args.seconds, r)
+                                                  for n in names))
+                results = dict(zip(names, asyncio.run(both())))
+            else:
+                results = {}
+                for name in names:
+                    before[name] = (server_cpu_s(servers[name][0].pid), os.getloadavg()[0])
+                    results[name] = drive(servers[name][1], streams, temp, rate, args.seconds, r)
+                    results[name]["server_cpu_s"] = server_cpu_s(servers[name][0].pid) - before[name][0]
+            for name, res in results.items():
+                if args.concurrent:
+                    res["server_cpu_s"] = server_cpu_s(servers[name][0].pid) - before[name][0]
+                # tokens per second of the server's own CPU time: what a neighbour's share of the cores cannot
+                # move (a loaded 2-core VM gave the 1-stream server 0.23-0.34 of a core)
+                res["tok_per_cpu_s"] = res["tok_s"] * res["wall_s"] / res["server_cpu_s"]
+                res["loadavg_1m"] = (before[name][1], os.getloadavg()[0])
+            return results
 
         for streams, temp, rate in plan:
             runs: dict[str, list[dict]] = {"plain": [], "spec": []}
@@ -218,19 +278,16 @@ def main(argv: list[str] | None = None) -> int:
                     for _, url in servers.values():
                         if args.warmup_seconds > 0:
                             drive(url, streams, temp, rate, args.warmup_seconds, 1000)
-                for name in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
-                    proc, url = servers[name]
-                    c0, l0 = server_cpu_s(proc.pid), os.getloadavg()[0]
-                    res = drive(url, streams, temp, rate, args.seconds, r)
-                    res["server_cpu_s"] = server_cpu_s(proc.pid) - c0
-                    # tokens per second of the server's own CPU time: what a neighbour's share of the cores
-                    # cannot move (a loaded 2-core VM gave the 1-stream server 0.23-0.34 of a core)
-                    res["tok_per_cpu_s"] = res["tok_s"] * res["wall_s"] / res["server_cpu_s"]
-                    res["loadavg_1m"] = (l0, os.getloadavg()[0])
+                order = ("plain", "spec") if r % 2 == 0 else ("spec", "plain")
+                if args.concurrent:  # the first of `order` on core 0: each server meets each core
+                    for core, name in enumerate(order):
+                        pin(servers[name][0].pid, core)
+                for name, res in measure(order, streams, temp, rate, r).items():
                     runs[name].append(res)
                     print(f"  {f'rate={rate}/s' if rate else f'streams={streams}'} T={temp} round {r} {name}: {res['tok_s']:.1f} tok/s "
                           f"({res['tok_per_cpu_s']:.1f} per server CPU-s) TPOT p50/p99 "
-                          f"{res['tpot_p50_ms']:.1f}/{res['tpot_p99_ms']:.1f} ms, load {l0:.1f}", flush=True)
+                          f"{res['tpot_p50_ms']:.1f}/{res['tpot_p99_ms']:.1f} ms, load {res['loadavg_1m'][0]:.1f}",
+                          flush=True)
             ratios = [s["tok_s"] / p["tok_s"] for s, p in zip(runs["spec"], runs["plain"])]
             cpu_ratios = [s["tok_per_cpu_s"] / p["tok_per_cpu_s"] for s, p in zip(runs["spec"], runs["plain"])]
             med = {k: {m: statistics.median(x[m] for x in v) for m in v[0] if isinstance(v[0][m], (int, float))}
@@ -239,14 +296,15 @@ def main(argv: list[str] | None = None) -> int:
                           "round_ratios": ratios, "ratio_tok_s": statistics.median(ratios),
                           "round_ratios_per_cpu_s": cpu_ratios, "ratio_tok_per_cpu_s": statistics.median(cpu_ratios),
                           "ratio_tpot_p99": med["spec"]["tpot_p99_ms"] / med["plain"]["tpot_p99_ms"],
-                          "pooled_tpot_p99": pooled_p99(runs)})
+                          "pooled_tpot_p99": pooled_p99(runs), "round_tpot_p99": round_ratio(runs, "tpot_p99_ms")})
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
     print("\n| streams | temperature | plain tok/s | speculative tok/s | ratio (rounds) | per server CPU-s "
-          "| TPOT p50 ms p / s | TPOT p99 ms p / s | pooled TPOT p99 ms p / s, ratio (95% CI) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| TPOT p50 ms p / s | TPOT p99 ms p / s | pooled TPOT p99 ms p / s, ratio (95% CI) "
+          "| TPOT p99 ratio, rounds' geomean (95% CI) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c in cells:
         p, s, q = c["median"]["plain"], c["median"]["spec"], c["pooled_tpot_p99"]
         load = f"{c['rate']}/s" if c.get("rate") else c["streams"]
@@ -255,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['ratio_tok_per_cpu_s']:.2f}x | "
               f"{p['tpot_p50_ms']:.1f} / {s['tpot_p50_ms']:.1f} | {p['tpot_p99_ms']:.1f} / {s['tpot_p99_ms']:.1f} | "
               f"{q['tpot_p99_ms']['plain']:.1f} / {q['tpot_p99_ms']['spec']:.1f}, {q['ratio']:.2f} "
-              f"({q['ratio_ci95'][0]:.2f}-{q['ratio_ci95'][1]:.2f}) |")
+              f"({q['ratio_ci95'][0]:.2f}-{q['ratio_ci95'][1]:.2f}) | {c['round_tpot_p99']['geomean']:.2f} "
+              f"({c['round_tpot_p99']['ci95'][0]:.2f}-{c['round_tpot_p99']['ci95'][1]:.2f}) |")
     out = {"config": {**vars(args), "target": f"tandem-tiny-l widened x{args.wide_factor} (training/widen.py)",
                       "draft": None if args.aa else "models/tandem-tiny-s"},
            "greedy_agree": agree, "cells": cells, "loadavg_start": load0, "loadavg_end": os.getloadavg()}
