@@ -417,6 +417,11 @@ def weight_bytes(folder: Path, quant: str, gguf_path: Path, gguf) -> dict:
     (one QuantLinear of the model's first projection shape, built here, for int8 / int4)."""
     r = gguf.GGUFReader(str(gguf_path))
     ll = sum(int(t.n_bytes) for t in r.tensors if "norm" not in t.name)
+    return {**tandem_bytes(folder, quant), "llama_bytes": float(ll)}
+
+
+def tandem_bytes(folder: Path, quant: str) -> dict:
+    """tandem's side of `weight_bytes`: the bytes a decode token reads, and the parameters they hold."""
     cfg = json.loads((folder / "config.json").read_text())
     h, inter, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
@@ -435,7 +440,7 @@ def weight_bytes(folder: Path, quant: str, gguf_path: Path, gguf) -> dict:
         per_w = sum(b.numel() * b.element_size() for b in q.buffers() if b is not None) / (h * inter)
         head_w = per_w if mode == "w8a8" else 4.0  # w8a8 quantises the head as q8_0 does; int8/int4 keep it f32
         tb = per_layer * n_layers * per_w + head * head_w
-    return {"tandem_bytes": tb, "llama_bytes": float(ll), "params": per_layer * n_layers + head}
+    return {"tandem_bytes": tb, "params": per_layer * n_layers + head}
 
 
 def prepare(gguf, work: Path, name: str, quant: str, tandem_8bit: str, tandem_bf16: str = "bf16") -> dict:
