@@ -963,6 +963,16 @@ static void quant_act_q8(const float *x, int64_t M, int64_t K, int8_t *xq, uint8
         }
 }
 
+/* a w8a8 output: the row's dot times its channel scale, plus the bias, rounded the same way on every path (an
+ * explicit FMA: the compiler's own contraction could differ between two copies of `s * scale + bias`, and a
+ * row's bits with them between batch sizes) */
+static inline float w8_out(float s, const float *scale, const float *bias, int64_t n) {
+    return bias ? fmaf(s, scale[n], bias[n]) : s * scale[n];
+}
+
+/* one activation row of w8a8 over the weight rows in address order (w8v_rows1), where the build has VNNI;
+ * 0: the 4-row tiles (tk_w8_one_row, for A/B runs) */
+static int64_t w8_one_row = 1;
 #if TK_AVX2
 /* the eight int32 partial sums of a block's 32 products x * w */
 static inline __m256i dot_q8(__m256i xa, __m256i xs, __m256i w) {
@@ -1058,6 +1068,44 @@ TK_DEF_W8V(4, 1)
 TK_DEF_W8V(4, 2)
 TK_DEF_W8V(1, 1)
 #define W8_TILE(NR, MR) w8v_##NR##x##MR
+
+/* one activation row over weight rows [n0, n1) in address order (one stream the hardware prefetcher follows,
+ * where the 4-row tiles read four interleaved short ones), the activation's side of each pair of blocks (the
+ * sign mask and the two scales) computed once for all rows: w8v_1x1's arithmetic in its order, so the same bits
+ * as every tile gives a row */
+#define W8R_MAX_PAIRS 256
+static int w8v_rows1(const int8_t *xq, const uint8_t *xa, const float *d, int64_t K, const int8_t *q,
+                     const float *scale, const float *bias, float *y, int64_t n0, int64_t n1) {
+    const int64_t B = K / Q8, P = B / 2;
+    if (P > W8R_MAX_PAIRS) return 0;
+    __mmask64 neg[W8R_MAX_PAIRS];
+    __m512 dbs[W8R_MAX_PAIRS];
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t p = 0; p < P; p++) {
+        neg[p] = _mm512_movepi8_mask(_mm512_loadu_si512((const void *)(xq + p * 2 * Q8)));
+        dbs[p] = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(d[2 * p]), _mm512_set1_ps(d[2 * p + 1]));
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *w = q + n * K;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t p = 0; p < P; p++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(w + p * 2 * Q8));
+            __m512i sw = _mm512_mask_sub_epi8(wv, neg[p], zero, wv);
+            __m512i a = _mm512_loadu_si512((const void *)(xa + p * 2 * Q8));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, a, sw)), dbs[p], acc);
+        }
+        float s = _mm512_reduce_add_ps(acc);
+        if (B & 1) {
+            const int64_t b = B - 1;
+            __m256i a = _mm256_loadu_si256((const __m256i *)(xa + b * Q8));
+            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * Q8));
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + b * Q8));
+            s += hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot_q8(a, x, w1)), _mm256_set1_ps(d[b])));
+        }
+        y[n] = w8_out(s, scale, bias, n);
+    }
+    return 1;
+}
 #elif TK_AVX2
 #define W8_TILE(NR, MR) w8_##NR##x##MR
 #endif
@@ -1068,6 +1116,9 @@ static void linear_w8_rows(const int8_t *xq, const uint8_t *xa, const float *d, 
                            int64_t n1) {
     const int64_t B = K / Q8;
     int64_t n = n0;
+#if TK_VNNI
+    if (w8_one_row && M == 1 && w8v_rows1(xq, xa, d, K, q, scale, bias, y, n0, n1)) return;
+#endif
 #if TK_AVX2
     float s[8];
     for (; n + 4 <= n1; n += 4) {
@@ -1077,17 +1128,17 @@ static void linear_w8_rows(const int8_t *xq, const uint8_t *xa, const float *d, 
             W8_TILE(4, 2)(xq + m * K, xa + m * K, d + m * B, K, qn, s);
             for (int r = 0; r < 2; r++)
                 for (int i = 0; i < 4; i++)
-                    y[(m + r) * N + n + i] = s[r * 4 + i] * scale[n + i] + (bias ? bias[n + i] : 0.f);
+                    y[(m + r) * N + n + i] = w8_out(s[r * 4 + i], scale, bias, n + i);
         }
         for (; m < M; m++) {
             W8_TILE(4, 1)(xq + m * K, xa + m * K, d + m * B, K, qn, s);
-            for (int i = 0; i < 4; i++) y[m * N + n + i] = s[i] * scale[n + i] + (bias ? bias[n + i] : 0.f);
+            for (int i = 0; i < 4; i++) y[m * N + n + i] = w8_out(s[i], scale, bias, n + i);
         }
     }
     for (; n < n1; n++)
         for (int64_t m = 0; m < M; m++) {
             W8_TILE(1, 1)(xq + m * K, xa + m * K, d + m * B, K, q + n * K, s);
-            y[m * N + n] = s[0] * scale[n] + (bias ? bias[n] : 0.f);
+            y[m * N + n] = w8_out(s[0], scale, bias, n);
         }
 #else
     for (; n < n1; n++)
@@ -1468,6 +1519,7 @@ TK_KNOB(block_max_k)
 TK_KNOB(block_min_rows)
 TK_KNOB(stream_pf)
 TK_KNOB(w8_many_rows)
+TK_KNOB(w8_one_row)
 
 /* y[M, N] = (q8(x) . q) * scale (+ bias); returns 0, or 1 when the scratch allocation failed */
 int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,

@@ -286,6 +286,37 @@ def test_the_amx_tiles_give_the_vector_tiles_w8a8_up_to_summation_order():
 
 
 @needs_kernels
+@pytest.mark.parametrize("n,k", [(256, 1024), (1409, 96), (37, 3072), (6, 32), (20, 16416)])
+def test_w8a8_one_row_gives_each_row_of_a_batch_its_bits(n, k):
+    """One activation row (a decode step of one sequence) reads the weight rows in address order, the 4-row tiles
+    take two or more: a row's output must be the same bits either way, or a sequence's greedy tokens would depend
+    on its batch. Odd block counts (the 256-bit tail), column counts off the tiles' 4, K past the one-row path's
+    stack bound (16416: the tiles), bias, two threads; and the same bits with the one-row path off."""
+    from kernels.quant_matmul import quantize_int8
+
+    g = torch.Generator().manual_seed(n + k)
+    q, s = quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(3, k, generator=g) * torch.rand(3, k, generator=g) * 4
+    b = torch.randn(n, generator=g)
+    batch = ck.linear_w8a8(x[:2], q, s, b)
+    for r in range(2):
+        assert torch.equal(ck.linear_w8a8(x[r:r + 1], q, s, b)[0], batch[r])
+    one = ck.linear_w8a8(x[:1], q, s, b)
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(ck.linear_w8a8(x[:1], q, s, b), one)
+    finally:
+        torch.set_num_threads(1)
+    before = ck.w8_one_row()
+    try:
+        ck.w8_one_row(0)
+        assert torch.equal(ck.linear_w8a8(x[:1], q, s, b), one)
+    finally:
+        ck.w8_one_row(before)
+    assert before == 1
+
+
+@needs_kernels
 def test_linear_w8a8_refuses_in_features_not_divisible_by_32():
     from kernels.quant_matmul import quantize_int8
 
