@@ -11,7 +11,7 @@ head once, in the format read). Each cell runs in a fresh process with TANDEM_TH
 fixed, as the server bench sets it). The random Llamas are bench/vs_llamacpp.py's, built once into its cache.
 Prints a table, writes bench/results/decode_share.json.
 
-    .venv/bin/python bench/decode_share.py [--models llama200m,llama1b] [--quant f32,bf16,8bit]
+    .venv/bin/python bench/decode_share.py [--models llama200m,llama1b] [--quant f32,bf16,8bit,int4]
         [--threads 1 2] [--steps 60]
 """
 
@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 from bench.results_meta import write_results  # noqa: E402
 from bench.vs_llamacpp import CACHE, RANDOM_LLAMAS, bf16_variant, random_llama, tandem_bytes  # noqa: E402
 
-QUANT = {"f32": "none", "bf16": "bf16", "8bit": "w8a8"}
+QUANT = {"f32": "none", "bf16": "bf16", "8bit": "w8a8", "int4": "int4"}
 
 
 def checkpoint(name: str, quant: str) -> Path:
@@ -100,7 +100,7 @@ def run_cell(name: str, quant: str, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama200m,llama1b", help="comma list of: " + ", ".join(RANDOM_LLAMAS))
-    ap.add_argument("--quant", default="f32,bf16,8bit", help="comma list of: " + ", ".join(QUANT))
+    ap.add_argument("--quant", default="f32,bf16,8bit,int4", help="comma list of: " + ", ".join(QUANT))
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=60, help="decode steps (pairs) per cell")
     ap.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # model,quant: run one cell, print JSON

@@ -970,9 +970,12 @@ static inline float w8_out(float s, const float *scale, const float *bias, int64
     return bias ? fmaf(s, scale[n], bias[n]) : s * scale[n];
 }
 
-/* one activation row of w8a8 over the weight rows in address order (w8v_rows1), where the build has VNNI;
- * 0: the 4-row tiles (tk_w8_one_row, for A/B runs) */
-static int64_t w8_one_row = 1;
+/* tk_one_row: 1 (default) where one activation row (a one-sequence decode step) reads the quantised and bf16
+ * weights one row or panel after another in address order, one stream the hardware prefetcher follows (w8a8:
+ * w8v_rows1 where the build has VNNI; int4: its 1-row tile; bf16: one pair panel at a time), instead of the
+ * tiles' four interleaved rows or panels; 0: the tiles (for A/B runs). Each row's arithmetic is the tiles' own:
+ * the same bits either way, and at any batch size (docs/benchmarks.md, bench/decode_share.py, has the times) */
+static int64_t one_row = 1;
 #if TK_AVX2
 /* the eight int32 partial sums of a block's 32 products x * w */
 static inline __m256i dot_q8(__m256i xa, __m256i xs, __m256i w) {
@@ -1117,7 +1120,7 @@ static void linear_w8_rows(const int8_t *xq, const uint8_t *xa, const float *d, 
     const int64_t B = K / Q8;
     int64_t n = n0;
 #if TK_VNNI
-    if (w8_one_row && M == 1 && w8v_rows1(xq, xa, d, K, q, scale, bias, y, n0, n1)) return;
+    if (one_row && M == 1 && w8v_rows1(xq, xa, d, K, q, scale, bias, y, n0, n1)) return;
 #endif
 #if TK_AVX2
     float s[8];
@@ -1519,7 +1522,7 @@ TK_KNOB(block_max_k)
 TK_KNOB(block_min_rows)
 TK_KNOB(stream_pf)
 TK_KNOB(w8_many_rows)
-TK_KNOB(w8_one_row)
+TK_KNOB(one_row)
 
 /* y[M, N] = (q8(x) . q) * scale (+ bias); returns 0, or 1 when the scratch allocation failed */
 int tk_linear_w8a8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, int64_t N,
@@ -1855,7 +1858,7 @@ static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, 
     int64_t n = n0;
 #if TK_AVX2
     float s[8];
-    for (; n + 4 <= n1; n += 4) {
+    for (; n + 4 <= n1 && !(one_row && M == 1); n += 4) {
         const uint8_t *qn = q + n * (K / 2);
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) {
@@ -2037,7 +2040,7 @@ static void pair_columns(const uint16_t *xh, int64_t M, int64_t Kh, const uint16
             const int mr = M - m0 >= PAIR_ROWS ? PAIR_ROWS : (int)(M - m0);
 #if TK_PAIRS_BF16
             const uint32_t *xp = (const uint32_t *)(xh + m0 * Kh * 2);
-            if (np == PAIR_GROUP)
+            if (np == PAIR_GROUP && !(one_row && M == 1))
                 PAIR_TILES[1][mr](xp, Kh, wp + p0 * stride, y + m0 * N, N, p0 * PAIR_PANEL, N, bias);
             else
                 for (int p = 0; p < np; p++)

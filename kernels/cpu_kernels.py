@@ -146,11 +146,11 @@ def stream_pf(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
     return _knob("stream_pf", value, lib)
 
 
-def w8_one_row(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
-    """1 (default): w8a8 over one activation row reads the weight rows in address order with the activation's
-    side computed once (where the build has VNNI); 0: the 4-row tiles. The same bits either way. 0 where the
-    kernels are not loaded."""
-    return _knob("w8_one_row", value, lib)
+def one_row(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
+    """1 (default): w8a8, int4 and bf16 over one activation row read the weight rows (panels) one after another
+    in address order; 0: the tiles over four at a time. The same bits either way. 0 where the kernels are not
+    loaded."""
+    return _knob("one_row", value, lib)
 
 
 def sgemm_min_rows(value: int | None = None, lib: ctypes.CDLL | None = None) -> int:
@@ -375,7 +375,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_rope_f32.restype = None
     for fn in (lib.tk_block_max_kn, lib.tk_block_max_k, lib.tk_block_min_rows, lib.tk_sgemm_min_rows,
-               lib.tk_stream_pf, lib.tk_split_per_thread, lib.tk_w8_many_rows, lib.tk_w8_one_row):
+               lib.tk_stream_pf, lib.tk_split_per_thread, lib.tk_w8_many_rows, lib.tk_one_row):
         fn.argtypes = [_I64]
         fn.restype = _I64
     lib.tk_set_amx.argtypes = [_INT]

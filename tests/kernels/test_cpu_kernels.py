@@ -286,33 +286,45 @@ def test_the_amx_tiles_give_the_vector_tiles_w8a8_up_to_summation_order():
 
 
 @needs_kernels
-@pytest.mark.parametrize("n,k", [(256, 1024), (1409, 96), (37, 3072), (6, 32), (20, 16416)])
-def test_w8a8_one_row_gives_each_row_of_a_batch_its_bits(n, k):
-    """One activation row (a decode step of one sequence) reads the weight rows in address order, the 4-row tiles
-    take two or more: a row's output must be the same bits either way, or a sequence's greedy tokens would depend
-    on its batch. Odd block counts (the 256-bit tail), column counts off the tiles' 4, K past the one-row path's
-    stack bound (16416: the tiles), bias, two threads; and the same bits with the one-row path off."""
-    from kernels.quant_matmul import quantize_int8
+@pytest.mark.parametrize("kind", ["w8a8", "int4", "bf16"])
+@pytest.mark.parametrize("n,k", [(256, 1024), (1409, 128), (37, 3072), (6, 64), (20, 16512)])
+def test_one_row_gives_each_row_of_a_batch_its_bits(kind, n, k):
+    """One activation row (a decode step of one sequence) reads the weight rows one after another, the tiles take
+    two rows or more: a row's output must be the same bits either way, or a sequence's greedy tokens would depend
+    on its batch. Odd block counts (w8a8's 256-bit tail), column counts off the tiles' 4 rows / 4 panels, K past
+    w8a8's one-row stack bound (16512: the tiles), bias, two threads; and the same bits with the one-row paths
+    off (`one_row(0)`)."""
+    from kernels.quant_matmul import quantize_int4, quantize_int8
 
     g = torch.Generator().manual_seed(n + k)
-    q, s = quantize_int8(torch.randn(n, k, generator=g))
+    w = torch.randn(n, k, generator=g)
+    if kind == "w8a8":
+        q, s = quantize_int8(w)
+        run = lambda x, b: ck.linear_w8a8(x, q, s, b)  # noqa: E731
+    elif kind == "int4":
+        packed, scale, zero = quantize_int4(w, 64)
+        run = lambda x, b: ck.linear_w4a8(x, packed, scale.float(), zero, 64, b)  # noqa: E731
+    else:
+        packed = ck.pack_bf16_pairs(w)
+        run = lambda x, b: ck.linear_bf16(x, packed, n, b)  # noqa: E731
     x = torch.randn(3, k, generator=g) * torch.rand(3, k, generator=g) * 4
     b = torch.randn(n, generator=g)
-    batch = ck.linear_w8a8(x[:2], q, s, b)
-    for r in range(2):
-        assert torch.equal(ck.linear_w8a8(x[r:r + 1], q, s, b)[0], batch[r])
-    one = ck.linear_w8a8(x[:1], q, s, b)
+    for bias in (b, None):
+        batch = run(x[:2], bias)
+        for r in range(2):
+            assert torch.equal(run(x[r:r + 1], bias)[0], batch[r])
+    one = run(x[:1], b)
     torch.set_num_threads(2)
     try:
-        assert torch.equal(ck.linear_w8a8(x[:1], q, s, b), one)
+        assert torch.equal(run(x[:1], b), one)
     finally:
         torch.set_num_threads(1)
-    before = ck.w8_one_row()
+    before = ck.one_row()
     try:
-        ck.w8_one_row(0)
-        assert torch.equal(ck.linear_w8a8(x[:1], q, s, b), one)
+        ck.one_row(0)
+        assert torch.equal(run(x[:1], b), one)
     finally:
-        ck.w8_one_row(before)
+        ck.one_row(before)
     assert before == 1
 
 
