@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -152,10 +153,8 @@ def round_ratio(runs: dict[str, list[dict]], key: str) -> dict:
 def pin(pid: int, core: int) -> None:
     """Every thread of process `pid` onto `core` (threads it starts later inherit it)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(tid), {core})
-        except (ProcessLookupError, PermissionError):
-            pass  # a thread that ended meanwhile
 
 
 def pooled_p99(runs: dict[str, list[dict]], resamples: int = 2000, seed: int = 0) -> dict:
@@ -246,25 +245,20 @@ def main(argv: list[str] | None = None) -> int:
 
         def measure(names: tuple[str, ...], streams: int, temp: float, rate: float | None, r: int) -> dict:
             """One round's runs of `names`: one after another, or all at once (--concurrent)."""
-            before = {name: (server_cpu_s(servers[name][0].pid), os.getloadavg()[0]) for name in names}
-            if args.concurrent:
-                async def both() -> list[dict]:
-                    return await asyncio.gather(*(load(servers[n][1], streams, temp, rate, args.seconds, r)
-                                                  for n in names))
-                results = dict(zip(names, asyncio.run(both())))
-            else:
-                results = {}
-                for name in names:
-                    before[name] = (server_cpu_s(servers[name][0].pid), os.getloadavg()[0])
-                    results[name] = drive(servers[name][1], streams, temp, rate, args.seconds, r)
-                    results[name]["server_cpu_s"] = server_cpu_s(servers[name][0].pid) - before[name][0]
-            for name, res in results.items():
-                if args.concurrent:
-                    res["server_cpu_s"] = server_cpu_s(servers[name][0].pid) - before[name][0]
-                # tokens per second of the server's own CPU time: what a neighbour's share of the cores cannot
-                # move (a loaded 2-core VM gave the 1-stream server 0.23-0.34 of a core)
-                res["tok_per_cpu_s"] = res["tok_s"] * res["wall_s"] / res["server_cpu_s"]
-                res["loadavg_1m"] = (before[name][1], os.getloadavg()[0])
+            async def run(group: tuple[str, ...]) -> list[dict]:
+                return await asyncio.gather(*(load(servers[n][1], streams, temp, rate, args.seconds, r)
+                                              for n in group))
+
+            results = {}
+            for group in [names] if args.concurrent else [(n,) for n in names]:
+                before = {n: (server_cpu_s(servers[n][0].pid), os.getloadavg()[0]) for n in group}
+                for n, res in zip(group, asyncio.run(run(group))):
+                    res["server_cpu_s"] = server_cpu_s(servers[n][0].pid) - before[n][0]
+                    # tokens per second of the server's own CPU time: what a neighbour's share of the cores
+                    # cannot move (a loaded 2-core VM gave the 1-stream server 0.23-0.34 of a core)
+                    res["tok_per_cpu_s"] = res["tok_s"] * res["wall_s"] / res["server_cpu_s"]
+                    res["loadavg_1m"] = (before[n][1], os.getloadavg()[0])
+                    results[n] = res
             return results
 
         for streams, temp, rate in plan:
