@@ -1837,7 +1837,7 @@ static void quant_act_q8_pairs(const float *x, int64_t M, int64_t K, int64_t gro
                 const __m256 wv = _mm256_set1_ps(ws);                                                          \
                 for (int r = 0; r < MR; r++) {                                                                 \
                     acc[r][i] = _mm256_fmadd_ps(grp[r][i], wv, acc[r][i]);                                     \
-                    corr[r][i] += wz * gsum[r * G + g];                                                        \
+                    corr[r][i] = fmaf(wz, gsum[r * G + g], corr[r][i]);                                        \
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
@@ -1849,6 +1849,78 @@ TK_DEF_W4(4, 2)
 TK_DEF_W4(1, 1)
 #endif
 
+#if TK_AVX2
+/* one activation row over weight rows [n0, n1) in address order: w4_1x1's arithmetic in its order (the same
+ * bits), with the activation's block-scale vectors built once for all rows and each row's group scales and
+ * zero-point terms (scale * zero) converted eight at a time before its blocks instead of one per group inside
+ * them. 0 where K has more groups than its stack arrays hold (the tiles then) */
+#define W4R_MAX 512
+#if defined(__F16C__) /* eight float16 scales at once (else one by one, as scale_at) */
+#define W4_F16C 1
+#define W4_F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#else
+#define W4_F16C 0
+#define W4_F16X8(p) _mm256_setzero_ps()
+#endif
+static int w4_rows1(const int8_t *xp, const float *d, const float *gsum, int64_t K, int64_t group,
+                    const uint8_t *q, const void *scale, int64_t sk, const uint8_t *zp, int64_t zoff,
+                    const float *bias, float *y, int64_t n0, int64_t n1) {
+    const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8), GZ = (G + 1) / 2;
+    if (B / 2 > W4R_MAX || G > W4R_MAX) return 0;
+    __m256 dvs[W4R_MAX];
+    float ws[W4R_MAX + 8], wz[W4R_MAX + 8];
+    for (int64_t p = 0; p < B / 2; p++)
+        dvs[p] = _mm256_set_m128(_mm_set1_ps(d[2 * p + 1]), _mm_set1_ps(d[2 * p]));
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), sh = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+    for (int64_t n = n0; n < n1; n++) {
+        const char *srow = (const char *)scale + n * G * (sk ? 2 : 4);
+        const uint8_t *zrow = zp ? zp + n * GZ : 0;
+        int64_t g = 0;
+        for (; g + 8 <= G && (sk != 1 || W4_F16C); g += 8) { /* exact conversions: scale_at's and zero_at's values */
+            __m256 sv = sk == 1 ? W4_F16X8(srow + 2 * g)
+                      : sk == 2 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(srow + 2 * g))), 16))
+                                : _mm256_loadu_ps((const float *)srow + g);
+            __m256 zv = _mm256_set1_ps(8.f);
+            if (zrow) {
+                int32_t four;
+                memcpy(&four, zrow + g / 2, 4);
+                __m256i z = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(four)), dup);
+                z = _mm256_and_si256(_mm256_srlv_epi32(z, sh), _mm256_set1_epi32(15));
+                zv = _mm256_cvtepi32_ps(_mm256_add_epi32(z, _mm256_set1_epi32((int32_t)zoff)));
+            }
+            _mm256_storeu_ps(ws + g, sv);
+            _mm256_storeu_ps(wz + g, _mm256_mul_ps(sv, zv));
+        }
+        for (; g < G; g++) {
+            ws[g] = scale_at(scale, sk, n * G + g);
+            wz[g] = ws[g] * zero_at(zrow, g, zoff);
+        }
+        const uint8_t *qn = q + n * (K / 2);
+        __m256 acc = _mm256_setzero_ps();
+        float corr = 0.f;
+        for (g = 0; g < G; g++) {
+            __m256 grp = _mm256_setzero_ps();
+            for (int64_t pi = 0; pi < ppg; pi++) {
+                const int64_t pr = g * ppg + pi, b = pr * 2;
+                __m256i pk = _mm256_loadu_si256((const __m256i *)(qn + b * 16));
+                __m256i wl = _mm256_and_si256(pk, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
+                const int8_t *xr = xp + b * Q8;
+                __m256i xl = _mm256_loadu_si256((const __m256i *)xr);
+                __m256i xh = _mm256_loadu_si256((const __m256i *)(xr + Q8));
+                __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh));
+                grp = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1))), dvs[pr], grp);
+            }
+            acc = _mm256_fmadd_ps(grp, _mm256_set1_ps(ws[g]), acc);
+            corr = fmaf(wz[g], gsum[g], corr);
+        }
+        y[n] = hsum256(acc) - corr + (bias ? bias[n] : 0.f);
+    }
+    return 1;
+}
+#endif
+
 static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, int64_t M, int64_t K,
                            int64_t group, const uint8_t *q, const void *scale, int64_t sk, const uint8_t *zp,
                            int64_t zoff, const float *bias, float *y, int64_t N, int64_t n0, int64_t n1) {
@@ -1857,6 +1929,7 @@ static void linear_w4_rows(const int8_t *xp, const float *d, const float *gsum, 
 #define SROW(n) ((const char *)scale + (n) * G * (sk ? 2 : 4))
     int64_t n = n0;
 #if TK_AVX2
+    if (one_row && M == 1 && w4_rows1(xp, d, gsum, K, group, q, scale, sk, zp, zoff, bias, y, n0, n1)) return;
     float s[8];
     for (; n + 4 <= n1 && !(one_row && M == 1); n += 4) {
         const uint8_t *qn = q + n * (K / 2);

@@ -286,14 +286,15 @@ def test_the_amx_tiles_give_the_vector_tiles_w8a8_up_to_summation_order():
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["w8a8", "int4", "bf16"])
-@pytest.mark.parametrize("n,k", [(256, 1024), (1409, 128), (37, 3072), (6, 64), (20, 16512)])
+@pytest.mark.parametrize("kind", ["w8a8", "int4", "int4-f16", "int4-bf16", "bf16"])
+@pytest.mark.parametrize("n,k", [(256, 1024), (1409, 128), (37, 3072), (6, 640), (20, 16512), (9, 65536)])
 def test_one_row_gives_each_row_of_a_batch_its_bits(kind, n, k):
     """One activation row (a decode step of one sequence) reads the weight rows one after another, the tiles take
     two rows or more: a row's output must be the same bits either way, or a sequence's greedy tokens would depend
-    on its batch. Odd block counts (w8a8's 256-bit tail), column counts off the tiles' 4 rows / 4 panels, K past
-    w8a8's one-row stack bound (16512: the tiles), bias, two threads; and the same bits with the one-row paths
-    off (`one_row(0)`)."""
+    on its batch. Odd block counts (w8a8's 256-bit tail), column counts off the tiles' 4 rows / 4 panels, group
+    counts off int4's 8 at a time (640: 10 groups of 64, 5 of 128), int4's scales in each stored type with and
+    without zero points, K past the one-row paths' stack bounds (16512: w8a8's, 65536: int4's; the tiles then),
+    bias, two threads; and the same bits with the one-row paths off (`one_row(0)`)."""
     from kernels.quant_matmul import quantize_int4, quantize_int8
 
     g = torch.Generator().manual_seed(n + k)
@@ -301,9 +302,12 @@ def test_one_row_gives_each_row_of_a_batch_its_bits(kind, n, k):
     if kind == "w8a8":
         q, s = quantize_int8(w)
         run = lambda x, b: ck.linear_w8a8(x, q, s, b)  # noqa: E731
-    elif kind == "int4":
-        packed, scale, zero = quantize_int4(w, 64)
-        run = lambda x, b: ck.linear_w4a8(x, packed, scale.float(), zero, 64, b)  # noqa: E731
+    elif kind.startswith("int4"):  # scales as float32 / float16 / bfloat16, zero points or none, groups 64 / 128
+        group = 128 if kind.endswith("bf16") else 64
+        packed, scale, zero = quantize_int4(w, group)
+        sc = {"int4": scale.float(), "int4-f16": scale.half(), "int4-bf16": scale.bfloat16()}[kind]
+        zp, off = (None, 0) if kind.endswith("f16") else (zero, 0 if kind == "int4" else -1)
+        run = lambda x, b: ck.linear_w4a8(x, packed, sc, zp, group, b, off)  # noqa: E731
     else:
         packed = ck.pack_bf16_pairs(w)
         run = lambda x, b: ck.linear_bf16(x, packed, n, b)  # noqa: E731
