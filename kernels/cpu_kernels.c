@@ -1022,6 +1022,11 @@ TK_DEF_W8T(w8_, 1, 1, , W8_CHANNEL)
 #endif
 
 #if TK_VNNI
+/* an odd last block's product on the 256-bit dot, scaled by its activation scale `db` and summed */
+static inline float w8_odd_block(__m256i a, __m256i x, const int8_t *w, __m256 db) {
+    return hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot_q8(a, x, _mm256_loadu_si256((const __m256i *)w))), db));
+}
+
 /* the same tiles two blocks per 512-bit vector (lanes 0-7 block b, 8-15 block b + 1): the weights' signs flipped
  * where x < 0 by one masked subtract (no 512-bit vpsignb), one vpdpbusd, one convert and one FMA by the two
  * blocks' scales per pair of blocks; an odd last block takes the 256-bit dot. Sums in another order than the
@@ -1061,10 +1066,7 @@ TK_DEF_W8T(w8_, 1, 1, , W8_CHANNEL)
                 __m256i a = _mm256_loadu_si256((const __m256i *)(xa + r * K + b * Q8));                        \
                 __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * Q8));                        \
                 __m256 db = _mm256_set1_ps(d[r * B + b]);                                                      \
-                for (int i = 0; i < NR; i++) {                                                                 \
-                    __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + i * K + b * Q8));                    \
-                    s[r * NR + i] += hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot_q8(a, x, w1)), db));        \
-                }                                                                                              \
+                for (int i = 0; i < NR; i++) s[r * NR + i] += w8_odd_block(a, x, q + i * K + b * Q8, db);      \
             }                                                                                                  \
     }
 TK_DEF_W8V(4, 1)
@@ -1100,10 +1102,8 @@ static int w8v_rows1(const int8_t *xq, const uint8_t *xa, const float *d, int64_
         float s = _mm512_reduce_add_ps(acc);
         if (B & 1) {
             const int64_t b = B - 1;
-            __m256i a = _mm256_loadu_si256((const __m256i *)(xa + b * Q8));
-            __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * Q8));
-            __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + b * Q8));
-            s += hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot_q8(a, x, w1)), _mm256_set1_ps(d[b])));
+            s += w8_odd_block(_mm256_loadu_si256((const __m256i *)(xa + b * Q8)),
+                              _mm256_loadu_si256((const __m256i *)(xq + b * Q8)), w + b * Q8, _mm256_set1_ps(d[b]));
         }
         y[n] = w8_out(s, scale, bias, n);
     }
@@ -1793,12 +1793,19 @@ static void quant_act_q8_pairs(const float *x, int64_t M, int64_t K, int64_t gro
 
 #if TK_AVX2
 /* NR weight rows x MR activation rows over K (q rows at stride K / 2 bytes, scales/zeros at stride G) */
+/* the eight int32 sums of a pair of blocks' products: the low nibbles against the evens, the high ones against
+ * the odds (vpmaddubsw twice, an add, vpmaddwd: nothing saturates, 15 * 127 * 4 fits the 16-bit lanes) */
+static inline __m256i w4_dot(__m256i wl, __m256i wh, __m256i xl, __m256i xh) {
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh)),
+                             _mm256_set1_epi16(1));
+}
+
 #define TK_DEF_W4(NR, MR)                                                                                      \
     static void w4_##NR##x##MR(const int8_t *xp, const float *d, const float *gsum, int64_t K, int64_t group,   \
                                const uint8_t *q, const void *sc, int64_t sk, const uint8_t *zp, int64_t zoff,    \
                                float *s) {                                                                     \
         const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8), GZ = (G + 1) / 2;                   \
-        const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                              \
+        const __m256i lo4 = _mm256_set1_epi8(0x0F);                                                            \
         __m256 acc[MR][NR];                                                                                    \
         float corr[MR][NR];                                                                                    \
         for (int r = 0; r < MR; r++)                                                                           \
@@ -1824,12 +1831,9 @@ static void quant_act_q8_pairs(const float *x, int64_t M, int64_t K, int64_t gro
                     __m256i xl = _mm256_loadu_si256((const __m256i *)xr);                                      \
                     __m256i xh = _mm256_loadu_si256((const __m256i *)(xr + Q8));                               \
                     __m256 dv = _mm256_set_m128(_mm_set1_ps(d[r * B + b + 1]), _mm_set1_ps(d[r * B + b]));    \
-                    for (int i = 0; i < NR; i++) {                                                             \
-                        __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wl[i], xl),                       \
-                                                       _mm256_maddubs_epi16(wh[i], xh));                      \
-                        grp[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), dv,     \
+                    for (int i = 0; i < NR; i++)                                                               \
+                        grp[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w4_dot(wl[i], wh[i], xl, xh)), dv,     \
                                                     grp[r][i]);                                                \
-                    }                                                                                          \
                 }                                                                                              \
             }                                                                                                  \
             for (int i = 0; i < NR; i++) {                                                                     \
@@ -1868,7 +1872,7 @@ static int w4_rows1(const int8_t *xp, const float *d, const float *gsum, int64_t
     const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8), GZ = (G + 1) / 2;
     if (B / 2 > W4R_MAX || G > W4R_MAX) return 0;
     __m256 dvs[W4R_MAX];
-    float ws[W4R_MAX + 8], wz[W4R_MAX + 8];
+    float ws[W4R_MAX], wz[W4R_MAX];
     for (int64_t p = 0; p < B / 2; p++)
         dvs[p] = _mm256_set_m128(_mm_set1_ps(d[2 * p + 1]), _mm_set1_ps(d[2 * p]));
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
@@ -1909,8 +1913,7 @@ static int w4_rows1(const int8_t *xp, const float *d, const float *gsum, int64_t
                 const int8_t *xr = xp + b * Q8;
                 __m256i xl = _mm256_loadu_si256((const __m256i *)xr);
                 __m256i xh = _mm256_loadu_si256((const __m256i *)(xr + Q8));
-                __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh));
-                grp = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1))), dvs[pr], grp);
+                grp = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w4_dot(wl, wh, xl, xh)), dvs[pr], grp);
             }
             acc = _mm256_fmadd_ps(grp, _mm256_set1_ps(ws[g]), acc);
             corr = fmaf(wz[g], gsum[g], corr);
