@@ -1797,10 +1797,16 @@ static void quant_act_q8_pairs(const float *x, int64_t M, int64_t K, int64_t gro
 #if TK_AVX2
 /* NR weight rows x MR activation rows over K (q rows at stride K / 2 bytes, scales/zeros at stride G) */
 /* the eight int32 sums of a pair of blocks' products: the low nibbles against the evens, the high ones against
- * the odds (vpmaddubsw twice, an add, vpmaddwd: nothing saturates, 15 * 127 * 4 fits the 16-bit lanes) */
+ * the odds. VNNI: two chained vpdpbusd; else vpmaddubsw twice, an add, vpmaddwd (nothing saturates, 15 * 127 * 4
+ * fits the 16-bit lanes): the same exact integers in the same lanes either way. A 512-bit form (two pairs per
+ * dot) measured faster on K = 1024 weights and slower on K = 2048-5632 ones (docs/benchmarks.md) */
 static inline __m256i w4_dot(__m256i wl, __m256i wh, __m256i xl, __m256i xh) {
+#if TK_VNNI
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wl, xl), wh, xh);
+#else
     return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh)),
                              _mm256_set1_epi16(1));
+#endif
 }
 
 #define TK_DEF_W4(NR, MR)                                                                                      \
