@@ -1,5 +1,5 @@
 """Two builds of kernels/cpu_kernels.c over one activation row (a one-sequence decode step): a git revision's
-source (`--base`) against the working tree's, both loaded in one process and timed alternately, a pass at a
+source (`--base`) against the working tree's (or `--source`'s), both loaded in one process and timed alternately, a pass at a
 time, where a pass is every linear of a model's layers (`--shape hidden,intermediate,layers`: fused q/k/v
 [h + h/2], o [h], gate/up [2 i], down [i -> h]) with distinct weights per layer, so they come from memory as in
 decode. Reports each build's ms per pass and GB/s of weights, their time ratio (tree / base: the median of the
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="hidden,intermediate,layers (the ~200M and ~1B random Llamas' shapes by default)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--source", default=str(ROOT / "kernels" / "cpu_kernels.c"),
+                    help="the C source to compare with the base (the working tree's by default)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if ck.load() is None:
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     base_rev = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout.strip()
     libs = {"base": build(base_src, "tandem_kernel_ab_base"),
-            "tree": build((ROOT / "kernels" / "cpu_kernels.c").read_text(), "tandem_kernel_ab_tree")}
+            "tree": build(Path(args.source).read_text(), "tandem_kernel_ab_tree")}
     cells = []
     for shape in args.shape:
         h, inter, layers = (int(v) for v in shape.split(","))
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cell['ratio_tree_over_base']} ({cell['ratio_p10']}-{cell['ratio_p90']}), same bits {same}")
             del calls, buf
     out = args.out or str(ROOT / "bench" / "results" / f"kernel_ab_{args.quant}.json")
-    write_results(out, {"benchmark": "kernel_ab", "quant": args.quant, "base": base_rev, "reps": args.reps,
+    write_results(out, {"benchmark": "kernel_ab", "quant": args.quant, "base": base_rev, "source": args.source,
+                        "reps": args.reps,
                         "simd": ck.simd_level(), "cells": cells})
     print(f"wrote {out}")
     return 0
