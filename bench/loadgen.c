@@ -37,6 +37,24 @@ static const char *find(const char *hay, int64_t n, const char *needle, int64_t 
     return m <= n ? memmem(hay, n, needle, m) : NULL;
 }
 
+/* The value of the content-length header in the lower-cased head low[0, n), read no further than n (the head
+ * is not NUL-terminated: strtoll on it once read on into stale stack bytes, so a last header "content-length: 15"
+ * followed by a leftover digit waited for a body that never came, every request of a run timing out);
+ * -1 where there is none or it is not a number. */
+int64_t lg_content_length(const char *low, int64_t n) {
+    const char *cl = find(low, n, "content-length:", 15);
+    if (!cl) return -1;
+    const char *p = cl + 15, *end = low + n;
+    while (p < end && (*p == ' ' || *p == '\t')) p++;
+    if (p == end || *p < '0' || *p > '9') return -1;
+    int64_t v = 0;
+    for (; p < end && *p >= '0' && *p <= '9'; p++) {
+        v = v * 10 + (*p - '0');
+        if (v > ((int64_t)1 << 40)) return -1;
+    }
+    return v;
+}
+
 /* 1: a whole response is in buf (chunked, or with a content-length); 0: not yet; -1: not HTTP we can read */
 static int complete(const Conn *c) {
     const char *end = find(c->buf, c->len, "\r\n\r\n", 4);
@@ -47,9 +65,8 @@ static int complete(const Conn *c) {
     for (int64_t i = 0; i < head; i++) low[i] = (c->buf[i] >= 'A' && c->buf[i] <= 'Z') ? c->buf[i] + 32 : c->buf[i];
     if (find(low, head, "transfer-encoding: chunked", 26))
         return c->len >= head + 9 && memcmp(c->buf + c->len - 7, "\r\n0\r\n\r\n", 7) == 0;
-    const char *cl = find(low, head, "content-length:", 15);
-    if (!cl) return -1;
-    int64_t body = strtoll(cl + 15, NULL, 10);
+    int64_t body = lg_content_length(low, head);
+    if (body < 0) return -1;
     return c->len >= head + 4 + body;
 }
 

@@ -32,8 +32,16 @@ def _load() -> ctypes.CDLL:
         lib.lg_run.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_double, ctypes.c_char_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_int64]
+        lib.lg_content_length.restype = ctypes.c_int64
+        lib.lg_content_length.argtypes = [ctypes.c_char_p, ctypes.c_int64]
         _lib = lib
     return _lib
+
+
+def content_length(head: bytes, n: int | None = None) -> int:
+    """bench/loadgen.c's reading of a lower-cased response head's content-length from its first `n` bytes (all of
+    them by default); -1 where there is none or it is not a number."""
+    return int(_load().lg_content_length(head, len(head) if n is None else n))
 
 
 def arrivals(rate: float, duration: float, seed: int) -> np.ndarray:

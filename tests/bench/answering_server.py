@@ -1,7 +1,8 @@
 """The small socket servers tests/bench/test_loadgen.py drives bench/loadgen.c against, run as their own process
-(`python answering_server.py '<json spec>'`; it prints its port, then serves until killed): a server thread in the
-test process itself stalls whenever that process does (a full GC pass of everything the suite imported, early in
-a session), and CI once saw every request of a run time out after 20 s that way.
+(`python answering_server.py '<json spec>'`; it prints its port, then serves until killed), so that a stall of the
+test process (a full GC pass of everything the suite imported) cannot hold up the server it measures. (The runs
+where every request timed out after 20 s were the client's: bench/loadgen.c read a last content-length header on
+past the head; test_loadgen.py's `test_the_content_length_is_read_within_the_head_only`.)
 
 Spec: {"kind": "answer", "status": "200 OK", "body": "...", "delay": 0.0, "chunked": false} answers each request
 (after `delay` s, in one piece or as two chunks); {"kind": "silent"} reads requests and never answers;

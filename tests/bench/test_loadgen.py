@@ -52,15 +52,20 @@ def test_every_request_answered_counts_once_with_its_latency(chunked):
 
 def test_a_200_without_the_marker_or_another_status_is_a_bad_response():
     for status, body in (("200 OK", b'{"no": "usage"}'), ("503 Service Unavailable", b'"usage":{')):
-        for _ in range(2):
-            with serving(**_answer(status, body)) as port:
-                row = loadgen.open_loop(port, PAYLOAD, b'"usage":{', rate=100, duration=0.3, seed=1, timeout_s=SLOW)
-            # twice in full `make test` runs (CI's and one here, never alone) every request of a run went unanswered
-            # for 20 s, with the server in its own process: cause not found. A run where nothing at all answered
-            # is run once more; the assertions below hold for the run that counts
-            if row["error_kinds"] != {"timeout": row["requests"]}:
-                break
+        with serving(**_answer(status, body)) as port:
+            row = loadgen.open_loop(port, PAYLOAD, b'"usage":{', rate=100, duration=0.3, seed=1, timeout_s=SLOW)
         assert row["latencies_s"] == [] and row["error_kinds"] == {"bad response": row["requests"]} != {}
+
+
+def test_the_content_length_is_read_within_the_head_only():
+    # these answers' content-length is their head's last line: the client once read the number on past the head
+    # into stale bytes, and a leftover digit there (1 run in ~20) made every request of the run time out
+    head = b"http/1.1 200 ok\r\ncontent-length: 15"
+    assert loadgen.content_length(head + b"99", len(head)) == 15
+    assert loadgen.content_length(b"http/1.1 200 ok\r\ncontent-length:\t7\r\nx-a: 1") == 7
+    assert loadgen.content_length(b"http/1.1 200 ok\r\nx-a: 1") == -1
+    assert loadgen.content_length(b"http/1.1 200 ok\r\ncontent-length: x1") == -1
+    assert loadgen.content_length(head + b"0", len(head) - 1) == 1  # cut inside the value: what the head holds
 
 
 def test_a_server_that_never_answers_times_out_and_one_that_closes_is_closed():
