@@ -18,6 +18,7 @@ Prints a table, writes bench/results/decode_share.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -55,6 +56,8 @@ def run_cell(name: str, quant: str, steps: int) -> dict:
     nbytes = int(tandem_bytes(folder, quant)["tandem_bytes"])
     llm = LLM(str(folder), quantization=QUANT[quant], max_model_len=2048)
     eng = llm.engine
+    gc.collect()
+    gc.freeze()  # as `tandem serve` does once its engines are up: no collector pass over torch's objects mid-decode
     buf = hugepages.empty((nbytes // 4,), torch.float32)
     buf.fill_(1.0)
     float(buf.sum())
