@@ -4,7 +4,8 @@ time, where a pass is every linear of a model's layers (`--shape hidden,intermed
 [h + h/2], o [h], gate/up [2 i], down [i -> h]) with distinct weights per layer, so they come from memory as in
 decode. Reports each build's ms per pass and GB/s of weights, their time ratio (tree / base: the median of the
 per-pair ratios and its p10-p90), each build's share of the streaming rate (a huge-page torch.sum over the same
-bytes, right after each pair), and whether the two builds give the same bits. Writes
+bytes, right after each pair), and whether the two builds give the same bits. Each weight is its own huge-page
+mapping (`hugepages.copy`), or with `--arena` all are carved end to end from one `hugepages.arena()`. Writes
 bench/results/kernel_ab_<quant>.json (or `--out`).
 
     .venv/bin/python bench/kernel_ab.py --base HEAD~1 --quant int4 --shape 1024,3072,16 --threads 1
@@ -13,6 +14,7 @@ bench/results/kernel_ab_<quant>.json (or `--out`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import statistics
 import subprocess
@@ -85,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--source", default=str(ROOT / "kernels" / "cpu_kernels.c"),
                     help="the C source to compare with the base (the working tree's by default)")
+    ap.add_argument("--arena", choices=("off", "on", "tree"), default="off",
+                    help="on: carve the weights from one hugepages.arena(), end to end, as the C decoder's build "
+                         "does; tree: the base build reads per-tensor mappings and the tree build the same values "
+                         "from an arena (an A/B of the placement; with the same source, of nothing else)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if ck.load() is None:
@@ -101,28 +107,35 @@ def main(argv: list[str] | None = None) -> int:
         h, inter, layers = (int(v) for v in shape.split(","))
         for threads in args.threads:
             torch.set_num_threads(threads)
-            g = torch.Generator().manual_seed(h * 7 + inter)
-            calls = [layer_calls(args.quant, k, n, threads, g)
-                     for _ in range(layers) for k, n in ((h, h + h // 2), (h, h), (h, 2 * inter), (inter, h))]
-            nbytes = sum(c[1] for c in calls)
+            sets = {}
+            for name in ("base", "tree"):
+                if name == "tree" and args.arena != "tree":
+                    sets["tree"] = sets["base"]
+                    break
+                g = torch.Generator().manual_seed(h * 7 + inter)  # the same values in both sets
+                in_arena = args.arena == "on" or (args.arena == "tree" and name == "tree")
+                with hugepages.arena() if in_arena else contextlib.nullcontext():
+                    sets[name] = [layer_calls(args.quant, k, n, threads, g) for _ in range(layers)
+                                  for k, n in ((h, h + h // 2), (h, h), (h, 2 * inter), (inter, h))]
+            nbytes = sum(c[1] for c in sets["base"])
             buf = hugepages.empty((nbytes // 4,), torch.float32)
             buf.fill_(1.0)
 
-            def run(lib, calls=calls):
-                for call, _, y, _ in calls:
-                    call(lib, y)
+            def run(name, sets=sets):
+                for call, _, y, _ in sets[name]:
+                    call(libs[name], y)
 
             outs = {}
-            for name, lib in libs.items():
-                run(lib)
-                outs[name] = [c[2].clone() for c in calls]
+            for name in libs:
+                run(name)
+                outs[name] = [c[2].clone() for c in sets[name]]
             same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
             times = {"base": [], "tree": []}
             sums = []
             for r in range(args.reps):
                 for name in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
                     t0 = time.perf_counter()
-                    run(libs[name])
+                    run(name)
                     times[name].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 buf.sum()
@@ -142,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.quant} {shape} threads {threads}: base {cell['base_ms']} ms ({cell['base_share']} of "
                   f"the streaming rate), tree {cell['tree_ms']} ms ({cell['tree_share']}); tree/base "
                   f"{cell['ratio_tree_over_base']} ({cell['ratio_p10']}-{cell['ratio_p90']}), same bits {same}")
-            del calls, buf
+            del sets, buf, run
     out = args.out or str(ROOT / "bench" / "results" / f"kernel_ab_{args.quant}.json")
     write_results(out, {"benchmark": "kernel_ab", "quant": args.quant, "base": base_rev, "source": args.source,
+                        "arena": args.arena,
                         "reps": args.reps,
                         "simd": ck.simd_level(), "cells": cells})
     print(f"wrote {out}")

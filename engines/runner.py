@@ -90,9 +90,11 @@ class ModelRunner:
         self.cpu_forward = None
         if (self.kernel_max_query and os.environ.get("TANDEM_CPU_FORWARD", "1") != "0" and isinstance(model, Transformer)
                 and all(isinstance(lay.self_attn, Attention) for lay in model.model.layers)):
+            from kernels import hugepages
             from kernels.cpu_forward import CpuForward
 
-            self.cpu_forward = CpuForward.build(model, self.k_caches, self.v_caches)
+            with hugepages.arena():  # the stack's weights end to end on huge pages, in the order a pass reads them
+                self.cpu_forward = CpuForward.build(model, self.k_caches, self.v_caches)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
         """Replay decode-only steps of up to `max_batch` sequences from CUDA graphs (Triton attention only);

@@ -76,3 +76,37 @@ def test_the_model_layout_keeps_every_value_and_outlives_its_source():
         assert lin.weight.data_ptr() % hugepages.HUGE == 0
     x = torch.randn(3, 1024)
     torch.testing.assert_close(lin(x), x @ before.t())
+
+
+def test_an_arena_lays_tensors_end_to_end_on_huge_pages_and_they_outlive_it():
+    g = torch.Generator().manual_seed(1)
+    srcs = [torch.randn(384, 1024, generator=g), torch.randn(256, 1024, generator=g), torch.randn(40, 1000, generator=g)]
+    with hugepages.arena() as a:
+        outs = [hugepages.copy(s) for s in srcs]  # 1.5 MiB, 1 MiB, 160,000 bytes: each under a huge page
+        small = hugepages.empty((100,), torch.float32)  # under ARENA_MIN: torch's allocation
+    assert all(torch.equal(o, s) for o, s in zip(outs, srcs)) and small.shape == (100,)
+    srcs[0].add_(1)  # the copies own their memory
+    assert not torch.equal(outs[0], srcs[0])
+    if hugepages.enabled():
+        p = [o.data_ptr() for o in outs]
+        assert p[0] % hugepages.HUGE == 0 and p[1] == p[0] + outs[0].nbytes and p[2] == p[1] + outs[1].nbytes
+        for o in outs:
+            o.fill_(2.0)  # first touch, after the block: the mapping lives on in its tensors
+        assert _anon_huge_kb(p[0]) >= 2048  # the 2.66 MB they span sit on huge pages (one per-tensor mapping each: none)
+        assert a._map is not None and small.data_ptr() not in range(p[0], p[0] + a._size)
+    outside = hugepages.empty((384, 1024), torch.float32)  # after the block: its own mapping again (under MIN_BYTES: torch's)
+    assert outside.nbytes < hugepages.MIN_BYTES and outside.shape == (384, 1024)
+
+
+def test_an_arena_opens_a_new_mapping_for_what_does_not_fit_and_whole_pages_for_a_large_tensor():
+    with hugepages.arena(chunk=4 << 20):
+        a = hugepages.empty((3 << 20,), torch.uint8)
+        b = hugepages.empty((3 << 20,), torch.uint8)  # 3 + 3 MiB > 4 MiB: a second mapping
+        c = hugepages.empty((9 << 20,), torch.uint8)  # larger than a chunk: its own 10 MiB of huge pages
+        d = hugepages.empty((1 << 20,), torch.uint8)  # fits in what c's mapping leaves
+    for t, v in ((a, 1), (b, 2), (c, 3), (d, 4)):
+        t.fill_(v)
+    assert [int(t[0]) + int(t[-1]) for t in (a, b, c, d)] == [2, 4, 6, 8]
+    if hugepages.enabled():
+        assert b.data_ptr() % hugepages.HUGE == 0 and b.data_ptr() != a.data_ptr() + a.nbytes
+        assert d.data_ptr() == c.data_ptr() + c.nbytes
