@@ -87,7 +87,7 @@ class Arena:
         with self._lock:
             if self._map is None or self._off + nbytes > self._size:
                 size = max(self.chunk, -(-nbytes // HUGE) * HUGE)
-                self._map, self._start = _huge_mapping(size)
+                self._map, self._start = _huge_mapping(size, size)
                 self._size, self._off = size, 0
             flat = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=self._start + self._off)
             self._off += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
@@ -109,16 +109,16 @@ def arena(chunk: int = ARENA_CHUNK) -> Iterator[Arena]:
         _active.arena = prev
 
 
-def _huge_mapping(size: int) -> tuple[mmap.mmap, int]:
-    """An anonymous mapping with `size` bytes (a multiple of HUGE) from a huge-page boundary, advised as huge
-    pages: (the mapping, the boundary's offset in it)."""
+def _huge_mapping(size: int, advise: int) -> tuple[mmap.mmap, int]:
+    """An anonymous mapping of `size` bytes from a huge-page boundary (room for it: address space only, pages never
+    touched take no memory), its first `advise` bytes advised as huge pages: (the mapping, the boundary's offset
+    in it; 0 where the advice was refused, the memory then ordinary pages as torch's would be)."""
     m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = ctypes.c_char.from_buffer(m)
     base = ctypes.addressof(view)
-    del view
+    del view  # (an exported buffer would pin the mapping's size, nothing else)
     off = (-base) % HUGE
-    _madvise(base + off, size)  # refused: base pages, the same values
-    return m, off
+    return m, off if _madvise(base + off, advise) else 0
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -131,16 +131,9 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
         return carve.take(nbytes).view(dtype).view(shape)
     if nbytes < MIN_BYTES or not enabled():
         return torch.empty(shape, dtype=dtype)
-    # room to start on a huge-page boundary (address space only: pages never touched take no memory)
-    m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    view = ctypes.c_char.from_buffer(m)
-    base = ctypes.addressof(view)
-    del view  # (an exported buffer would pin the mapping's size, nothing else)
-    off = (-base) % HUGE
     # whole huge pages only: the tail past the last one stays on base pages, so no tensor holds more memory
     # than torch's allocation would
-    if not _madvise(base + off, nbytes // HUGE * HUGE):  # refused: ordinary pages, as torch's would be
-        off = 0
+    m, off = _huge_mapping(nbytes, nbytes // HUGE * HUGE)
     flat = torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off)  # holds `m`
     return flat.view(dtype).view(shape)
 
