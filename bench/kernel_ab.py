@@ -1,6 +1,6 @@
 """Two builds of kernels/cpu_kernels.c over one activation row (a one-sequence decode step): a git revision's
-source (`--base`) against the working tree's (or `--source`'s), both loaded in one process and timed alternately, a pass at a
-time, where a pass is every linear of a model's layers (`--shape hidden,intermediate,layers`: fused q/k/v
+source (`--base`) against the working tree's (or `--source`'s), both loaded in one process and timed alternately,
+a pass at a time, where a pass is every linear of a model's layers (`--shape hidden,intermediate,layers`: fused q/k/v
 [h + h/2], o [h], gate/up [2 i], down [i -> h]) with distinct weights per layer, so they come from memory as in
 decode. Reports each build's ms per pass and GB/s of weights, their time ratio (tree / base: the median of the
 per-pair ratios and its p10-p90), each build's share of the streaming rate (a huge-page torch.sum over the same
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import statistics
 import subprocess
 import sys
@@ -31,15 +30,9 @@ if str(ROOT) not in sys.path:
 from bench.results_meta import write_results  # noqa: E402
 from kernels import cpu_kernels as ck  # noqa: E402
 from kernels import hugepages  # noqa: E402
-from kernels.cbuild import build_library  # noqa: E402
 from kernels.quant_formats import pack_zero, quantize_int4, quantize_int8  # noqa: E402
 
 QUANTS = ("int4", "w8a8", "bf16", "f32")
-
-
-def build(source: str, name: str) -> ctypes.CDLL:
-    so = build_library(source, name, [*ck._FLAGS, "-fopenmp"], ck.cache_dir(), key=(ck._cpu_flags(),))
-    return ck._bind(ctypes.CDLL(str(so)))
 
 
 def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator):
@@ -53,8 +46,8 @@ def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator):
         nbytes = packed.numel() + 2 * scale.numel() + (0 if zp is None else zp.numel())
 
         def call(lib, out):
-            return lib.tk_linear_w4a8(x.data_ptr(), 1, k, packed.data_ptr(), scale.data_ptr(), 1, None if zp is None else zp.data_ptr(), 0,
-                                      128, n, None, out.data_ptr(), threads)
+            return lib.tk_linear_w4a8(x.data_ptr(), 1, k, packed.data_ptr(), scale.data_ptr(), 1,
+                                      None if zp is None else zp.data_ptr(), 0, 128, n, None, out.data_ptr(), threads)
     elif quant == "w8a8":
         q, s = quantize_int8(w)
         q, s = hugepages.copy(q), hugepages.copy(s.float())
@@ -100,23 +93,22 @@ def main(argv: list[str] | None = None) -> int:
                               capture_output=True, text=True).stdout
     base_rev = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout.strip()
-    libs = {"base": build(base_src, "tandem_kernel_ab_base"),
-            "tree": build(Path(args.source).read_text(), "tandem_kernel_ab_tree")}
+    libs = {name: ck.build_variant("native", src, f"tandem_kernel_ab_{name}", openmp=True)
+            for name, src in (("base", base_src), ("tree", Path(args.source).read_text()))}
     cells = []
     for shape in args.shape:
         h, inter, layers = (int(v) for v in shape.split(","))
         for threads in args.threads:
             torch.set_num_threads(threads)
-            sets = {}
-            for name in ("base", "tree"):
-                if name == "tree" and args.arena != "tree":
-                    sets["tree"] = sets["base"]
-                    break
-                g = torch.Generator().manual_seed(h * 7 + inter)  # the same values in both sets
-                in_arena = args.arena == "on" or (args.arena == "tree" and name == "tree")
+
+            def placed(in_arena: bool, h=h, inter=inter, layers=layers, threads=threads) -> list:
+                g = torch.Generator().manual_seed(h * 7 + inter)  # the same values in every set
                 with hugepages.arena() if in_arena else contextlib.nullcontext():
-                    sets[name] = [layer_calls(args.quant, k, n, threads, g) for _ in range(layers)
-                                  for k, n in ((h, h + h // 2), (h, h), (h, 2 * inter), (inter, h))]
+                    return [layer_calls(args.quant, k, n, threads, g) for _ in range(layers)
+                            for k, n in ((h, h + h // 2), (h, h), (h, 2 * inter), (inter, h))]
+
+            base = placed(args.arena == "on")
+            sets = {"base": base, "tree": placed(True) if args.arena == "tree" else base}
             nbytes = sum(c[1] for c in sets["base"])
             buf = hugepages.empty((nbytes // 4,), torch.float32)
             buf.fill_(1.0)
@@ -155,12 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.quant} {shape} threads {threads}: base {cell['base_ms']} ms ({cell['base_share']} of "
                   f"the streaming rate), tree {cell['tree_ms']} ms ({cell['tree_share']}); tree/base "
                   f"{cell['ratio_tree_over_base']} ({cell['ratio_p10']}-{cell['ratio_p90']}), same bits {same}")
-            del sets, buf, run
+            del base, sets, buf, run
     out = args.out or str(ROOT / "bench" / "results" / f"kernel_ab_{args.quant}.json")
     write_results(out, {"benchmark": "kernel_ab", "quant": args.quant, "base": base_rev, "source": args.source,
-                        "arena": args.arena,
-                        "reps": args.reps,
-                        "simd": ck.simd_level(), "cells": cells})
+                        "arena": args.arena, "reps": args.reps, "simd": ck.simd_level(), "cells": cells})
     print(f"wrote {out}")
     return 0
 

@@ -94,11 +94,14 @@ def _simd_flags() -> list[str]:
     return _SIMD_FLAGS["avx2"] if os.environ.get("TANDEM_CPU_SIMD", "").lower() == "avx2" else []
 
 
-def build_variant(simd: str) -> ctypes.CDLL:
+def build_variant(simd: str, source: str | None = None, stem: str | None = None, openmp: bool = False
+                  ) -> ctypes.CDLL:
     """A separately built copy of the kernels: `simd` "avx2" (no AVX-512) or "native" (what -march=native
-    finds), to compare the SIMD paths in one process (tests, benchmarks); raises where it cannot be built."""
-    so = build_library(_SRC.read_text(), f"tandem_cpu_kernels_{simd}",
-                       [*_FLAGS, *_SIMD_FLAGS[simd], "-Wno-unknown-pragmas"],
+    finds), to compare the SIMD paths in one process (tests, benchmarks); `source` another C source in place of
+    kernels/cpu_kernels.c (bench/kernel_ab.py's A/B of two revisions), `stem` its library's name, `openmp` built
+    with its threads. Raises where it cannot be built."""
+    so = build_library(_SRC.read_text() if source is None else source, stem or f"tandem_cpu_kernels_{simd}",
+                       [*_FLAGS, *_SIMD_FLAGS[simd], "-fopenmp" if openmp else "-Wno-unknown-pragmas"],
                        cache_dir(), key=(_cpu_flags(),))
     return _bind(ctypes.CDLL(str(so)))
 

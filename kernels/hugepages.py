@@ -121,16 +121,21 @@ def _huge_mapping(size: int, advise: int) -> tuple[mmap.mmap, int]:
     return m, off if _madvise(base + off, advise) else 0
 
 
+def _placed(nbytes: int) -> bool:
+    """Whether `empty` places a tensor of `nbytes` itself (an arena's floor inside `arena()`, else MIN_BYTES)."""
+    return enabled() and nbytes >= (ARENA_MIN if getattr(_active, "arena", None) is not None else MIN_BYTES)
+
+
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor, on huge pages where `enabled()` and it is at least MIN_BYTES
     (the tensor keeps its mapping alive), or inside `arena()` at least ARENA_MIN bytes (carved from the arena);
     else `torch.empty`."""
     nbytes = math.prod(shape) * dtype.itemsize
-    carve = getattr(_active, "arena", None)
-    if carve is not None and nbytes >= ARENA_MIN and enabled():
-        return carve.take(nbytes).view(dtype).view(shape)
-    if nbytes < MIN_BYTES or not enabled():
+    if not _placed(nbytes):
         return torch.empty(shape, dtype=dtype)
+    carve = getattr(_active, "arena", None)
+    if carve is not None:
+        return carve.take(nbytes).view(dtype).view(shape)
     # whole huge pages only: the tail past the last one stays on base pages, so no tensor holds more memory
     # than torch's allocation would
     m, off = _huge_mapping(nbytes, nbytes // HUGE * HUGE)
@@ -140,7 +145,7 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
 
 def copy(t: torch.Tensor) -> torch.Tensor:
     """`t`'s values as a contiguous tensor from `empty` (on huge pages where that applies)."""
-    if not enabled() or t.nbytes < (ARENA_MIN if getattr(_active, "arena", None) is not None else MIN_BYTES):
+    if not _placed(t.nbytes):
         return t.contiguous()
     out = empty(t.shape, t.dtype)
     out.copy_(t)
