@@ -6,7 +6,8 @@ decode. Reports each build's ms per pass and GB/s of weights, their time ratio (
 per-pair ratios and its p10-p90), each build's share of the streaming rate (a huge-page torch.sum over the same
 bytes, right after each pair), and whether the two builds give the same bits. Each weight is its own huge-page
 mapping (`hugepages.copy`), or with `--arena` all are carved end to end from one `hugepages.arena()`. Writes
-bench/results/kernel_ab_<quant>.json (or `--out`).
+bench/results/kernel_ab_<quant>.json (or `--out`). On a VM whose bandwidth swings minute to minute, `--runs N` measures
+each cell N times on weights placed anew and reports the runs' medians.
 
     .venv/bin/python bench/kernel_ab.py --base HEAD~1 --quant int4 --shape 1024,3072,16 --threads 1
 """
@@ -70,6 +71,46 @@ def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator):
     return call, nbytes, y, keep
 
 
+def measure(args, libs, placed) -> dict:
+    """One alternation of the two builds over freshly placed weights: ratios, ms, GB/s and shares."""
+    base = placed(args.arena == "on")
+    sets = {"base": base, "tree": placed(True) if args.arena == "tree" else base}
+    nbytes = sum(c[1] for c in sets["base"])
+    buf = hugepages.empty((nbytes // 4,), torch.float32)
+    buf.fill_(1.0)
+
+    def run(name):
+        for call, _, y, _ in sets[name]:
+            call(libs[name], y)
+
+    outs = {}
+    for name in libs:
+        run(name)
+        outs[name] = [c[2].clone() for c in sets[name]]
+    same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
+    times = {"base": [], "tree": []}
+    sums = []
+    for r in range(args.reps):
+        for name in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
+            t0 = time.perf_counter()
+            run(name)
+            times[name].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        buf.sum()
+        sums.append(time.perf_counter() - t0)
+    ratios = sorted(t / b for t, b in zip(times["tree"], times["base"]))
+    q = statistics.quantiles(ratios, n=10)
+    out = {"weight_mb": round(nbytes / 1e6, 1), "same_bits": same,
+           "ratio_tree_over_base": round(statistics.median(ratios), 3), "ratio_p10": round(q[0], 3),
+           "ratio_p90": round(q[-1], 3), "sum_gb_s": round(nbytes / statistics.median(sums) / 1e9, 1)}
+    for name in ("base", "tree"):
+        med = statistics.median(times[name])
+        out[f"{name}_ms"] = round(med * 1e3, 2)
+        out[f"{name}_gb_s"] = round(nbytes / med / 1e9, 1)
+        out[f"{name}_share"] = round(statistics.median(s / t for s, t in zip(sums, times[name])), 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision whose kernels/cpu_kernels.c is the baseline")
@@ -78,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="hidden,intermediate,layers (the ~200M and ~1B random Llamas' shapes by default)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--runs", type=int, default=1,
+                    help="measure each cell this many times on weights placed anew each time; the cell's "
+                         "figures are then the runs' medians, each run kept under 'runs'")
     ap.add_argument("--source", default=str(ROOT / "kernels" / "cpu_kernels.c"),
                     help="the C source to compare with the base (the working tree's by default)")
     ap.add_argument("--arena", choices=("off", "on", "tree"), default="off",
@@ -107,50 +151,25 @@ def main(argv: list[str] | None = None) -> int:
                     return [layer_calls(args.quant, k, n, threads, g) for _ in range(layers)
                             for k, n in ((h, h + h // 2), (h, h), (h, 2 * inter), (inter, h))]
 
-            base = placed(args.arena == "on")
-            sets = {"base": base, "tree": placed(True) if args.arena == "tree" else base}
-            nbytes = sum(c[1] for c in sets["base"])
-            buf = hugepages.empty((nbytes // 4,), torch.float32)
-            buf.fill_(1.0)
-
-            def run(name, sets=sets):
-                for call, _, y, _ in sets[name]:
-                    call(libs[name], y)
-
-            outs = {}
-            for name in libs:
-                run(name)
-                outs[name] = [c[2].clone() for c in sets[name]]
-            same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
-            times = {"base": [], "tree": []}
-            sums = []
-            for r in range(args.reps):
-                for name in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
-                    t0 = time.perf_counter()
-                    run(name)
-                    times[name].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                buf.sum()
-                sums.append(time.perf_counter() - t0)
-            ratios = sorted(t / b for t, b in zip(times["tree"], times["base"]))
-            q = statistics.quantiles(ratios, n=10)
-            cell = {"shape": shape, "threads": threads, "weight_mb": round(nbytes / 1e6, 1),
-                    "same_bits": same, "ratio_tree_over_base": round(statistics.median(ratios), 3),
-                    "ratio_p10": round(q[0], 3), "ratio_p90": round(q[-1], 3),
-                    "sum_gb_s": round(nbytes / statistics.median(sums) / 1e9, 1)}
-            for name in ("base", "tree"):
-                med = statistics.median(times[name])
-                cell[f"{name}_ms"] = round(med * 1e3, 2)
-                cell[f"{name}_gb_s"] = round(nbytes / med / 1e9, 1)
-                cell[f"{name}_share"] = round(statistics.median(s / t for s, t in zip(sums, times[name])), 2)
+            runs = []
+            for _ in range(args.runs):  # each run on weights placed anew
+                runs.append(measure(args, libs, placed))
+            cell = {"shape": shape, "threads": threads, **runs[0]}
+            if args.runs > 1:
+                cell["runs"] = runs
+                for key in ("ratio_tree_over_base", "base_share", "tree_share", "base_ms", "tree_ms"):
+                    cell[key] = round(statistics.median(r[key] for r in runs), 3)
+                cell["same_bits"] = all(r["same_bits"] for r in runs)
+                del cell["ratio_p10"], cell["ratio_p90"]  # each run's own spread stays under "runs"
             cells.append(cell)
+            spread = (f"runs {', '.join(str(r['ratio_tree_over_base']) for r in runs)}" if args.runs > 1
+                      else f"{cell['ratio_p10']}-{cell['ratio_p90']}")
             print(f"{args.quant} {shape} threads {threads}: base {cell['base_ms']} ms ({cell['base_share']} of "
                   f"the streaming rate), tree {cell['tree_ms']} ms ({cell['tree_share']}); tree/base "
-                  f"{cell['ratio_tree_over_base']} ({cell['ratio_p10']}-{cell['ratio_p90']}), same bits {same}")
-            del base, sets, buf, run
+                  f"{cell['ratio_tree_over_base']} ({spread}), same bits {cell['same_bits']}")
     out = args.out or str(ROOT / "bench" / "results" / f"kernel_ab_{args.quant}.json")
     write_results(out, {"benchmark": "kernel_ab", "quant": args.quant, "base": base_rev, "source": args.source,
-                        "arena": args.arena, "reps": args.reps, "simd": ck.simd_level(), "cells": cells})
+                        "arena": args.arena, "reps": args.reps, "runs": args.runs, "simd": ck.simd_level(), "cells": cells})
     print(f"wrote {out}")
     return 0
 

@@ -1863,11 +1863,17 @@ TK_DEF_W4(1, 1)
 #endif
 
 #if TK_AVX2
-/* one activation row over weight rows [n0, n1) in address order: w4_1x1's arithmetic in its order (the same
- * bits), with the activation's block-scale vectors built once for all rows and each row's group scales and
+/* one activation row over weight rows [n0, n1), two rows at a time where K <= W4_PAIRED_MAX_K: w4_1x1's
+ * arithmetic in its order for each row (the same bits), with the activation's block-scale vectors built once for
+ * all rows, each pair of blocks' activation loads shared by the two rows, and each row's group scales and
  * zero-point terms (scale * zero) converted eight at a time before its blocks instead of one per group inside
- * them. 0 where K has more groups than its stack arrays hold (the tiles then) */
+ * them. Two rows read side by side are two short streams the hardware prefetcher does not follow (alone, ~2.5x
+ * slower from memory), so the loop prefetches the rows ~W4_AHEAD bytes on, one line a step, in address order;
+ * rows over 1 KB (K > 2048) measured slower paired even so and are read alone (docs/benchmarks.md). 0 where K
+ * has more groups than its stack arrays hold (the tiles then) */
 #define W4R_MAX 512
+#define W4_AHEAD 4096       /* bytes: the prefetch distance, in whole pairs of rows */
+#define W4_PAIRED_MAX_K 2048 /* longer rows alone (paired, their two streams ran slower from memory) */
 #if defined(__F16C__) /* eight float16 scales at once (else one by one, as scale_at) */
 #define W4_F16C 1
 #define W4_F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
@@ -1875,60 +1881,93 @@ TK_DEF_W4(1, 1)
 #define W4_F16C 0
 #define W4_F16X8(p) _mm256_setzero_ps()
 #endif
+/* one row's group scales and scale * zero terms, exactly as scale_at and zero_at give them */
+static inline void w4_row_scales(const void *scale, int64_t sk, const uint8_t *zp, int64_t zoff, int64_t G,
+                                 int64_t GZ, int64_t n, float *ws, float *wz) {
+    const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), sh = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+    const char *srow = (const char *)scale + n * G * (sk ? 2 : 4);
+    const uint8_t *zrow = zp ? zp + n * GZ : 0;
+    int64_t g = 0;
+    for (; g + 8 <= G && (sk != 1 || W4_F16C); g += 8) {
+        __m256 sv = sk == 1 ? W4_F16X8(srow + 2 * g)
+                  : sk == 2 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(srow + 2 * g))), 16))
+                            : _mm256_loadu_ps((const float *)srow + g);
+        __m256 zv = _mm256_set1_ps(8.f);
+        if (zrow) {
+            int32_t four;
+            memcpy(&four, zrow + g / 2, 4);
+            __m256i z = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(four)), dup);
+            z = _mm256_and_si256(_mm256_srlv_epi32(z, sh), _mm256_set1_epi32(15));
+            zv = _mm256_cvtepi32_ps(_mm256_add_epi32(z, _mm256_set1_epi32((int32_t)zoff)));
+        }
+        _mm256_storeu_ps(ws + g, sv);
+        _mm256_storeu_ps(wz + g, _mm256_mul_ps(sv, zv));
+    }
+    for (; g < G; g++) {
+        ws[g] = scale_at(scale, sk, n * G + g);
+        wz[g] = ws[g] * zero_at(zrow, g, zoff);
+    }
+}
+
+/* R (1 or 2) rows at once, each row's arithmetic exactly as one alone (the same bits) */
+#define TK_DEF_W4R(R)                                                                                          \
+    static inline void w4_rowsx##R(const int8_t *xp, const __m256 *dvs, const float *gsum, int64_t K,        \
+                                   int64_t G, int64_t GZ, int64_t ppg, const uint8_t *q, const void *scale,     \
+                                   int64_t sk, const uint8_t *zp, int64_t zoff, const float *bias, float *y,   \
+                                   int64_t n, float (*ws)[W4R_MAX], float (*wz)[W4R_MAX]) {                    \
+        const __m256i lo4 = _mm256_set1_epi8(0x0F);                                                            \
+        for (int r = 0; r < R; r++) w4_row_scales(scale, sk, zp, zoff, G, GZ, n + r, ws[r], wz[r]);           \
+        const uint8_t *qn = q + n * (K / 2);                                                                   \
+        const int64_t ahead_rows = R * ((W4_AHEAD + R * (K / 2) - 1) / (R * (K / 2)));                         \
+        __m256 acc[R];                                                                                         \
+        float corr[R];                                                                                         \
+        for (int r = 0; r < R; r++) {                                                                          \
+            acc[r] = _mm256_setzero_ps();                                                                      \
+            corr[r] = 0.f;                                                                                     \
+        }                                                                                                      \
+        for (int64_t g = 0; g < G; g++) {                                                                      \
+            __m256 grp[R];                                                                                     \
+            for (int r = 0; r < R; r++) grp[r] = _mm256_setzero_ps();                                          \
+            for (int64_t pi = 0; pi < ppg; pi++) {                                                             \
+                const int64_t pr = g * ppg + pi, b = pr * 2;                                                   \
+                const int8_t *xr = xp + b * Q8;                                                                \
+                const __m256i xl = _mm256_loadu_si256((const __m256i *)xr);                                    \
+                const __m256i xh = _mm256_loadu_si256((const __m256i *)(xr + Q8));                             \
+                const __m256 dv = dvs[pr];                                                                     \
+                if (R > 1) { /* R rows' 32 bytes a step, R / 2 lines, ahead_rows on */                    \
+                    const char *ahead = (const char *)qn + ahead_rows * (K / 2) + pr * 32 * R;                 \
+                    for (int l = 0; l < R / 2; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);                 \
+                }                                                                                              \
+                for (int r = 0; r < R; r++) {                                                                  \
+                    __m256i pk = _mm256_loadu_si256((const __m256i *)(qn + r * (K / 2) + b * 16));            \
+                    __m256i wl = _mm256_and_si256(pk, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4); \
+                    grp[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w4_dot(wl, wh, xl, xh)), dv, grp[r]);          \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int r = 0; r < R; r++) {                                                                      \
+                acc[r] = _mm256_fmadd_ps(grp[r], _mm256_set1_ps(ws[r][g]), acc[r]);                            \
+                corr[r] = fmaf(wz[r][g], gsum[g], corr[r]);                                                    \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < R; r++) y[n + r] = hsum256(acc[r]) - corr[r] + (bias ? bias[n + r] : 0.f);         \
+    }
+TK_DEF_W4R(2)
+TK_DEF_W4R(1)
+
 static int w4_rows1(const int8_t *xp, const float *d, const float *gsum, int64_t K, int64_t group,
                     const uint8_t *q, const void *scale, int64_t sk, const uint8_t *zp, int64_t zoff,
                     const float *bias, float *y, int64_t n0, int64_t n1) {
     const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8), GZ = (G + 1) / 2;
     if (B / 2 > W4R_MAX || G > W4R_MAX) return 0;
     __m256 dvs[W4R_MAX];
-    float ws[W4R_MAX], wz[W4R_MAX];
+    float ws[2][W4R_MAX], wz[2][W4R_MAX];
     for (int64_t p = 0; p < B / 2; p++)
         dvs[p] = _mm256_set_m128(_mm_set1_ps(d[2 * p + 1]), _mm_set1_ps(d[2 * p]));
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), sh = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
-    for (int64_t n = n0; n < n1; n++) {
-        const char *srow = (const char *)scale + n * G * (sk ? 2 : 4);
-        const uint8_t *zrow = zp ? zp + n * GZ : 0;
-        int64_t g = 0;
-        for (; g + 8 <= G && (sk != 1 || W4_F16C); g += 8) { /* exact conversions: scale_at's and zero_at's values */
-            __m256 sv = sk == 1 ? W4_F16X8(srow + 2 * g)
-                      : sk == 2 ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(srow + 2 * g))), 16))
-                                : _mm256_loadu_ps((const float *)srow + g);
-            __m256 zv = _mm256_set1_ps(8.f);
-            if (zrow) {
-                int32_t four;
-                memcpy(&four, zrow + g / 2, 4);
-                __m256i z = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(four)), dup);
-                z = _mm256_and_si256(_mm256_srlv_epi32(z, sh), _mm256_set1_epi32(15));
-                zv = _mm256_cvtepi32_ps(_mm256_add_epi32(z, _mm256_set1_epi32((int32_t)zoff)));
-            }
-            _mm256_storeu_ps(ws + g, sv);
-            _mm256_storeu_ps(wz + g, _mm256_mul_ps(sv, zv));
-        }
-        for (; g < G; g++) {
-            ws[g] = scale_at(scale, sk, n * G + g);
-            wz[g] = ws[g] * zero_at(zrow, g, zoff);
-        }
-        const uint8_t *qn = q + n * (K / 2);
-        __m256 acc = _mm256_setzero_ps();
-        float corr = 0.f;
-        for (g = 0; g < G; g++) {
-            __m256 grp = _mm256_setzero_ps();
-            for (int64_t pi = 0; pi < ppg; pi++) {
-                const int64_t pr = g * ppg + pi, b = pr * 2;
-                __m256i pk = _mm256_loadu_si256((const __m256i *)(qn + b * 16));
-                __m256i wl = _mm256_and_si256(pk, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(pk, 4), lo4);
-                const int8_t *xr = xp + b * Q8;
-                __m256i xl = _mm256_loadu_si256((const __m256i *)xr);
-                __m256i xh = _mm256_loadu_si256((const __m256i *)(xr + Q8));
-                grp = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w4_dot(wl, wh, xl, xh)), dvs[pr], grp);
-            }
-            acc = _mm256_fmadd_ps(grp, _mm256_set1_ps(ws[g]), acc);
-            corr = fmaf(wz[g], gsum[g], corr);
-        }
-        y[n] = hsum256(acc) - corr + (bias ? bias[n] : 0.f);
-    }
+    int64_t n = n0;
+    if (K <= W4_PAIRED_MAX_K)
+        for (; n + 2 <= n1; n += 2) w4_rowsx2(xp, dvs, gsum, K, G, GZ, ppg, q, scale, sk, zp, zoff, bias, y, n, ws, wz);
+    for (; n < n1; n++) w4_rowsx1(xp, dvs, gsum, K, G, GZ, ppg, q, scale, sk, zp, zoff, bias, y, n, ws, wz);
     return 1;
 }
 #endif
