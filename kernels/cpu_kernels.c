@@ -1809,6 +1809,49 @@ static inline __m256i w4_dot(__m256i wl, __m256i wh, __m256i xl, __m256i xh) {
 #endif
 }
 
+#if defined(__F16C__) /* eight float16 scales at once (else one by one, as scale_at) */
+#define W4_F16C 1
+#define W4_F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#else
+#define W4_F16C 0
+#define W4_F16X8(p) _mm256_setzero_ps()
+#endif
+/* the scales of groups g .. g + 7 of a row (srow: the row's first), exactly scale_at's values; F16C for float16 */
+static inline __m256 w4_scale8(const char *srow, int64_t sk, int64_t g) {
+    return sk == 1 ? W4_F16X8(srow + 2 * g)
+         : sk == 2 ? _mm256_castsi256_ps(
+                         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(srow + 2 * g))), 16))
+                   : _mm256_loadu_ps((const float *)srow + g);
+}
+
+/* the zero points of groups g .. g + 7 of a row of packed zeros (NULL: 8), exactly zero_at's values */
+static inline __m256 w4_zero8(const uint8_t *zrow, int64_t zoff, int64_t g) {
+    if (!zrow) return _mm256_set1_ps(8.f);
+    const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), sh = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+    int32_t four;
+    memcpy(&four, zrow + g / 2, 4);
+    __m256i z = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(four)), dup);
+    z = _mm256_and_si256(_mm256_srlv_epi32(z, sh), _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(z, _mm256_set1_epi32((int32_t)zoff)));
+}
+
+/* row n's zero-point term, the sum over its groups of scale * zero * gsum[g]: eight groups at a time in the lanes
+ * of one vector (summed as hsum256 sums), then any groups past the last eight in order. Every path takes a row's
+ * term from here, so a row has the same bits in any of them */
+static inline float w4_corr(const void *scale, int64_t sk, const uint8_t *zp, int64_t zoff, int64_t G, int64_t GZ,
+                            int64_t n, const float *gsum) {
+    const char *srow = (const char *)scale + n * G * (sk ? 2 : 4);
+    const uint8_t *zrow = zp ? zp + n * GZ : 0;
+    __m256 c = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G && (sk != 1 || W4_F16C); g += 8)
+        c = _mm256_fmadd_ps(_mm256_mul_ps(w4_scale8(srow, sk, g), w4_zero8(zrow, zoff, g)), _mm256_loadu_ps(gsum + g),
+                            c);
+    float t = hsum256(c);
+    for (; g < G; g++) t = fmaf(scale_at(scale, sk, n * G + g) * zero_at(zrow, g, zoff), gsum[g], t);
+    return t;
+}
+
 #define TK_DEF_W4(NR, MR)                                                                                      \
     static void w4_##NR##x##MR(const int8_t *xp, const float *d, const float *gsum, int64_t K, int64_t group,   \
                                const uint8_t *q, const void *sc, int64_t sk, const uint8_t *zp, int64_t zoff,    \
@@ -1816,12 +1859,8 @@ static inline __m256i w4_dot(__m256i wl, __m256i wh, __m256i xl, __m256i xh) {
         const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8), GZ = (G + 1) / 2;                   \
         const __m256i lo4 = _mm256_set1_epi8(0x0F);                                                            \
         __m256 acc[MR][NR];                                                                                    \
-        float corr[MR][NR];                                                                                    \
         for (int r = 0; r < MR; r++)                                                                           \
-            for (int i = 0; i < NR; i++) {                                                                     \
-                acc[r][i] = _mm256_setzero_ps();                                                               \
-                corr[r][i] = 0.f;                                                                              \
-            }                                                                                                  \
+            for (int i = 0; i < NR; i++) acc[r][i] = _mm256_setzero_ps();                                      \
         for (int64_t g = 0; g < G; g++) {                                                                      \
             __m256 grp[MR][NR];                                                                                \
             for (int r = 0; r < MR; r++)                                                                       \
@@ -1846,16 +1885,13 @@ static inline __m256i w4_dot(__m256i wl, __m256i wh, __m256i xl, __m256i xh) {
                 }                                                                                              \
             }                                                                                                  \
             for (int i = 0; i < NR; i++) {                                                                     \
-                const float ws = scale_at(sc, sk, i * G + g), wz = ws * zero_at(zp ? zp + i * GZ : 0, g, zoff); \
-                const __m256 wv = _mm256_set1_ps(ws);                                                          \
-                for (int r = 0; r < MR; r++) {                                                                 \
-                    acc[r][i] = _mm256_fmadd_ps(grp[r][i], wv, acc[r][i]);                                     \
-                    corr[r][i] = fmaf(wz, gsum[r * G + g], corr[r][i]);                                        \
-                }                                                                                              \
+                const __m256 wv = _mm256_set1_ps(scale_at(sc, sk, i * G + g));                                 \
+                for (int r = 0; r < MR; r++) acc[r][i] = _mm256_fmadd_ps(grp[r][i], wv, acc[r][i]);             \
             }                                                                                                  \
         }                                                                                                      \
         for (int r = 0; r < MR; r++)                                                                           \
-            for (int i = 0; i < NR; i++) s[r * NR + i] = hsum256(acc[r][i]) - corr[r][i];                      \
+            for (int i = 0; i < NR; i++)                                                                       \
+                s[r * NR + i] = hsum256(acc[r][i]) - w4_corr(sc, sk, zp, zoff, G, GZ, i, gsum + r * G);        \
     }
 TK_DEF_W4(4, 1)
 TK_DEF_W4(4, 2)
@@ -1865,49 +1901,21 @@ TK_DEF_W4(1, 1)
 #if TK_AVX2
 /* one activation row over weight rows [n0, n1), two rows at a time where K <= W4_PAIRED_MAX_K: w4_1x1's
  * arithmetic in its order for each row (the same bits), with the activation's block-scale vectors built once for
- * all rows, each pair of blocks' activation loads shared by the two rows, and each row's group scales and
- * zero-point terms (scale * zero) converted eight at a time before its blocks instead of one per group inside
- * them. Two rows read side by side are two short streams the hardware prefetcher does not follow (alone, ~2.5x
- * slower from memory), so the loop prefetches the rows ~W4_AHEAD bytes on, one line a step, in address order;
- * rows over 1 KB (K > 2048) measured slower paired even so and are read alone (docs/benchmarks.md). 0 where K
- * has more groups than its stack arrays hold (the tiles then) */
+ * all rows, each pair of blocks' activation loads shared by the two rows, and each row's group scales
+ * converted eight at a time before its blocks instead of one per group inside them. Two rows read side by side
+ * are two short streams the hardware prefetcher does not follow (alone, ~2.5x slower from memory), so the loop
+ * prefetches the rows ~W4_AHEAD bytes on, one line a step, in address order; rows over 1 KB (K > 2048) measured
+ * slower paired even so and are read alone (docs/benchmarks.md). 0 where K has more groups than its stack arrays
+ * hold (the tiles then) */
 #define W4R_MAX 512
 #define W4_AHEAD 4096       /* bytes: the prefetch distance, in whole pairs of rows */
 #define W4_PAIRED_MAX_K 2048 /* longer rows alone (paired, their two streams ran slower from memory) */
-#if defined(__F16C__) /* eight float16 scales at once (else one by one, as scale_at) */
-#define W4_F16C 1
-#define W4_F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#else
-#define W4_F16C 0
-#define W4_F16X8(p) _mm256_setzero_ps()
-#endif
-/* one row's group scales and scale * zero terms, exactly as scale_at and zero_at give them */
-static inline void w4_row_scales(const void *scale, int64_t sk, const uint8_t *zp, int64_t zoff, int64_t G,
-                                 int64_t GZ, int64_t n, float *ws, float *wz) {
-    const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), sh = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+/* one row's group scales, exactly as scale_at gives them */
+static inline void w4_row_scales(const void *scale, int64_t sk, int64_t G, int64_t n, float *ws) {
     const char *srow = (const char *)scale + n * G * (sk ? 2 : 4);
-    const uint8_t *zrow = zp ? zp + n * GZ : 0;
     int64_t g = 0;
-    for (; g + 8 <= G && (sk != 1 || W4_F16C); g += 8) {
-        __m256 sv = sk == 1 ? W4_F16X8(srow + 2 * g)
-                  : sk == 2 ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(srow + 2 * g))), 16))
-                            : _mm256_loadu_ps((const float *)srow + g);
-        __m256 zv = _mm256_set1_ps(8.f);
-        if (zrow) {
-            int32_t four;
-            memcpy(&four, zrow + g / 2, 4);
-            __m256i z = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi32_si128(four)), dup);
-            z = _mm256_and_si256(_mm256_srlv_epi32(z, sh), _mm256_set1_epi32(15));
-            zv = _mm256_cvtepi32_ps(_mm256_add_epi32(z, _mm256_set1_epi32((int32_t)zoff)));
-        }
-        _mm256_storeu_ps(ws + g, sv);
-        _mm256_storeu_ps(wz + g, _mm256_mul_ps(sv, zv));
-    }
-    for (; g < G; g++) {
-        ws[g] = scale_at(scale, sk, n * G + g);
-        wz[g] = ws[g] * zero_at(zrow, g, zoff);
-    }
+    for (; g + 8 <= G && (sk != 1 || W4_F16C); g += 8) _mm256_storeu_ps(ws + g, w4_scale8(srow, sk, g));
+    for (; g < G; g++) ws[g] = scale_at(scale, sk, n * G + g);
 }
 
 /* R (1 or 2) rows at once, each row's arithmetic exactly as one alone (the same bits) */
@@ -1915,17 +1923,13 @@ static inline void w4_row_scales(const void *scale, int64_t sk, const uint8_t *z
     static inline void w4_rowsx##R(const int8_t *xp, const __m256 *dvs, const float *gsum, int64_t K,        \
                                    int64_t G, int64_t GZ, int64_t ppg, const uint8_t *q, const void *scale,     \
                                    int64_t sk, const uint8_t *zp, int64_t zoff, const float *bias, float *y,   \
-                                   int64_t n, float (*ws)[W4R_MAX], float (*wz)[W4R_MAX]) {                    \
+                                   int64_t n, float (*ws)[W4R_MAX]) {                                          \
         const __m256i lo4 = _mm256_set1_epi8(0x0F);                                                            \
-        for (int r = 0; r < R; r++) w4_row_scales(scale, sk, zp, zoff, G, GZ, n + r, ws[r], wz[r]);           \
+        for (int r = 0; r < R; r++) w4_row_scales(scale, sk, G, n + r, ws[r]);                                 \
         const uint8_t *qn = q + n * (K / 2);                                                                   \
         const int64_t ahead_rows = R * ((W4_AHEAD + R * (K / 2) - 1) / (R * (K / 2)));                         \
         __m256 acc[R];                                                                                         \
-        float corr[R];                                                                                         \
-        for (int r = 0; r < R; r++) {                                                                          \
-            acc[r] = _mm256_setzero_ps();                                                                      \
-            corr[r] = 0.f;                                                                                     \
-        }                                                                                                      \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                              \
         for (int64_t g = 0; g < G; g++) {                                                                      \
             __m256 grp[R];                                                                                     \
             for (int r = 0; r < R; r++) grp[r] = _mm256_setzero_ps();                                          \
@@ -1945,12 +1949,11 @@ static inline void w4_row_scales(const void *scale, int64_t sk, const uint8_t *z
                     grp[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w4_dot(wl, wh, xl, xh)), dv, grp[r]);          \
                 }                                                                                              \
             }                                                                                                  \
-            for (int r = 0; r < R; r++) {                                                                      \
-                acc[r] = _mm256_fmadd_ps(grp[r], _mm256_set1_ps(ws[r][g]), acc[r]);                            \
-                corr[r] = fmaf(wz[r][g], gsum[g], corr[r]);                                                    \
-            }                                                                                                  \
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(grp[r], _mm256_set1_ps(ws[r][g]), acc[r]);    \
         }                                                                                                      \
-        for (int r = 0; r < R; r++) y[n + r] = hsum256(acc[r]) - corr[r] + (bias ? bias[n + r] : 0.f);         \
+        for (int r = 0; r < R; r++)                                                                            \
+            y[n + r] = hsum256(acc[r]) - w4_corr(scale, sk, zp, zoff, G, GZ, n + r, gsum)                      \
+                       + (bias ? bias[n + r] : 0.f);                                                           \
     }
 TK_DEF_W4R(2)
 TK_DEF_W4R(1)
@@ -1961,13 +1964,13 @@ static int w4_rows1(const int8_t *xp, const float *d, const float *gsum, int64_t
     const int64_t B = K / Q8, G = K / group, ppg = group / (2 * Q8), GZ = (G + 1) / 2;
     if (B / 2 > W4R_MAX || G > W4R_MAX) return 0;
     __m256 dvs[W4R_MAX];
-    float ws[2][W4R_MAX], wz[2][W4R_MAX];
+    float ws[2][W4R_MAX];
     for (int64_t p = 0; p < B / 2; p++)
         dvs[p] = _mm256_set_m128(_mm_set1_ps(d[2 * p + 1]), _mm_set1_ps(d[2 * p]));
     int64_t n = n0;
     if (K <= W4_PAIRED_MAX_K)
-        for (; n + 2 <= n1; n += 2) w4_rowsx2(xp, dvs, gsum, K, G, GZ, ppg, q, scale, sk, zp, zoff, bias, y, n, ws, wz);
-    for (; n < n1; n++) w4_rowsx1(xp, dvs, gsum, K, G, GZ, ppg, q, scale, sk, zp, zoff, bias, y, n, ws, wz);
+        for (; n + 2 <= n1; n += 2) w4_rowsx2(xp, dvs, gsum, K, G, GZ, ppg, q, scale, sk, zp, zoff, bias, y, n, ws);
+    for (; n < n1; n++) w4_rowsx1(xp, dvs, gsum, K, G, GZ, ppg, q, scale, sk, zp, zoff, bias, y, n, ws);
     return 1;
 }
 #endif
