@@ -1939,7 +1939,7 @@ static inline void w4_row_scales(const void *scale, int64_t sk, int64_t G, int64
                 const __m256i xl = _mm256_loadu_si256((const __m256i *)xr);                                    \
                 const __m256i xh = _mm256_loadu_si256((const __m256i *)(xr + Q8));                             \
                 const __m256 dv = dvs[pr];                                                                     \
-                if (R > 1) { /* R rows' 32 bytes a step, R / 2 lines, ahead_rows on */                    \
+                if (R > 1) { /* R rows' 32 bytes a step, R / 2 lines, ahead_rows on */                         \
                     const char *ahead = (const char *)qn + ahead_rows * (K / 2) + pr * 32 * R;                 \
                     for (int l = 0; l < R / 2; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);                 \
                 }                                                                                              \
