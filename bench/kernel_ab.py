@@ -1,4 +1,4 @@
-"""Two builds of kernels/cpu_kernels.c over one activation row (a one-sequence decode step): a git revision's
+"""Two builds of kernels/cpu_kernels.c over one activation row (a one-sequence decode step; `--rows M`: M rows):
 source (`--base`) against the working tree's (or `--source`'s), both loaded in one process and timed alternately,
 a pass at a time, where a pass is every linear of a model's layers (`--shape hidden,intermediate,layers`: fused q/k/v
 [h + h/2], o [h], gate/up [2 i], down [i -> h]) with distinct weights per layer, so they come from memory as in
@@ -36,9 +36,9 @@ from kernels.quant_formats import pack_zero, quantize_int4, quantize_int8  # noq
 QUANTS = ("int4", "w8a8", "bf16", "f32")
 
 
-def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator):
-    """(call(lib, y), nbytes, y, keep-alive) for one [n, k] weight at one activation row."""
-    x, y, w = torch.randn(1, k, generator=g), torch.empty(1, n), torch.randn(n, k, generator=g) * 0.02
+def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator, rows: int = 1):
+    """(call(lib, y), nbytes, y, keep-alive) for one [n, k] weight at `rows` activation rows."""
+    x, y, w = torch.randn(rows, k, generator=g), torch.empty(rows, n), torch.randn(n, k, generator=g) * 0.02
     if quant == "int4":
         packed, scale, zero = quantize_int4(w, 128)  # float16 scales and zero points, as quantize_model keeps them
         zp = pack_zero(zero)  # None where every zero point is 8
@@ -47,7 +47,7 @@ def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator):
         nbytes = packed.numel() + 2 * scale.numel() + (0 if zp is None else zp.numel())
 
         def call(lib, out):
-            return lib.tk_linear_w4a8(x.data_ptr(), 1, k, packed.data_ptr(), scale.data_ptr(), 1,
+            return lib.tk_linear_w4a8(x.data_ptr(), rows, k, packed.data_ptr(), scale.data_ptr(), 1,
                                       None if zp is None else zp.data_ptr(), 0, 128, n, None, out.data_ptr(), threads)
     elif quant == "w8a8":
         q, s = quantize_int8(w)
@@ -55,19 +55,19 @@ def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator):
         keep, nbytes = (x, q, s), q.numel() + 4 * n
 
         def call(lib, out):
-            return lib.tk_linear_w8a8(x.data_ptr(), 1, k, q.data_ptr(), s.data_ptr(), n, None, out.data_ptr(), threads)
+            return lib.tk_linear_w8a8(x.data_ptr(), rows, k, q.data_ptr(), s.data_ptr(), n, None, out.data_ptr(), threads)
     elif quant == "bf16":
         p = hugepages.copy(ck.pack_bf16_pairs(w))
         keep, nbytes = (x, p), p.numel() * p.element_size()
 
         def call(lib, out):
-            return lib.tk_linear_bf16(x.data_ptr(), 1, k, p.data_ptr(), n, None, out.data_ptr(), threads)
+            return lib.tk_linear_bf16(x.data_ptr(), rows, k, p.data_ptr(), n, None, out.data_ptr(), threads)
     else:
         p = hugepages.copy(ck.pack_f32(w))
         keep, nbytes = (x, p), p.numel() * 4
 
         def call(lib, out):
-            return lib.tk_linear_f32_panels(x.data_ptr(), 1, k, p.data_ptr(), None, n, None, out.data_ptr(), threads)
+            return lib.tk_linear_f32_panels(x.data_ptr(), rows, k, p.data_ptr(), None, n, None, out.data_ptr(), threads)
     return call, nbytes, y, keep
 
 
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="hidden,intermediate,layers (the ~200M and ~1B random Llamas' shapes by default)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rows", type=int, default=1, help="activation rows (1: a one-sequence decode step)")
     ap.add_argument("--runs", type=int, default=1,
                     help="measure each cell this many times on weights placed anew each time; the cell's "
                          "figures are then the runs' medians, each run kept under 'runs'")
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             def placed(in_arena: bool, h=h, inter=inter, layers=layers, threads=threads) -> list:
                 g = torch.Generator().manual_seed(h * 7 + inter)  # the same values in every set
                 with hugepages.arena() if in_arena else contextlib.nullcontext():
-                    return [layer_calls(args.quant, k, n, threads, g) for _ in range(layers)
+                    return [layer_calls(args.quant, k, n, threads, g, args.rows) for _ in range(layers)
                             for k, n in ((h, h + h // 2), (h, h), (h, 2 * inter), (inter, h))]
 
             runs = []
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cell['ratio_tree_over_base']} ({spread}), same bits {cell['same_bits']}")
     out = args.out or str(ROOT / "bench" / "results" / f"kernel_ab_{args.quant}.json")
     write_results(out, {"benchmark": "kernel_ab", "quant": args.quant, "base": base_rev, "source": args.source,
-                        "arena": args.arena, "reps": args.reps, "runs": args.runs, "simd": ck.simd_level(), "cells": cells})
+                        "arena": args.arena, "reps": args.reps, "runs": args.runs, "rows": args.rows, "simd": ck.simd_level(), "cells": cells})
     print(f"wrote {out}")
     return 0
 

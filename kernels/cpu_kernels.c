@@ -1867,7 +1867,10 @@ static inline float w4_corr(const void *scale, int64_t sk, const uint8_t *zp, in
                 for (int i = 0; i < NR; i++) grp[r][i] = _mm256_setzero_ps();                                  \
             for (int64_t pi = 0; pi < ppg; pi++) {                                                             \
                 const int64_t b = (g * ppg + pi) * 2; /* the pair's first block */                             \
-                if (NR == 4) _mm_prefetch((const char *)(q + 2 * K) + b * 32, _MM_HINT_T0); /* 4 rows on */   \
+                if (NR == 4) { /* the next 4 rows, 2 lines a step (this step's 4 x 32 bytes) */                \
+                    _mm_prefetch((const char *)(q + 2 * K) + b * 64, _MM_HINT_T0);                             \
+                    _mm_prefetch((const char *)(q + 2 * K) + b * 64 + 64, _MM_HINT_T0);                        \
+                }                                                                                              \
                 __m256i wl[NR], wh[NR];                                                                        \
                 for (int i = 0; i < NR; i++) {                                                                 \
                     __m256i p = _mm256_loadu_si256((const __m256i *)(q + i * (K / 2) + b * 16));              \
