@@ -156,12 +156,13 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.runs):  # each run on weights placed anew
                 runs.append(measure(args, libs, placed))
             cell = {"shape": shape, "threads": threads, **runs[0]}
-            if args.runs > 1:
+            if args.runs > 1:  # every figure the runs' median; each run's own spread stays under "runs"
                 cell["runs"] = runs
-                for key in ("ratio_tree_over_base", "base_share", "tree_share", "base_ms", "tree_ms"):
+                for key in ("ratio_tree_over_base", "sum_gb_s", *(f"{b}_{f}" for b in ("base", "tree")
+                                                                  for f in ("ms", "gb_s", "share"))):
                     cell[key] = round(statistics.median(r[key] for r in runs), 3)
                 cell["same_bits"] = all(r["same_bits"] for r in runs)
-                del cell["ratio_p10"], cell["ratio_p90"]  # each run's own spread stays under "runs"
+                del cell["ratio_p10"], cell["ratio_p90"]
             cells.append(cell)
             spread = (f"runs {', '.join(str(r['ratio_tree_over_base']) for r in runs)}" if args.runs > 1
                       else f"{cell['ratio_p10']}-{cell['ratio_p90']}")
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cell['ratio_tree_over_base']} ({spread}), same bits {cell['same_bits']}")
     out = args.out or str(ROOT / "bench" / "results" / f"kernel_ab_{args.quant}.json")
     write_results(out, {"benchmark": "kernel_ab", "quant": args.quant, "base": base_rev, "source": args.source,
-                        "arena": args.arena, "reps": args.reps, "runs": args.runs, "rows": args.rows, "simd": ck.simd_level(), "cells": cells})
+                        "arena": args.arena, "reps": args.reps, "runs": args.runs, "rows": args.rows,
+                        "simd": ck.simd_level(), "cells": cells})
     print(f"wrote {out}")
     return 0
 
