@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.kv_layout import KVLayout, blocks_outside
+from kernels import hugepages
 
 
 def _zeros(nbytes: int, device: torch.device) -> torch.Tensor:
     """A zeroed uint8 buffer; on the CPU from anonymous memory the kernel zeroes page by page at first touch
-    (torch.zeros writes every byte up front: ~1 s of start-up for a 1 GiB pool)."""
+    (torch.zeros writes every byte up front: ~1 s of start-up for a 1 GiB pool), on huge pages where the system
+    gives them (kernels.hugepages.zeros)."""
     if device.type != "cpu" or nbytes < mmap.PAGESIZE:
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor keeps the mapping alive
+    return hugepages.zeros(nbytes)
 
 @dataclass(frozen=True)
 class KVGeometry:

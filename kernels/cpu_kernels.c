@@ -2305,6 +2305,14 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* the largest of v's lanes */
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
 /* the eight sums of a0..a7's lanes, as one vector */
 static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
                              __m256 a7) {
@@ -2313,22 +2321,109 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* attend_one for D a multiple of 8 (up to 128): every (query, head) pair of the group scores a block of
- * eight keys at once (one horizontal reduction per block, not per key; the block stays in L1 across the
- * pairs), softmax with a vector exp, then each pair's output accumulated in registers over the values.
- * `p` holds qlen * rep * ctx floats. */
-static void attend_one_blocked(const attn_args *a, int64_t s, int64_t g, float *p) {
-    int64_t rep = a->Hq / a->Hkv, D = a->D, bs = a->bs, nv = D / 8;
-    int64_t q0 = a->qstart[s], qlen = a->qlen[s], ctx = a->ctx[s];
+/* attention's prefetches go into L2: a prefetch into L1 waits for one of its few miss buffers, and on the Zen 4 VM
+ * the prefetch instructions themselves stalled the passes (docs/benchmarks.md) */
+#define ATT_HINT _MM_HINT_T1
+#if TK_AVX512
+#define AV_AHEAD 16 /* keys: the value pass prefetches the rows this far on */
+/* part of the value pass of nh (<= NH) query heads over one KV head: acc[h][d0 .. d0 + 16 NC) += w[h][t] * v_t[d0 ..]
+ * for keys t in [j0, j1), in order (nlim bounds the keys whose pages may be looked up to prefetch), so each value
+ * row is read once for all the heads (heads past nh repeat the last one's weights, unstored). Each lane's sum is
+ * the one attend_heads_blocked's AVX2 loop takes, in its order: the same bits. */
+#define TK_DEF_AV(NH, NC)                                                                                      \
+    static void av_##NH##x##NC(const float *const *w, int nh, int64_t j0, int64_t j1, int64_t nlim,            \
+                               const float *vbase, const int64_t *bt, int64_t bs, int64_t page_stride,        \
+                               int64_t tok_stride, int64_t d0, float *const *acc_io) {                         \
+        const float *wp[NH];                                                                                   \
+        __m512 acc[NH][NC];                                                                                    \
+        for (int h = 0; h < NH; h++) {                                                                         \
+            wp[h] = w[h < nh ? h : nh - 1];                                                                    \
+            for (int c = 0; c < NC; c++)                                                                       \
+                acc[h][c] = h < nh ? _mm512_loadu_ps(acc_io[h] + d0 + 16 * c) : _mm512_setzero_ps();           \
+        }                                                                                                      \
+        for (int64_t page = j0 / bs, t = j0 % bs, j = j0; j < j1; page++, t = 0) {                              \
+            const float *vp = vbase + bt[page] * page_stride + d0;                                             \
+            const float *nxt = (page + 1) * bs < nlim ? vbase + bt[page + 1] * page_stride + d0 : vp;          \
+            for (; t < bs && j < j1; t++, j++) {                                                               \
+                const int64_t ta = t + AV_AHEAD;                                                               \
+                const float *pf = ta < bs ? vp + ta * tok_stride : nxt + (ta - bs) % bs * tok_stride;          \
+                for (int c = 0; c < NC; c++) _mm_prefetch((const char *)(pf + 16 * c), ATT_HINT);          \
+                const float *vj = vp + t * tok_stride;                                                         \
+                __m512 v[NC];                                                                                  \
+                for (int c = 0; c < NC; c++) v[c] = _mm512_loadu_ps(vj + 16 * c);                              \
+                for (int h = 0; h < NH; h++) {                                                                 \
+                    const __m512 wb = _mm512_set1_ps(wp[h][j]);                                                \
+                    for (int c = 0; c < NC; c++) acc[h][c] = _mm512_fmadd_ps(wb, v[c], acc[h][c]);             \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int h = 0; h < nh; h++)                                                                           \
+            for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc_io[h] + d0 + 16 * c, acc[h][c]);                 \
+    }
+TK_DEF_AV(2, 4)
+TK_DEF_AV(4, 4)
+TK_DEF_AV(8, 2)
+TK_DEF_AV(16, 1)
+
+/* keys [j0, j1) of the value pass of one query's rep heads over one KV head (D a multiple of 16): the widest
+ * register tile that holds the heads at once, over D in pieces of its width */
+static void av_heads(const float *const *w, int64_t rep, int64_t j0, int64_t j1, int64_t nlim, const float *vbase,
+                     const int64_t *bt, int64_t bs, int64_t page_stride, int64_t tok_stride, int64_t D,
+                     float *const *acc) {
+#define AV_ARGS(nh, d0) w, nh, j0, j1, nlim, vbase, bt, bs, page_stride, tok_stride, d0, acc
+    if (rep <= 2 && D % 64 == 0)
+        for (int64_t d0 = 0; d0 < D; d0 += 64) av_2x4(AV_ARGS((int)rep, d0));
+    else if (rep <= 4 && D % 64 == 0)
+        for (int64_t d0 = 0; d0 < D; d0 += 64) av_4x4(AV_ARGS((int)rep, d0));
+    else if (rep <= 8 && D % 32 == 0)
+        for (int64_t d0 = 0; d0 < D; d0 += 32) av_8x2(AV_ARGS((int)rep, d0));
+    else
+        for (int64_t h0 = 0; h0 < rep; h0 += 16)
+            for (int64_t d0 = 0; d0 < D; d0 += 16)
+                av_16x1(w + h0, (int)(rep - h0 < 16 ? rep - h0 : 16), j0, j1, nlim, vbase, bt, bs, page_stride,
+                        tok_stride, d0, acc + h0);
+#undef AV_ARGS
+}
+#define AV_CHUNK 32 /* keys: the value pass takes every KV head over this many keys before the next ones */
+#endif
+
+#define ATT_AHEAD 32 /* keys: the scores pass prefetches the key rows this far on */
+/* scratch floats attend_heads_blocked takes for ng KV heads of a sequence of qlen queries and ctx positions */
+static inline int64_t heads_scratch(int64_t ng, int64_t rep, int64_t qlen, int64_t ctx) {
+    return ng * rep * qlen * ((ctx + 7) / 8 * 8 + 1 + 128);
+}
+
+/* attend_one for KV heads [g0, g1) of sequence s, D a multiple of 8 (up to 128). Keys go in blocks of eight, and
+ * for each block every KV head in turn: every (query, head) pair of the head scores the eight keys at once (one
+ * horizontal reduction per block, not per key; the block stays in L1 across the pairs), so the token's rows of
+ * all the heads, side by side in the page, are read together; the rows ATT_AHEAD keys on are prefetched. Then
+ * each pair's softmax with a vector exp, and its output accumulated over the values: with AVX-512 (D a multiple
+ * of 16, two or more query heads a KV head) a query's heads at once in registers, AV_CHUNK keys at a time for
+ * each KV head in turn (each value row read once for all the heads of its KV head, the chunk's rows of all the
+ * heads read together), else pair by pair. `p` holds heads_scratch(g1 - g0, ...) floats: the scores
+ * [head][pair][ctx padded to 8], the pairs' 1 / sums, their sums over the values. */
+static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
+    const int64_t rep = a->Hq / a->Hkv, D = a->D, bs = a->bs, nv = D / 8, hs = a->head_stride;
+    const int64_t q0 = a->qstart[s], qlen = a->qlen[s], ctx = a->ctx[s];
     const int64_t *bt = a->block_tables + a->rows[s] * a->max_blocks;
-    const float *kbase = a->kc + g * a->head_stride, *vbase = a->vc + g * a->head_stride;
-    int64_t pairs = qlen * rep, cpad = (ctx + 7) / 8 * 8;
-    const float *kp[8];
+    const int64_t pairs = qlen * rep, cpad = (ctx + 7) / 8 * 8, ng = g1 - g0;
+    float *invs = p + ng * pairs * cpad;
+    int64_t kofs[8];
     int64_t pg = 0, off = 0; /* page index and slot of key j0: advanced, never divided */
+    int64_t pga = ATT_AHEAD / bs, offa = ATT_AHEAD % bs; /* of key j0 + ATT_AHEAD */
     for (int64_t j0 = 0; j0 < ctx; j0 += 8) {
+        for (int t = 0; t < 8 && j0 + ATT_AHEAD + t < ctx; t++) {
+            const char *ka = (const char *)(a->kc + bt[pga] * a->page_stride + offa * a->tok_stride);
+            for (int64_t g = g0; g < g1; g++)
+                for (int64_t l = 0; l < D * 4; l += 64) _mm_prefetch(ka + 4 * g * hs + l, ATT_HINT);
+            if (++offa == bs) {
+                offa = 0;
+                pga++;
+            }
+        }
         int64_t p2 = pg, o2 = off;
         for (int t = 0; t < 8; t++) {
-            kp[t] = kbase + bt[p2] * a->page_stride + o2 * a->tok_stride;
+            kofs[t] = bt[p2] * a->page_stride + o2 * a->tok_stride;
             if (j0 + t + 1 < ctx && ++o2 == bs) { /* past the context: the last key again (scores unused) */
                 o2 = 0;
                 p2++;
@@ -2339,28 +2434,38 @@ static void attend_one_blocked(const attn_args *a, int64_t s, int64_t g, float *
                 off = 0;
                 pg++;
             }
-        for (int64_t pr = 0; pr < pairs; pr++) {
-            int64_t i = pr / rep, r = pr % rep;
-            const float *qi = a->q + (q0 + i) * a->q_ld + (g * rep + r) * D;
-            __m256 acc[8];
-            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
-            for (int64_t v = 0; v < nv; v++) {
-                __m256 qv = _mm256_loadu_ps(qi + 8 * v);
-                for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[t] + 8 * v), acc[t]);
+        for (int64_t g = g0; g < g1; g++) {
+            const float *kb = a->kc + g * hs;
+            float *pgh = p + (g - g0) * pairs * cpad;
+            for (int64_t pr = 0; pr < pairs; pr++) {
+                int64_t i = pr / rep, r = pr % rep;
+                const float *qi = a->q + (q0 + i) * a->q_ld + (g * rep + r) * D;
+                __m256 acc[8];
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+                for (int64_t v = 0; v < nv; v++) {
+                    __m256 qv = _mm256_loadu_ps(qi + 8 * v);
+                    for (int t = 0; t < 8; t++)
+                        acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + kofs[t] + 8 * v), acc[t]);
+                }
+                __m256 sc = _mm256_mul_ps(hsum8x8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]),
+                                          _mm256_set1_ps(a->scale));
+                _mm256_storeu_ps(pgh + pr * cpad + j0, sc);
             }
-            __m256 sc = _mm256_mul_ps(hsum8x8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]),
-                                      _mm256_set1_ps(a->scale));
-            _mm256_storeu_ps(p + pr * cpad + j0, sc);
         }
     }
-    for (int64_t pr = 0; pr < pairs; pr++) {
-        int64_t i = pr / rep, r = pr % rep;
+    for (int64_t hp = 0; hp < ng * pairs; hp++) { /* (head, pair): its softmax */
+        int64_t i = (hp % pairs) / rep;
         int64_t n = ctx - qlen + i + 1; /* keys 0 .. n-1 */
-        float *pp = p + pr * cpad;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; j++) mx = pp[j] > mx ? pp[j] : mx;
-        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+        float *pp = p + hp * cpad;
+        /* the largest score, eight lanes at a time (exact in any order: only a zero's sign may differ, and
+         * x - 0 = x - -0) */
+        __m256 vm = _mm256_set1_ps(-INFINITY);
         int64_t j = 0;
+        for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(pp + j));
+        float mx = hmax256(vm);
+        for (; j < n; j++) mx = pp[j] > mx ? pp[j] : mx;
+        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+        j = 0;
         for (; j + 8 <= n; j += 8) {
             __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pp + j), vmx));
             _mm256_storeu_ps(pp + j, e);
@@ -2371,7 +2476,40 @@ static void attend_one_blocked(const attn_args *a, int64_t s, int64_t g, float *
             pp[j] = expf(pp[j] - mx);
             sum += pp[j];
         }
-        float inv = 1.f / sum;
+        invs[hp] = 1.f / sum;
+    }
+#if TK_AVX512
+    if (rep > 1 && D % 16 == 0 && rep <= 64) {
+        float *sums = invs + ng * pairs; /* [head][pair][D] */
+        memset(sums, 0, sizeof(float) * (size_t)(ng * pairs * D));
+        const float *w[64];
+        float *acc[64];
+        for (int64_t c0 = 0; c0 < ctx; c0 += AV_CHUNK)
+            for (int64_t i = 0; i < qlen; i++) {
+                int64_t n = ctx - qlen + i + 1, c1 = c0 + AV_CHUNK < n ? c0 + AV_CHUNK : n;
+                for (int64_t g = g0; c0 < c1 && g < g1; g++) {
+                    for (int64_t h = 0; h < rep; h++) {
+                        int64_t hp = (g - g0) * pairs + i * rep + h;
+                        w[h] = p + hp * cpad;
+                        acc[h] = sums + hp * D;
+                    }
+                    av_heads(w, rep, c0, c1, ctx, a->vc + g * hs, bt, bs, a->page_stride, a->tok_stride, D, acc);
+                }
+            }
+        for (int64_t hp = 0; hp < ng * pairs; hp++) {
+            int64_t g = g0 + hp / pairs, i = (hp % pairs) / rep, r = hp % rep;
+            float *oi = a->out + (q0 + i) * a->o_ld + (g * rep + r) * D;
+            const __m512 vinv = _mm512_set1_ps(invs[hp]);
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(oi + d, _mm512_mul_ps(_mm512_loadu_ps(sums + hp * D + d), vinv));
+        }
+        return;
+    }
+#endif
+    for (int64_t hp = 0; hp < ng * pairs; hp++) {
+        int64_t g = g0 + hp / pairs, i = (hp % pairs) / rep, r = hp % rep;
+        int64_t n = ctx - qlen + i + 1;
+        const float *pp = p + hp * cpad, *vbase = a->vc + g * hs;
         __m256 o[16];
         for (int64_t v = 0; v < nv; v++) o[v] = _mm256_setzero_ps();
         for (int64_t p0 = 0, page = 0; p0 < n; p0 += bs, page++) {
@@ -2384,7 +2522,7 @@ static void attend_one_blocked(const attn_args *a, int64_t s, int64_t g, float *
             }
         }
         float *oi = a->out + (q0 + i) * a->o_ld + (g * rep + r) * D;
-        __m256 vinv = _mm256_set1_ps(inv);
+        __m256 vinv = _mm256_set1_ps(invs[hp]);
         for (int64_t v = 0; v < nv; v++) _mm256_storeu_ps(oi + 8 * v, _mm256_mul_ps(o[v], vinv));
     }
 }
@@ -2566,25 +2704,30 @@ static void attend_prefill(const attn_args *a, int64_t s, int64_t g, float *p) {
 }
 #endif
 
-/* the work of one (sequence, KV head) */
-static inline void attend_pair(const attn_args *a, int64_t s, int64_t g, float *p) {
+/* the work of KV heads [g0, g1) of sequence s */
+static inline void attend_item(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
 #if TK_AVX2
     if (pf_takes(a, s)) {
-        attend_prefill(a, s, g, p);
+        for (int64_t g = g0; g < g1; g++) attend_prefill(a, s, g, p);
         return;
     }
     if (a->D % 8 == 0 && a->D <= 128) {
-        attend_one_blocked(a, s, g, p);
+        attend_heads_blocked(a, s, g0, g1, p);
         return;
     }
 #endif
-    attend_one(a, s, g, p);
+    for (int64_t g = g0; g < g1; g++) attend_one(a, s, g, p);
 }
 
+#define ATT_SCRATCH_MAX (16 << 20) /* bytes a thread's scores may take before a sequence's heads are split */
+
+/* A work item is a sequence's KV heads in one of `split` ranges: the whole sequence where one thread runs them all
+ * or there are enough sequences to go round the threads (a token's rows of all the heads sit side by side in its
+ * page, so one pass over the pages reads them in order), else split so every thread has work. */
 static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthreads) {
     const attn_args a = *ap;
     int64_t Hkv = a.Hkv;
-    int64_t rep = a.Hq / Hkv, work = S * Hkv, max_q = 1, any_pf = 0;
+    int64_t rep = a.Hq / Hkv, max_q = 1, any_pf = 0;
     for (int64_t s = 0; s < S; s++) {
 #if TK_AVX2
         if (pf_takes(&a, s)) {
@@ -2594,20 +2737,31 @@ static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthre
 #endif
         max_q = a.qlen[s] > max_q ? a.qlen[s] : max_q;
     }
-    /* attend_pair's scores: every (query, head) pair of a group, contexts padded to a multiple of 8 */
-    int64_t ctx_pad = ((max_ctx > 0 ? max_ctx : 1) + 7) / 8 * 8;
-    size_t need = sizeof(float) * (size_t)(rep * max_q * ctx_pad);
+    int64_t split = 1;
+    if (nthreads > 1 && S > 0) {
+        int64_t target = S == 1 ? nthreads : 2 * nthreads;
+        split = (target + S - 1) / S;
+    }
+    int64_t mctx = max_ctx > 0 ? max_ctx : 1;
+    for (; split < Hkv; split++) /* attend_heads_blocked's scratch for a range's heads within bounds */
+        if (sizeof(float) * (size_t)heads_scratch((Hkv + split - 1) / split, rep, max_q, mctx) <= ATT_SCRATCH_MAX)
+            break;
+    if (split > Hkv) split = Hkv;
+    const int64_t ngmax = (Hkv + split - 1) / split, work = S * split;
+    size_t need = sizeof(float) * (size_t)heads_scratch(ngmax, rep, max_q, mctx);
 #if TK_AVX2
     /* attend_prefill's transposed keys and four pairs' scores */
-    size_t need_pf = sizeof(float) * (size_t)((a.D + PF_PT) * pf_pad(max_ctx > 0 ? max_ctx : 1) + PF_PT * a.D);
+    size_t need_pf = sizeof(float) * (size_t)((a.D + PF_PT) * pf_pad(mctx) + PF_PT * a.D);
     if (any_pf && need_pf > need) need = need_pf;
 #else
     (void)any_pf;
 #endif
+    need = (need + 63) / 64 * 64;
+#define ITEM(w, p) attend_item(&a, (w) / split, (w) % split * Hkv / split, ((w) % split + 1) * Hkv / split, p)
     if (nthreads <= 1 || work < 2) {
         float *p = (float *)malloc(need);
         if (!p) return 1;
-        for (int64_t w = 0; w < work; w++) attend_pair(&a, w / Hkv, w % Hkv, p);
+        for (int64_t w = 0; w < work; w++) ITEM(w, p);
         free(p);
         return 0;
     }
@@ -2615,11 +2769,11 @@ static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthre
     if (!buf) return 1;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t w = 0; w < work; w++)
-        attend_pair(&a, w / Hkv, w % Hkv, buf + (need / sizeof(float)) * omp_get_thread_num());
+    for (int64_t w = 0; w < work; w++) ITEM(w, buf + (need / sizeof(float)) * omp_get_thread_num());
 #else
-    for (int64_t w = 0; w < work; w++) attend_pair(&a, w / Hkv, w % Hkv, buf);
+    for (int64_t w = 0; w < work; w++) ITEM(w, buf);
 #endif
+#undef ITEM
     free(buf);
     return 0;
 }

@@ -143,6 +143,17 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     return flat.view(dtype).view(shape)
 
 
+def zeros(nbytes: int) -> torch.Tensor:
+    """A flat uint8 CPU tensor of `nbytes` zero bytes from its own anonymous mapping (the kernel zeroes each page at
+    first touch, so untouched pages cost nothing), its whole huge pages advised MADV_HUGEPAGE where `enabled()`.
+    Never carved from an `arena()`. For the paged KV cache: attention reads a KV head's rows as short pieces
+    spread over the pool, and on base pages every few tokens is another TLB miss."""
+    if enabled() and nbytes >= HUGE:
+        m, off = _huge_mapping(nbytes, nbytes // HUGE * HUGE)
+        return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=off)  # holds `m`
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
 def copy(t: torch.Tensor) -> torch.Tensor:
     """`t`'s values as a contiguous tensor from `empty` (on huge pages where that applies)."""
     if not _placed(t.nbytes):

@@ -443,6 +443,35 @@ def test_paged_attention_long_chunks_match_the_torch_path(hq, hkv, d):
 
 
 @needs_kernels
+@pytest.mark.parametrize("hq,hkv,d,bs", [(16, 4, 64, 16), (14, 2, 64, 16), (32, 4, 128, 16), (16, 1, 32, 3),
+                                         (4, 2, 64, 5), (6, 6, 64, 16), (12, 4, 80, 16), (40, 2, 48, 16)])
+def test_decode_attention_head_tiles_and_splits(hq, hkv, d, bs):
+    """Decodes and short verify windows over contexts up to ~300 keys (several pages, mid-page ends, blocks of
+    keys straddling pages where the page size is not a multiple of 8), GQA ratios 1-20 (the value pass's
+    register tiles of 2, 4, 8 and 16 query heads, heads past a tile's width repeated, head sizes 32-128), one
+    sequence and several, one and two threads (a sequence's KV heads then split between them): against the
+    gather + SDPA path, and each sequence's rows the same bits alone as in the batch."""
+    q_lens, ctxs = [1, 3, 1, 1, 2], [300, 41, 1, 129, 77]
+    kc, vc = _pages(num_pages=sum(-(-c // bs) for c in ctxs) + 4, block=bs, hkv=hkv, d=d, seed=5)
+    bt, starts, q = _shuffled_batch(kc.shape[0], bs, q_lens, ctxs, hq, d, seeds=(6, 7))
+    ref = paged_attention_torch(q, kc, vc, bt, torch.tensor(starts), torch.tensor(ctxs))
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            seqs = torch.tensor([starts[:-1], q_lens, ctxs, list(range(len(ctxs)))], dtype=torch.int64)
+            got = ck.paged_attention(q, kc, vc, bt, seqs, max(ctxs))
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+            for s in range(len(ctxs)):  # alone: the batch's bits
+                one = torch.tensor([[starts[s]], [q_lens[s]], [ctxs[s]], [s]], dtype=torch.int64)
+                alone = ck.paged_attention(q, kc, vc, bt, one, ctxs[s], out=torch.zeros_like(q))
+                rows = slice(starts[s], starts[s + 1])
+                assert torch.equal(alone[rows], got[rows]), (threads, s)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernels
 def test_write_kv_is_the_indexed_store():
     kc, vc = _pages()
     kc2, vc2 = kc.clone(), vc.clone()

@@ -56,6 +56,27 @@ def test_small_tensors_and_the_switch_keep_torchs_allocation(monkeypatch):
         assert not hugepages.empty((1 << 22,), torch.float32).untyped_storage().resizable()
 
 
+def test_the_kv_pool_is_zeroed_and_on_huge_pages_untouched_pages_costing_nothing(monkeypatch):
+    from engines.kv_pool import KVGeometry, KVPool
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    pool = KVPool([geo], memory_bytes=24 << 20, block_size=16)
+    buf = pool.buffer
+    assert buf.dtype == torch.uint8 and buf.numel() == pool.num_pages * pool.page_bytes
+    assert _anon_huge_kb(buf.data_ptr()) == 0  # nothing touched yet: no memory taken
+    assert int(buf[: 8 << 20].count_nonzero()) == 0  # zero at first touch
+    buf[: 8 << 20].fill_(0)  # written: now the pages are the pool's (a read maps the shared zero page)
+    if hugepages.enabled():
+        assert buf.data_ptr() % hugepages.HUGE == 0 and _anon_huge_kb(buf.data_ptr()) >= 4096
+    pool.view(0)[0, 0, 0].fill_(2.0)
+    assert float(pool.view(0)[0, 0, 0].sum()) == 2.0 * 16 * 2 * 64
+    monkeypatch.setenv("TANDEM_HUGEPAGES", "0")  # the switch off: base pages, still zeroed
+    off = hugepages.zeros(4 << 20)
+    assert int(off.count_nonzero()) == 0
+    if hugepages.mode() == "madvise":  # ("always" gives unadvised memory huge pages too)
+        assert _anon_huge_kb(off.data_ptr()) == 0
+
+
 def test_copy_keeps_values_and_strides_of_any_source():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1536, 1024, generator=g)
