@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.kernel_ab import ab_builds  # noqa: E402
 from bench.results_meta import write_results  # noqa: E402
 from kernels import cpu_kernels as ck  # noqa: E402
 from kernels import hugepages  # noqa: E402
@@ -70,12 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if ck.load() is None:
         print(f"no CPU kernels here ({ck.build_error}): nothing to compare")
         return 0
-    base_src = subprocess.run(["git", "show", f"{args.base}:kernels/cpu_kernels.c"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
-    base_rev = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout.strip()
-    libs = {name: ck.build_variant("native", src, f"tandem_attention_ab_{name}", openmp=True)
-            for name, src in (("base", base_src), ("tree", (ROOT / "kernels" / "cpu_kernels.c").read_text()))}
+    libs, base_rev = ab_builds(args.base, ROOT / "kernels" / "cpu_kernels.c", "tandem_attention_ab")
     layers, hq, hkv, d = (int(v) for v in args.shape.split(","))
     rows = []
     for threads in args.threads:

@@ -111,6 +111,18 @@ def measure(args, libs, placed) -> dict:
     return out
 
 
+def ab_builds(base: str, source: Path, stem: str) -> tuple[dict, str]:
+    """{"base": `base`'s kernels/cpu_kernels.c built, "tree": `source` built} (native, with OpenMP) and the base's
+    full commit hash."""
+    base_src = subprocess.run(["git", "show", f"{base}:kernels/cpu_kernels.c"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+    base_rev = subprocess.run(["git", "rev-parse", base], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout.strip()
+    libs = {name: ck.build_variant("native", src, f"{stem}_{name}", openmp=True)
+            for name, src in (("base", base_src), ("tree", source.read_text()))}
+    return libs, base_rev
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision whose kernels/cpu_kernels.c is the baseline")
@@ -134,12 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if ck.load() is None:
         print(f"no CPU kernels here ({ck.build_error}): nothing to compare")
         return 0
-    base_src = subprocess.run(["git", "show", f"{args.base}:kernels/cpu_kernels.c"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
-    base_rev = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout.strip()
-    libs = {name: ck.build_variant("native", src, f"tandem_kernel_ab_{name}", openmp=True)
-            for name, src in (("base", base_src), ("tree", Path(args.source).read_text()))}
+    libs, base_rev = ab_builds(args.base, Path(args.source), "tandem_kernel_ab")
     cells = []
     for shape in args.shape:
         h, inter, layers = (int(v) for v in shape.split(","))
