@@ -7,7 +7,7 @@ bytes a step reads per second, and the ratio tree / base (the median of per-pair
 bench/results/attention_cpu.json (or `--out`).
 
     .venv/bin/python bench/attention_cpu.py --base HEAD~1 [--cells 1x100 1x300 8x300 32x300 1x2000]
-        [--threads 1 2] [--shape 16,16,4,64]
+        [--threads 1 2] [--shape 16,16,4,64] [--simd avx2]
 """
 
 from __future__ import annotations
@@ -65,12 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--shape", default="16,16,4,64", help="layers,query heads,KV heads,head dim (~200M's)")
     ap.add_argument("--pairs", type=int, default=15)
+    ap.add_argument("--simd", choices=("native", "avx2"), default="native",
+                    help="avx2: both builds without AVX-512, as an AVX2-only CPU runs them")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attention_cpu.json"))
     args = ap.parse_args(argv)
     if ck.load() is None:
         print(f"no CPU kernels here ({ck.build_error}): nothing to compare")
         return 0
-    libs, base_rev = ab_builds(args.base, ROOT / "kernels" / "cpu_kernels.c", "tandem_attention_ab")
+    libs, base_rev = ab_builds(args.base, ROOT / "kernels" / "cpu_kernels.c", "tandem_attention_ab", args.simd)
     layers, hq, hkv, d = (int(v) for v in args.shape.split(","))
     rows = []
     for threads in args.threads:

@@ -111,14 +111,14 @@ def measure(args, libs, placed) -> dict:
     return out
 
 
-def ab_builds(base: str, source: Path, stem: str) -> tuple[dict, str]:
-    """{"base": `base`'s kernels/cpu_kernels.c built, "tree": `source` built} (native, with OpenMP) and the base's
-    full commit hash."""
+def ab_builds(base: str, source: Path, stem: str, simd: str = "native") -> tuple[dict, str]:
+    """{"base": `base`'s kernels/cpu_kernels.c built, "tree": `source` built} (`simd`: cpu_kernels.build_variant's,
+    with OpenMP) and the base's full commit hash."""
     base_src = subprocess.run(["git", "show", f"{base}:kernels/cpu_kernels.c"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout
     base_rev = subprocess.run(["git", "rev-parse", base], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout.strip()
-    libs = {name: ck.build_variant("native", src, f"{stem}_{name}", openmp=True)
+    libs = {name: ck.build_variant(simd, src, f"{stem}_{simd}_{name}", openmp=True)
             for name, src in (("base", base_src), ("tree", source.read_text()))}
     return libs, base_rev
 

@@ -2384,8 +2384,62 @@ static void av_heads(const float *const *w, int64_t rep, int64_t j0, int64_t j1,
                         tok_stride, d0, acc + h0);
 #undef AV_ARGS
 }
-#define AV_CHUNK 32 /* keys: the value pass takes every KV head over this many keys before the next ones */
+#define AV_DMULT 16 /* av_heads takes D a multiple of this */
+#else
+#define AV_AHEAD 16 /* keys: the value pass prefetches the rows this far on */
+#define AV_DMULT 8
+/* av_NHxNC's AVX2 form: NC 8-wide vectors of D a head, each lane's sum the same as the 16-wide one's */
+#define TK_DEF_AV(NH, NC)                                                                                      \
+    static void av_##NH##x##NC(const float *const *w, int nh, int64_t j0, int64_t j1, int64_t nlim,            \
+                               const float *vbase, const int64_t *bt, int64_t bs, int64_t page_stride,        \
+                               int64_t tok_stride, int64_t d0, float *const *acc_io) {                         \
+        const float *wp[NH];                                                                                   \
+        __m256 acc[NH][NC];                                                                                    \
+        for (int h = 0; h < NH; h++) {                                                                         \
+            wp[h] = w[h < nh ? h : nh - 1];                                                                    \
+            for (int c = 0; c < NC; c++)                                                                       \
+                acc[h][c] = h < nh ? _mm256_loadu_ps(acc_io[h] + d0 + 8 * c) : _mm256_setzero_ps();            \
+        }                                                                                                      \
+        for (int64_t page = j0 / bs, t = j0 % bs, j = j0; j < j1; page++, t = 0) {                              \
+            const float *vp = vbase + bt[page] * page_stride + d0;                                             \
+            const float *nxt = (page + 1) * bs < nlim ? vbase + bt[page + 1] * page_stride + d0 : vp;          \
+            for (; t < bs && j < j1; t++, j++) {                                                               \
+                const int64_t ta = t + AV_AHEAD;                                                               \
+                const float *pf = ta < bs ? vp + ta * tok_stride : nxt + (ta - bs) % bs * tok_stride;          \
+                _mm_prefetch((const char *)pf, ATT_HINT);                                                      \
+                const float *vj = vp + t * tok_stride;                                                         \
+                for (int h = 0; h < NH; h++) {                                                                 \
+                    const __m256 wb = _mm256_set1_ps(wp[h][j]);                                                \
+                    for (int c = 0; c < NC; c++)                                                               \
+                        acc[h][c] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vj + 8 * c), acc[h][c]);              \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int h = 0; h < nh; h++)                                                                           \
+            for (int c = 0; c < NC; c++) _mm256_storeu_ps(acc_io[h] + d0 + 8 * c, acc[h][c]);                  \
+    }
+TK_DEF_AV(2, 4)
+TK_DEF_AV(4, 2)
+TK_DEF_AV(8, 1)
+
+/* av_heads with 8-wide vectors (D a multiple of 8): 8 sums in registers, each piece of D a pass over the rows */
+static void av_heads(const float *const *w, int64_t rep, int64_t j0, int64_t j1, int64_t nlim, const float *vbase,
+                     const int64_t *bt, int64_t bs, int64_t page_stride, int64_t tok_stride, int64_t D,
+                     float *const *acc) {
+#define AV_ARGS(nh, d0) w, nh, j0, j1, nlim, vbase, bt, bs, page_stride, tok_stride, d0, acc
+    if (rep <= 2 && D % 32 == 0)
+        for (int64_t d0 = 0; d0 < D; d0 += 32) av_2x4(AV_ARGS((int)rep, d0));
+    else if (rep <= 4 && D % 16 == 0)
+        for (int64_t d0 = 0; d0 < D; d0 += 16) av_4x2(AV_ARGS((int)rep, d0));
+    else
+        for (int64_t h0 = 0; h0 < rep; h0 += 8)
+            for (int64_t d0 = 0; d0 < D; d0 += 8)
+                av_8x1(w + h0, (int)(rep - h0 < 8 ? rep - h0 : 8), j0, j1, nlim, vbase, bt, bs, page_stride,
+                       tok_stride, d0, acc + h0);
+#undef AV_ARGS
+}
 #endif
+#define AV_CHUNK 32 /* keys: the value pass takes every KV head over this many keys before the next ones */
 
 #define ATT_AHEAD 32 /* keys: the scores pass prefetches the key rows this far on */
 /* scratch floats attend_heads_blocked takes for ng KV heads of a sequence of qlen queries and ctx positions */
@@ -2397,10 +2451,10 @@ static inline int64_t heads_scratch(int64_t ng, int64_t rep, int64_t qlen, int64
  * for each block every KV head in turn: every (query, head) pair of the head scores the eight keys at once (one
  * horizontal reduction per block, not per key; the block stays in L1 across the pairs), so the token's rows of
  * all the heads, side by side in the page, are read together; the rows ATT_AHEAD keys on are prefetched. Then
- * each pair's softmax with a vector exp, and its output accumulated over the values: with AVX-512 (D a multiple
- * of 16, two or more query heads a KV head) a query's heads at once in registers, AV_CHUNK keys at a time for
- * each KV head in turn (each value row read once for all the heads of its KV head, the chunk's rows of all the
- * heads read together), else pair by pair. `p` holds heads_scratch(g1 - g0, ...) floats: the scores
+ * each pair's softmax with a vector exp, and its output accumulated over the values: where two or more query
+ * heads share a KV head (and D is a multiple of 16 with AVX-512), a query's heads at once in registers, AV_CHUNK
+ * keys at a time for each KV head in turn (each value row read once for all the heads of its KV head, in pieces of
+ * D that fit the registers, the chunk's rows of all the heads read together), else pair by pair. `p` holds heads_scratch(g1 - g0, ...) floats: the scores
  * [head][pair][ctx padded to 8], the pairs' 1 / sums, their sums over the values. */
 static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
     const int64_t rep = a->Hq / a->Hkv, D = a->D, bs = a->bs, nv = D / 8, hs = a->head_stride;
@@ -2478,8 +2532,7 @@ static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int6
         }
         invs[hp] = 1.f / sum;
     }
-#if TK_AVX512
-    if (rep > 1 && D % 16 == 0 && rep <= 64) {
+    if (rep > 1 && rep <= 64 && D % AV_DMULT == 0) {
         float *sums = invs + ng * pairs; /* [head][pair][D] */
         memset(sums, 0, sizeof(float) * (size_t)(ng * pairs * D));
         const float *w[64];
@@ -2499,13 +2552,12 @@ static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int6
         for (int64_t hp = 0; hp < ng * pairs; hp++) {
             int64_t g = g0 + hp / pairs, i = (hp % pairs) / rep, r = hp % rep;
             float *oi = a->out + (q0 + i) * a->o_ld + (g * rep + r) * D;
-            const __m512 vinv = _mm512_set1_ps(invs[hp]);
-            for (int64_t d = 0; d < D; d += 16)
-                _mm512_storeu_ps(oi + d, _mm512_mul_ps(_mm512_loadu_ps(sums + hp * D + d), vinv));
+            const __m256 vinv = _mm256_set1_ps(invs[hp]);
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(oi + d, _mm256_mul_ps(_mm256_loadu_ps(sums + hp * D + d), vinv));
         }
         return;
     }
-#endif
     for (int64_t hp = 0; hp < ng * pairs; hp++) {
         int64_t g = g0 + hp / pairs, i = (hp % pairs) / rep, r = hp % rep;
         int64_t n = ctx - qlen + i + 1;

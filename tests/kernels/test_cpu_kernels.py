@@ -450,7 +450,8 @@ def test_decode_attention_head_tiles_and_splits(hq, hkv, d, bs):
     keys straddling pages where the page size is not a multiple of 8), GQA ratios 1-20 (the value pass's
     register tiles of 2, 4, 8 and 16 query heads, heads past a tile's width repeated, head sizes 32-128), one
     sequence and several, one and two threads (a sequence's KV heads then split between them): against the
-    gather + SDPA path, and each sequence's rows the same bits alone as in the batch."""
+    gather + SDPA path, each sequence's rows the same bits alone as in the batch, and the AVX2 build (8-wide
+    tiles of 2, 4 and 8 heads) the AVX-512 build's bits."""
     q_lens, ctxs = [1, 3, 1, 1, 2], [300, 41, 1, 129, 77]
     kc, vc = _pages(num_pages=sum(-(-c // bs) for c in ctxs) + 4, block=bs, hkv=hkv, d=d, seed=5)
     bt, starts, q = _shuffled_batch(kc.shape[0], bs, q_lens, ctxs, hq, d, seeds=(6, 7))
@@ -467,8 +468,26 @@ def test_decode_attention_head_tiles_and_splits(hq, hkv, d, bs):
                 alone = ck.paged_attention(q, kc, vc, bt, one, ctxs[s], out=torch.zeros_like(q))
                 rows = slice(starts[s], starts[s + 1])
                 assert torch.equal(alone[rows], got[rows]), (threads, s)
+            if ck.simd_level().startswith("avx512"):  # the AVX2 build's 8-wide value tiles: the same bits
+                narrow = torch.zeros_like(q)
+                p = seqs.data_ptr()
+                assert _avx2_lib().tk_paged_attention_f32(
+                    q.data_ptr(), hq, d, kc.data_ptr(), vc.data_ptr(), hkv, bs, kc.stride(0), kc.stride(1),
+                    kc.stride(2), bt.data_ptr(), bt.shape[1], p, p + 8 * len(ctxs), p + 16 * len(ctxs),
+                    p + 24 * len(ctxs), len(ctxs), max(ctxs), d ** -0.5, narrow.data_ptr(), threads) == 0
+                assert torch.equal(narrow, got), threads
     finally:
         torch.set_num_threads(old)
+
+
+_AVX2 = []
+
+
+def _avx2_lib():
+    """The kernels built without AVX-512 (with OpenMP), once per session."""
+    if not _AVX2:
+        _AVX2.append(ck.build_variant("avx2", stem="tandem_cpu_kernels_avx2_omp", openmp=True))
+    return _AVX2[0]
 
 
 @needs_kernels
