@@ -2324,22 +2324,39 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
 /* attention's prefetches go into L2: a prefetch into L1 waits for one of its few miss buffers, and on the Zen 4 VM
  * the prefetch instructions themselves stalled the passes (docs/benchmarks.md) */
 #define ATT_HINT _MM_HINT_T1
-#if TK_AVX512
 #define AV_AHEAD 16 /* keys: the value pass prefetches the rows this far on */
-/* part of the value pass of nh (<= NH) query heads over one KV head: acc[h][d0 .. d0 + 16 NC) += w[h][t] * v_t[d0 ..]
+#if TK_AVX512 /* the value pass's vectors: 16 floats with AVX-512, else 8 */
+#define AV_W 16
+#define AV_V __m512
+#define AV_LOAD _mm512_loadu_ps
+#define AV_STORE _mm512_storeu_ps
+#define AV_SET1 _mm512_set1_ps
+#define AV_ZERO _mm512_setzero_ps
+#define AV_FMA _mm512_fmadd_ps
+#else
+#define AV_W 8
+#define AV_V __m256
+#define AV_LOAD _mm256_loadu_ps
+#define AV_STORE _mm256_storeu_ps
+#define AV_SET1 _mm256_set1_ps
+#define AV_ZERO _mm256_setzero_ps
+#define AV_FMA _mm256_fmadd_ps
+#endif
+#define AV_DMULT AV_W /* av_heads takes D a multiple of this */
+/* part of the value pass of nh (<= NH) query heads over one KV head: acc[h][d0 .. d0 + AV_W NC) += w[h][t] * v_t[d0 ..]
  * for keys t in [j0, j1), in order (nlim bounds the keys whose pages may be looked up to prefetch), so each value
  * row is read once for all the heads (heads past nh repeat the last one's weights, unstored). Each lane's sum is
- * the one attend_heads_blocked's AVX2 loop takes, in its order: the same bits. */
+ * the one attend_heads_blocked's pair-by-pair loop takes, in its order: the same bits, at either width. */
 #define TK_DEF_AV(NH, NC)                                                                                      \
     static void av_##NH##x##NC(const float *const *w, int nh, int64_t j0, int64_t j1, int64_t nlim,            \
                                const float *vbase, const int64_t *bt, int64_t bs, int64_t page_stride,        \
                                int64_t tok_stride, int64_t d0, float *const *acc_io) {                         \
         const float *wp[NH];                                                                                   \
-        __m512 acc[NH][NC];                                                                                    \
+        AV_V acc[NH][NC];                                                                                      \
         for (int h = 0; h < NH; h++) {                                                                         \
             wp[h] = w[h < nh ? h : nh - 1];                                                                    \
             for (int c = 0; c < NC; c++)                                                                       \
-                acc[h][c] = h < nh ? _mm512_loadu_ps(acc_io[h] + d0 + 16 * c) : _mm512_setzero_ps();           \
+                acc[h][c] = h < nh ? AV_LOAD(acc_io[h] + d0 + AV_W * c) : AV_ZERO();                           \
         }                                                                                                      \
         for (int64_t page = j0 / bs, t = j0 % bs, j = j0; j < j1; page++, t = 0) {                              \
             const float *vp = vbase + bt[page] * page_stride + d0;                                             \
@@ -2347,98 +2364,58 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
             for (; t < bs && j < j1; t++, j++) {                                                               \
                 const int64_t ta = t + AV_AHEAD;                                                               \
                 const float *pf = ta < bs ? vp + ta * tok_stride : nxt + (ta - bs) % bs * tok_stride;          \
-                for (int c = 0; c < NC; c++) _mm_prefetch((const char *)(pf + 16 * c), ATT_HINT);          \
+                for (int l = 0; l < NC * AV_W; l += 16) _mm_prefetch((const char *)(pf + l), ATT_HINT);        \
                 const float *vj = vp + t * tok_stride;                                                         \
-                __m512 v[NC];                                                                                  \
-                for (int c = 0; c < NC; c++) v[c] = _mm512_loadu_ps(vj + 16 * c);                              \
+                AV_V v[NC];                                                                                    \
+                for (int c = 0; c < NC; c++) v[c] = AV_LOAD(vj + AV_W * c);                                    \
                 for (int h = 0; h < NH; h++) {                                                                 \
-                    const __m512 wb = _mm512_set1_ps(wp[h][j]);                                                \
-                    for (int c = 0; c < NC; c++) acc[h][c] = _mm512_fmadd_ps(wb, v[c], acc[h][c]);             \
+                    const AV_V wb = AV_SET1(wp[h][j]);                                                         \
+                    for (int c = 0; c < NC; c++) acc[h][c] = AV_FMA(wb, v[c], acc[h][c]);                      \
                 }                                                                                              \
             }                                                                                                  \
         }                                                                                                      \
         for (int h = 0; h < nh; h++)                                                                           \
-            for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc_io[h] + d0 + 16 * c, acc[h][c]);                 \
+            for (int c = 0; c < NC; c++) AV_STORE(acc_io[h] + d0 + AV_W * c, acc[h][c]);                       \
     }
-TK_DEF_AV(2, 4)
-TK_DEF_AV(4, 4)
-TK_DEF_AV(8, 2)
+/* the tiles: NH heads of NC vectors, 16 sums in registers with AVX-512's 32, 8 with AVX2's 16 */
+#define AV_TILE(NH, NC) AV_TILE_(NH, NC)
+#define AV_TILE_(NH, NC) av_##NH##x##NC
+#if TK_AVX512
+#define AV_NC2 4
+#define AV_NC4 4
+#define AV_NC8 2
+#define AV_MAXH 16 /* more heads: in sets of this many, one vector each */
 TK_DEF_AV(16, 1)
+#else
+#define AV_NC2 4
+#define AV_NC4 2
+#define AV_NC8 1
+#define AV_MAXH 8
+#endif
+#define TK_DEF_AV_(NH, NC) TK_DEF_AV(NH, NC) /* (NC expanded first) */
+TK_DEF_AV_(2, AV_NC2)
+TK_DEF_AV_(4, AV_NC4)
+TK_DEF_AV_(8, AV_NC8)
 
-/* keys [j0, j1) of the value pass of one query's rep heads over one KV head (D a multiple of 16): the widest
+/* keys [j0, j1) of the value pass of one query's rep heads over one KV head (D a multiple of AV_W): the widest
  * register tile that holds the heads at once, over D in pieces of its width */
 static void av_heads(const float *const *w, int64_t rep, int64_t j0, int64_t j1, int64_t nlim, const float *vbase,
                      const int64_t *bt, int64_t bs, int64_t page_stride, int64_t tok_stride, int64_t D,
                      float *const *acc) {
 #define AV_ARGS(nh, d0) w, nh, j0, j1, nlim, vbase, bt, bs, page_stride, tok_stride, d0, acc
-    if (rep <= 2 && D % 64 == 0)
-        for (int64_t d0 = 0; d0 < D; d0 += 64) av_2x4(AV_ARGS((int)rep, d0));
-    else if (rep <= 4 && D % 64 == 0)
-        for (int64_t d0 = 0; d0 < D; d0 += 64) av_4x4(AV_ARGS((int)rep, d0));
-    else if (rep <= 8 && D % 32 == 0)
-        for (int64_t d0 = 0; d0 < D; d0 += 32) av_8x2(AV_ARGS((int)rep, d0));
+    if (rep <= 2 && D % (AV_W * AV_NC2) == 0)
+        for (int64_t d0 = 0; d0 < D; d0 += AV_W * AV_NC2) AV_TILE(2, AV_NC2)(AV_ARGS((int)rep, d0));
+    else if (rep <= 4 && D % (AV_W * AV_NC4) == 0)
+        for (int64_t d0 = 0; d0 < D; d0 += AV_W * AV_NC4) AV_TILE(4, AV_NC4)(AV_ARGS((int)rep, d0));
+    else if (rep <= 8 && D % (AV_W * AV_NC8) == 0)
+        for (int64_t d0 = 0; d0 < D; d0 += AV_W * AV_NC8) AV_TILE(8, AV_NC8)(AV_ARGS((int)rep, d0));
     else
-        for (int64_t h0 = 0; h0 < rep; h0 += 16)
-            for (int64_t d0 = 0; d0 < D; d0 += 16)
-                av_16x1(w + h0, (int)(rep - h0 < 16 ? rep - h0 : 16), j0, j1, nlim, vbase, bt, bs, page_stride,
-                        tok_stride, d0, acc + h0);
+        for (int64_t h0 = 0; h0 < rep; h0 += AV_MAXH)
+            for (int64_t d0 = 0; d0 < D; d0 += AV_W)
+                AV_TILE(AV_MAXH, 1)(w + h0, (int)(rep - h0 < AV_MAXH ? rep - h0 : AV_MAXH), j0, j1, nlim, vbase, bt,
+                                    bs, page_stride, tok_stride, d0, acc + h0);
 #undef AV_ARGS
 }
-#define AV_DMULT 16 /* av_heads takes D a multiple of this */
-#else
-#define AV_AHEAD 16 /* keys: the value pass prefetches the rows this far on */
-#define AV_DMULT 8
-/* av_NHxNC's AVX2 form: NC 8-wide vectors of D a head, each lane's sum the same as the 16-wide one's */
-#define TK_DEF_AV(NH, NC)                                                                                      \
-    static void av_##NH##x##NC(const float *const *w, int nh, int64_t j0, int64_t j1, int64_t nlim,            \
-                               const float *vbase, const int64_t *bt, int64_t bs, int64_t page_stride,        \
-                               int64_t tok_stride, int64_t d0, float *const *acc_io) {                         \
-        const float *wp[NH];                                                                                   \
-        __m256 acc[NH][NC];                                                                                    \
-        for (int h = 0; h < NH; h++) {                                                                         \
-            wp[h] = w[h < nh ? h : nh - 1];                                                                    \
-            for (int c = 0; c < NC; c++)                                                                       \
-                acc[h][c] = h < nh ? _mm256_loadu_ps(acc_io[h] + d0 + 8 * c) : _mm256_setzero_ps();            \
-        }                                                                                                      \
-        for (int64_t page = j0 / bs, t = j0 % bs, j = j0; j < j1; page++, t = 0) {                              \
-            const float *vp = vbase + bt[page] * page_stride + d0;                                             \
-            const float *nxt = (page + 1) * bs < nlim ? vbase + bt[page + 1] * page_stride + d0 : vp;          \
-            for (; t < bs && j < j1; t++, j++) {                                                               \
-                const int64_t ta = t + AV_AHEAD;                                                               \
-                const float *pf = ta < bs ? vp + ta * tok_stride : nxt + (ta - bs) % bs * tok_stride;          \
-                _mm_prefetch((const char *)pf, ATT_HINT);                                                      \
-                const float *vj = vp + t * tok_stride;                                                         \
-                for (int h = 0; h < NH; h++) {                                                                 \
-                    const __m256 wb = _mm256_set1_ps(wp[h][j]);                                                \
-                    for (int c = 0; c < NC; c++)                                                               \
-                        acc[h][c] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vj + 8 * c), acc[h][c]);              \
-                }                                                                                              \
-            }                                                                                                  \
-        }                                                                                                      \
-        for (int h = 0; h < nh; h++)                                                                           \
-            for (int c = 0; c < NC; c++) _mm256_storeu_ps(acc_io[h] + d0 + 8 * c, acc[h][c]);                  \
-    }
-TK_DEF_AV(2, 4)
-TK_DEF_AV(4, 2)
-TK_DEF_AV(8, 1)
-
-/* av_heads with 8-wide vectors (D a multiple of 8): 8 sums in registers, each piece of D a pass over the rows */
-static void av_heads(const float *const *w, int64_t rep, int64_t j0, int64_t j1, int64_t nlim, const float *vbase,
-                     const int64_t *bt, int64_t bs, int64_t page_stride, int64_t tok_stride, int64_t D,
-                     float *const *acc) {
-#define AV_ARGS(nh, d0) w, nh, j0, j1, nlim, vbase, bt, bs, page_stride, tok_stride, d0, acc
-    if (rep <= 2 && D % 32 == 0)
-        for (int64_t d0 = 0; d0 < D; d0 += 32) av_2x4(AV_ARGS((int)rep, d0));
-    else if (rep <= 4 && D % 16 == 0)
-        for (int64_t d0 = 0; d0 < D; d0 += 16) av_4x2(AV_ARGS((int)rep, d0));
-    else
-        for (int64_t h0 = 0; h0 < rep; h0 += 8)
-            for (int64_t d0 = 0; d0 < D; d0 += 8)
-                av_8x1(w + h0, (int)(rep - h0 < 8 ? rep - h0 : 8), j0, j1, nlim, vbase, bt, bs, page_stride,
-                       tok_stride, d0, acc + h0);
-#undef AV_ARGS
-}
-#endif
 #define AV_CHUNK 32 /* keys: the value pass takes every KV head over this many keys before the next ones */
 
 #define ATT_AHEAD 32 /* keys: the scores pass prefetches the key rows this far on */
