@@ -36,11 +36,11 @@ from kernels.quant_formats import pack_zero, quantize_int4, quantize_int8  # noq
 QUANTS = ("int4", "w8a8", "bf16", "f32")
 
 
-def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator, rows: int = 1):
-    """(call(lib, y), nbytes, y, keep-alive) for one [n, k] weight at `rows` activation rows."""
+def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator, rows: int = 1, group: int = 128):
+    """(call(lib, y), nbytes, y, keep-alive) for one [n, k] weight at `rows` activation rows (int4: `group`)."""
     x, y, w = torch.randn(rows, k, generator=g), torch.empty(rows, n), torch.randn(n, k, generator=g) * 0.02
     if quant == "int4":
-        packed, scale, zero = quantize_int4(w, 128)  # float16 scales and zero points, as quantize_model keeps them
+        packed, scale, zero = quantize_int4(w, group)  # float16 scales and zero points, as quantize_model keeps them
         zp = pack_zero(zero)  # None where every zero point is 8
         packed, scale, zp = hugepages.copy(packed), hugepages.copy(scale), None if zp is None else hugepages.copy(zp)
         keep = (x, packed, scale, zp)
@@ -48,7 +48,7 @@ def layer_calls(quant: str, k: int, n: int, threads: int, g: torch.Generator, ro
 
         def call(lib, out):
             return lib.tk_linear_w4a8(x.data_ptr(), rows, k, packed.data_ptr(), scale.data_ptr(), 1,
-                                      None if zp is None else zp.data_ptr(), 0, 128, n, None, out.data_ptr(), threads)
+                                      None if zp is None else zp.data_ptr(), 0, group, n, None, out.data_ptr(), threads)
     elif quant == "w8a8":
         q, s = quantize_int8(w)
         q, s = hugepages.copy(q), hugepages.copy(s.float())
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="hidden,intermediate,layers (the ~200M and ~1B random Llamas' shapes by default)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--group", type=int, default=128, choices=(64, 128), help="int4 group size (the engine's: 64)")
     ap.add_argument("--rows", type=int, default=1, help="activation rows (1: a one-sequence decode step)")
     ap.add_argument("--runs", type=int, default=1,
                     help="measure each cell this many times on weights placed anew each time; the cell's "
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             def placed(in_arena: bool, h=h, inter=inter, layers=layers, threads=threads) -> list:
                 g = torch.Generator().manual_seed(h * 7 + inter)  # the same values in every set
                 with hugepages.arena() if in_arena else contextlib.nullcontext():
-                    return [layer_calls(args.quant, k, n, threads, g, args.rows) for _ in range(layers)
+                    return [layer_calls(args.quant, k, n, threads, g, args.rows, args.group) for _ in range(layers)
                             for k, n in ((h, h + h // 2), (h, h), (h, 2 * inter), (inter, h))]
 
             runs = []
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or str(ROOT / "bench" / "results" / f"kernel_ab_{args.quant}.json")
     write_results(out, {"benchmark": "kernel_ab", "quant": args.quant, "base": base_rev, "source": args.source,
                         "arena": args.arena, "reps": args.reps, "runs": args.runs, "rows": args.rows,
+                        "group": args.group if args.quant == "int4" else None,
                         "simd": ck.simd_level(), "cells": cells})
     print(f"wrote {out}")
     return 0
