@@ -50,7 +50,7 @@ def step_call(S: int, ctx: int, layers: int, hq: int, hkv: int, d: int, threads:
         for kc, vc in caches:
             rc = lib.tk_paged_attention_f32(q.data_ptr(), hq, d, kc.data_ptr(), vc.data_ptr(), hkv, bs, *strides,
                                             bt.data_ptr(), pages, p, p + 8 * S, p + 16 * S, p + 24 * S, S, ctx,
-                                            d ** -0.5, out.data_ptr(), threads)
+                                            d ** -0.5, out.data_ptr(), threads, 0)
             if rc:
                 raise MemoryError("paged attention scratch")
 

@@ -331,7 +331,7 @@ class PagedAttention:
             return paged_attention(q, kc, vc, tables, b.query_start_loc, b.context_lens,
                                    max_query_len=b.max_query_len, max_context_len=b.max_context_len,
                                    k_scale=ks, v_scale=vs, window=window, softcap=softcap)
-        if ks is None and b.plan.kernel_seqs is not None:  # float32 throughout: the kernels' own write
+        if ks is None and b.plan.kernel_seqs is not None:  # the kernels' own write (float32, float16, bfloat16)
             from kernels.cpu_kernels import write_kv
 
             write_kv(k, v, kc, vc, write_pages, b.write_offsets)

@@ -77,7 +77,8 @@ class ModelRunner:
             self.k_scales = [kv_scales[:, 0, i] for i in slots]
             self.v_scales = [kv_scales[:, 1, i] for i in slots]
         self.decode_graphs = None  # engines.cuda_graphs.DecodeGraphs once enabled
-        # float32 on the CPU: decodes and verify windows attend over the pages in place (kernels/cpu_kernels.c)
+        # a float32 model on the CPU (its cache float32, float16 or bfloat16): decodes and verify windows attend over
+        # the pages in place (kernels/cpu_kernels.c)
         self.kernel_max_query = 0
         if not self.use_kernel and self.device.type == "cpu" and kv_scales is None:
             from kernels.cpu_kernels import attention_fits, available

@@ -59,7 +59,7 @@ class _Model(ctypes.Structure):
     _fields_ = [(n, _I64) for n in ("L", "H", "Hq", "Hkv", "D", "I", "bs", "page_stride", "tok_stride",
                                     "head_stride")] + [
         ("eps", _F32), ("attn_scale", _F32), ("embed", _PTR), ("embed_s0", _I64), ("embed_s1", _I64),
-        ("final_norm", _PTR), ("inv_freq", _PTR), ("layers", ctypes.POINTER(_Layer))]
+        ("final_norm", _PTR), ("inv_freq", _PTR), ("layers", ctypes.POINTER(_Layer)), ("kv_kind", _I64)]
 
 
 _bound = False
@@ -107,7 +107,8 @@ class CpuForward:
             I=cfg.intermediate_size, bs=k_cache.shape[1], page_stride=k_cache.stride(0),
             tok_stride=k_cache.stride(1), head_stride=k_cache.stride(2), eps=cfg.rms_norm_eps,
             attn_scale=cfg.head_dim ** -0.5, embed=emb.data_ptr(), embed_s0=emb.stride(0), embed_s1=emb.stride(1),
-            final_norm=model.model.norm.weight.data_ptr(), inv_freq=self._inv_freq.data_ptr(), layers=self._layers)
+            final_norm=model.model.norm.weight.data_ptr(), inv_freq=self._inv_freq.data_ptr(), layers=self._layers,
+            kv_kind=cpu_kernels.KV_KINDS[k_cache.dtype])
         self._mref = ctypes.byref(self._model)
         head = model.lm_head
         # the head as the C side's projection: a float32 Linear in panels (`build` packs an untied one) or
@@ -180,7 +181,7 @@ class CpuForward:
                 return None
             keep.extend(w.detach() for w in qk)
             kc, vc = k_caches[i], v_caches[i]
-            if kc.stride() != k_caches[0].stride() or vc.stride() != kc.stride():
+            if kc.stride() != k_caches[0].stride() or vc.stride() != kc.stride() or vc.dtype != kc.dtype:
                 return None
             layers.append(_Layer(in_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(), qkv=qkv, o=o,
                                  gate_up=gu, down=down, kc=kc.data_ptr(), vc=vc.data_ptr(),

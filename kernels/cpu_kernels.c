@@ -2226,21 +2226,92 @@ static inline void axpy_f(float *y, float a, const float *x, int64_t D) {
     for (; d < D; d++) y[d] += a * x[d];
 }
 
+/* The caches' element kinds (a cache's dtype): float32, float16 or bfloat16 K/V, each widened to float32 as it
+ * is read (exactly: both narrower kinds are float32 values), so every sum is the float32 path's over the stored
+ * values. Offsets and strides count elements; `es` bytes an element */
+#define KV_F32 0
+#define KV_F16 1
+#define KV_BF16 2
+#define KV_NARROW_MAX_D 512 /* attend_one's row buffer: the head sizes a narrow cache takes */
+#define TK_INLINE static inline __attribute__((always_inline))
+static inline int64_t kv_es(int kvk) { return kvk == KV_F32 ? 4 : 2; }
+/* element i of a K/V row as float32 */
+TK_INLINE float kv_get(const char *p, int64_t i, int kvk) {
+    if (kvk == KV_F32) return ((const float *)p)[i];
+    if (kvk == KV_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return f16_to_f32(((const uint16_t *)p)[i]);
+}
+/* a row of D elements as float32: the row itself (float32) or widened into tmp */
+TK_INLINE const float *kv_row(const char *p, int64_t D, int kvk, float *tmp) {
+    if (kvk == KV_F32) return (const float *)p;
+    for (int64_t d = 0; d < D; d++) tmp[d] = kv_get(p, d, kvk);
+    return tmp;
+}
+/* float32 to bfloat16 bits, to nearest even (NaN: 0x7FC0), as torch's conversion rounds */
+static inline uint16_t f32_to_bf16_rne(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {f};
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+/* n floats into a row of kind kvk (float16: to nearest even, as F16C and torch round) */
+static inline void kv_store(char *dst, const float *src, int64_t n, int kvk) {
+    if (kvk == KV_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    if (kvk == KV_BF16) {
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16_rne(src[i]);
+        return;
+    }
+#if defined(__F16C__)
+    for (int64_t i = 0; i < n; i++)
+        d[i] = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(src[i]), _MM_FROUND_TO_NEAREST_INT), 0);
+#endif
+}
+/* which kinds this build reads: bit k for kind k (float16 needs F16C) */
+int64_t tk_kv_kinds(void) {
+#if defined(__F16C__)
+    return (1 << KV_F32) | (1 << KV_F16) | (1 << KV_BF16);
+#else
+    return (1 << KV_F32) | (1 << KV_BF16);
+#endif
+}
+#if TK_AVX2
+/* eight elements of a K/V row as float32 */
+TK_INLINE __m256 kv_ld8(const char *p, int kvk) {
+    if (kvk == KV_F32) return _mm256_loadu_ps((const float *)p);
+    if (kvk == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    return _mm256_setzero_ps(); /* (no float16 caches in this build: tk_kv_kinds) */
+#endif
+}
+#endif
+
 typedef struct {
-    const float *q, *kc, *vc;
+    const float *q;
+    const char *kc, *vc; /* the caches' bytes: elements of kind kvk */
     int64_t Hq, Hkv, D, bs, page_stride, tok_stride, head_stride, max_blocks, q_ld, o_ld;
     const int64_t *block_tables, *qstart, *qlen, *ctx, *rows;
     float scale;
     float *out;
+    int kvk;
 } attn_args;
 
 /* one (sequence, KV head): every query of the sequence, every query head of the group; `p` holds ctx floats
  * per query head of the group */
-static void attend_one(const attn_args *a, int64_t s, int64_t g, float *p) {
+TK_INLINE void attend_one(const attn_args *a, int64_t s, int64_t g, float *p, const int kvk) {
     int64_t rep = a->Hq / a->Hkv, D = a->D, bs = a->bs;
     int64_t q0 = a->qstart[s], qlen = a->qlen[s], ctx = a->ctx[s];
-    const int64_t *bt = a->block_tables + a->rows[s] * a->max_blocks;
-    const float *kbase = a->kc + g * a->head_stride, *vbase = a->vc + g * a->head_stride;
+    const int64_t *bt = a->block_tables + a->rows[s] * a->max_blocks, es = kv_es(kvk);
+    const char *kbase = a->kc + es * g * a->head_stride, *vbase = a->vc + es * g * a->head_stride;
+    float tmp[KV_NARROW_MAX_D];
     for (int64_t i = 0; i < qlen; i++) {
         int64_t n = ctx - qlen + i + 1; /* keys 0 .. n-1 */
         const float *qi = a->q + (q0 + i) * a->q_ld + g * rep * D;
@@ -2249,7 +2320,8 @@ static void attend_one(const attn_args *a, int64_t s, int64_t g, float *p) {
             float *pr = p + r * ctx;
             float mx = -INFINITY;
             for (int64_t j = 0; j < n; j++) {
-                const float *kj = kbase + bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride;
+                const float *kj = kv_row(kbase + es * (bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride), D,
+                                         kvk, tmp);
                 float sc = dot_f(qi + r * D, kj, D) * a->scale;
                 pr[j] = sc;
                 if (sc > mx) mx = sc;
@@ -2264,7 +2336,8 @@ static void attend_one(const attn_args *a, int64_t s, int64_t g, float *p) {
             float *o = oi + r * D;
             memset(o, 0, sizeof(float) * D);
             for (int64_t j = 0; j < n; j++) {
-                const float *vj = vbase + bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride;
+                const float *vj = kv_row(vbase + es * (bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride), D,
+                                         kvk, tmp);
                 axpy_f(o, pr[j] * inv, vj, D);
             }
         }
@@ -2276,13 +2349,13 @@ static void attend_one(const attn_args *a, int64_t s, int64_t g, float *p) {
  * sequence names are left as they are. */
 static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthreads);
 
-int tk_paged_attention_f32(const float *q, int64_t Hq, int64_t D, const float *kc, const float *vc, int64_t Hkv,
+int tk_paged_attention_f32(const float *q, int64_t Hq, int64_t D, const void *kc, const void *vc, int64_t Hkv,
                            int64_t bs, int64_t page_stride, int64_t tok_stride, int64_t head_stride,
                            const int64_t *block_tables, int64_t max_blocks, const int64_t *qstart,
                            const int64_t *qlen, const int64_t *ctx, const int64_t *rows, int64_t S, int64_t max_ctx,
-                           float scale, float *out, int nthreads) {
-    attn_args a = {q, kc, vc, Hq, Hkv, D, bs, page_stride, tok_stride, head_stride, max_blocks, Hq * D, Hq * D,
-                   block_tables, qstart, qlen, ctx, rows, scale, out};
+                           float scale, float *out, int nthreads, int64_t kvk) {
+    attn_args a = {q, (const char *)kc, (const char *)vc, Hq, Hkv, D, bs, page_stride, tok_stride, head_stride,
+                   max_blocks, Hq * D, Hq * D, block_tables, qstart, qlen, ctx, rows, scale, out, (int)kvk};
     return attend_all(&a, S, max_ctx, nthreads);
 }
 
@@ -2333,6 +2406,13 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
 #define AV_SET1 _mm512_set1_ps
 #define AV_ZERO _mm512_setzero_ps
 #define AV_FMA _mm512_fmadd_ps
+/* AV_W elements of a value row as float32 */
+TK_INLINE __m512 av_kload(const char *p, int kvk) {
+    if (kvk == KV_F32) return _mm512_loadu_ps((const float *)p);
+    if (kvk == KV_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
 #else
 #define AV_W 8
 #define AV_V __m256
@@ -2341,6 +2421,7 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
 #define AV_SET1 _mm256_set1_ps
 #define AV_ZERO _mm256_setzero_ps
 #define AV_FMA _mm256_fmadd_ps
+#define av_kload kv_ld8
 #endif
 #define AV_DMULT AV_W /* av_heads takes D a multiple of this */
 /* part of the value pass of nh (<= NH) query heads over one KV head: acc[h][d0 .. d0 + AV_W NC) += w[h][t] * v_t[d0 ..]
@@ -2348,9 +2429,10 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
  * row is read once for all the heads (heads past nh repeat the last one's weights, unstored). Each lane's sum is
  * the one attend_heads_blocked's pair-by-pair loop takes, in its order: the same bits, at either width. */
 #define TK_DEF_AV(NH, NC)                                                                                      \
-    static void av_##NH##x##NC(const float *const *w, int nh, int64_t j0, int64_t j1, int64_t nlim,            \
-                               const float *vbase, const int64_t *bt, int64_t bs, int64_t page_stride,        \
-                               int64_t tok_stride, int64_t d0, float *const *acc_io) {                         \
+    TK_INLINE void av_##NH##x##NC(const float *const *w, int nh, int64_t j0, int64_t j1, int64_t nlim,         \
+                                  const char *vbase, const int64_t *bt, int64_t bs, int64_t page_stride,      \
+                                  int64_t tok_stride, int64_t d0, float *const *acc_io, const int kvk) {       \
+        const int64_t es = kv_es(kvk);                                                                         \
         const float *wp[NH];                                                                                   \
         AV_V acc[NH][NC];                                                                                      \
         for (int h = 0; h < NH; h++) {                                                                         \
@@ -2359,15 +2441,15 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
                 acc[h][c] = h < nh ? AV_LOAD(acc_io[h] + d0 + AV_W * c) : AV_ZERO();                           \
         }                                                                                                      \
         for (int64_t page = j0 / bs, t = j0 % bs, j = j0; j < j1; page++, t = 0) {                              \
-            const float *vp = vbase + bt[page] * page_stride + d0;                                             \
-            const float *nxt = (page + 1) * bs < nlim ? vbase + bt[page + 1] * page_stride + d0 : vp;          \
+            const char *vp = vbase + es * (bt[page] * page_stride + d0);                                       \
+            const char *nxt = (page + 1) * bs < nlim ? vbase + es * (bt[page + 1] * page_stride + d0) : vp;    \
             for (; t < bs && j < j1; t++, j++) {                                                               \
                 const int64_t ta = t + AV_AHEAD;                                                               \
-                const float *pf = ta < bs ? vp + ta * tok_stride : nxt + (ta - bs) % bs * tok_stride;          \
-                for (int l = 0; l < NC * AV_W; l += 16) _mm_prefetch((const char *)(pf + l), ATT_HINT);        \
-                const float *vj = vp + t * tok_stride;                                                         \
+                const char *pf = ta < bs ? vp + es * ta * tok_stride : nxt + es * ((ta - bs) % bs * tok_stride); \
+                for (int64_t l = 0; l < NC * AV_W * es; l += 64) _mm_prefetch(pf + l, ATT_HINT);               \
+                const char *vj = vp + es * t * tok_stride;                                                     \
                 AV_V v[NC];                                                                                    \
-                for (int c = 0; c < NC; c++) v[c] = AV_LOAD(vj + AV_W * c);                                    \
+                for (int c = 0; c < NC; c++) v[c] = av_kload(vj + es * AV_W * c, kvk);                         \
                 for (int h = 0; h < NH; h++) {                                                                 \
                     const AV_V wb = AV_SET1(wp[h][j]);                                                         \
                     for (int c = 0; c < NC; c++) acc[h][c] = AV_FMA(wb, v[c], acc[h][c]);                      \
@@ -2399,10 +2481,10 @@ TK_DEF_AV_(8, AV_NC8)
 
 /* keys [j0, j1) of the value pass of one query's rep heads over one KV head (D a multiple of AV_W): the widest
  * register tile that holds the heads at once, over D in pieces of its width */
-static void av_heads(const float *const *w, int64_t rep, int64_t j0, int64_t j1, int64_t nlim, const float *vbase,
-                     const int64_t *bt, int64_t bs, int64_t page_stride, int64_t tok_stride, int64_t D,
-                     float *const *acc) {
-#define AV_ARGS(nh, d0) w, nh, j0, j1, nlim, vbase, bt, bs, page_stride, tok_stride, d0, acc
+TK_INLINE void av_heads(const float *const *w, int64_t rep, int64_t j0, int64_t j1, int64_t nlim, const char *vbase,
+                        const int64_t *bt, int64_t bs, int64_t page_stride, int64_t tok_stride, int64_t D,
+                        float *const *acc, const int kvk) {
+#define AV_ARGS(nh, d0) w, nh, j0, j1, nlim, vbase, bt, bs, page_stride, tok_stride, d0, acc, kvk
     if (rep <= 2 && D % (AV_W * AV_NC2) == 0)
         for (int64_t d0 = 0; d0 < D; d0 += AV_W * AV_NC2) AV_TILE(2, AV_NC2)(AV_ARGS((int)rep, d0));
     else if (rep <= 4 && D % (AV_W * AV_NC4) == 0)
@@ -2413,7 +2495,7 @@ static void av_heads(const float *const *w, int64_t rep, int64_t j0, int64_t j1,
         for (int64_t h0 = 0; h0 < rep; h0 += AV_MAXH)
             for (int64_t d0 = 0; d0 < D; d0 += AV_W)
                 AV_TILE(AV_MAXH, 1)(w + h0, (int)(rep - h0 < AV_MAXH ? rep - h0 : AV_MAXH), j0, j1, nlim, vbase, bt,
-                                    bs, page_stride, tok_stride, d0, acc + h0);
+                                    bs, page_stride, tok_stride, d0, acc + h0, kvk);
 #undef AV_ARGS
 }
 #define AV_CHUNK 32 /* keys: the value pass takes every KV head over this many keys before the next ones */
@@ -2433,8 +2515,8 @@ static inline int64_t heads_scratch(int64_t ng, int64_t rep, int64_t qlen, int64
  * keys at a time for each KV head in turn (each value row read once for all the heads of its KV head, in pieces of
  * D that fit the registers, the chunk's rows of all the heads read together), else pair by pair. `p` holds heads_scratch(g1 - g0, ...) floats: the scores
  * [head][pair][ctx padded to 8], the pairs' 1 / sums, their sums over the values. */
-static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
-    const int64_t rep = a->Hq / a->Hkv, D = a->D, bs = a->bs, nv = D / 8, hs = a->head_stride;
+TK_INLINE void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p, const int kvk) {
+    const int64_t rep = a->Hq / a->Hkv, D = a->D, bs = a->bs, nv = D / 8, hs = a->head_stride, es = kv_es(kvk);
     const int64_t q0 = a->qstart[s], qlen = a->qlen[s], ctx = a->ctx[s];
     const int64_t *bt = a->block_tables + a->rows[s] * a->max_blocks;
     const int64_t pairs = qlen * rep, cpad = (ctx + 7) / 8 * 8, ng = g1 - g0;
@@ -2444,9 +2526,9 @@ static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int6
     int64_t pga = ATT_AHEAD / bs, offa = ATT_AHEAD % bs; /* of key j0 + ATT_AHEAD */
     for (int64_t j0 = 0; j0 < ctx; j0 += 8) {
         for (int t = 0; t < 8 && j0 + ATT_AHEAD + t < ctx; t++) {
-            const char *ka = (const char *)(a->kc + bt[pga] * a->page_stride + offa * a->tok_stride);
+            const char *ka = a->kc + es * (bt[pga] * a->page_stride + offa * a->tok_stride);
             for (int64_t g = g0; g < g1; g++)
-                for (int64_t l = 0; l < D * 4; l += 64) _mm_prefetch(ka + 4 * g * hs + l, ATT_HINT);
+                for (int64_t l = 0; l < D * es; l += 64) _mm_prefetch(ka + es * g * hs + l, ATT_HINT);
             if (++offa == bs) {
                 offa = 0;
                 pga++;
@@ -2466,7 +2548,7 @@ static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int6
                 pg++;
             }
         for (int64_t g = g0; g < g1; g++) {
-            const float *kb = a->kc + g * hs;
+            const char *kb = a->kc + es * g * hs;
             float *pgh = p + (g - g0) * pairs * cpad;
             for (int64_t pr = 0; pr < pairs; pr++) {
                 int64_t i = pr / rep, r = pr % rep;
@@ -2476,7 +2558,7 @@ static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int6
                 for (int64_t v = 0; v < nv; v++) {
                     __m256 qv = _mm256_loadu_ps(qi + 8 * v);
                     for (int t = 0; t < 8; t++)
-                        acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + kofs[t] + 8 * v), acc[t]);
+                        acc[t] = _mm256_fmadd_ps(qv, kv_ld8(kb + es * (kofs[t] + 8 * v), kvk), acc[t]);
                 }
                 __m256 sc = _mm256_mul_ps(hsum8x8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]),
                                           _mm256_set1_ps(a->scale));
@@ -2523,7 +2605,8 @@ static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int6
                         w[h] = p + hp * cpad;
                         acc[h] = sums + hp * D;
                     }
-                    av_heads(w, rep, c0, c1, ctx, a->vc + g * hs, bt, bs, a->page_stride, a->tok_stride, D, acc);
+                    av_heads(w, rep, c0, c1, ctx, a->vc + es * g * hs, bt, bs, a->page_stride, a->tok_stride, D, acc,
+                             kvk);
                 }
             }
         for (int64_t hp = 0; hp < ng * pairs; hp++) {
@@ -2538,16 +2621,17 @@ static void attend_heads_blocked(const attn_args *a, int64_t s, int64_t g0, int6
     for (int64_t hp = 0; hp < ng * pairs; hp++) {
         int64_t g = g0 + hp / pairs, i = (hp % pairs) / rep, r = hp % rep;
         int64_t n = ctx - qlen + i + 1;
-        const float *pp = p + hp * cpad, *vbase = a->vc + g * hs;
+        const float *pp = p + hp * cpad;
+        const char *vbase = a->vc + es * g * hs;
         __m256 o[16];
         for (int64_t v = 0; v < nv; v++) o[v] = _mm256_setzero_ps();
         for (int64_t p0 = 0, page = 0; p0 < n; p0 += bs, page++) {
-            const float *vp = vbase + bt[page] * a->page_stride;
+            const char *vp = vbase + es * bt[page] * a->page_stride;
             int64_t end = n - p0 < bs ? n - p0 : bs;
             for (int64_t t = 0; t < end; t++) {
-                const float *vj = vp + t * a->tok_stride;
+                const char *vj = vp + es * t * a->tok_stride;
                 __m256 w = _mm256_set1_ps(pp[p0 + t]);
-                for (int64_t v = 0; v < nv; v++) o[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * v), o[v]);
+                for (int64_t v = 0; v < nv; v++) o[v] = _mm256_fmadd_ps(w, kv_ld8(vj + es * 8 * v, kvk), o[v]);
             }
         }
         float *oi = a->out + (q0 + i) * a->o_ld + (g * rep + r) * D;
@@ -2571,7 +2655,7 @@ static inline int64_t pf_pad(int64_t ctx) { return (ctx + PF_KB - 1) / PF_KB * P
 static inline int pf_takes(const attn_args *a, int64_t s) { return a->qlen[s] >= PF_MIN_Q && a->D % 16 == 0; }
 
 /* four pairs' scores over nblk blocks of keys (fewer pairs: the caller repeats the last one's query) */
-static void pf_scores(const float *const qp[4], const float *kt, int64_t D, int64_t nblk, float scale,
+TK_INLINE void pf_scores(const float *const qp[4], const float *kt, int64_t D, int64_t nblk, float scale,
                       float *const sp[4]) {
     const __m256 vs = _mm256_set1_ps(scale);
     const float *q0 = qp[0], *q1 = qp[1], *q2 = qp[2], *q3 = qp[3];
@@ -2614,9 +2698,10 @@ static void pf_scores(const float *const qp[4], const float *kt, int64_t D, int6
 /* four pairs' output dimensions [d0, d0 + 16), o[r] (8 floats apart... 16 per pair, row stride ldo) plus
  * keys [j0, j1) of the score rows sp (numerators, zeros past each pair's last key) times the values, keys in
  * order */
-static void pf_values(const float *const sp[4], const float *vbase, const int64_t *bt, int64_t bs,
-                      int64_t page_stride, int64_t tok_stride, int64_t j0, int64_t j1, int64_t d0, float *o,
-                      int64_t ldo) {
+TK_INLINE void pf_values(const float *const sp[4], const char *vbase, const int64_t *bt, int64_t bs,
+                         int64_t page_stride, int64_t tok_stride, int64_t j0, int64_t j1, int64_t d0, float *o,
+                         int64_t ldo, const int kvk) {
+    const int64_t es = kv_es(kvk);
     __m256 o00 = _mm256_loadu_ps(o), o01 = _mm256_loadu_ps(o + 8), o10 = _mm256_loadu_ps(o + ldo),
            o11 = _mm256_loadu_ps(o + ldo + 8), o20 = _mm256_loadu_ps(o + 2 * ldo),
            o21 = _mm256_loadu_ps(o + 2 * ldo + 8), o30 = _mm256_loadu_ps(o + 3 * ldo),
@@ -2625,9 +2710,9 @@ static void pf_values(const float *const sp[4], const float *vbase, const int64_
     for (int64_t j = j0; j < j1;) {
         int64_t page = j / bs, off = j % bs;
         int64_t end = j + (bs - off < j1 - j ? bs - off : j1 - j);
-        const float *vj = vbase + bt[page] * page_stride + off * tok_stride + d0;
-        for (; j < end; j++, vj += tok_stride) {
-            __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+        const char *vj = vbase + es * (bt[page] * page_stride + off * tok_stride + d0);
+        for (; j < end; j++, vj += es * tok_stride) {
+            __m256 v0 = kv_ld8(vj, kvk), v1 = kv_ld8(vj + 8 * es, kvk);
             __m256 w = _mm256_broadcast_ss(s0 + j);
             o00 = _mm256_fmadd_ps(w, v0, o00);
             o01 = _mm256_fmadd_ps(w, v1, o01);
@@ -2648,7 +2733,7 @@ static void pf_values(const float *const sp[4], const float *vbase, const int64_
 }
 
 /* row pp's softmax numerators over keys [0, n), zeros on [n, upto); returns 1 / their sum */
-static float pf_softmax(float *pp, int64_t n, int64_t upto) {
+TK_INLINE float pf_softmax(float *pp, int64_t n, int64_t upto) {
     __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
@@ -2676,18 +2761,18 @@ static float pf_softmax(float *pp, int64_t n, int64_t upto) {
     return 1.f / sum;
 }
 
-static void attend_prefill(const attn_args *a, int64_t s, int64_t g, float *p) {
+TK_INLINE void attend_prefill(const attn_args *a, int64_t s, int64_t g, float *p, const int kvk) {
     int64_t rep = a->Hq / a->Hkv, D = a->D, bs = a->bs;
     int64_t q0 = a->qstart[s], qlen = a->qlen[s], ctx = a->ctx[s];
-    const int64_t *bt = a->block_tables + a->rows[s] * a->max_blocks;
-    const float *kbase = a->kc + g * a->head_stride, *vbase = a->vc + g * a->head_stride;
+    const int64_t *bt = a->block_tables + a->rows[s] * a->max_blocks, es = kv_es(kvk);
+    const char *kbase = a->kc + es * g * a->head_stride, *vbase = a->vc + es * g * a->head_stride;
     int64_t cpad = pf_pad(ctx), pairs = qlen * rep;
     float *kt = p, *sc = p + D * cpad;
     for (int64_t j = 0; j < cpad; j++) { /* keys -> [block][D][PF_KB] */
         float *col = kt + (j / PF_KB) * D * PF_KB + j % PF_KB;
         if (j < ctx) {
-            const float *kj = kbase + bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride;
-            for (int64_t d = 0; d < D; d++) col[d * PF_KB] = kj[d];
+            const char *kj = kbase + es * (bt[j / bs] * a->page_stride + (j % bs) * a->tok_stride);
+            for (int64_t d = 0; d < D; d++) col[d * PF_KB] = kv_get(kj, d, kvk);
         } else {
             for (int64_t d = 0; d < D; d++) col[d * PF_KB] = 0.f;
         }
@@ -2721,7 +2806,8 @@ static void attend_prefill(const attn_args *a, int64_t s, int64_t g, float *p) {
             for (int64_t m = 0; m < nmicro; m++) {
                 int64_t c1 = c0 + PF_VC < nm[m] ? c0 + PF_VC : nm[m];
                 for (int64_t d0 = 0; c0 < c1 && d0 < D; d0 += 16)
-                    pf_values(sp[m], vbase, bt, bs, a->page_stride, a->tok_stride, c0, c1, d0, ob + 4 * m * D + d0, D);
+                    pf_values(sp[m], vbase, bt, bs, a->page_stride, a->tok_stride, c0, c1, d0, ob + 4 * m * D + d0, D,
+                              kvk);
             }
         for (int64_t pt = 0; pt < nt; pt++) {
             int64_t pr = t0 + pt, i = pr / rep, h = g * rep + pr % rep;
@@ -2733,19 +2819,59 @@ static void attend_prefill(const attn_args *a, int64_t s, int64_t g, float *p) {
 }
 #endif
 
-/* the work of KV heads [g0, g1) of sequence s */
-static inline void attend_item(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
+#if TK_AVX2
+/* the two kernels' copies per cache kind, each with its loads fixed (kept out of line, as one copy was) */
+#define TK_NOINLINE static __attribute__((noinline))
+TK_NOINLINE void attend_heads_blocked_f32(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
+    attend_heads_blocked(a, s, g0, g1, p, KV_F32);
+}
+TK_NOINLINE void attend_heads_blocked_f16(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
+    attend_heads_blocked(a, s, g0, g1, p, KV_F16);
+}
+TK_NOINLINE void attend_heads_blocked_bf16(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
+    attend_heads_blocked(a, s, g0, g1, p, KV_BF16);
+}
+TK_NOINLINE void attend_prefill_f32(const attn_args *a, int64_t s, int64_t g, float *p) {
+    attend_prefill(a, s, g, p, KV_F32);
+}
+TK_NOINLINE void attend_prefill_f16(const attn_args *a, int64_t s, int64_t g, float *p) {
+    attend_prefill(a, s, g, p, KV_F16);
+}
+TK_NOINLINE void attend_prefill_bf16(const attn_args *a, int64_t s, int64_t g, float *p) {
+    attend_prefill(a, s, g, p, KV_BF16);
+}
+#endif
+
+/* the work of KV heads [g0, g1) of sequence s, over a cache of kind kvk (a constant where it is inlined) */
+TK_INLINE void attend_item_k(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p, const int kvk) {
 #if TK_AVX2
     if (pf_takes(a, s)) {
-        for (int64_t g = g0; g < g1; g++) attend_prefill(a, s, g, p);
+        for (int64_t g = g0; g < g1; g++)
+            (kvk == KV_BF16 ? attend_prefill_bf16 : kvk == KV_F16 ? attend_prefill_f16 : attend_prefill_f32)(a, s, g, p);
         return;
     }
     if (a->D % 8 == 0 && a->D <= 128) {
-        attend_heads_blocked(a, s, g0, g1, p);
+        (kvk == KV_BF16 ? attend_heads_blocked_bf16
+         : kvk == KV_F16 ? attend_heads_blocked_f16 : attend_heads_blocked_f32)(a, s, g0, g1, p);
         return;
     }
 #endif
-    for (int64_t g = g0; g < g1; g++) attend_one(a, s, g, p);
+    for (int64_t g = g0; g < g1; g++) attend_one(a, s, g, p, kvk);
+}
+/* one copy of the attention per cache kind, each with its loads fixed */
+static void attend_item_f32(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
+    attend_item_k(a, s, g0, g1, p, KV_F32);
+}
+static void attend_item_f16(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
+    attend_item_k(a, s, g0, g1, p, KV_F16);
+}
+static void attend_item_bf16(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
+    attend_item_k(a, s, g0, g1, p, KV_BF16);
+}
+static inline void attend_item(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
+    if (a->kvk == KV_BF16) attend_item_bf16(a, s, g0, g1, p);
+    else if (a->kvk == KV_F16) attend_item_f16(a, s, g0, g1, p);
+    else attend_item_f32(a, s, g0, g1, p);
 }
 
 #define ATT_SCRATCH_MAX (16 << 20) /* bytes a thread's scores may take before a sequence's heads are split */
@@ -2809,12 +2935,14 @@ static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthre
 
 /* this step's K/V into their slots: k, v [T, Hkv * D] contiguous; token t goes to page pages[t], slot
  * offsets[t] (the cache's token stride is Hkv * D, dense) */
-void tk_write_kv_f32(const float *k, const float *v, float *kc, float *vc, int64_t T, int64_t HD,
-                     int64_t page_stride, int64_t tok_stride, const int64_t *pages, const int64_t *offsets) {
+void tk_write_kv_f32(const float *k, const float *v, void *kc, void *vc, int64_t T, int64_t HD,
+                     int64_t page_stride, int64_t tok_stride, const int64_t *pages, const int64_t *offsets,
+                     int64_t kvk) {
+    const int64_t es = kv_es((int)kvk);
     for (int64_t t = 0; t < T; t++) {
-        int64_t at = pages[t] * page_stride + offsets[t] * tok_stride;
-        memcpy(kc + at, k + t * HD, sizeof(float) * HD);
-        memcpy(vc + at, v + t * HD, sizeof(float) * HD);
+        int64_t at = es * (pages[t] * page_stride + offsets[t] * tok_stride);
+        kv_store((char *)kc + at, k + t * HD, HD, (int)kvk);
+        kv_store((char *)vc + at, v + t * HD, HD, (int)kvk);
     }
 }
 
@@ -2882,7 +3010,7 @@ typedef struct {
 typedef struct {
     const float *in_norm, *post_norm; /* [H] */
     tk_lin qkv, o, gate_up, down;     /* qkv: [H -> (Hq + 2 Hkv) D], gate_up: [H -> 2 I] (gate then up) */
-    float *kc, *vc;                   /* this layer's caches [pages, bs, Hkv, D] (token/head dense) */
+    void *kc, *vc;                    /* this layer's caches [pages, bs, Hkv, D] (token/head dense), of kv_kind */
     const tk_moe *moe;                /* not NULL: this layer's MLP is a mixture of experts (gate_up, down unused) */
     const float *q_norm, *k_norm;     /* [D] or NULL: Qwen3's RMSNorm of each q and k head before RoPE */
 } tk_layer;
@@ -2895,6 +3023,7 @@ typedef struct {
     const float *final_norm; /* [H] */
     const float *inv_freq;   /* [D / 2] */
     const tk_layer *layers;
+    int64_t kv_kind; /* the caches' elements: KV_F32, KV_F16 or KV_BF16 */
 } tk_model;
 
 /* returns 0, or 1 when a scratch allocation failed */
@@ -3072,13 +3201,15 @@ int tk_forward_f32(const tk_model *m, int64_t T, const int64_t *ids, const int64
                     rms_norm(v, 1, D, hd < Hq ? ly->q_norm : ly->k_norm, m->eps, v);
                 }
         tk_rope_f32(wide, T, nqkv, 0, Hq + Hkv, D, cs, sn);
+        const int kvk = (int)m->kv_kind;
         for (int64_t t = 0; t < T; t++) {
-            int64_t at = slot[2 * t] * m->page_stride + slot[2 * t + 1] * m->tok_stride;
-            memcpy(ly->kc + at, wide + t * nqkv + nq, sizeof(float) * (size_t)nkv);
-            memcpy(ly->vc + at, wide + t * nqkv + nq + nkv, sizeof(float) * (size_t)nkv);
+            int64_t at = kv_es(kvk) * (slot[2 * t] * m->page_stride + slot[2 * t + 1] * m->tok_stride);
+            kv_store((char *)ly->kc + at, wide + t * nqkv + nq, nkv, kvk);
+            kv_store((char *)ly->vc + at, wide + t * nqkv + nq + nkv, nkv, kvk);
         }
-        attn_args a = {wide, ly->kc, ly->vc, Hq, Hkv, D, m->bs, m->page_stride, m->tok_stride, m->head_stride,
-                       max_blocks, nqkv, nq, block_tables, qstart, qlen, ctx, rows, m->attn_scale, att};
+        attn_args a = {wide, (const char *)ly->kc, (const char *)ly->vc, Hq, Hkv, D, m->bs, m->page_stride,
+                       m->tok_stride, m->head_stride, max_blocks, nqkv, nq, block_tables, qstart, qlen, ctx, rows,
+                       m->attn_scale, att, kvk};
         if ((rc = attend_all(&a, S, max_ctx, nthreads)) || (rc = lin_apply(&ly->o, att, T, nq, H, y, nthreads)))
             break;
         add_into(x, y, T * H);

@@ -371,10 +371,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tk_round_bf16.restype = None
     lib.tk_has_bf16_dots.restype = _INT
     lib.tk_paged_attention_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64,
-                                           _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _PTR, _INT]
+                                           _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _PTR, _INT, _I64]
     lib.tk_paged_attention_f32.restype = _INT
-    lib.tk_write_kv_f32.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
+    lib.tk_write_kv_f32.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64]
     lib.tk_write_kv_f32.restype = None
+    if hasattr(lib, "tk_kv_kinds"):  # (not in builds of sources before it: bench/kernel_ab.py's bases)
+        lib.tk_kv_kinds.restype = _I64
     lib.tk_rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR]
     lib.tk_rope_f32.restype = None
     for fn in (lib.tk_block_max_kn, lib.tk_block_max_k, lib.tk_block_min_rows, lib.tk_sgemm_min_rows,
@@ -749,9 +751,27 @@ def round_bf16_kernel(x: torch.Tensor) -> torch.Tensor:
 # ---- paged attention -----------------------------------------------------------------------------------------
 
 
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C attention's cache element kinds
+KV_NARROW_MAX_D = 512  # head sizes a float16 / bfloat16 cache takes (cpu_kernels.c's KV_NARROW_MAX_D)
+
+
+def kv_kind(k_cache: torch.Tensor) -> int | None:
+    """The C attention's kind for this cache's dtype (float32, float16 or bfloat16, each element widened to float32
+    as it is read, so the sums are the float32 path's over the stored values), or None where this build does
+    not read it (float16 needs F16C) or the kernels are not loaded."""
+    kind = KV_KINDS.get(k_cache.dtype)
+    lib = load()
+    if kind is None or lib is None or not (lib.tk_kv_kinds() >> kind) & 1:
+        return None
+    return kind
+
+
 def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """float32 queries over a float32 cache [pages, block, Hkv, D] whose tokens and heads are dense."""
-    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
+    """float32 queries over a float32, float16 or bfloat16 cache [pages, block, Hkv, D] whose tokens and heads
+    are dense."""
+    kind = kv_kind(k_cache)
+    return (q.dtype == torch.float32 and kind is not None and q.device.type == "cpu"
+            and (kind == 0 or k_cache.shape[3] <= KV_NARROW_MAX_D)
             and k_cache.stride(3) == 1 and k_cache.stride(2) == k_cache.shape[3]
             and k_cache.stride(1) == k_cache.shape[2] * k_cache.shape[3])
 
@@ -759,7 +779,8 @@ def attention_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seqs: torch.Tensor, max_context_len: int, scale: float | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, D] float32; k_cache/v_cache [num_pages, block, Hkv, D] float32 views with the same strides
+    """q [T, Hq, D] float32; k_cache/v_cache [num_pages, block, Hkv, D] views with the same strides and dtype
+    (float32, float16 or bfloat16)
     (K/V of this step already written); block_tables [S, max_blocks] int64 contiguous; seqs [4, S'] int64: per
     attended sequence its first query row, query count, context length and block-table row. A sequence's
     queries are the last q_len of its context positions and attend causally. Writes those rows of `out`
@@ -768,8 +789,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = q.contiguous()
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides")
+    if v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
+        raise ValueError("k_cache and v_cache must share strides and dtype")
     if out is None:
         out = torch.empty_like(q)
     n = seqs.shape[1]
@@ -777,7 +798,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rc = lib.tk_paged_attention_f32(
         q.data_ptr(), hq, d, k_cache.data_ptr(), v_cache.data_ptr(), hkv, bs, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.data_ptr(), block_tables.shape[1], p, p + 8 * n, p + 16 * n, p + 24 * n, n,
-        max_context_len, d ** -0.5 if scale is None else scale, out.data_ptr(), _threads())
+        max_context_len, d ** -0.5 if scale is None else scale, out.data_ptr(), _threads(), KV_KINDS[k_cache.dtype])
     if rc:
         raise MemoryError("paged attention: scratch allocation failed")
     return out
@@ -786,11 +807,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
              offsets: torch.Tensor) -> None:
     """k, v [T, Hkv, D] float32 into k_cache/v_cache [num_pages, block, Hkv, D] at (pages[t], offsets[t]) (int64);
-    the same as `k_cache[pages, offsets] = k`. Call only when `available()` and `attention_fits`."""
-    k, v = k.contiguous(), v.contiguous()
+    the same as `k_cache[pages, offsets] = k.to(k_cache.dtype)` (a float16 / bfloat16 cache: each value rounded to
+    nearest even, as torch rounds). Call only when `available()` and `attention_fits`."""
+    k, v = k.float().contiguous(), v.float().contiguous()
     load().tk_write_kv_f32(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k.shape[0],
                            k.shape[1] * k.shape[2], k_cache.stride(0), k_cache.stride(1), pages.data_ptr(),
-                           offsets.data_ptr())
+                           offsets.data_ptr(), KV_KINDS[k_cache.dtype])
 
 
 def rope_(x: torch.Tensor, heads: tuple[int, int], head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:

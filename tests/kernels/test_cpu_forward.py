@@ -76,13 +76,19 @@ def _compare(a, b, logprob_tol=2e-4):
                 assert abs(la[tok].logprob - lb[tok].logprob) < logprob_tol
 
 
-@pytest.mark.parametrize("name,quant", [("llama-gqa", "none"), ("qwen2-bias", "none"), ("qwen3-qk-norm", "none"),
-                                        ("qwen3-qk-norm", "int8"), ("llama-gqa", "int8"),
-                                        ("llama-gqa", "w8a8"), ("qwen2-bias", "w8a8"), ("llama-gqa", "int4"),
-                                        ("llama-gqa", "bf16"), ("qwen2-bias", "bf16")])
-def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant):
-    llm = _engine(checkpoints[name], quantization=quant, max_num_batched_tokens=96)
+@pytest.mark.parametrize("name,quant,kv", [
+    ("llama-gqa", "none", "auto"), ("qwen2-bias", "none", "auto"), ("qwen3-qk-norm", "none", "auto"),
+    ("qwen3-qk-norm", "int8", "auto"), ("llama-gqa", "int8", "auto"), ("llama-gqa", "w8a8", "auto"),
+    ("qwen2-bias", "w8a8", "auto"), ("llama-gqa", "int4", "auto"), ("llama-gqa", "bf16", "auto"),
+    ("qwen2-bias", "bf16", "auto"),
+    # a bfloat16 / float16 cache: the C stack writes and reads it as the torch forward does
+    ("llama-gqa", "none", "bfloat16"), ("qwen3-qk-norm", "none", "float16"), ("qwen2-bias", "w8a8", "bfloat16")])
+def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant, kv):
+    llm = _engine(checkpoints[name], quantization=quant, max_num_batched_tokens=96, kv_cache_dtype=kv)
+    if kv != "auto" and ck.kv_kind(torch.empty(0, dtype=getattr(torch, kv))) is None:
+        pytest.skip(f"this build reads no {kv} cache (float16 needs F16C)")
     assert llm.engine.runner.cpu_forward is not None
+    assert llm.engine.runner.k_caches[0].dtype == (torch.float32 if kv == "auto" else getattr(torch, kv))
     # w8a8 (and int4, whose CPU kernel quantises the activations the same way) rounds every activation to 8 bits
     # (bf16: to bfloat16's 8 significant bits): the two paths' float-rounding differences (summation order) can
     # move an activation that sits on a rounding edge by one step (one step of the two paths agrees to 1e-6),
@@ -99,12 +105,13 @@ def test_engine_outputs_match_the_torch_forward(checkpoints, name, quant):
     assert sum(w > 2e-4 for w in worst) <= len(worst) // 10, sorted(worst)[-5:]
 
 
-def test_step_logits_match_on_mixed_batches(checkpoints):
+@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
+def test_step_logits_match_on_mixed_batches(checkpoints, kv):
     """Random steps straight through the runner: decodes, verify windows (drafts) and chunks of up to 119
     queries (the C stack takes whole prefill chunks) in one batch, each against the torch forward on a copy of
-    the same pages."""
+    the same pages (float32 or bfloat16)."""
 
-    llm = _engine(checkpoints["llama-gqa"])
+    llm = _engine(checkpoints["llama-gqa"], kv_cache_dtype=kv)
     runner = llm.engine.runner
     fast = runner.cpu_forward
     rng = random.Random(7)
@@ -154,7 +161,10 @@ def test_step_logits_match_on_mixed_batches(checkpoints):
         assert [s.seq_id for s in batch.sample_seqs] == [s.seq_id for s in ref_batch.sample_seqs]
         assert batch.rows_per_seq == ref_batch.rows_per_seq
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(runner.kv_view, after_ref, rtol=1e-5, atol=1e-5)  # the same K/V written
+        # the same K/V written (bfloat16: a value the two paths' projections put on either side of a rounding
+        # edge lands one step, 2^-8 relative, apart)
+        tol = 1e-5 if kv == "auto" else 2 ** -8
+        torch.testing.assert_close(runner.kv_view.float(), after_ref.float(), rtol=tol, atol=tol)
         for s in seqs:
             pool.release(s.pages)
 
@@ -163,12 +173,14 @@ def runner_model_id(llm) -> int:
     return llm.engine.model_id
 
 
-def test_speculative_engine_matches_with_and_without(checkpoints):
+@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
+def test_speculative_engine_matches_with_and_without(checkpoints, kv):
     """tandem-tiny-l drafting with tandem-tiny-s: greedy and seeded sampling, the C forward in both the
-    target and the draft against the torch forward in both."""
+    target and the draft against the torch forward in both (over a float32 or a bfloat16 cache)."""
     from engines import SamplingParams
 
-    llm = _engine(ROOT / "models" / "tandem-tiny-l", draft_model=ROOT / "models" / "tandem-tiny-s")
+    llm = _engine(ROOT / "models" / "tandem-tiny-l", draft_model=ROOT / "models" / "tandem-tiny-s",
+                  kv_cache_dtype=kv)
     llm.engine.speculator.adaptive.fixed = 3  # every step drafts, whatever this machine's timings make of k
     draft_runner = llm.core.engines["default-draft"].runner
     assert llm.engine.runner.cpu_forward is not None and draft_runner.cpu_forward is not None

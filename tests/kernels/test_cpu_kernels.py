@@ -474,7 +474,7 @@ def test_decode_attention_head_tiles_and_splits(hq, hkv, d, bs):
                 assert _avx2_lib().tk_paged_attention_f32(
                     q.data_ptr(), hq, d, kc.data_ptr(), vc.data_ptr(), hkv, bs, kc.stride(0), kc.stride(1),
                     kc.stride(2), bt.data_ptr(), bt.shape[1], p, p + 8 * len(ctxs), p + 16 * len(ctxs),
-                    p + 24 * len(ctxs), len(ctxs), max(ctxs), d ** -0.5, narrow.data_ptr(), threads) == 0
+                    p + 24 * len(ctxs), len(ctxs), max(ctxs), d ** -0.5, narrow.data_ptr(), threads, 0) == 0
                 assert torch.equal(narrow, got), threads
     finally:
         torch.set_num_threads(old)
@@ -500,6 +500,76 @@ def test_write_kv_is_the_indexed_store():
     kc2[pages, offs] = k
     vc2[pages, offs] = v
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+NARROW_KV = [torch.bfloat16, torch.float16]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", NARROW_KV)
+def test_write_kv_into_a_narrow_cache_rounds_as_torch(dtype):
+    """The C write into a bfloat16 / float16 cache is torch's own conversion, bit for bit: round to nearest even
+    (ties both ways), subnormals kept, overflow to inf, signed zeros, infinities; a NaN stays a NaN."""
+    if ck.kv_kind(torch.empty(0, dtype=dtype)) is None:
+        pytest.skip(f"this build reads no {dtype} cache (float16 needs F16C)")
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(5, 2, 32, generator=g) * 3, torch.randn(5, 2, 32, generator=g)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x3F800001, 0x3F807FFF, 0x3F80FFFF], dtype=torch.int32)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, -3e-39, 1e-7, 6e-8, 65504.0, 65520.0,
+                            70000.0, -1e30, 3.3895e38, 1.0009765625, 1.00048828125])
+    k[0, 0, :5] = ties.view(torch.float32)
+    k[1, 1, :special.numel()] = special
+    k[2, 0, 0] = float("nan")
+    kc = torch.zeros(8, 16, 2, 32, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    kc2, vc2 = kc.clone(), vc.clone()
+    pages, offs = torch.tensor([3, 3, 7, 0, 5]), torch.tensor([0, 15, 4, 9, 2])
+    ck.write_kv(k, v, kc, vc, pages, offs)
+    kc2[pages, offs] = k.to(dtype)
+    vc2[pages, offs] = v.to(dtype)
+    nan = kc2.isnan()
+    assert torch.equal(kc.isnan(), nan) and nan.sum() == 1
+    assert torch.equal(kc.masked_fill(nan, 0).view(torch.int16), kc2.masked_fill(nan, 0).view(torch.int16))
+    assert torch.equal(vc.view(torch.int16), vc2.view(torch.int16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", NARROW_KV)
+@pytest.mark.parametrize("hq,hkv,d,bs", [(16, 4, 64, 16), (6, 2, 12, 16), (12, 4, 48, 5), (8, 8, 32, 16)])
+def test_paged_attention_over_a_narrow_cache_is_the_float32_path_over_its_values(dtype, hq, hkv, d, bs):
+    """Every path of the C attention over a bfloat16 / float16 cache (decodes and verify windows in the blocked
+    kernel with its value tiles, prefill chunks in the tiled one, head sizes off the vector width in the plain
+    one), one and two threads: the same bits as the float32 kernel over the cache's values widened to float32
+    (and as the AVX2 build's, where D is a multiple of 8), and within 1e-4 of the gather + SDPA path over the
+    narrow cache."""
+    if ck.kv_kind(torch.empty(0, dtype=dtype)) is None:
+        pytest.skip(f"this build reads no {dtype} cache (float16 needs F16C)")
+    q_lens, ctxs = [1, 3, 20, 1, 2], [300, 41, 57, 1, 77]
+    kc, vc = _pages(num_pages=sum(-(-c // bs) for c in ctxs) + 4, block=bs, hkv=hkv, d=d, seed=9)
+    kn, vn = kc.to(dtype), vc.to(dtype)
+    kw, vw = kn.float(), vn.float()
+    bt, starts, q = _shuffled_batch(kc.shape[0], bs, q_lens, ctxs, hq, d, seeds=(10, 11))
+    seqs = torch.tensor([starts[:-1], q_lens, ctxs, list(range(len(ctxs)))], dtype=torch.int64)
+    ref = paged_attention_torch(q, kn, vn, bt, torch.tensor(starts), torch.tensor(ctxs))
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = ck.paged_attention(q, kn, vn, bt, seqs, max(ctxs))
+            wide = ck.paged_attention(q, kw, vw, bt, seqs, max(ctxs))
+            assert torch.equal(got, wide), threads
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+            if ck.simd_level().startswith("avx512") and d % 8 == 0:  # (the plain kernel's sums differ by width)
+                narrow = torch.zeros_like(q)
+                p = seqs.data_ptr()
+                assert _avx2_lib().tk_paged_attention_f32(
+                    q.data_ptr(), hq, d, kn.data_ptr(), vn.data_ptr(), hkv, bs, kn.stride(0), kn.stride(1),
+                    kn.stride(2), bt.data_ptr(), bt.shape[1], p, p + 8 * len(ctxs), p + 16 * len(ctxs),
+                    p + 24 * len(ctxs), len(ctxs), max(ctxs), d ** -0.5, narrow.data_ptr(), threads,
+                    ck.KV_KINDS[dtype]) == 0
+                assert torch.equal(narrow, got), threads
+    finally:
+        torch.set_num_threads(old)
 
 
 @needs_kernels
