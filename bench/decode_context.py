@@ -78,9 +78,7 @@ def cell_process(tree: Path, name: str, quant: str, threads: int, prompts: list[
     env = dict(os.environ, TANDEM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     if quant == "f32":
         env["TANDEM_CPU_BF16_WEIGHTS"] = "0"
-    script = Path(tree) / "bench" / "decode_context.py"
-    if not script.exists():  # a base from before this bench: this file's cell runner over that tree's code
-        script = Path(__file__)
+    script = Path(__file__)  # this file's cell runner over `tree`'s code (a base's own may predate its options)
     cmd = [sys.executable, str(script), "--cell", f"{name},{quant}", "--tree", str(tree), "--prompts",
            *map(str, prompts), *(["--kv", kv] if kv != "float32" else [])]
     res = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
