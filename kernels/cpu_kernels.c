@@ -2267,7 +2267,7 @@ static inline void kv_store(char *dst, const float *src, int64_t n, int kvk) {
         for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16_rne(src[i]);
         return;
     }
-#if defined(__F16C__)
+#if defined(__F16C__) /* (a build without F16C takes no float16 cache: tk_kv_kinds) */
     for (int64_t i = 0; i < n; i++)
         d[i] = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(src[i]), _MM_FROUND_TO_NEAREST_INT), 0);
 #endif
@@ -2881,6 +2881,7 @@ static inline void attend_item(const attn_args *a, int64_t s, int64_t g0, int64_
  * page, so one pass over the pages reads them in order), else split so every thread has work. */
 static int attend_all(const attn_args *ap, int64_t S, int64_t max_ctx, int nthreads) {
     const attn_args a = *ap;
+    if (a.kvk != KV_F32 && a.D > KV_NARROW_MAX_D) return 2; /* attend_one's row buffer (kv_kind's callers check) */
     int64_t Hkv = a.Hkv;
     int64_t rep = a.Hq / Hkv, max_q = 1, any_pf = 0;
     for (int64_t s = 0; s < S; s++) {

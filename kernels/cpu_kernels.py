@@ -799,6 +799,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.data_ptr(), hq, d, k_cache.data_ptr(), v_cache.data_ptr(), hkv, bs, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.data_ptr(), block_tables.shape[1], p, p + 8 * n, p + 16 * n, p + 24 * n, n,
         max_context_len, d ** -0.5 if scale is None else scale, out.data_ptr(), _threads(), KV_KINDS[k_cache.dtype])
+    if rc == 2:
+        raise ValueError(f"paged attention: a {k_cache.dtype} cache takes head sizes up to {KV_NARROW_MAX_D}")
     if rc:
         raise MemoryError("paged attention: scratch allocation failed")
     return out

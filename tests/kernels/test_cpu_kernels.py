@@ -573,6 +573,18 @@ def test_paged_attention_over_a_narrow_cache_is_the_float32_path_over_its_values
 
 
 @needs_kernels
+def test_a_narrow_cache_over_the_plain_kernels_row_buffer_is_refused():
+    """Head sizes past the plain kernel's row buffer: attention_fits says no (the runner keeps the torch path) and a
+    direct call is refused, not overrun."""
+    kc = torch.zeros(2, 16, 1, ck.KV_NARROW_MAX_D + 8, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, kc.shape[3])
+    assert not ck.attention_fits(q, kc) and ck.attention_fits(q, kc.float())
+    seqs = torch.tensor([[0], [1], [1], [0]], dtype=torch.int64)
+    with pytest.raises(ValueError, match="head sizes up to"):
+        ck.paged_attention(q, kc, kc, torch.tensor([[0]]), seqs, 1)
+
+
+@needs_kernels
 def test_paged_attention_context_writes_then_attends():
     kc, vc = _pages(hkv=2, d=32)
     bt = torch.tensor([[5, 9], [2, 2]])
