@@ -283,6 +283,46 @@ def test_model_and_draft_make_one_route_and_flags_override_the_file(tmp_path):
         _cfg(str(MODEL), "--draft-quantization", "w8a8")
 
 
+def test_a_bfloat16_kv_cache_serves_what_the_offline_engine_gives():
+    """`--kv-cache-dtype bfloat16` (half the cache's bytes, as vLLM users set it), a real server and the OpenAI
+    client: greedy completions and their logprobs are the offline engine's over the same bfloat16 cache (whose CPU
+    steps run the C decoder stack over it), told apart from a float32 cache's by the logprobs."""
+    import torch
+
+    from engines import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def offline(kv: str) -> list[tuple[str, list[float]]]:
+        llm = LLM(MODEL, kv_cache_dtype=kv)
+        assert llm.engine.runner.cpu_forward is not None
+        assert llm.engine.runner.k_caches[0].dtype == (torch.bfloat16 if kv == "bfloat16" else torch.float32)
+        return [(c.text, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                for c in (o.outputs[0] for o in llm.generate(PROMPTS, sp))]
+
+    want, wide = offline("bfloat16"), offline("auto")
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TANDEM_LOG_LEVEL": "warning"}
+    env.pop("TANDEM_CONFIG", None)
+    proc, url = start_serve([str(MODEL), "--served-model-name", "tiny", "--kv-cache-dtype", "bfloat16", "--port",
+                             str(port)], env, port)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        got = []
+        for p in PROMPTS:
+            c = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, logprobs=1,
+                                          extra_body={"ignore_eos": True}).choices[0]
+            got.append((c.text, c.logprobs.token_logprobs))
+    finally:
+        stop(proc)
+    assert [t for t, _ in got] == [t for t, _ in want]
+
+    def gap(a, b):
+        return max(abs(x - y) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb))
+
+    assert gap(got, want) < 1e-4 < gap(wide, want), (gap(got, want), gap(wide, want))
+
+
 def test_flags_that_need_a_model_say_so():
     r = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--draft", str(DRAFT)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
