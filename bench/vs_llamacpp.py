@@ -287,11 +287,15 @@ def start_llama(server: Path, gguf_path: Path, threads: int, slots: int, ctx: in
     return proc, f"http://127.0.0.1:{port}", "llama"
 
 
+TANDEM_KV = "auto"  # tandem's --kv-cache-dtype (main's --tandem-kv); llama-server's cache is float16 by default
+
+
 def start_tandem(folder: Path, threads: int, eight_bit: str | None, ctx: int, log: Path, bf16_reads: bool = True,
                  extra: tuple[str, ...] = ()):
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", str(folder), "--served-model-name", "tandem",
-           "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning", *extra]
+           "--port", str(port), "--max-model-len", str(ctx), "--log-level", "warning",
+           *(["--kv-cache-dtype", TANDEM_KV] if TANDEM_KV != "auto" else []), *extra]
     if eight_bit:
         cmd += ["--quantization", eight_bit]
     env = dict(os.environ, TANDEM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
@@ -728,8 +732,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="tandem's --threads is the most a kernel call takes (TANDEM_ADAPTIVE_THREADS=1: "
                     "kernels/thread_governor.py times each count up to it per kind of call and takes the "
                     "fastest); default: exactly --threads, as llama-server's -t")
+    ap.add_argument("--tandem-kv", choices=["auto", "float16", "bfloat16"], default="auto",
+                    help="tandem's KV cache dtype (auto: the model's, float32 here); llama-server keeps its "
+                    "default float16 cache")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_llamacpp.json"))
     args = ap.parse_args(argv)
+    global TANDEM_KV
+    TANDEM_KV = args.tandem_kv
     if args.adaptive_threads:  # start_tandem's environment is this process's
         os.environ["TANDEM_ADAPTIVE_THREADS"] = "1"
     if args.build:
