@@ -2304,6 +2304,11 @@ typedef struct {
     int kvk;
 } attn_args;
 
+/* scratch floats attend_heads_blocked takes for ng KV heads of a sequence of qlen queries and ctx positions */
+static inline int64_t heads_scratch(int64_t ng, int64_t rep, int64_t qlen, int64_t ctx) {
+    return ng * rep * qlen * ((ctx + 7) / 8 * 8 + 1 + 128);
+}
+
 /* one (sequence, KV head): every query of the sequence, every query head of the group; `p` holds ctx floats
  * per query head of the group */
 TK_INLINE void attend_one(const attn_args *a, int64_t s, int64_t g, float *p, const int kvk) {
@@ -2501,10 +2506,6 @@ TK_INLINE void av_heads(const float *const *w, int64_t rep, int64_t j0, int64_t 
 #define AV_CHUNK 32 /* keys: the value pass takes every KV head over this many keys before the next ones */
 
 #define ATT_AHEAD 32 /* keys: the scores pass prefetches the key rows this far on */
-/* scratch floats attend_heads_blocked takes for ng KV heads of a sequence of qlen queries and ctx positions */
-static inline int64_t heads_scratch(int64_t ng, int64_t rep, int64_t qlen, int64_t ctx) {
-    return ng * rep * qlen * ((ctx + 7) / 8 * 8 + 1 + 128);
-}
 
 /* attend_one for KV heads [g0, g1) of sequence s, D a multiple of 8 (up to 128). Keys go in blocks of eight, and
  * for each block every KV head in turn: every (query, head) pair of the head scores the eight keys at once (one
@@ -2819,59 +2820,31 @@ TK_INLINE void attend_prefill(const attn_args *a, int64_t s, int64_t g, float *p
 }
 #endif
 
+/* NAME_f32, NAME_f16 and NAME_bf16: NAME's copies with the cache kind fixed (its loads with it), out of line */
+#define TK_KV_COPIES(NAME, DECL, ...)                                                                          \
+    static __attribute__((noinline)) void NAME##_f32 DECL { NAME(__VA_ARGS__, KV_F32); }                       \
+    static __attribute__((noinline)) void NAME##_f16 DECL { NAME(__VA_ARGS__, KV_F16); }                       \
+    static __attribute__((noinline)) void NAME##_bf16 DECL { NAME(__VA_ARGS__, KV_BF16); }
+#define TK_KV_PICK(NAME, kvk) ((kvk) == KV_BF16 ? NAME##_bf16 : (kvk) == KV_F16 ? NAME##_f16 : NAME##_f32)
 #if TK_AVX2
-/* the two kernels' copies per cache kind, each with its loads fixed (kept out of line, as one copy was) */
-#define TK_NOINLINE static __attribute__((noinline))
-TK_NOINLINE void attend_heads_blocked_f32(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
-    attend_heads_blocked(a, s, g0, g1, p, KV_F32);
-}
-TK_NOINLINE void attend_heads_blocked_f16(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
-    attend_heads_blocked(a, s, g0, g1, p, KV_F16);
-}
-TK_NOINLINE void attend_heads_blocked_bf16(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
-    attend_heads_blocked(a, s, g0, g1, p, KV_BF16);
-}
-TK_NOINLINE void attend_prefill_f32(const attn_args *a, int64_t s, int64_t g, float *p) {
-    attend_prefill(a, s, g, p, KV_F32);
-}
-TK_NOINLINE void attend_prefill_f16(const attn_args *a, int64_t s, int64_t g, float *p) {
-    attend_prefill(a, s, g, p, KV_F16);
-}
-TK_NOINLINE void attend_prefill_bf16(const attn_args *a, int64_t s, int64_t g, float *p) {
-    attend_prefill(a, s, g, p, KV_BF16);
-}
+TK_KV_COPIES(attend_heads_blocked, (const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p), a, s, g0, g1, p)
+TK_KV_COPIES(attend_prefill, (const attn_args *a, int64_t s, int64_t g, float *p), a, s, g, p)
 #endif
+TK_KV_COPIES(attend_one, (const attn_args *a, int64_t s, int64_t g, float *p), a, s, g, p)
 
-/* the work of KV heads [g0, g1) of sequence s, over a cache of kind kvk (a constant where it is inlined) */
-TK_INLINE void attend_item_k(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p, const int kvk) {
+/* the work of KV heads [g0, g1) of sequence s */
+static inline void attend_item(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
 #if TK_AVX2
     if (pf_takes(a, s)) {
-        for (int64_t g = g0; g < g1; g++)
-            (kvk == KV_BF16 ? attend_prefill_bf16 : kvk == KV_F16 ? attend_prefill_f16 : attend_prefill_f32)(a, s, g, p);
+        for (int64_t g = g0; g < g1; g++) TK_KV_PICK(attend_prefill, a->kvk)(a, s, g, p);
         return;
     }
     if (a->D % 8 == 0 && a->D <= 128) {
-        (kvk == KV_BF16 ? attend_heads_blocked_bf16
-         : kvk == KV_F16 ? attend_heads_blocked_f16 : attend_heads_blocked_f32)(a, s, g0, g1, p);
+        TK_KV_PICK(attend_heads_blocked, a->kvk)(a, s, g0, g1, p);
         return;
     }
 #endif
-    for (int64_t g = g0; g < g1; g++) attend_one(a, s, g, p, kvk);
-}
-/* one copy of the attention per cache kind, each with its loads fixed */
-static void attend_item_f32(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
-    attend_item_k(a, s, g0, g1, p, KV_F32);
-}
-static void attend_item_f16(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
-    attend_item_k(a, s, g0, g1, p, KV_F16);
-}
-static void attend_item_bf16(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
-    attend_item_k(a, s, g0, g1, p, KV_BF16);
-}
-static inline void attend_item(const attn_args *a, int64_t s, int64_t g0, int64_t g1, float *p) {
-    if (a->kvk == KV_BF16) attend_item_bf16(a, s, g0, g1, p);
-    else if (a->kvk == KV_F16) attend_item_f16(a, s, g0, g1, p);
-    else attend_item_f32(a, s, g0, g1, p);
+    for (int64_t g = g0; g < g1; g++) TK_KV_PICK(attend_one, a->kvk)(a, s, g, p);
 }
 
 #define ATT_SCRATCH_MAX (16 << 20) /* bytes a thread's scores may take before a sequence's heads are split */
