@@ -780,8 +780,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seqs: torch.Tensor, max_context_len: int, scale: float | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] float32; k_cache/v_cache [num_pages, block, Hkv, D] views with the same strides and dtype
-    (float32, float16 or bfloat16)
-    (K/V of this step already written); block_tables [S, max_blocks] int64 contiguous; seqs [4, S'] int64: per
+    (float32, float16 or bfloat16; K/V of this step already written); block_tables [S, max_blocks] int64 contiguous; seqs [4, S'] int64: per
     attended sequence its first query row, query count, context length and block-table row. A sequence's
     queries are the last q_len of its context positions and attend causally. Writes those rows of `out`
     (a new [T, Hq, D] tensor when None) and returns it. Call only when `available()` and `attention_fits`."""
