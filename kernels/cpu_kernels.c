@@ -2228,7 +2228,8 @@ static inline void axpy_f(float *y, float a, const float *x, int64_t D) {
 
 /* The caches' element kinds (a cache's dtype): float32, float16 or bfloat16 K/V, each widened to float32 as it
  * is read (exactly: both narrower kinds are float32 values), so every sum is the float32 path's over the stored
- * values. Offsets and strides count elements; `es` bytes an element */
+ * values. The kinds are the int4 scales' (skind), read by the same scale_at / w4_scale8. Offsets and strides
+ * count elements; `es` bytes an element */
 #define KV_F32 0
 #define KV_F16 1
 #define KV_BF16 2
@@ -2236,11 +2237,7 @@ static inline void axpy_f(float *y, float a, const float *x, int64_t D) {
 #define TK_INLINE static inline __attribute__((always_inline))
 static inline int64_t kv_es(int kvk) { return kvk == KV_F32 ? 4 : 2; }
 /* element i of a K/V row as float32 */
-TK_INLINE float kv_get(const char *p, int64_t i, int kvk) {
-    if (kvk == KV_F32) return ((const float *)p)[i];
-    if (kvk == KV_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
-    return f16_to_f32(((const uint16_t *)p)[i]);
-}
+TK_INLINE float kv_get(const char *p, int64_t i, int kvk) { return scale_at(p, kvk, i); }
 /* a row of D elements as float32: the row itself (float32) or widened into tmp */
 TK_INLINE const float *kv_row(const char *p, int64_t D, int kvk, float *tmp) {
     if (kvk == KV_F32) return (const float *)p;
@@ -2281,17 +2278,8 @@ int64_t tk_kv_kinds(void) {
 #endif
 }
 #if TK_AVX2
-/* eight elements of a K/V row as float32 */
-TK_INLINE __m256 kv_ld8(const char *p, int kvk) {
-    if (kvk == KV_F32) return _mm256_loadu_ps((const float *)p);
-    if (kvk == KV_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-#if defined(__F16C__)
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#else
-    return _mm256_setzero_ps(); /* (no float16 caches in this build: tk_kv_kinds) */
-#endif
-}
+/* eight elements of a K/V row as float32 (a build without F16C takes no float16 cache: tk_kv_kinds) */
+TK_INLINE __m256 kv_ld8(const char *p, int kvk) { return w4_scale8(p, kvk, 0); }
 #endif
 
 typedef struct {

@@ -751,7 +751,7 @@ def round_bf16_kernel(x: torch.Tensor) -> torch.Tensor:
 # ---- paged attention -----------------------------------------------------------------------------------------
 
 
-KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C attention's cache element kinds
+KV_KINDS = SCALE_KINDS  # the C attention's cache element kinds: the int4 scales' (cpu_kernels.c reads both alike)
 KV_NARROW_MAX_D = 512  # head sizes a float16 / bfloat16 cache takes (cpu_kernels.c's KV_NARROW_MAX_D)
 
 
