@@ -39,8 +39,6 @@ from kernels import cpu_kernels as ck  # noqa: E402
 from kernels import hugepages  # noqa: E402
 
 CACHE_BYTES = 12 << 20  # the in-cache set (a layer where it fits; this CPU's L3: 32 MiB, L2: 1 MiB a core)
-ROW_BYTES = {"f32": lambda k: 4 * k, "bf16": lambda k: 2 * k, "w8a8": lambda k: k + 4,
-             "int4": lambda k: k // 2 + k // 32}  # int4: float16 scales at group 64; 128 reads fewer
 
 
 def shapes(h: int, inter: int) -> list[tuple[int, int]]:
@@ -60,7 +58,7 @@ def measure(lib, quant: str, h: int, inter: int, layers: int, threads: int, grou
     g = torch.Generator().manual_seed(h * 7 + inter)
     with hugepages.arena():  # carved end to end from huge pages, as the C decoder's build places a model
         mem = [layer_calls(quant, k, n, threads, g, 1, group) for _ in range(layers) for k, n in shapes(h, inter)]
-    layer_bytes = sum(n * ROW_BYTES[quant](k) for k, n in shapes(h, inter))
+    layer_bytes = sum(c[1] for c in mem[:len(shapes(h, inter))])  # one layer's weights, as stored
     hot = [layer_calls(quant, k, cache_rows(k, n, layer_bytes), threads, g, 1, group) for k, n in shapes(h, inter)]
     mem_bytes, hot_bytes = sum(c[1] for c in mem), inner * sum(c[1] for c in hot)
     buf = hugepages.empty((mem_bytes // 4,), torch.float32)
